@@ -1,0 +1,1 @@
+"""The only package that knows Megatron-LM / megatron-core: flags, specs, install() hooks, version shims."""

@@ -1,0 +1,1 @@
+"""Pure planning core: recipes, cost model, schedules, simulator, planners. Imports no torch."""

@@ -1,0 +1,82 @@
+"""Hardware profiles: what one GPU, one node and the network can do.
+
+Profiles live in ``configs/hardware/<name>.yaml`` and cite the spec sheets they come from.
+Efficiencies are the fraction of peak a kernel class reaches; a calibration file of measured
+times (see ``plan/cost/calibration.py``) replaces them where a GPU has been measured.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megatron_slim.plan.paths import config_dir
+from megatron_slim.plan.schema import ConfigError, build, fail
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fraction of the datasheet rate per kernel class."""
+
+    gemm: float = 0.75
+    attention_forward: float = 0.65
+    attention_backward: float = 0.50
+    memory_bound: float = 0.80  # fraction of HBM bandwidth for norms, RoPE, SwiGLU, adds
+
+    def __post_init__(self) -> None:
+        for name in ("gemm", "attention_forward", "attention_backward", "memory_bound"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise fail(f"efficiency.{name}", value, "a fraction in (0, 1]")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    peak_bf16_flops: float
+    hbm_bytes: int
+    hbm_bandwidth: float
+    gpus_per_node: int
+    nics_per_node: int
+    nvlink_bandwidth: float  # bytes/s per GPU per direction
+    nvlink_latency: float  # seconds
+    nic_bandwidth: float  # bytes/s per NIC per direction
+    nic_latency: float  # seconds
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    usable_memory_fraction: float = 0.92  # CUDA context, NCCL buffers, allocator fragmentation
+
+    def __post_init__(self) -> None:
+        positive = (
+            "peak_bf16_flops", "hbm_bytes", "hbm_bandwidth", "gpus_per_node", "nics_per_node",
+            "nvlink_bandwidth", "nic_bandwidth",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise fail(name, getattr(self, name), "a positive number")
+        for name in ("nvlink_latency", "nic_latency"):
+            if getattr(self, name) < 0:
+                raise fail(name, getattr(self, name), "a non-negative number of seconds")
+        if not 0.0 < self.usable_memory_fraction <= 1.0:
+            raise fail("usable_memory_fraction", self.usable_memory_fraction, "a fraction in (0, 1]")
+
+    @property
+    def usable_hbm_bytes(self) -> int:
+        return int(self.hbm_bytes * self.usable_memory_fraction)
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in (config_dir() / "hardware").glob("*.yaml"))
+
+
+def load_hardware(name_or_path: str) -> HardwareProfile:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = config_dir() / "hardware" / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise ConfigError(
+            f"hardware: unknown profile {name_or_path!r} (allowed: {', '.join(available_profiles())} "
+            "or a path to a profile YAML)"
+        )
+    data = yaml.safe_load(path.read_text()) or {}
+    return build(HardwareProfile, data, "hardware")

@@ -1,0 +1,77 @@
+"""Lowering passes, each ``Schedule -> Schedule``.
+
+* ``add_communication``: a ``SEND_*`` right after each compute whose result another rank needs,
+  a ``RECV_*`` right before each compute that needs another rank's result. A RECV marks where the
+  rank waits; the runtime may post the receive earlier.
+* ``split_backward`` / ``merge_backward``: ``B`` <-> ``I`` followed by ``W``.
+"""
+from __future__ import annotations
+
+from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
+
+
+def add_communication(schedule: Schedule) -> Schedule:
+    if schedule.is_lowered:
+        raise ValueError("add_communication: schedule already has SEND/RECV actions")
+    last = schedule.num_stages - 1
+    rows = []
+    for rank, actions in enumerate(schedule.ranks):
+        row: list[Action] = []
+        for a in actions:
+            stage = schedule.stage(rank, a.chunk)
+            prev_remote = stage > 0 and schedule.placement(stage - 1)[0] != rank
+            next_remote = stage < last and schedule.placement(stage + 1)[0] != rank
+            if a.kind is Kind.F:
+                if prev_remote:
+                    row.append(a.with_kind(Kind.RECV_F))
+                row.append(a)
+                if next_remote:
+                    row.append(a.with_kind(Kind.SEND_F))
+            elif a.kind in (Kind.B, Kind.I):
+                if next_remote:
+                    row.append(a.with_kind(Kind.RECV_B))
+                row.append(a)
+                if prev_remote:
+                    row.append(a.with_kind(Kind.SEND_B))
+            else:
+                row.append(a)
+        rows.append(row)
+    return schedule.replace_ranks(rows)
+
+
+def strip_communication(schedule: Schedule) -> Schedule:
+    return schedule.replace_ranks([a for a in row if a.kind.is_compute] for row in schedule.ranks)
+
+
+def split_backward(schedule: Schedule) -> Schedule:
+    """Each ``B`` becomes ``I`` (input gradient, unblocks the previous stage) then ``W``."""
+    rows = []
+    for row in schedule.ranks:
+        out: list[Action] = []
+        for a in row:
+            if a.kind is Kind.B:
+                out += [a.with_kind(Kind.I), a.with_kind(Kind.W)]
+            else:
+                out.append(a)
+        rows.append(out)
+    return schedule.replace_ranks(rows)
+
+
+def merge_backward(schedule: Schedule) -> Schedule:
+    """An ``I`` whose ``W`` follows it directly (communication aside) becomes one ``B``."""
+    rows = []
+    for row in schedule.ranks:
+        out: list[Action] = []
+        pending: dict[tuple[int, int, int], int] = {}
+        for a in row:
+            if a.kind is Kind.I:
+                pending[a.unit] = len(out)
+                out.append(a)
+            elif a.kind is Kind.W and a.unit in pending and all(
+                not x.kind.is_compute for x in out[pending[a.unit] + 1:]
+            ):
+                out[pending.pop(a.unit)] = a.with_kind(Kind.B)
+            else:
+                out.append(a)
+        rows.append(out)
+    return schedule.replace_ranks(rows)

@@ -1,0 +1,185 @@
+"""Check a schedule before anything runs it: completeness, dependency order, deadlock freedom.
+
+Execution model (the runtime's): each rank runs its actions in order; a compute action waits for
+its dependencies (``deps.py``); ``SEND`` never blocks; ``RECV`` blocks until the matching ``SEND``
+has been issued. On failure, ``ScheduleError`` carries a rank x step grid with the offending
+actions marked.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from megatron_slim.plan.schedule.deps import Key, compute_dependencies, key
+from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
+
+_SEND_FOR_RECV = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
+
+
+class ScheduleError(ValueError):
+    def __init__(self, message: str, grid: str = "") -> None:
+        super().__init__(f"{message}\n{grid}" if grid else message)
+        self.grid = grid
+
+
+def format_grid(schedule: Schedule, marks: dict[int, int] | None = None, width: int = 12) -> str:
+    """Rows are ranks, columns are steps; ``marks`` maps rank -> step to flag with ``>…<``.
+
+    Long schedules show a window of ``width`` steps around the first mark.
+    """
+    marks = marks or {}
+    length = max((len(r) for r in schedule.ranks), default=0)
+    first = min(marks.values()) if marks else 0
+    lo = max(0, first - width // 2)
+    hi = min(length, lo + width)
+    cells = []
+    for rank, row in enumerate(schedule.ranks):
+        line = []
+        for step in range(lo, hi):
+            text = str(row[step]) if step < len(row) else ""
+            line.append(f">{text}<" if marks.get(rank) == step else text)
+        cells.append(line)
+    col = max([len(c) for line in cells for c in line] + [len(str(hi)), 4]) + 1
+    header = "step    " + "".join(f"{s:<{col}}" for s in range(lo, hi))
+    body = [f"rank {r:<3}" + "".join(f"{c:<{col}}" for c in line) for r, line in enumerate(cells)]
+    more = f"  (steps {lo}..{hi - 1} of {length})" if (lo, hi) != (0, length) else ""
+    return "\n".join([header + more, *body])
+
+
+def _expected_units(schedule: Schedule) -> Counter:
+    expected: Counter = Counter()
+    split = schedule.has_split_backward
+    backward_kinds = (Kind.I, Kind.W) if split else (Kind.B,)
+    for rank in range(schedule.pp):
+        for chunk in range(schedule.vpp):
+            for mb in range(schedule.num_microbatches):
+                for j in range(schedule.num_slices):
+                    for kind in (Kind.F, *backward_kinds):
+                        expected[(rank, Action(kind, chunk, mb, j))] += 1
+    return expected
+
+
+def _check_complete(schedule: Schedule) -> None:
+    expected = _expected_units(schedule)
+    seen: Counter = Counter()
+    for rank, row in enumerate(schedule.ranks):
+        for step, a in enumerate(row):
+            if a.chunk >= schedule.vpp or a.microbatch >= schedule.num_microbatches or a.slice >= schedule.num_slices:
+                raise ScheduleError(
+                    f"rank {rank} step {step}: {a} is outside the schedule (chunk < {schedule.vpp}, "
+                    f"microbatch < {schedule.num_microbatches}, slice < {schedule.num_slices})",
+                    format_grid(schedule, {rank: step}))
+            if a.kind.is_compute:
+                seen[(rank, a)] += 1
+                if seen[(rank, a)] > 1:
+                    raise ScheduleError(f"rank {rank} step {step}: {a} appears twice",
+                                        format_grid(schedule, {rank: step}))
+                if (rank, a) not in expected:
+                    raise ScheduleError(f"rank {rank} step {step}: unexpected action {a} "
+                                        "(mixing B with I/W?)", format_grid(schedule, {rank: step}))
+    missing = sorted((expected - seen).keys(), key=lambda x: (x[0], x[1]))
+    if missing:
+        rank, a = missing[0]
+        raise ScheduleError(f"{len(missing)} compute action(s) missing, first: {a} on rank {rank}",
+                            format_grid(schedule))
+    if schedule.is_lowered:
+        _check_communication_pairs(schedule)
+
+
+def _comm_key(schedule: Schedule, rank: int, a: Action) -> tuple:
+    stage = schedule.stage(rank, a.chunk)
+    if a.kind is Kind.SEND_F:
+        return ("F", stage + 1, a.microbatch, a.slice)
+    if a.kind is Kind.RECV_F:
+        return ("F", stage, a.microbatch, a.slice)
+    if a.kind is Kind.SEND_B:
+        return ("B", stage - 1, a.microbatch, a.slice)
+    return ("B", stage, a.microbatch, a.slice)
+
+
+def _check_communication_pairs(schedule: Schedule) -> None:
+    sends: Counter = Counter()
+    recvs: Counter = Counter()
+    where = {}
+    for rank, row in enumerate(schedule.ranks):
+        for step, a in enumerate(row):
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                k = _comm_key(schedule, rank, a)
+                if not 0 <= k[1] < schedule.num_stages:
+                    raise ScheduleError(f"rank {rank} step {step}: {a} has no peer stage",
+                                        format_grid(schedule, {rank: step}))
+                sends[k] += 1
+                where[("s",) + k] = (rank, step)
+            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+                k = _comm_key(schedule, rank, a)
+                recvs[k] += 1
+                where[("r",) + k] = (rank, step)
+    for k in (sends - recvs):
+        rank, step = where[("s",) + k]
+        raise ScheduleError(f"rank {rank} step {step}: {schedule.ranks[rank][step]} has no matching RECV",
+                            format_grid(schedule, {rank: step}))
+    for k in (recvs - sends):
+        rank, step = where[("r",) + k]
+        raise ScheduleError(f"rank {rank} step {step}: {schedule.ranks[rank][step]} has no matching SEND",
+                            format_grid(schedule, {rank: step}))
+
+
+def _runnable(schedule: Schedule, rank: int, a: Action, done: set) -> list[str]:
+    """Unmet requirements of ``a`` on ``rank`` given ``done``; empty when it may run."""
+    unmet: list[str] = []
+    stage = schedule.stage(rank, a.chunk)
+    if a.kind.is_compute:
+        for dep in compute_dependencies(schedule, rank, a):
+            dep_kind, dep_stage = dep[0], dep[1]
+            remote = schedule.placement(dep_stage)[0] != rank
+            if remote and schedule.is_lowered:
+                recv_kind = Kind.RECV_F if dep_kind is Kind.F else Kind.RECV_B
+                need = ("comm", rank, recv_kind, stage, a.microbatch, a.slice)
+                if need not in done:
+                    unmet.append(f"{a.with_kind(recv_kind)} on rank {rank}")
+            elif dep not in done:
+                dep_rank, dep_chunk = schedule.placement(dep_stage)
+                unmet.append(f"{Action(dep_kind, dep_chunk, dep[2], dep[3])} on rank {dep_rank}")
+        return unmet
+    if a.kind in (Kind.SEND_F, Kind.SEND_B):
+        produced = (Kind.F if a.kind is Kind.SEND_F else Kind.B, stage, a.microbatch, a.slice)
+        if produced not in done:
+            unmet.append(f"{a.with_kind(produced[0])} on rank {rank} (what it sends)")
+        return unmet
+    peer_stage = stage - 1 if a.kind is Kind.RECV_F else stage + 1
+    peer_rank, peer_chunk = schedule.placement(peer_stage)
+    send = Action(_SEND_FOR_RECV[a.kind], peer_chunk, a.microbatch, a.slice)
+    if ("comm", peer_rank, send.kind, peer_stage, a.microbatch, a.slice) not in done:
+        unmet.append(f"{send} on rank {peer_rank}")
+    return unmet
+
+
+def _done_keys(schedule: Schedule, rank: int, a: Action) -> list:
+    if a.kind.is_compute:
+        k = key(schedule, rank, a)
+        return [(Kind.W,) + k[1:]] if a.kind is Kind.W else [k]
+    return [("comm", rank, a.kind, schedule.stage(rank, a.chunk), a.microbatch, a.slice)]
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Return ``schedule`` unchanged if it is complete and runs to the end; raise otherwise."""
+    _check_complete(schedule)
+    done: set = set()
+    pos = [0] * schedule.pp
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, row in enumerate(schedule.ranks):
+            while pos[rank] < len(row) and not _runnable(schedule, rank, row[pos[rank]], done):
+                done.update(_done_keys(schedule, rank, row[pos[rank]]))
+                pos[rank] += 1
+                progressed = True
+    stuck = {r: pos[r] for r in range(schedule.pp) if pos[r] < len(schedule.ranks[r])}
+    if stuck:
+        reasons = []
+        for r, step in stuck.items():
+            a = schedule.ranks[r][step]
+            reasons.append(f"  rank {r} step {step} {a} waits for: "
+                           + "; ".join(_runnable(schedule, r, a, done)))
+        raise ScheduleError("schedule deadlocks or breaks a dependency:\n" + "\n".join(reasons),
+                            format_grid(schedule, stuck))
+    return schedule

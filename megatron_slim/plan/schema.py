@@ -1,0 +1,209 @@
+"""Build frozen dataclasses from plain dicts, naming the bad field, value and allowed values.
+
+Recipes (YAML) and ``--set key=value`` overrides both go through here, so every user-caused
+config error has the same shape: ``<dotted.field>: <problem> (got <value>; allowed: ...)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Mapping, get_args, get_origin, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A recipe, override or argument names a field, value or combination that is not allowed."""
+
+
+def fail(field: str, value: Any, allowed: str, problem: str = "invalid value") -> ConfigError:
+    return ConfigError(f"{field}: {problem} (got {value!r}; allowed: {allowed})")
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if origin is tuple:
+        return f"list of {_describe(get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return f"mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(tp: Any, value: Any, field: str) -> Any:
+    """Check ``value`` against annotation ``tp``; convert where YAML/CLI spelling differs."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        raise fail(field, value, _describe(tp))
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in get_args(tp):
+            return None
+        errors = []
+        for option in get_args(tp):
+            if option is type(None):
+                continue
+            try:
+                return coerce(option, value, field)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise fail(field, value, _describe(tp))
+    if origin is tuple:
+        (item_tp, *_rest) = get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise fail(field, value, _describe(tp))
+        return tuple(coerce(item_tp, v, f"{field}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise fail(field, value, _describe(tp))
+        return build(tp, value, field)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise fail(field, value, "true | false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise fail(field, value, "an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""), 0)
+            except ValueError:
+                pass
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise fail(field, value, "an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise fail(field, value, "a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise fail(field, value, "a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise fail(field, value, "a string")
+    if tp is Any:
+        return value
+    raise TypeError(f"{field}: unsupported annotation {tp!r}")
+
+
+def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """Instantiate dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(
+            f"{where}: unknown key (allowed keys{' in ' + prefix if prefix else ''}: "
+            f"{', '.join(fields)})"
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        dotted = f"{prefix}.{name}" if prefix else name
+        if name in data:
+            kwargs[name] = coerce(hints[name], data[name], dotted)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{dotted}: required key is missing (expected {_describe(hints[name])})")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        if prefix and not str(exc).startswith(prefix):
+            raise ConfigError(f"{prefix}.{exc}") from None
+        raise
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain-data view of a (nested) dataclass, tuples as lists: the inverse of ``build``."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, tuple):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], str]:
+    """``"parallel.pp=8"`` -> (["parallel", "pp"], "8")."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE with a dotted key, e.g. parallel.pp=8")
+    key, value = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"--set {text!r}: empty key")
+    return path, value.strip()
+
+
+def apply_overrides(data: dict, overrides: list[str], root_cls: type) -> dict:
+    """Apply ``a.b=value`` overrides to nested plain data, checking each key exists in the schema."""
+    data = _deepcopy(data)
+    for text in overrides:
+        path, raw = parse_override(text)
+        cls: Any = root_cls
+        node = data
+        for depth, part in enumerate(path):
+            dotted = ".".join(path[: depth + 1])
+            hints = get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+            if part not in hints:
+                allowed = ", ".join(hints) if hints else "(no sub-keys)"
+                raise ConfigError(f"--set {dotted}: unknown key (allowed: {allowed})")
+            field_tp = hints[part]
+            last = depth == len(path) - 1
+            if last:
+                node[part] = _parse_scalar(raw)
+            else:
+                field_tp = _strip_optional(field_tp)
+                if not dataclasses.is_dataclass(field_tp):
+                    raise ConfigError(f"--set {dotted}: is a value, not a section")
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"--set {dotted}: is a value, not a section")
+                cls = field_tp
+    return data
+
+
+def _strip_optional(tp: Any) -> Any:
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _parse_scalar(raw: str) -> Any:
+    """CLI values arrive as text; YAML's scalar rules give ints, floats, bools and null."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    return raw if isinstance(value, (dict, list)) and "," not in raw else value
+
+
+def _deepcopy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deepcopy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deepcopy(v) for v in data]
+    return data

@@ -1,0 +1,1 @@
+"""Torch runtime: schedule interpreter, attention kernels, CP engine, data path."""
