@@ -1,0 +1,58 @@
+"""``megatron-slim``: plan, simulate and run long-context training.
+
+Subcommands parse here and run in ``megatron_slim/commands/``. A bad recipe, override or flag
+fails before any work with a message naming the field, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_slim.plan.schema import ConfigError
+
+
+def _add_recipe_args(p: argparse.ArgumentParser, required: bool = True, default: str | None = None) -> None:
+    p.add_argument("--recipe", required=required, default=default,
+                   help="recipe name in configs/ (e.g. llama2-70b-512k) or a path to a recipe YAML"
+                        + (f" (default: {default})" if default else ""))
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="override recipe keys, e.g. --set parallel.pp=8 schedule.num_slices=16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-slim", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sim = sub.add_parser("simulate", help="simulate a recipe's pipeline schedule: time, bubble, MFU, memory",
+                         description="Simulate one iteration of a recipe under the cost model.")
+    _add_recipe_args(sim)
+    sim.add_argument("--compare", metavar="KINDS",
+                     help="comma-separated schedules to simulate side by side, e.g. 1f1b,interleaved,slimpipe")
+    sim.add_argument("--json", metavar="PATH", help="write results as JSON to PATH ('-' for stdout)")
+    sim.add_argument("--trace", metavar="PATH", help="write a Chrome trace (open in ui.perfetto.dev)")
+    sim.add_argument("--plot", metavar="PATH", help="write a PNG of timelines and memory")
+    sim.add_argument("--calibration", metavar="FILE",
+                     help="measured kernel rates replacing the hardware profile's efficiencies "
+                          "(format: docs/calibration.md)")
+    sim.set_defaults(run="megatron_slim.commands.simulate")
+
+    recipes = sub.add_parser("recipes", help="list shipped recipes and hardware profiles")
+    recipes.set_defaults(run="megatron_slim.commands.recipes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    import importlib
+
+    command = importlib.import_module(args.run)
+    try:
+        return int(command.main(args) or 0)
+    except ConfigError as exc:
+        print(f"megatron-slim {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Implementations of the ``megatron-slim`` subcommands (``cli.py`` only parses and dispatches)."""

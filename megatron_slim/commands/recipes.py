@@ -1,0 +1,20 @@
+"""``megatron-slim recipes``: what ships in configs/."""
+from __future__ import annotations
+
+from megatron_slim.plan.hardware import available_profiles, load_hardware
+from megatron_slim.plan.recipe import available_recipes, load_recipe
+
+
+def main(args) -> int:
+    print("recipes:")
+    for name in available_recipes():
+        r = load_recipe(name)
+        p = r.parallel
+        print(f"  {name:<20} {r.model.name:<14} seq {r.model.seq_length:>7}  {r.schedule.kind:<11} "
+              f"tp{p.tp} pp{p.pp} vpp{p.vpp} cp{p.cp} dp{p.dp} on {r.hardware}  {r.description}")
+    print("hardware profiles:")
+    for name in available_profiles():
+        hw = load_hardware(name)
+        print(f"  {name:<6} {hw.peak_bf16_flops / 1e12:7.1f} TFLOP/s bf16, {hw.hbm_bytes / 2**30:.0f} GiB, "
+              f"{hw.gpus_per_node} GPUs and {hw.nics_per_node} NICs per node")
+    return 0

@@ -1,0 +1,91 @@
+"""``megatron-slim simulate``: simulate a recipe's pipeline schedule(s) before spending cluster time."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+from megatron_slim.plan.cost.calibration import load_calibration
+from megatron_slim.plan.cost.model import CostModel
+from megatron_slim.plan.recipe import Recipe, load_recipe
+from megatron_slim.plan.schedule.generators import generate
+from megatron_slim.plan.sim.costs import RecipeCosts
+from megatron_slim.plan.sim.engine import SimResult, simulate
+from megatron_slim.plan.variants import schedule_variant
+
+_GIB = 2 ** 30
+
+
+@dataclass
+class Simulated:
+    recipe: Recipe
+    costs: RecipeCosts
+    result: SimResult
+
+    @property
+    def label(self) -> str:
+        s, p = self.recipe.schedule, self.recipe.parallel
+        extra = f" v{p.vpp}" if p.vpp > 1 else ""
+        return f"{s.kind}{extra}" + (f" n{s.num_slices} {s.slice_policy}" if s.kind == "slimpipe" else "")
+
+    def to_json(self) -> dict:
+        out = {"recipe": self.recipe.name, "hardware": self.recipe.hardware, "label": self.label}
+        out.update(self.result.to_json())
+        out["slice_policy"] = self.recipe.schedule.slice_policy
+        out["slice_lengths"] = list(self.costs.lengths)
+        return out
+
+
+def run_one(recipe: Recipe, calibration_path: str | None = None) -> Simulated:
+    calibration = load_calibration(calibration_path) if calibration_path else None
+    costs = RecipeCosts(recipe, CostModel(recipe, calibration=calibration))
+    p = recipe.parallel
+    schedule = generate(recipe.schedule.kind, p.pp, p.vpp, recipe.num_microbatches, recipe.schedule.num_slices)
+    return Simulated(recipe, costs, simulate(schedule, costs))
+
+
+def table(runs: list[Simulated]) -> str:
+    header = ("schedule", "iter s", "bubble", "MFU", "peak GiB", "act GiB", "K/V GiB", "static GiB", "fits")
+    rows = []
+    for run in runs:
+        res = run.result
+        worst = max(res.ranks, key=lambda r: r.peak_memory_bytes)
+        rows.append((run.label, f"{res.iteration_time_s:.3f}", f"{100 * res.bubble_ratio:.1f}%",
+                     f"{100 * res.mfu:.1f}%", f"{worst.peak_memory_bytes / _GIB:.1f} (r{worst.rank})",
+                     f"{worst.peak_activation_bytes / _GIB:.1f}", f"{worst.peak_kv_bytes / _GIB:.2f}",
+                     f"{worst.static_bytes / _GIB:.1f}",
+                     "yes" if worst.peak_memory_bytes <= res.hbm_bytes else "NO (OOM)"))
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths)), *(fmt.format(*r) for r in rows)])
+
+
+def main(args) -> int:
+    recipe = load_recipe(args.recipe, args.set)
+    kinds = [k for k in (args.compare or "").split(",") if k.strip()]
+    variants = [schedule_variant(recipe, k) for k in kinds] if kinds else [recipe]
+    runs = [run_one(v, args.calibration) for v in variants]
+    payload = runs[0].to_json() if not kinds else {
+        "recipe": recipe.name, "hardware": recipe.hardware, "results": [r.to_json() for r in runs]}
+    to_stdout = args.json == "-"
+    if args.json:
+        text = json.dumps(payload, indent=2)
+        if to_stdout:
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    out = sys.stderr if to_stdout else sys.stdout
+    print(f"recipe {recipe.name} on {recipe.hardware}: {recipe.parallel.world_size} GPUs "
+          f"(tp{recipe.parallel.tp} pp{recipe.parallel.pp} cp{recipe.parallel.cp} dp{recipe.parallel.dp}), "
+          f"{recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens", file=out)
+    print(table(runs), file=out)
+    if args.trace:
+        from megatron_slim.plan.sim.trace import write_chrome_trace_many
+        write_chrome_trace_many([(r.label, r.result) for r in runs], args.trace)
+        print(f"wrote trace {args.trace} (open in https://ui.perfetto.dev)", file=out)
+    if args.plot:
+        from megatron_slim.plan.sim.plot import plot_results
+        plot_results([(r.label, r.result) for r in runs], args.plot)
+        print(f"wrote plot {args.plot}", file=out)
+    return 0

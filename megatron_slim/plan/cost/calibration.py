@@ -1,0 +1,83 @@
+"""Measured kernel rates that replace a hardware profile's efficiency factors.
+
+File format (YAML or JSON), written by ``scripts/calibrate_gpu.py`` on a GPU::
+
+    hardware: h100                 # the profile the numbers were measured on
+    source: "scripts/calibrate_gpu.py, 1x H100 SXM, torch 2.11, 2026-11-21"
+    measurements:
+      - {op: gemm, work: 6.9e10, seconds: 1.1e-4}            # work = FLOPs
+      - {op: attention_forward, work: 2.2e12, seconds: 4.9e-3}
+      - {op: attention_backward, work: 5.5e12, seconds: 1.6e-2}
+      - {op: memory_bound, work: 4.0e9, seconds: 1.6e-3}     # work = bytes read + written
+
+``op`` is one of ``gemm``, ``attention_forward``, ``attention_backward`` (FLOPs as the cost model
+counts them: 4·pairs·head_dim·heads forward, 2.5x that backward) or ``memory_bound`` (bytes).
+For a kernel of a given size the achieved rate is interpolated linearly in log(work) between the
+measurements of its class and held constant beyond the smallest and largest; a class without
+measurements keeps the profile's efficiency.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+
+from megatron_slim.plan.schema import ConfigError, build, fail
+
+OpClass = Literal["gemm", "attention_forward", "attention_backward", "memory_bound"]
+OP_CLASSES = ("gemm", "attention_forward", "attention_backward", "memory_bound")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    op: OpClass
+    work: float
+    seconds: float
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.work <= 0:
+            raise fail("measurements[].work", self.work, "a positive number of FLOPs or bytes")
+        if self.seconds <= 0:
+            raise fail("measurements[].seconds", self.seconds, "a positive number of seconds")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    hardware: str
+    measurements: tuple[Measurement, ...]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.measurements:
+            raise fail("measurements", [], "at least one measurement")
+
+    def rate(self, op: str, work: float) -> Optional[float]:
+        """Achieved work per second for a kernel of ``work``; None if ``op`` was not measured."""
+        points = sorted((m.work, m.work / m.seconds) for m in self.measurements if m.op == op)
+        if not points:
+            return None
+        if work <= points[0][0]:
+            return points[0][1]
+        if work >= points[-1][0]:
+            return points[-1][1]
+        i = bisect.bisect_left([w for w, _ in points], work)
+        (w0, r0), (w1, r1) = points[i - 1], points[i]
+        t = (math.log(work) - math.log(w0)) / (math.log(w1) - math.log(w0))
+        return r0 + t * (r1 - r0)
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--calibration: file {str(path)!r} does not exist")
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"--calibration {path}: expected a mapping with hardware, source, measurements")
+    return build(Calibration, data, "calibration")

@@ -1,0 +1,148 @@
+"""Per-GPU work and memory of one Llama-style decoder layer and of the embedding/output layers.
+
+Everything is per GPU: tensor parallelism (``tp``) shards heads and the MLP, sequence parallelism
+shards norm/residual activations over ``tp`` as well, and context parallelism (``cp``) shards the
+tokens (zigzag, so causal attention work is balanced across CP ranks).
+
+Attention cost depends on the prefix: a slice of ``s`` tokens whose first token sits at position
+``P`` under a causal mask scores ``s * P + s * (s + 1) / 2`` query-key pairs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_slim.plan.recipe import ModelConfig, ParallelConfig
+
+FP32_BYTES = 4
+
+
+def causal_pairs(tokens: float, prefix: float) -> float:
+    """Query-key pairs a slice of ``tokens`` starting at position ``prefix`` scores causally."""
+    return tokens * prefix + tokens * (tokens + 1) / 2
+
+
+@dataclass(frozen=True)
+class OpWork:
+    """Work of one pass split by kernel class: FLOPs on tensor cores, bytes through HBM."""
+
+    gemm_flops: float = 0.0
+    attention_flops: float = 0.0
+    memory_bytes: float = 0.0
+
+    def __add__(self, other: "OpWork") -> "OpWork":
+        return OpWork(self.gemm_flops + other.gemm_flops, self.attention_flops + other.attention_flops,
+                      self.memory_bytes + other.memory_bytes)
+
+    def scale(self, factor: float) -> "OpWork":
+        return OpWork(self.gemm_flops * factor, self.attention_flops * factor, self.memory_bytes * factor)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the formulas need, per GPU."""
+
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int
+    tp: int
+    cp: int
+    sequence_parallel: bool
+    micro_batch: int
+    element_bytes: int  # activations and weights (2 for bf16, 4 for fp32)
+
+    @classmethod
+    def from_configs(cls, model: ModelConfig, parallel: ParallelConfig, micro_batch: int,
+                     element_bytes: int) -> "LayerShape":
+        return cls(model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
+                   model.num_query_groups, model.head_dim, model.vocab_size, parallel.tp, parallel.cp,
+                   parallel.sequence_parallel, micro_batch, element_bytes)
+
+    @property
+    def sp(self) -> int:
+        """Shard factor of activations outside the TP regions (norms, residual stream)."""
+        return self.tp if self.sequence_parallel else 1
+
+    @property
+    def kv_width(self) -> int:
+        return self.groups * self.head_dim
+
+    # ---- parameters -------------------------------------------------------------------------
+    def layer_params(self) -> float:
+        """Parameters of one decoder layer on one TP rank (norm weights are replicated)."""
+        h, f, kv = self.hidden, self.ffn, self.kv_width
+        return (h * (h + 2 * kv) + h * h + 3 * h * f) / self.tp + 2 * h
+
+    def embedding_params(self) -> float:
+        return self.vocab * self.hidden / self.tp
+
+    def output_params(self) -> float:
+        return self.vocab * self.hidden / self.tp + self.hidden  # output layer + final norm
+
+    # ---- forward work -----------------------------------------------------------------------
+    def _local(self, tokens: float) -> float:
+        return tokens * self.micro_batch / self.cp
+
+    def forward_work(self, tokens: float, prefix: float) -> OpWork:
+        h, f, kv, tp, e = self.hidden, self.ffn, self.kv_width, self.tp, self.element_bytes
+        n = self._local(tokens)
+        gemm = 2 * n * (h * (h + 2 * kv) + h * h + 3 * h * f) / tp
+        # QK^T and PV, each 2 FLOPs per pair per head dim, over this GPU's heads and CP share.
+        attention = 4 * self.micro_batch * (self.heads / tp) * self.head_dim * causal_pairs(tokens, prefix) / self.cp
+        # norms (read+write), residual adds (2 reads + write), RoPE on q and k, SwiGLU (3 tensors).
+        memory = n * e * (2 * 2 * h / self.sp + 2 * 3 * h / self.sp + 2 * (h + kv) / tp + 3 * f / tp)
+        return OpWork(gemm, attention, memory)
+
+    def backward_work(self, tokens: float, prefix: float) -> OpWork:
+        """Backward: GEMMs twice the forward (input and weight grads); flash attention's backward
+        recomputes the scores, five matmuls against the forward's two; elementwise ops twice."""
+        fwd = self.forward_work(tokens, prefix)
+        return OpWork(2 * fwd.gemm_flops, 2.5 * fwd.attention_flops, 2 * fwd.memory_bytes)
+
+    def weight_grad_fraction(self) -> float:
+        """Share of backward GEMM FLOPs that is weight gradient (the ``W`` of a split backward)."""
+        return 0.5
+
+    def output_forward_work(self, tokens: float) -> OpWork:
+        n = self._local(tokens)
+        v = self.vocab / self.tp
+        return OpWork(2 * n * self.hidden * v, 0.0, n * v * FP32_BYTES * 3 + n * self.hidden * self.element_bytes * 2)
+
+    def embedding_forward_work(self, tokens: float) -> OpWork:
+        n = self._local(tokens)
+        return OpWork(0.0, 0.0, 2 * n * self.hidden * self.element_bytes / self.sp)
+
+    # ---- saved activations ------------------------------------------------------------------
+    def activation_bytes(self, tokens: float, recompute: str = "none") -> float:
+        """Bytes one layer saves for backward, excluding K and V (counted as K/V cache)."""
+        h, f, tp, e = self.hidden, self.ffn, self.tp, self.element_bytes
+        n = self._local(tokens)
+        if recompute == "full":
+            return n * h * e / self.sp  # only the layer input
+        lse = n * (self.heads / tp) * FP32_BYTES
+        # norm inputs and outputs (x2 norms), q and attention output, SwiGLU input (2f) and output (f)
+        return n * e * (4 * h / self.sp + 2 * h / tp + 3 * f / tp) + lse
+
+    def kv_bytes(self, tokens: float, recompute: str = "none") -> float:
+        """K and V of ``tokens`` for one layer: the cache later slices attend to."""
+        return 2 * self._local(tokens) * self.kv_width / self.tp * self.element_bytes
+
+    def kv_grad_bytes(self, tokens: float) -> float:
+        """dK/dV accumulation buffer for ``tokens`` of one layer (fp32 for exact accumulation)."""
+        return 2 * self._local(tokens) * self.kv_width / self.tp * FP32_BYTES
+
+    def output_activation_bytes(self, tokens: float) -> float:
+        """Final norm and output layer inputs plus the fp32 softmax the cross entropy keeps."""
+        n = self._local(tokens)
+        return n * self.hidden * self.element_bytes * 2 / self.sp + n * self.vocab / self.tp * FP32_BYTES
+
+    def p2p_bytes(self, tokens: float) -> float:
+        """Hidden states one GPU sends to the next pipeline stage for a slice of ``tokens``."""
+        return self._local(tokens) * self.hidden * self.element_bytes / self.sp
+
+    def tp_collective_bytes(self, tokens: float) -> float:
+        """Bytes each TP collective of a layer moves per GPU (4 per layer per pass with SP:
+        2 all-gathers + 2 reduce-scatters; equivalently 2 all-reduces without SP)."""
+        return self._local(tokens) * self.hidden * self.element_bytes

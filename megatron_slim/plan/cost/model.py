@@ -1,0 +1,222 @@
+"""The cost model: time and memory of every schedule action of a recipe on a hardware profile.
+
+Pipeline stage ``s`` (of ``pp * vpp``) holds ``num_layers / (pp * vpp)`` decoder layers; stage 0
+also holds the embedding, the last stage the final norm, output layer and loss. A slice of
+``tokens`` tokens starting at ``prefix`` is what every per-action query takes.
+
+GPU placement follows Megatron's rank order (tp fastest, then cp, dp, pp): two GPUs share a node
+when their global indices agree after integer division by ``gpus_per_node``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_slim.plan.cost.calibration import Calibration
+from megatron_slim.plan.cost.layer import FP32_BYTES, LayerShape, OpWork
+from megatron_slim.plan.hardware import HardwareProfile
+from megatron_slim.plan.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s
+    latency: float  # s
+    intra_node: bool
+
+    def transfer_time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+class CostModel:
+    def __init__(self, recipe: Recipe, hardware: Optional[HardwareProfile] = None,
+                 calibration: Optional[Calibration] = None) -> None:
+        self.recipe = recipe
+        self.hw = hardware or recipe.hardware_profile
+        self.calibration = calibration
+        p = recipe.parallel
+        self.element_bytes = 2 if recipe.train.precision == "bf16" else 4
+        self.shape = LayerShape.from_configs(recipe.model, p, recipe.train.micro_batch_size, self.element_bytes)
+        self.num_stages = p.pp * p.vpp
+        self.layers_per_stage = recipe.model.num_layers // self.num_stages
+        self.recompute = recipe.train.recompute
+
+    # ---- kernel time --------------------------------------------------------------------------
+    def _rate(self, op: str, work: float) -> float:
+        if self.calibration is not None:
+            measured = self.calibration.rate(op, work)
+            if measured is not None:
+                return measured
+        eff = self.hw.efficiency
+        if op == "memory_bound":
+            return self.hw.hbm_bandwidth * eff.memory_bound
+        factor = {"gemm": eff.gemm, "attention_forward": eff.attention_forward,
+                  "attention_backward": eff.attention_backward}[op]
+        return self.hw.peak_bf16_flops * factor
+
+    def kernel_time(self, work: OpWork, backward: bool) -> float:
+        attn_op = "attention_backward" if backward else "attention_forward"
+        t = 0.0
+        if work.gemm_flops:
+            t += work.gemm_flops / self._rate("gemm", work.gemm_flops)
+        if work.attention_flops:
+            t += work.attention_flops / self._rate(attn_op, work.attention_flops)
+        if work.memory_bytes:
+            t += work.memory_bytes / self._rate("memory_bound", work.memory_bytes)
+        return t
+
+    # ---- placement and links -----------------------------------------------------------------
+    def gpu_index(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        p = self.recipe.parallel
+        return tp + p.tp * (cp + p.cp * (dp + p.dp * pp))
+
+    def node_of(self, gpu: int) -> int:
+        return gpu // self.hw.gpus_per_node
+
+    def link(self, gpu_a: int, gpu_b: int) -> Link:
+        if self.node_of(gpu_a) == self.node_of(gpu_b):
+            return Link(self.hw.nvlink_bandwidth, self.hw.nvlink_latency, True)
+        # When every GPU of a node sends at once, each gets its share of the node's NICs.
+        share = min(1.0, self.hw.nics_per_node / self.hw.gpus_per_node)
+        return Link(self.hw.nic_bandwidth * share, self.hw.nic_latency, False)
+
+    def pp_link(self, src_rank: int, dst_rank: int) -> Link:
+        return self.link(self.gpu_index(pp=src_rank), self.gpu_index(pp=dst_rank))
+
+    def _group_link(self, size: int, stride: int) -> Link:
+        """The slowest link of a ring over ``size`` GPUs ``stride`` apart."""
+        if size <= 1:
+            return Link(float("inf"), 0.0, True)
+        return self.link(0, stride * (size - 1))
+
+    # ---- per-action time ----------------------------------------------------------------------
+    def _layer_comm_time(self, tokens: float, prefix: float, backward: bool) -> tuple[float, float]:
+        """(TP collective time, CP K/V ring time) of one layer pass."""
+        p = self.recipe.parallel
+        tp_time = 0.0
+        if p.tp > 1:
+            link = self._group_link(p.tp, 1)
+            per = self.shape.tp_collective_bytes(tokens) * (p.tp - 1) / p.tp
+            tp_time = 4 * (per / link.bandwidth + (p.tp - 1) * link.latency)
+        cp_time = 0.0
+        if p.cp > 1:
+            link = self._group_link(p.cp, p.tp)
+            # Each ring step passes this rank's K/V on (and dK/dV back in backward); the prefix
+            # K/V of earlier slices travels too.
+            kv = self.shape.kv_bytes(tokens + prefix)
+            cp_time = (p.cp - 1) * (kv * (2 if backward else 1) / link.bandwidth + link.latency)
+        return tp_time, cp_time
+
+    def _layers_time(self, tokens: float, prefix: float, backward: bool) -> float:
+        s = self.shape
+        work = s.backward_work(tokens, prefix) if backward else s.forward_work(tokens, prefix)
+        attn = OpWork(0.0, work.attention_flops, 0.0)
+        rest = OpWork(work.gemm_flops, 0.0, work.memory_bytes)
+        tp_time, cp_time = self._layer_comm_time(tokens, prefix, backward)
+        # CP's ring traffic overlaps attention compute; TP collectives sit on the critical path.
+        per_layer = self.kernel_time(rest, backward) + max(self.kernel_time(attn, backward), cp_time) + tp_time
+        return per_layer * self.layers_per_stage
+
+    def forward_time(self, stage: int, tokens: float, prefix: float) -> float:
+        t = self._layers_time(tokens, prefix, backward=False)
+        if stage == 0:
+            t += self.kernel_time(self.shape.embedding_forward_work(tokens), False)
+        if stage == self.num_stages - 1:
+            t += self.kernel_time(self.shape.output_forward_work(tokens), False)
+        return t
+
+    def backward_time(self, stage: int, tokens: float, prefix: float) -> float:
+        t = self._layers_time(tokens, prefix, backward=True)
+        if stage == 0:
+            t += 2 * self.kernel_time(self.shape.embedding_forward_work(tokens), False)
+        if stage == self.num_stages - 1:
+            t += 2 * self.kernel_time(self.shape.output_forward_work(tokens), False)
+        if self.recompute == "full":
+            t += self._layers_time(tokens, prefix, backward=False)
+        return t
+
+    def weight_grad_time(self, stage: int, tokens: float, prefix: float) -> float:
+        """The ``W`` part of a split backward: weight-gradient GEMMs only."""
+        s = self.shape
+        gemm = s.backward_work(tokens, prefix).gemm_flops * s.weight_grad_fraction()
+        return self.kernel_time(OpWork(gemm, 0.0, 0.0), True) * self.layers_per_stage
+
+    # ---- memory -------------------------------------------------------------------------------
+    def activation_bytes(self, stage: int, tokens: float) -> float:
+        b = self.shape.activation_bytes(tokens, self.recompute) * self.layers_per_stage
+        if stage == self.num_stages - 1:
+            b += self.shape.output_activation_bytes(tokens)
+        return b
+
+    def kv_bytes(self, stage: int, tokens: float) -> float:
+        """K/V this slice leaves in the cache (none under full recompute: it is rebuilt)."""
+        if self.recompute == "full":
+            return 0.0
+        return self.shape.kv_bytes(tokens) * self.layers_per_stage
+
+    def kv_grad_bytes(self, stage: int, tokens: float) -> float:
+        return self.shape.kv_grad_bytes(tokens) * self.layers_per_stage
+
+    def rank_params(self, rank: int) -> float:
+        p = self.recipe.parallel
+        params = self.shape.layer_params() * self.layers_per_stage * p.vpp
+        if rank == 0:
+            params += self.shape.embedding_params()
+        if rank == p.pp - 1:
+            params += self.shape.output_params()
+        return params
+
+    def static_bytes(self, rank: int) -> float:
+        """Weights, gradients and Adam state on one GPU of pipeline rank ``rank``.
+
+        bf16: bf16 weights + fp32 main grads + fp32 master/exp_avg/exp_avg_sq; fp32: weights,
+        grads, exp_avg, exp_avg_sq. The distributed optimizer shards optimizer state over dp*cp.
+        """
+        t, p = self.recipe.train, self.recipe.parallel
+        params = self.rank_params(rank)
+        shards = p.dp * p.cp if t.distributed_optimizer else 1
+        if t.precision == "bf16":
+            return params * (2 + FP32_BYTES + 3 * FP32_BYTES / shards)
+        return params * (FP32_BYTES + FP32_BYTES + 2 * FP32_BYTES / shards)
+
+    def p2p_bytes(self, tokens: float) -> float:
+        return self.shape.p2p_bytes(tokens)
+
+    # ---- whole-iteration terms ------------------------------------------------------------------
+    def grad_sync_time(self, rank: int) -> float:
+        """Reduce-scatter + all-gather (distributed optimizer) or all-reduce of fp32 grads over dp*cp."""
+        p = self.recipe.parallel
+        n = p.dp * p.cp
+        if n == 1:
+            return 0.0
+        link = self.link(self.gpu_index(pp=rank), self.gpu_index(dp=p.dp - 1, cp=p.cp - 1, pp=rank))
+        nbytes = self.rank_params(rank) * FP32_BYTES
+        return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+    def optimizer_time(self, rank: int) -> float:
+        p, t = self.recipe.parallel, self.recipe.train
+        shards = p.dp * p.cp if t.distributed_optimizer else 1
+        # Adam reads and writes param, grad, master, exp_avg, exp_avg_sq (~36 bytes per param).
+        return self.rank_params(rank) / shards * 36 / self._rate("memory_bound", 1.0)
+
+    def model_flops(self, tokens: float) -> float:
+        """Model FLOPs (forward + 2x backward, no recompute) of one microbatch on one GPU's share
+        of every stage, summed over stages: the MFU numerator per pipeline of tp*cp GPUs."""
+        s = self.shape
+        fwd = s.forward_work(tokens, 0.0)
+        per_layer = fwd.gemm_flops + fwd.attention_flops
+        out = s.output_forward_work(tokens).gemm_flops
+        return 3 * (per_layer * self.recipe.model.num_layers + out)
+
+    # ---- slicing coefficients -------------------------------------------------------------------
+    def slice_cost_coefficients(self, tokens: float) -> tuple[float, float]:
+        """(seconds per token, seconds per causal query-key pair) of forward+backward on one stage,
+        linearised at a slice of ``tokens``: what the balanced slice policy equalises."""
+        s = self.shape
+        fwd, bwd = s.forward_work(tokens, 0.0), s.backward_work(tokens, 0.0)
+        linear = (self.kernel_time(OpWork(fwd.gemm_flops, 0, fwd.memory_bytes), False)
+                  + self.kernel_time(OpWork(bwd.gemm_flops, 0, bwd.memory_bytes), True))
+        attention = (self.kernel_time(OpWork(0, fwd.attention_flops, 0), False)
+                     + self.kernel_time(OpWork(0, bwd.attention_flops, 0), True))
+        pairs = tokens * (tokens + 1) / 2
+        return linear / tokens, attention / pairs

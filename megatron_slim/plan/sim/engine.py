@@ -1,0 +1,225 @@
+"""Discrete-event simulation of a pipeline schedule under a cost model.
+
+Per rank: one compute stream that runs the rank's compute actions in schedule order, and a send
+stream. A ``SEND`` starts when its data is computed and the directed link is free, occupies the
+link for ``bytes / bandwidth`` and arrives ``latency`` later; a ``RECV`` holds the rank's compute
+stream until the data has arrived (as the runtime's blocking wait does).
+
+Memory per rank, over time:
+* activations: saved by ``F`` when it ends, released when the matching ``B`` (or ``W``) ends;
+* K/V: the cache a slice's ``F`` leaves behind, released by its ``B``/``I``; plus the dK/dV
+  accumulation buffers of the earlier slices, allocated when a microbatch's last slice starts its
+  backward and released chunk by chunk as each slice's backward consumes them;
+* static: weights, gradients and optimizer state, constant.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_slim.plan.schedule.deps import compute_dependencies, key
+from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
+from megatron_slim.plan.schedule.lower import add_communication
+from megatron_slim.plan.schedule.validate import validate
+from megatron_slim.plan.sim.costs import PipelineCosts
+
+
+@dataclass(frozen=True)
+class Event:
+    rank: int
+    stream: str  # "compute" | "send" | "recv"
+    name: str  # the IR action string
+    start: float
+    end: float
+    stage: int
+    microbatch: int
+    slice: int
+
+
+@dataclass
+class RankResult:
+    rank: int
+    stages: tuple[int, ...]
+    static_bytes: float
+    busy_s: float = 0.0
+    peak_memory_bytes: float = 0.0
+    peak_activation_bytes: float = 0.0
+    peak_kv_bytes: float = 0.0
+    memory: list[tuple[float, float, float]] = field(default_factory=list)  # (time, activation, kv)
+
+    def to_json(self) -> dict:
+        return {
+            "rank": self.rank, "stage": self.rank, "stages": list(self.stages),
+            "peak_memory_bytes": int(self.peak_memory_bytes),
+            "peak_activation_bytes": int(self.peak_activation_bytes),
+            "peak_kv_bytes": int(self.peak_kv_bytes), "static_bytes": int(self.static_bytes),
+            "busy_s": self.busy_s,
+        }
+
+
+@dataclass
+class SimResult:
+    schedule: Schedule
+    pipeline_time_s: float
+    iteration_time_s: float
+    bubble_ratio: float
+    mfu: float
+    hbm_bytes: float
+    ranks: list[RankResult]
+    events: list[Event]
+
+    def to_json(self) -> dict:
+        peak = max(r.peak_memory_bytes for r in self.ranks)
+        return {
+            "schedule": self.schedule.kind, "pp": self.schedule.pp, "vpp": self.schedule.vpp,
+            "num_microbatches": self.schedule.num_microbatches, "num_slices": self.schedule.num_slices,
+            "iteration_time_s": self.iteration_time_s, "pipeline_time_s": self.pipeline_time_s,
+            "bubble_ratio": self.bubble_ratio, "mfu": self.mfu,
+            "peak_memory_bytes": int(peak), "hbm_bytes": int(self.hbm_bytes),
+            "fits_in_memory": peak <= self.hbm_bytes,
+            "schedule_digest": self.schedule.digest(),
+            "ranks": [r.to_json() for r in self.ranks],
+        }
+
+
+class _Run:
+    def __init__(self, schedule: Schedule, costs: PipelineCosts) -> None:
+        self.s = schedule
+        self.costs = costs
+        self.free = [0.0] * schedule.pp  # compute stream
+        self.finished: dict = {}  # compute key -> end time
+        self.arrivals: dict = {}  # (dst rank, RECV kind, stage, mb, slice) -> arrival time
+        self.link_free: dict = {}
+        self.events: list[Event] = []
+        self.mem: list[list[tuple[float, float, float]]] = [[] for _ in range(schedule.pp)]
+        self.busy = [0.0] * schedule.pp
+
+    def _ready(self, rank: int, a: Action) -> float | None:
+        """Earliest start allowed by data dependencies, or None while one is still unknown."""
+        t = 0.0
+        stage = self.s.stage(rank, a.chunk)
+        if a.kind.is_compute:
+            for dep in compute_dependencies(self.s, rank, a):
+                if self.s.placement(dep[1])[0] != rank:
+                    continue  # arrives through a RECV earlier in this rank's program
+                if dep not in self.finished:
+                    return None
+                t = max(t, self.finished[dep])
+            return t
+        if a.kind in (Kind.SEND_F, Kind.SEND_B):
+            produced = (Kind.F if a.kind is Kind.SEND_F else Kind.B, stage, a.microbatch, a.slice)
+            return self.finished.get(produced)
+        return self.arrivals.get((rank, a.kind, stage, a.microbatch, a.slice))
+
+    def _compute(self, rank: int, a: Action, ready: float) -> None:
+        stage = self.s.stage(rank, a.chunk)
+        mb, j, c = a.microbatch, a.slice, self.costs
+        if a.kind is Kind.F:
+            dur = c.forward(stage, mb, j)
+        elif a.kind is Kind.B:
+            dur = c.backward(stage, mb, j)
+        elif a.kind is Kind.W:
+            dur = c.weight_grad(stage, mb, j)
+        else:
+            dur = c.backward(stage, mb, j) - c.weight_grad(stage, mb, j)
+        start = max(self.free[rank], ready)
+        end = start + dur
+        self.free[rank] = end
+        self.busy[rank] += dur
+        k = key(self.s, rank, a)
+        self.finished[(Kind.W,) + k[1:] if a.kind is Kind.W else k] = end
+        self.events.append(Event(rank, "compute", str(a), start, end, stage, mb, j))
+        self._account_memory(rank, a, stage, start, end)
+
+    def _account_memory(self, rank: int, a: Action, stage: int, start: float, end: float) -> None:
+        mb, j, c, n = a.microbatch, a.slice, self.costs, self.s.num_slices
+        mem = self.mem[rank]
+        if a.kind is Kind.F:
+            mem.append((end, c.activation_bytes(stage, mb, j), c.kv_bytes(stage, mb, j)))
+            return
+        if a.kind in (Kind.B, Kind.I):
+            if j == n - 1 and n > 1:
+                buffers = sum(c.kv_grad_bytes(stage, mb, i) for i in range(n - 1))
+                mem.append((start, 0.0, buffers))
+            freed_kv = c.kv_bytes(stage, mb, j) + (c.kv_grad_bytes(stage, mb, j) if j < n - 1 else 0.0)
+            freed_act = c.activation_bytes(stage, mb, j) if a.kind is Kind.B else 0.0
+            mem.append((end, -freed_act, -freed_kv))
+        elif a.kind is Kind.W:
+            mem.append((end, -c.activation_bytes(stage, mb, j), 0.0))
+
+    def _send(self, rank: int, a: Action, ready: float) -> None:
+        stage = self.s.stage(rank, a.chunk)
+        forward = a.kind is Kind.SEND_F
+        dst_stage = stage + 1 if forward else stage - 1
+        dst = self.s.placement(dst_stage)[0]
+        link = self.costs.link(rank, dst)
+        nbytes = self.costs.p2p_bytes(stage if forward else dst_stage, a.microbatch, a.slice)
+        start = max(ready, self.link_free.get((rank, dst), 0.0))
+        done = start + nbytes / link.bandwidth
+        self.link_free[(rank, dst)] = done
+        arrival = done + link.latency
+        recv = Kind.RECV_F if forward else Kind.RECV_B
+        self.arrivals[(dst, recv, dst_stage, a.microbatch, a.slice)] = arrival
+        self.events.append(Event(rank, "send", str(a), start, arrival, stage, a.microbatch, a.slice))
+
+    def _recv(self, rank: int, a: Action, arrival: float) -> None:
+        if arrival > self.free[rank]:
+            stage = self.s.stage(rank, a.chunk)
+            self.events.append(Event(rank, "recv", str(a), self.free[rank], arrival, stage,
+                                     a.microbatch, a.slice))
+            self.free[rank] = arrival
+
+    def run(self) -> None:
+        pos = [0] * self.s.pp
+        progressed = True
+        while progressed:
+            progressed = False
+            for rank, row in enumerate(self.s.ranks):
+                while pos[rank] < len(row):
+                    a = row[pos[rank]]
+                    ready = self._ready(rank, a)
+                    if ready is None:
+                        break
+                    if a.kind.is_compute:
+                        self._compute(rank, a, ready)
+                    elif a.kind in (Kind.SEND_F, Kind.SEND_B):
+                        self._send(rank, a, ready)
+                    else:
+                        self._recv(rank, a, ready)
+                    pos[rank] += 1
+                    progressed = True
+        if any(pos[r] < len(row) for r, row in enumerate(self.s.ranks)):
+            raise RuntimeError("simulation stalled on a schedule the validator accepted")  # invariant
+
+
+def _memory_peaks(result: RankResult, deltas: list[tuple[float, float, float]]) -> None:
+    act = kv = 0.0
+    timeline = [(0.0, 0.0, 0.0)]
+    for t, da, dk in sorted(deltas, key=lambda d: d[0]):
+        act += da
+        kv += dk
+        timeline.append((t, act, kv))
+        result.peak_activation_bytes = max(result.peak_activation_bytes, act)
+        result.peak_kv_bytes = max(result.peak_kv_bytes, kv)
+        result.peak_memory_bytes = max(result.peak_memory_bytes, act + kv)
+    result.peak_memory_bytes += result.static_bytes
+    result.memory = timeline
+
+
+def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
+    """Simulate ``schedule`` (compute-only schedules are lowered first) and summarise it."""
+    lowered = schedule if schedule.is_lowered else add_communication(schedule)
+    validate(lowered)
+    run = _Run(lowered, costs)
+    run.run()
+    pipeline_time = max(run.free + [e.end for e in run.events] + [0.0])
+    ranks = []
+    for r in range(schedule.pp):
+        res = RankResult(r, tuple(schedule.stage(r, c) for c in range(schedule.vpp)),
+                         costs.static_bytes(r), busy_s=run.busy[r])
+        _memory_peaks(res, run.mem[r])
+        ranks.append(res)
+    iteration = pipeline_time + max(costs.after_pipeline(r) for r in range(schedule.pp))
+    bubble = 1.0 - sum(run.busy) / (schedule.pp * pipeline_time) if pipeline_time > 0 else 0.0
+    mfu = costs.model_flops() / (iteration * schedule.pp * costs.peak_flops()) if iteration > 0 else 0.0
+    events = sorted(run.events, key=lambda e: (e.rank, e.start))
+    return SimResult(lowered, pipeline_time, iteration, bubble, mfu, costs.hbm_bytes(), ranks, events)

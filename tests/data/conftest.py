@@ -1,0 +1,18 @@
+import pytest
+
+from megatron_slim.data import prepare_corpus
+
+TINY_VOCAB = 300
+TINY_FILES = 20
+
+
+@pytest.fixture(scope="session")
+def tiny_cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("megatron-slim-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared(tiny_cache_dir):
+    """The first 20 stdlib files with a 300-token vocabulary, shared by the read-only tests."""
+    return prepare_corpus("stdlib", cache_dir=tiny_cache_dir, vocab_size=TINY_VOCAB,
+                          max_files=TINY_FILES)
