@@ -2,12 +2,12 @@
 
 Pipeline::
 
-    list_corpus("stdlib" | dir)      sorted UTF-8 text files + content fingerprint    (corpus.py)
-      -> train_bpe(sample, vocab)    byte-level BPE on ~2 MB spread over the corpus  (tokenizer.py)
-      -> write_tokenized_corpus      one document per file, eod appended,            (indexed.py)
-                                     megatron-core IndexedDataset .bin/.idx
-      -> build_gpt_dataset           megatron-core GPTDataset: tokens, labels,        (gpt_dataset.py)
-                                     loss_mask, position_ids per sample
+    corpus.py       list_corpus("stdlib" | dir): sorted UTF-8 text files + content fingerprint
+    tokenizer.py    train_bpe: byte-level BPE trained on ~2 MB spread over the corpus
+    indexed.py      write_tokenized_corpus: one document per file, eod appended, written as
+                    megatron-core's IndexedDataset (.bin/.idx)
+    gpt_dataset.py  build_gpt_dataset: megatron-core GPTDataset samples (tokens, labels,
+                    loss_mask, position_ids)
 
 ``prepare_corpus`` runs the first three steps once per (corpus content, tokenizer settings,
 vocab size) and caches the result (dataset.py, cache.py)::
@@ -30,7 +30,12 @@ from megatron_slim.data.cache import default_cache_dir
 from megatron_slim.data.corpus import Corpus, Document, list_corpus, stdlib_root
 from megatron_slim.data.dataset import PreparedCorpus, prepare_corpus
 from megatron_slim.data.gpt_dataset import build_gpt_dataset
-from megatron_slim.data.indexed import IndexedStats, read_token_documents, write_token_documents, write_tokenized_corpus
+from megatron_slim.data.indexed import (
+    IndexedStats,
+    read_token_documents,
+    write_token_documents,
+    write_tokenized_corpus,
+)
 from megatron_slim.data.tokenizer import Tokenizer, pretokenize, train_bpe
 
 __all__ = [

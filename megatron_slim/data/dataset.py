@@ -59,7 +59,8 @@ def prepare_corpus(corpus: str | os.PathLike = STDLIB, cache_dir: str | os.PathL
     """
     check_vocab_size(vocab_size)
     if not isinstance(tokenizer_train_bytes, int) or tokenizer_train_bytes < 1:
-        raise ValueError(f"tokenizer_train_bytes={tokenizer_train_bytes!r}: must be an integer >= 1")
+        raise ValueError(f"tokenizer_train_bytes={tokenizer_train_bytes!r}: "
+                         "must be an integer >= 1")
     docs = list_corpus(corpus, max_files=max_files, max_bytes=max_bytes)
     settings = {
         "pipeline_version": PIPELINE_VERSION,

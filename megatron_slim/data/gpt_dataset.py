@@ -39,7 +39,8 @@ def build_gpt_dataset(prepared: PreparedCorpus, seq_length: int, num_samples: in
     if not isinstance(seq_length, int) or seq_length < 1:
         raise ValueError(f"seq_length={seq_length!r}: must be an integer >= 1")
     if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 1):
-        raise ValueError(f"num_samples={num_samples!r}: must be None (one epoch) or an integer >= 1")
+        raise ValueError(f"num_samples={num_samples!r}: "
+                         "must be None (one epoch) or an integer >= 1")
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r}: must be an integer >= 0")
     config = GPTDatasetConfig(

@@ -49,7 +49,8 @@ def write_token_documents(prefix: str | Path, documents: Iterable[Sequence[int]]
     return IndexedStats(num_documents, num_tokens)
 
 
-def write_tokenized_corpus(prefix: str | Path, texts: Iterable[str], tokenizer: Tokenizer) -> IndexedStats:
+def write_tokenized_corpus(prefix: str | Path, texts: Iterable[str],
+                           tokenizer: Tokenizer) -> IndexedStats:
     """Encode each text, append ``eod`` and write them all as an indexed dataset at ``prefix``."""
     eod = tokenizer.eod
     return write_token_documents(prefix, (tokenizer.encode(text) + [eod] for text in texts),

@@ -22,11 +22,11 @@ from typing import Iterable, Sequence
 FORMAT_NAME = "megatron-slim-byte-bpe"
 FORMAT_VERSION = 1
 
-# Identifier-like runs (letters, digits after the first char excluded, underscores), numbers,
-# punctuation runs, and whitespace. A single optional leading space stays with the next piece;
-# a whitespace run keeps its last space for the following word (GPT-2's trick), so indentation
-# "    def" becomes "   " + " def". The four classes cover every character, so splitting is
-# lossless.
+# Runs of letters and underscores (so "__init__" is one piece; digits split off), runs of
+# digits, runs of punctuation, and whitespace. A single optional leading space stays with the
+# next piece; a whitespace run keeps its last space for the following word (GPT-2's trick), so
+# indentation "    def" becomes "   " + " def". The classes cover every character, so splitting
+# is lossless.
 PRETOKENIZE_PATTERN = r" ?[^\W\d]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+"
 _PRETOKENIZE = re.compile(PRETOKENIZE_PATTERN)
 
@@ -51,7 +51,8 @@ class Tokenizer:
         pieces: list[bytes] = [bytes([i]) for i in range(NUM_BYTES)] + [b""] * len(SPECIAL_TOKENS)
         for rank, (a, b) in enumerate(self.merges):
             new_id = FIRST_MERGE_ID + rank
-            if not (0 <= a < new_id and 0 <= b < new_id) or self._is_special(a) or self._is_special(b):
+            in_range = 0 <= a < new_id and 0 <= b < new_id
+            if not in_range or self._is_special(a) or self._is_special(b):
                 raise ValueError(f"merge #{rank} {(a, b)} must combine two earlier non-special "
                                  f"ids in [0, {new_id})")
             if (a, b) in self._ranks:
@@ -215,7 +216,8 @@ def _count_pieces(texts: Iterable[str], max_bytes: int | None) -> Counter[str]:
     return counts
 
 
-def _learn_merges(words: list[list[int]], freqs: list[int], num_merges: int) -> list[tuple[int, int]]:
+def _learn_merges(words: list[list[int]], freqs: list[int],
+                  num_merges: int) -> list[tuple[int, int]]:
     """Greedy BPE over weighted words with incremental pair counts and a lazy max-heap."""
     pair_counts: dict[tuple[int, int], int] = {}
     pair_words: dict[tuple[int, int], set[int]] = {}

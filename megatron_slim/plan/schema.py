@@ -173,11 +173,9 @@ def apply_overrides(data: dict, overrides: list[str], root_cls: type) -> dict:
                 node[part] = _parse_scalar(raw)
             else:
                 field_tp = _strip_optional(field_tp)
-                if not dataclasses.is_dataclass(field_tp):
-                    raise ConfigError(f"--set {dotted}: is a value, not a section")
-                node = node.setdefault(part, {})
-                if not isinstance(node, dict):
-                    raise ConfigError(f"--set {dotted}: is a value, not a section")
+                if not dataclasses.is_dataclass(field_tp) or not isinstance(node.setdefault(part, {}), dict):
+                    raise ConfigError(f"--set {'.'.join(path)}: {dotted} is a value, not a section")
+                node = node[part]
                 cls = field_tp
     return data
 

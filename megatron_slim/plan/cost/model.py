@@ -209,14 +209,16 @@ class CostModel:
         return 3 * (per_layer * self.recipe.model.num_layers + out)
 
     # ---- slicing coefficients -------------------------------------------------------------------
-    def slice_cost_coefficients(self, tokens: float) -> tuple[float, float]:
-        """(seconds per token, seconds per causal query-key pair) of forward+backward on one stage,
-        linearised at a slice of ``tokens``: what the balanced slice policy equalises."""
-        s = self.shape
-        fwd, bwd = s.forward_work(tokens, 0.0), s.backward_work(tokens, 0.0)
-        linear = (self.kernel_time(OpWork(fwd.gemm_flops, 0, fwd.memory_bytes), False)
-                  + self.kernel_time(OpWork(bwd.gemm_flops, 0, bwd.memory_bytes), True))
-        attention = (self.kernel_time(OpWork(0, fwd.attention_flops, 0), False)
-                     + self.kernel_time(OpWork(0, bwd.attention_flops, 0), True))
-        pairs = tokens * (tokens + 1) / 2
-        return linear / tokens, attention / pairs
+    def slice_cost_coefficients(self, tokens: float, seq_length: float) -> tuple[float, float]:
+        """(seconds per token, seconds per causal query-key pair) of forward+backward on a middle
+        stage, fitted to the same time functions the simulator uses at a slice of ``tokens`` placed
+        first and last in the sequence: what the balanced slice policy equalises."""
+        stage = min(1, self.num_stages - 1)
+
+        def fwd_bwd(prefix: float) -> float:
+            return self.forward_time(stage, tokens, prefix) + self.backward_time(stage, tokens, prefix)
+
+        last = seq_length - tokens
+        per_pair = (fwd_bwd(last) - fwd_bwd(0.0)) / (tokens * last) if last > 0 else 0.0
+        per_token = (fwd_bwd(0.0) - per_pair * tokens * (tokens + 1) / 2) / tokens
+        return max(per_token, 0.0), max(per_pair, 0.0)

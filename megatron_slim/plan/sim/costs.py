@@ -37,7 +37,7 @@ def slice_lengths(recipe: Recipe, cost: CostModel) -> tuple[int, ...]:
         return (seq,)
     if s.slice_policy == "uniform":
         return uniform_slices(seq, s.num_slices, recipe.slice_alignment)
-    per_token, per_pair = cost.slice_cost_coefficients(seq / s.num_slices)
+    per_token, per_pair = cost.slice_cost_coefficients(seq / s.num_slices, seq)
     return balanced_slices(seq, s.num_slices, per_token, per_pair, recipe.slice_alignment)
 
 

@@ -10,6 +10,8 @@ UNEXERCISED where no GPU and flash-attn are present; tests marked ``gpu`` cover 
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -112,6 +114,7 @@ class FlashBackend(AttentionBackend):
 def load_flash_backend(device: torch.device) -> tuple[FlashBackend | None, str]:
     """(backend, why); backend None with the reason when flash-attn cannot be used on ``device``."""
     if device.type != "cuda":
-        return None, f"flash-attn needs CUDA (device is {device.type})"
+        installed = any(importlib.util.find_spec(m) is not None for m in ("flash_attn", "flash_attn_interface"))
+        return None, (f"flash-attn needs CUDA (device is {device.type})" if installed else "flash-attn not installed")
     api, why = flash_api.load(prefer_fa3=_is_hopper(device))
     return (FlashBackend(api), why) if api is not None else (None, why)

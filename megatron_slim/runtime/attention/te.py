@@ -13,6 +13,7 @@ UNEXERCISED where no GPU and Transformer Engine are present; tests marked ``gpu`
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 
 import torch
@@ -177,7 +178,10 @@ def _packed_thd_stats() -> bool:
 def load_te_backend(device: torch.device) -> tuple[TeBackend | None, str]:
     """(backend, why); backend None with the reason when Transformer Engine cannot be used."""
     if device.type != "cuda":
-        return None, f"transformer-engine needs CUDA (device is {device.type})"
+        installed = importlib.util.find_spec("transformer_engine") is not None
+        return None, (
+            f"transformer-engine needs CUDA (device is {device.type})" if installed else "transformer-engine not installed"
+        )
     try:
         fused_attn = importlib.import_module("transformer_engine.pytorch.cpp_extensions.fused_attn")
         tex = importlib.import_module("transformer_engine_torch")

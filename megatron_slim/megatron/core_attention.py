@@ -1,0 +1,103 @@
+"""A plugin core attention for megatron-core's ``SelfAttention`` (0.14 .. 0.19).
+
+megatron computes Q/K/V (and applies RoPE) itself and hands them to the core attention;
+:class:`SlimCoreAttention` honours that contract and reduces it to one overridable seam,
+:meth:`SlimCoreAttention.attend`, in batch-first layout. Subclasses add a K/V cache for sequence
+slices or context parallelism by overriding ``attend`` (or ``forward`` around it); a kernel library
+plugs in the same way.
+
+Constructor contract: megatron calls ``core_attention(config=, layer_number=, attn_mask_type=,
+attention_type=, cp_comm_type=, softmax_scale=, pg_collection=)`` (0.15+; 0.14 passes
+``model_comm_pgs=`` instead of ``pg_collection=``). Unknown keywords are accepted and kept in
+``self.extra_kwargs`` so a newer megatron adding one does not break construction.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+SUPPORTED_MASK_TYPES = (AttnMaskType.causal,)
+
+
+class SlimCoreAttention(MegatronModule):
+    """Causal (grouped-query) core attention with a single math seam, :meth:`attend`."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type=AttnMaskType.causal,
+                 attention_type: str = "self", attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection: Any = None, model_comm_pgs: Any = None, **extra_kwargs: Any):
+        super().__init__(config=config)
+        if attention_type != "self":
+            raise ValueError(f"attention_type={attention_type!r}: allowed values are 'self'")
+        if attention_dropout not in (None, 0, 0.0) or getattr(config, "attention_dropout", 0.0):
+            raise ValueError(f"attention_dropout={attention_dropout or config.attention_dropout!r}: "
+                             "allowed value is 0 (this core attention has no dropout)")
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.cp_comm_type = cp_comm_type
+        self.pg_collection = pg_collection if pg_collection is not None else model_comm_pgs
+        self.extra_kwargs = extra_kwargs
+        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    @property
+    def cp_group(self):
+        return getattr(self.pg_collection, "cp", None)
+
+    @property
+    def tp_group(self):
+        return getattr(self.pg_collection, "tp", None)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused: Any) -> torch.Tensor:
+        """``query [sq, b, np, hn]``, ``key``/``value [sk, b, ng, hn]`` -> ``[sq, b, np*hn]``.
+
+        ``attention_mask`` is ignored: the mask type is causal, which needs no explicit mask.
+        """
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type not in SUPPORTED_MASK_TYPES:
+            raise ValueError(f"attn_mask_type={mask_type!r}: allowed values are "
+                             f"{', '.join(str(m) for m in SUPPORTED_MASK_TYPES)}")
+        if attention_bias is not None:
+            raise ValueError("attention_bias: allowed value is None (not supported)")
+        if packed_seq_params is not None:
+            raise ValueError("packed_seq_params: allowed value is None (THD packing not supported)")
+        sq, b, heads, hn = query.shape
+        q, k, v = (t.permute(1, 0, 2, 3) for t in (query, key, value))
+        out = self.attend(q, k, v)  # [b, sq, np, hn]
+        return out.permute(1, 0, 2, 3).reshape(sq, b, heads * hn)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention: ``q [b, sq, hq, d]``, ``k``/``v [b, sk, hkv, d]`` -> ``[b, sq, hq, d]``.
+
+        Query head ``i`` reads K/V head ``i // (hq // hkv)``. When ``sk > sq`` the queries are the
+        *last* ``sq`` positions (query ``i`` sees keys ``j <= i + sk - sq``), which is what a
+        K/V cache of earlier slices needs.
+        """
+        return causal_attention(q, k, v, self.softmax_scale)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     softmax_scale: float) -> torch.Tensor:
+    """Reference-math grouped-query causal attention (see :meth:`SlimCoreAttention.attend`)."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of key/value heads {hkv}")
+    if sk < sq:
+        raise ValueError(f"key length {sk} must be >= query length {sq}")
+    group = hq // hkv
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * softmax_scale
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)

@@ -1,0 +1,13 @@
+import subprocess
+import sys
+
+
+def test_planning_core_imports_no_torch():
+    code = (
+        "import pkgutil, importlib, sys, megatron_slim.plan as p\n"
+        "for m in pkgutil.walk_packages(p.__path__, 'megatron_slim.plan.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "import megatron_slim.commands.simulate\n"
+        "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,86 @@
+import pytest
+
+from megatron_slim.plan.schedule import (Action, ScheduleError, add_communication, generate, merge_backward,
+                                         split_backward, strip_communication, validate)
+
+
+def _edit(schedule, rank, fn):
+    rows = [list(r) for r in schedule.ranks]
+    rows[rank] = fn(rows[rank])
+    return schedule.replace_ranks(rows)
+
+
+def test_missing_action_is_reported():
+    s = _edit(generate("1f1b", 2, 1, 3, 1), 1, lambda r: r[:-1])
+    with pytest.raises(ScheduleError, match="missing"):
+        validate(s)
+
+
+def test_duplicate_action_is_reported_with_its_step():
+    s = _edit(generate("1f1b", 2, 1, 3, 1), 0, lambda r: r + [r[0]])
+    with pytest.raises(ScheduleError, match="rank 0 step 6: F0.0 appears twice"):
+        validate(s)
+
+
+def test_out_of_range_action_is_reported():
+    s = _edit(generate("1f1b", 2, 1, 3, 1), 0, lambda r: r[:-1] + [Action.parse("B7.0")])
+    with pytest.raises(ScheduleError, match="outside the schedule"):
+        validate(s)
+
+
+def test_backward_before_its_forward_is_a_dependency_error_marked_in_the_grid():
+    def swap(row):
+        i = next(k for k, a in enumerate(row) if str(a) == "B0.0")
+        row[0], row[i] = row[i], row[0]
+        return row
+    s = _edit(generate("1f1b", 2, 1, 3, 1), 1, swap)
+    with pytest.raises(ScheduleError) as err:
+        validate(s)
+    msg = str(err.value)
+    assert "rank 1 step 0 B0.0 waits for: F0.0 on rank 1" in msg
+    assert ">B0.0<" in err.value.grid and "rank 1" in err.value.grid
+
+
+def test_cross_rank_deadlock_is_found():
+    # rank 0 waits for a backward that rank 1 only runs after a forward rank 0 never sends
+    s = generate("1f1b", 2, 1, 2, 1)
+    rows = [["F0.0", "B0.0", "F1.0", "B1.0"], ["F0.0", "F1.0", "B1.0", "B0.0"]]
+    bad = s.replace_ranks([[Action.parse(a) for a in r] for r in rows])
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate(bad)
+
+
+def test_reversed_slice_backward_order_is_rejected():
+    s = generate("slimpipe", 1, 1, 1, 2)  # F0.0 F0.1 B0.1 B0.0
+    bad = s.replace_ranks([[Action.parse(a) for a in ["F0.0", "F0.1", "B0.0", "B0.1"]]])
+    with pytest.raises(ScheduleError, match="B0.0 waits for: B0.1"):
+        validate(bad)
+
+
+def test_unmatched_send_is_reported():
+    s = add_communication(generate("1f1b", 2, 1, 2, 1))
+    bad = _edit(s, 1, lambda r: [a for a in r if str(a) != "RECV_F1.0"])
+    with pytest.raises(ScheduleError, match="SEND_F1.0 has no matching RECV"):
+        validate(bad)
+
+
+def test_lowering_passes_round_trip():
+    s = generate("slimpipe", 3, 2, 4, 3)
+    assert strip_communication(add_communication(s)) == s
+    assert merge_backward(split_backward(s)) == s
+
+
+@pytest.mark.parametrize("kind,pp,vpp,m,n", [("1f1b", 4, 1, 5, 1), ("interleaved", 3, 2, 4, 1),
+                                           ("slimpipe", 4, 2, 3, 8), ("slimpipe", 2, 1, 2, 3)])
+def test_every_cross_rank_dependency_is_sent_after_production_and_received_before_use(kind, pp, vpp, m, n):
+    s = add_communication(generate(kind, pp, vpp, m, n))
+    for rank, row in enumerate(s.ranks):
+        names = [str(a) for a in row]
+        for i, a in enumerate(row):
+            if a.kind.value in ("F", "B"):
+                stage = s.stage(rank, a.chunk)
+                needs_recv = (a.kind.value == "F" and stage > 0 and s.placement(stage - 1)[0] != rank) or \
+                             (a.kind.value == "B" and stage < s.num_stages - 1 and s.placement(stage + 1)[0] != rank)
+                recv = ("RECV_F" if a.kind.value == "F" else "RECV_B") + str(a)[len(str(a.chunk)) if a.chunk else 0:][1:]
+                recv = (str(a.chunk) if a.chunk else "") + recv
+                assert (names[i - 1] == recv) == needs_recv
