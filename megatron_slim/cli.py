@@ -36,6 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "(format: docs/calibration.md)")
     sim.set_defaults(run="megatron_slim.commands.simulate")
 
+    margs = sub.add_parser("megatron-args", help="print the Megatron-LM pretrain_gpt.py flags a recipe stands for",
+                           description="Print the pretrain_gpt.py flags of a recipe (data and output paths "
+                                       "excepted), for `python -m megatron_slim.launch pretrain_gpt.py ...`.")
+    _add_recipe_args(margs)
+    margs.add_argument("--format", choices=("shell", "lines"), default="shell",
+                       help="one shell-quoted line (default) or one flag per line")
+    margs.add_argument("--nodes", action="store_true", help="print only the number of nodes the recipe needs")
+    margs.add_argument("--gpus-per-node", action="store_true", help="print only the GPUs used per node")
+    margs.set_defaults(run="megatron_slim.commands.megatron_args")
+
     recipes = sub.add_parser("recipes", help="list shipped recipes and hardware profiles")
     recipes.set_defaults(run="megatron_slim.commands.recipes")
     return parser

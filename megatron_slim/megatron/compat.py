@@ -142,13 +142,13 @@ def finalize_model_grads_kwargs(fn: Callable, groups: Any = None,
         if keyword is None:
             raise TypeError(f"{getattr(fn, '__name__', fn)!r} takes no process-group keyword "
                             f"(looked for {', '.join(GRAD_FINALIZE_KEYWORDS)})")
-        kwargs[keyword] = _convert_groups(groups, _grad_finalize_groups_class(keyword))
+        kwargs[keyword] = _convert_groups(groups, lambda: _grad_finalize_groups_class(keyword))
     if force_all_reduce is not None:
         if has_parameter(fn, "force_all_reduce") or takes_var_keywords(fn):
             kwargs["force_all_reduce"] = force_all_reduce
         elif force_all_reduce:
-            raise TypeError("force_all_reduce=True needs megatron-core >= 0.16; the installed "
-                            "finalize_model_grads does not accept it")
+            raise ValueError("force_all_reduce=True: allowed only with megatron-core >= 0.16 (the "
+                             "installed finalize_model_grads has no such keyword); use None/False")
     return kwargs
 
 
@@ -166,7 +166,9 @@ def _process_groups_config():
     return importlib.import_module("megatron.core.process_groups_config")
 
 
-def _model_groups_class():
+def model_groups_class() -> type:
+    """megatron's model-level process-group dataclass: ``ProcessGroupCollection`` (0.15+) or
+    ``ModelCommProcessGroups`` (0.14)."""
     module = _process_groups_config()
     return getattr(module, "ProcessGroupCollection", None) or module.ModelCommProcessGroups
 
@@ -175,15 +177,16 @@ def _grad_finalize_groups_class(keyword: str):
     module = _process_groups_config()
     if keyword == "grad_finalize_pgs" and hasattr(module, "GradFinalizeProcessGroups"):
         return module.GradFinalizeProcessGroups
-    return _model_groups_class()
+    return model_groups_class()
 
 
-def _convert_groups(groups: Any, cls: type) -> Any:
-    """Fill a megatron process-group dataclass from our ParallelGroups (others pass through)."""
+def _convert_groups(groups: Any, target_class: Callable[[], type]) -> Any:
+    """Our ParallelGroups become megatron's dataclass ``target_class()``; megatron objects pass
+    through unchanged."""
     as_megatron = getattr(groups, "as_megatron", None)
     if as_megatron is None:
         return groups
-    return as_megatron(cls)
+    return as_megatron(target_class())
 
 
 def fill_groups_dataclass(cls: type, values: Mapping[str, Any]) -> Any:
@@ -209,7 +212,7 @@ def model_groups_kwargs(target: Callable, groups: Any) -> dict[str, Any]:
     keyword = model_groups_keyword(target)
     if keyword is None or groups is None:
         return {}
-    return {keyword: _convert_groups(groups, _model_groups_class())}
+    return {keyword: _convert_groups(groups, model_groups_class)}
 
 
 def core_attention_groups_keyword(attention_cls: Optional[type] = None) -> Optional[str]:
@@ -255,7 +258,8 @@ def forward_mlp(layer: Any, hidden_states, *, inference_context=None, padding_ma
         if has_parameter(fn, name):
             kwargs[name] = value
         elif value is not None:
-            raise TypeError(f"the installed TransformerLayer._forward_mlp does not accept {name}")
+            raise ValueError(f"{name}: allowed value is None with the installed megatron-core "
+                             "(its TransformerLayer._forward_mlp does not take it)")
     return fn(hidden_states, **kwargs)
 
 

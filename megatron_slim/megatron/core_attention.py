@@ -74,6 +74,15 @@ class SlimCoreAttention(MegatronModule):
         out = self.attend(q, k, v)  # [b, sq, np, hn]
         return out.permute(1, 0, 2, 3).reshape(sq, b, heads * hn)
 
+    def attention_backend(self, q: torch.Tensor):
+        """The kernel backend, chosen once (``runtime.attention.select_backend`` logs the choice);
+        ``--megatron-slim-attention-backend`` / ``MEGATRON_SLIM_ATTENTION_BACKEND`` force one."""
+        if getattr(self, "_backend", None) is None:
+            from megatron_slim.runtime.attention import select_backend
+
+            self._backend = select_backend(getattr(self, "preferred_backend", None), q.device, q.dtype)
+        return self._backend
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention: ``q [b, sq, hq, d]``, ``k``/``v [b, sk, hkv, d]`` -> ``[b, sq, hq, d]``.
 
@@ -81,7 +90,10 @@ class SlimCoreAttention(MegatronModule):
         *last* ``sq`` positions (query ``i`` sees keys ``j <= i + sk - sq``), which is what a
         K/V cache of earlier slices needs.
         """
-        return causal_attention(q, k, v, self.softmax_scale)
+        from megatron_slim.runtime.attention import attention
+
+        return attention(q, k, v, causal=True, softmax_scale=self.softmax_scale,
+                         backend=self.attention_backend(q))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -63,7 +63,7 @@ class ParallelGroups:
         """These groups as megatron's process-group dataclass ``cls`` (default: the installed
         ``ProcessGroupCollection``, or ``ModelCommProcessGroups`` on 0.14)."""
         if cls is None:
-            cls = compat._model_groups_class()
+            cls = compat.model_groups_class()
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "vpp"}
         values["hcp"] = list(self.hcp) if self.hcp is not None else None
         return compat.fill_groups_dataclass(cls, values)

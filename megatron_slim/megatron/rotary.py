@@ -55,5 +55,10 @@ class CpuRotaryEmbedding(RotaryEmbedding):
 
 def make_cpu_rotary_embedding(**kwargs: Any) -> CpuRotaryEmbedding:
     """Build :class:`CpuRotaryEmbedding` from ``RotaryEmbedding``'s keyword arguments, dropping the
-    ones the installed version does not know (``cp_group`` appeared after 0.14)."""
-    return compat.call_with_supported(CpuRotaryEmbedding, **kwargs)
+    ones the installed version does not know (``cp_group`` appeared after 0.14; where the
+    constructor lacks it, it is set afterwards so ``forward`` still splits for context
+    parallelism)."""
+    embedding = compat.call_with_supported(CpuRotaryEmbedding, **kwargs)
+    if getattr(embedding, "cp_group", None) is None and kwargs.get("cp_group") is not None:
+        embedding.cp_group = kwargs["cp_group"]
+    return embedding

@@ -33,66 +33,89 @@ def _layer_output_hooks(chunk, store: dict):
 
 # --------------------------------------------------------------------------- world size 1
 
-def single_process(rank, world_size, cfg_overrides, seed):
+def single_process(rank, world_size, seed):
+    """A whole model on one rank (untied and tied embeddings), plus megatron's own step functions
+    and helpers called through the compat shims, plus the CPU RNG tracker."""
+    from megatron_slim.megatron.parallel import model_parallel
+
+    out = {"models": {}}
+    with model_parallel(seed=seed) as groups:
+        for tied in (False, True):
+            cfg = tiny_config(untie_embeddings_and_output_weights=not tied)
+            out["models"][tied] = _whole_model_step(cfg, groups, seed)
+        out.update(_installed_shims(tiny_config(), groups, seed))
+    out["rng"] = _rng_streams(seed)
+    return out
+
+
+def _whole_model_step(cfg, groups, seed):
+    from megatron_slim.megatron.model import build_chunk, global_grads, global_state_dict
+
+    ids, labels = tiny_batch(cfg)
+    chunk = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True,
+                        post_process=True, seed=seed)
+    state = global_state_dict(chunk)
+    losses = chunk(ids, None, None, labels=labels)
+    losses.mean().backward()
+    return {
+        "layer_numbers": [layer.layer_number for layer in chunk.decoder.layers],
+        "attention_layer_numbers": [
+            layer.self_attention.core_attention.layer_number for layer in chunk.decoder.layers],
+        "state": state, "losses": losses.detach(), "grads": global_grads(chunk),
+    }
+
+
+def _installed_shims(cfg, groups, seed):
+    """Call the installed megatron-core through each shim and record what came back."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from megatron_slim.megatron import compat
     from megatron_slim.megatron.core_attention import SlimCoreAttention
-    from megatron_slim.megatron.model import build_chunk, global_grads, global_state_dict
-    from megatron_slim.megatron.parallel import model_parallel
+    from megatron_slim.megatron.model import build_chunk, global_grads
 
-    cfg = tiny_config(**cfg_overrides)
     ids, labels = tiny_batch(cfg)
-    out = {}
-    with model_parallel(seed=seed) as groups:
-        chunk = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True,
-                            post_process=True, seed=seed)
-        out["layer_numbers"] = [layer.layer_number for layer in chunk.decoder.layers]
-        out["attention_layer_numbers"] = [
-            layer.self_attention.core_attention.layer_number for layer in chunk.decoder.layers]
-        out["state"] = global_state_dict(chunk)
-        losses = chunk(ids, None, None, labels=labels)
-        losses.mean().backward()
-        out["losses"] = losses.detach()
-        out["grads"] = global_grads(chunk)
+    chunk = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True,
+                        post_process=True, seed=seed)
+    direct = chunk(ids, None, None, labels=labels).mean()
+    direct.backward()
+    direct_grads = global_grads(chunk)
+    chunk.zero_grad(set_to_none=True)
 
-        # The same step through megatron's own forward_step/backward_step, via the shims.
-        chunk.zero_grad(set_to_none=True)
+    def forward_step_func(data_iterator, model):
+        batch_ids, batch_labels = next(data_iterator)
+        token_loss = model(batch_ids, None, None, labels=batch_labels)
 
-        def forward_step_func(data_iterator, model):
-            batch_ids, batch_labels = next(data_iterator)
-            token_loss = model(batch_ids, None, None, labels=batch_labels)
+        def loss_func(output):
+            num_tokens = torch.tensor(output.numel(), dtype=torch.int)
+            return output.sum(), num_tokens, {"lm loss": output.detach().mean()}
 
-            def loss_func(output):
-                num_tokens = torch.tensor(output.numel(), dtype=torch.int)
-                return output.sum(), num_tokens, {"lm loss": output.detach().mean()}
+        return token_loss, loss_func
 
-            return token_loss, loss_func
+    loss, _ = compat.forward_step(
+        forward_step_func=forward_step_func, data_iterator=iter([(ids, labels)]), model=chunk,
+        num_microbatches=1, input_tensor=None, forward_data_store=[], config=chunk.config,
+        cp_group_size=1, is_last_stage=True)
+    compat.backward_step(None, loss, None, chunk.config)
 
-        loss, _ = compat.forward_step(
-            forward_step_func=forward_step_func, data_iterator=iter([(ids, labels)]), model=chunk,
-            num_microbatches=1, input_tensor=None, forward_data_store=[], config=chunk.config,
-            cp_group_size=1, is_last_stage=True)
-        compat.backward_step(None, loss, None, chunk.config)
-        out["shim_loss"] = loss.detach()
-        out["shim_grads"] = global_grads(chunk)
+    # _forward_mlp through its shim equals the MLP sublayer plus its residual.
+    layer = chunk.decoder.layers[0]
+    hidden = torch.randn(cfg.seq_length, 2, cfg.hidden_size)
+    mlp_out = compat.forward_mlp(layer, hidden)
+    mlp_out = mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out
+    by_hand, _ = layer.mlp(layer.pre_mlp_layernorm(hidden))
 
-        # _forward_mlp through its shim equals the MLP sublayer with its residual.
-        layer = chunk.decoder.layers[0]
-        hidden = torch.randn(cfg.seq_length, 2, cfg.hidden_size)
-        mlp_out = compat.forward_mlp(layer, hidden)
-        mlp_out = mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out
-        direct, _ = layer.mlp(layer.pre_mlp_layernorm(hidden))
-        out["forward_mlp_err"] = (mlp_out - (hidden + direct)).abs().max().item()
-
-        # A core attention built from a spec through the build shim gets megatron's keywords.
-        attention = compat.build(
-            ModuleSpec(module=SlimCoreAttention), config=chunk.config, layer_number=3,
-            attn_mask_type=AttnMaskType.causal, attention_type="self", cp_comm_type=None,
-            softmax_scale=None, **compat.model_groups_kwargs(_attention_class(), groups))
-        out["built_attention"] = (attention.layer_number, attention.cp_group is groups.cp)
-    return out
+    # A core attention built from a spec with the keywords megatron's Attention would pass.
+    attention = compat.build(
+        ModuleSpec(module=SlimCoreAttention), config=chunk.config, layer_number=3,
+        attn_mask_type=AttnMaskType.causal, attention_type="self", cp_comm_type=None,
+        softmax_scale=None, **compat.model_groups_kwargs(_attention_class(), groups))
+    return {
+        "direct_loss": direct.detach(), "direct_grads": direct_grads,
+        "shim_loss": loss.detach(), "shim_grads": global_grads(chunk),
+        "forward_mlp_err": (mlp_out - (hidden + by_hand)).abs().max().item(),
+        "built_attention": (attention.layer_number, attention.cp_group is groups.cp),
+    }
 
 
 def _attention_class():
@@ -101,7 +124,7 @@ def _attention_class():
     return Attention
 
 
-def rng_streams(rank, world_size, seed):
+def _rng_streams(seed):
     """Draws inside the tensor-parallel fork for two tp ranks, and the default stream around it."""
     from megatron.core import tensor_parallel
 
@@ -185,7 +208,7 @@ def _full_model_reference(cfg, groups, full_seed, ids, labels):
             "layer_out": layer_out, "losses": losses.detach()}
 
 
-def _pipeline_case(rank, cfg, groups, chunk_seed, full_seed):
+def _pipeline_case(cfg, groups, chunk_seed, full_seed):
     from megatron_slim.megatron.model import (build_rank_chunks, global_grads, global_state_dict,
                                               load_global_state_dict, stage_layers)
 
@@ -209,32 +232,32 @@ def _pipeline_case(rank, cfg, groups, chunk_seed, full_seed):
     return result
 
 
-def pipelined(rank, world_size, seed):
+def two_ranks(rank, world_size, seed):
     from megatron_slim.megatron.parallel import model_parallel
 
     out = {}
     cfg = tiny_config()
     with model_parallel(pp=2, seed=seed) as groups:
-        out["pp2"] = _pipeline_case(rank, cfg, groups, chunk_seed=seed + 1, full_seed=seed)
-        out["pp2_init_same_seed"] = _pipeline_case(rank, cfg, groups, chunk_seed=seed, full_seed=seed)
+        out["pp2"] = _pipeline_case(cfg, groups, chunk_seed=seed + 1, full_seed=seed)
         tied = tiny_config(untie_embeddings_and_output_weights=False)
-        out["pp2_tied"] = _pipeline_case(rank, tied, groups, chunk_seed=seed, full_seed=seed)
+        out["pp2_tied"] = _pipeline_case(tied, groups, chunk_seed=seed, full_seed=seed)
     with model_parallel(pp=2, vpp=2, seed=seed) as groups:
-        out["vpp2"] = _pipeline_case(rank, cfg, groups, chunk_seed=seed + 1, full_seed=seed)
+        out["vpp2"] = _pipeline_case(cfg, groups, chunk_seed=seed + 1, full_seed=seed)
     out["sizes"] = {}
     for sizes in (dict(tp=2), dict(cp=2), dict(pp=2), dict()):
         with model_parallel(**sizes) as groups:
             out["sizes"][tuple(sorted(sizes.items()))] = {
                 name: (getattr(groups, f"{name}_size"), getattr(groups, f"{name}_rank"))
                 for name in ("tp", "pp", "cp", "dp")}
+    out["tp2"] = _tensor_parallel_case(seed)
     return out
 
 
-def tensor_parallel_case(rank, world_size, seed):
-    """tp=2: a sharded model loaded from a full one reproduces its loss and (sharded) grads."""
-    from megatron_slim.megatron.model import build_chunk, global_grads, load_global_state_dict
+def _tensor_parallel_case(seed):
+    """tp=2: a sharded whole model loaded from unsharded weights; its loss and sharded grads."""
+    from megatron_slim.megatron.model import (build_chunk, global_grads, global_state_dict,
+                                              load_global_state_dict)
     from megatron_slim.megatron.parallel import model_parallel
-    from megatron_slim.megatron.weights import global_named_parameters, tp_shard
 
     cfg = tiny_config()
     ids, labels = tiny_batch(cfg)
@@ -245,15 +268,9 @@ def tensor_parallel_case(rank, world_size, seed):
         load_global_state_dict(chunk, full_state)
         losses = chunk(ids, None, None, labels=labels)
         losses.mean().backward()
-        grads = global_grads(chunk)
-        named = global_named_parameters(chunk)
-        meta = {n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", None),
-                    getattr(p, "partition_stride", 1)) for n, p in named.items()}
-        shard = lambda full, name: tp_shard(full, named[name], groups.tp_rank, groups.tp_size)  # noqa: E731
-        return {"losses": losses.detach(), "grads": grads, "meta": meta, "tp_rank": groups.tp_rank,
-                "full_state": full_state,
-                "state_matches_shards": all(torch.equal(named[n].detach(), shard(full_state[n], n))
-                                            for n in named)}
+        return {"full_state": full_state, "state": global_state_dict(chunk),
+                "losses": losses.detach(), "grads": global_grads(chunk),
+                "tp_rank": groups.tp_rank, "tp_size": groups.tp_size}
 
 
 def _unsharded_state(cfg, seed):

@@ -40,7 +40,8 @@ def _qkv_fuse(cfg, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 def from_megatron(cfg, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Reference weights from megatron whole-model names (fresh leaf tensors)."""
-    out = {"embed": sd["embedding.word_embeddings.weight"], "final_norm": sd["decoder.final_layernorm.weight"]}
+    out = {"embed": sd["embedding.word_embeddings.weight"],
+           "final_norm": sd["decoder.final_layernorm.weight"]}
     if cfg.untie_embeddings_and_output_weights:
         out["lm_head"] = sd["output_layer.weight"]
     for i in range(cfg.num_layers):
@@ -68,7 +69,8 @@ def to_megatron(cfg, ref: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
         p = f"decoder.layers.{i}."
         out.update({
             p + "input_layernorm.weight": ref[f"{i}.attn_norm"],
-            p + "self_attention.linear_qkv.weight": _qkv_fuse(cfg, ref[f"{i}.wq"], ref[f"{i}.wk"], ref[f"{i}.wv"]),
+            p + "self_attention.linear_qkv.weight": _qkv_fuse(
+                cfg, ref[f"{i}.wq"], ref[f"{i}.wk"], ref[f"{i}.wv"]),
             p + "self_attention.linear_proj.weight": ref[f"{i}.wo"],
             p + "pre_mlp_layernorm.weight": ref[f"{i}.mlp_norm"],
             p + "mlp.linear_fc1.weight": torch.cat([ref[f"{i}.w_gate"], ref[f"{i}.w_up"]], dim=0),

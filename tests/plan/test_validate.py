@@ -84,3 +84,23 @@ def test_every_cross_rank_dependency_is_sent_after_production_and_received_befor
                 recv = ("RECV_F" if a.kind.value == "F" else "RECV_B") + str(a)[len(str(a.chunk)) if a.chunk else 0:][1:]
                 recv = (str(a.chunk) if a.chunk else "") + recv
                 assert (names[i - 1] == recv) == needs_recv
+
+
+def test_link_order_mismatch_is_found_and_the_receive_ordering_pass_fixes_it():
+    from megatron_slim.plan.schedule import check_link_order, lower, order_receives_by_link
+    plain = add_communication(generate("slimpipe", 2, 2, 5, 1))  # pp=2: one link carries F and B
+    with pytest.raises(ScheduleError, match="order differs; NCCL would mismatch"):
+        check_link_order(plain)
+    fixed = order_receives_by_link(plain)
+    validate(fixed)
+    check_link_order(fixed)
+    assert lower(generate("slimpipe", 2, 2, 5, 1)) == fixed
+    assert sorted(map(str, fixed.ranks[1])) == sorted(map(str, plain.ranks[1]))  # only moved
+
+
+@pytest.mark.parametrize("pp,vpp,m,n", [(2, 2, 2, 3), (2, 3, 9, 1), (2, 2, 8, 3), (3, 2, 5, 2), (4, 3, 3, 4)])
+def test_lowered_schedules_are_nccl_safe(pp, vpp, m, n):
+    from megatron_slim.plan.schedule import check_link_order, lower
+    s = lower(generate("slimpipe", pp, vpp, m, n))
+    validate(s)
+    check_link_order(s)

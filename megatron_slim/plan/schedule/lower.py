@@ -75,3 +75,50 @@ def merge_backward(schedule: Schedule) -> Schedule:
                 out.append(a)
         rows.append(out)
     return schedule.replace_ranks(rows)
+
+
+def order_receives_by_link(schedule: Schedule) -> Schedule:
+    """Move receives earlier so each directed link is received in the order it is sent.
+
+    NCCL pairs a link's point-to-point operations in posting order. Where a rank would receive two
+    messages of one link in another order than the peer sends them (pp=2 with interleaving: one
+    link carries activations and gradients), the later-needed message's RECV moves up to the slot
+    of the earlier one. Only receives move, and only earlier; validate the result for deadlocks.
+    """
+    if not schedule.is_lowered:
+        raise ValueError("order_receives_by_link: lower the schedule with add_communication first")
+    send_order: dict[tuple[int, int], list] = {}
+    for rank, row in enumerate(schedule.ranks):
+        for a in row:
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                stage = schedule.stage(rank, a.chunk)
+                dst_stage = stage + 1 if a.kind is Kind.SEND_F else stage - 1
+                dst, dst_chunk = schedule.placement(dst_stage)
+                recv = Action(Kind.RECV_F if a.kind is Kind.SEND_F else Kind.RECV_B, dst_chunk, a.microbatch, a.slice)
+                send_order.setdefault((rank, dst), []).append(recv)
+    rows = []
+    for rank, row in enumerate(schedule.ranks):
+        row = list(row)
+        for (src, dst), messages in send_order.items():
+            if dst != rank:
+                continue
+            position = {a: i for i, a in enumerate(row) if a in set(messages)}
+            slots = [position[m] for m in messages]
+            wanted = slots[:]
+            for k in range(len(wanted) - 2, -1, -1):  # suffix minimum: positions rise in send order
+                wanted[k] = min(wanted[k], wanted[k + 1])
+            if wanted == slots:
+                continue
+            # sort key: a receive moved to slot w goes right before whatever held slot w, in send order
+            keys = {a: (i, 1, 0) for i, a in enumerate(row)}
+            for k, (m, w) in enumerate(zip(messages, wanted)):
+                keys[m] = (w, 0, k)
+            row = sorted(row, key=keys.__getitem__)
+        rows.append(row)
+    return schedule.replace_ranks(rows)
+
+
+def lower(schedule: Schedule) -> Schedule:
+    """The lowering both the simulator and the runtime execute: communication added, receives
+    ordered per link (safe for NCCL as well as gloo)."""
+    return order_receives_by_link(add_communication(schedule))

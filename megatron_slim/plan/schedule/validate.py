@@ -183,3 +183,38 @@ def validate(schedule: Schedule) -> Schedule:
         raise ScheduleError("schedule deadlocks or breaks a dependency:\n" + "\n".join(reasons),
                             format_grid(schedule, stuck))
     return schedule
+
+
+def check_link_order(schedule: Schedule) -> Schedule:
+    """Every directed link carries its messages in the same order on both ends.
+
+    gloo matches messages by tag; NCCL matches point-to-point operations between two ranks in
+    the order they are posted, so a lowered schedule must send and receive in one order per link.
+    """
+    if not schedule.is_lowered:
+        raise ScheduleError("check_link_order needs a lowered schedule (add_communication)")
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    where: dict = {}
+    for rank, row in enumerate(schedule.ranks):
+        for step, a in enumerate(row):
+            if a.kind in (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B):
+                k = _comm_key(schedule, rank, a)
+                peer_stage = k[1] + (-1 if a.kind is Kind.RECV_F else 1 if a.kind is Kind.RECV_B else 0)
+                if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                    link = (rank, schedule.placement(k[1])[0])
+                    sent.setdefault(link, []).append(k)
+                else:
+                    link = (schedule.placement(peer_stage)[0], rank)
+                    received.setdefault(link, []).append(k)
+                where[(rank, k)] = step
+    for link, messages in sent.items():
+        got = received.get(link, [])
+        for i, (m_s, m_r) in enumerate(zip(messages, got)):
+            if m_s != m_r:
+                src, dst = link
+                marks = {src: where[(src, m_s)], dst: where[(dst, m_r)]}
+                raise ScheduleError(f"link rank {src} -> rank {dst}: message {i} is sent as {m_s} but "
+                                    f"received as {m_r} (order differs; NCCL would mismatch them)",
+                                    format_grid(schedule, marks))
+    return schedule

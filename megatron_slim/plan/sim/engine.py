@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from megatron_slim.plan.schedule.deps import compute_dependencies, key
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
-from megatron_slim.plan.schedule.lower import add_communication
+from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schedule.validate import validate
 from megatron_slim.plan.sim.costs import PipelineCosts
 
@@ -207,7 +207,7 @@ def _memory_peaks(result: RankResult, deltas: list[tuple[float, float, float]]) 
 
 def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
     """Simulate ``schedule`` (compute-only schedules are lowered first) and summarise it."""
-    lowered = schedule if schedule.is_lowered else add_communication(schedule)
+    lowered = schedule if schedule.is_lowered else lower(schedule)
     validate(lowered)
     run = _Run(lowered, costs)
     run.run()

@@ -37,8 +37,11 @@ def _weights(lse_a: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     total = w_a + w_b
     lse = top + torch.log(total)  # log(0) = -inf for rows no partial saw
     inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
-    to_out = lambda w: (w * inv).transpose(-1, -2).unsqueeze(-1)  # noqa: E731
-    return to_out(w_a), to_out(w_b), lse
+
+    def like_out(w: Tensor) -> Tensor:  # lse [..., h, s] -> [..., s, h, 1]
+        return (w * inv).transpose(-1, -2).unsqueeze(-1)
+
+    return like_out(w_a), like_out(w_b), lse
 
 
 def _weighted(w: Tensor, out: Tensor) -> Tensor:

@@ -179,9 +179,9 @@ def load_te_backend(device: torch.device) -> tuple[TeBackend | None, str]:
     """(backend, why); backend None with the reason when Transformer Engine cannot be used."""
     if device.type != "cuda":
         installed = importlib.util.find_spec("transformer_engine") is not None
-        return None, (
-            f"transformer-engine needs CUDA (device is {device.type})" if installed else "transformer-engine not installed"
-        )
+        if not installed:
+            return None, "transformer-engine not installed"
+        return None, f"transformer-engine needs CUDA (device is {device.type})"
     try:
         fused_attn = importlib.import_module("transformer_engine.pytorch.cpp_extensions.fused_attn")
         tex = importlib.import_module("transformer_engine_torch")

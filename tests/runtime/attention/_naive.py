@@ -45,7 +45,7 @@ def naive_varlen(q, k, v, q_lens, k_lens, causal: bool, scale: float | None = No
     qs = ks = 0
     for lq, lk in zip(q_lens, k_lens):
         if lk == 0:  # no key: out 0, lse -inf
-            outs.append(q.new_zeros(lq, q.shape[1], v.shape[-1], dtype=torch.float64) + 0 * q[qs : qs + lq].sum())
+            outs.append(torch.zeros(lq, q.shape[1], v.shape[-1], dtype=torch.float64))
             lses.append(torch.full((q.shape[1], lq), float("-inf"), dtype=torch.float64))
         else:
             o, l = naive_attention(
@@ -64,7 +64,7 @@ def naive_grads(q, k, v, dout, causal: bool, scale: float | None = None, varlen_
         out, lse = naive_attention(*leaves, causal, scale)
     else:
         out, lse = naive_varlen(*leaves, *varlen_lens, causal, scale)
-    grads = torch.autograd.grad(out, leaves, dout.double())
+    grads = torch.autograd.grad(out, leaves, dout.double(), allow_unused=True, materialize_grads=True)
     return (out.detach(), lse.detach(), *grads)
 
 

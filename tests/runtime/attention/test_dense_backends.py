@@ -35,7 +35,11 @@ def _inputs(case, dtype, seed):
     return make(b, sq, hq, d), make(b, sk, hkv, d), make(b, sk, hkv, d), make(b, sq, hq, d)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_sq{}_sk{}_h{}-{}_d{}_{}".format(*c[:6], "causal" if c[6] else "full"))
+def _case_id(c):
+    return "b{}_sq{}_sk{}_h{}-{}_d{}_{}".format(*c[:6], "causal" if c[6] else "full")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_backend_matches_float64_naive(name, dtype, case):

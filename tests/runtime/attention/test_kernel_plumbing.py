@@ -9,8 +9,10 @@
 import pytest
 import torch
 
-from megatron_slim.runtime.attention import flash_api
+from megatron_slim.runtime.attention import FlashBackend, ReferenceBackend, flash_api
+from megatron_slim.runtime.attention import flash as flash_backend_module
 from megatron_slim.runtime.attention.sdpa_kernels import CudaEfficientKernels, CudaFlashKernels
+from tests.runtime.attention._naive import assert_close, fresh_seed
 
 
 @pytest.mark.parametrize("kernels", [CudaFlashKernels, CudaEfficientKernels], ids=lambda k: k.__name__)
@@ -64,3 +66,51 @@ def test_flash3_backward_gets_is_causal_and_fills_grads():
     dq, dk, dv = api.backward(q, q, k, k, q, torch.zeros(1, 2, 4), True, 0.5)
     assert bool((dq == 1).all()) and bool((dk == 2).all()) and bool((dv == 3).all())
     assert dk.shape == k.shape
+
+
+class _FlashLikeApi:
+    """Reference math with flash-attn's conventions: head_dim % 8 == 0, lse = +inf for keyless rows."""
+
+    def __init__(self):
+        self.ref = ReferenceBackend()
+
+    def forward(self, q, k, v, causal, scale):
+        assert q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+        out, lse = self.ref.forward(q, k, v, causal=causal, softmax_scale=scale)
+        return out, torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        assert q.shape[-1] % 8 == 0 and not bool(torch.isneginf(lse).any())
+        lse = torch.where(torch.isposinf(lse), torch.full_like(lse, float("-inf")), lse)
+        return self.ref.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
+
+
+class _CpuFlashBackend(FlashBackend):
+    def _check_inputs(self, q):  # the real one insists on CUDA
+        pass
+
+
+def test_flash_backend_pads_head_dim_and_converts_lse_convention():
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(2, 5, 4, 12, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 9, 2, 12, generator=gen) for _ in range(2))
+    backend, ref = _CpuFlashBackend(_FlashLikeApi()), ReferenceBackend()
+    out, lse = backend.forward(q, k, v, causal=True)
+    ref_out, ref_lse = ref.forward(q, k, v, causal=True)
+    assert out.shape == q.shape
+    assert_close(out, ref_out, 1e-6, 1e-6, "out", seed)
+    assert_close(lse, ref_lse, 1e-6, 0, "lse", seed)
+    grads = backend.backward(dout, q, k, v, out, lse, causal=True)
+    ref_grads = ref.backward(dout, q, k, v, ref_out, ref_lse, causal=True)
+    for got, want, what in zip(grads, ref_grads, ("dq", "dk", "dv")):
+        assert got.shape == want.shape
+        assert_close(got, want, 1e-6, 1e-6, what, seed)
+
+
+def test_flash_lse_convention_round_trip():
+    """flash-attn marks a keyless row with lse = +inf, we with -inf; both directions convert."""
+    theirs = torch.tensor([float("inf"), 1.5, -2.0])
+    ours = flash_backend_module._lse_to_ours(theirs)
+    assert ours.tolist() == [float("-inf"), 1.5, -2.0]
+    assert flash_backend_module._lse_to_flash(ours).tolist() == theirs.tolist()

@@ -1,0 +1,37 @@
+# Quickstart: `make demo` (installs, then runs the main job) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+OUT ?= out
+
+.PHONY: install demo simulate-demo test test-slow test-all clean
+
+# torch is pinned: the local CPU wheel; any other spec pulls several GB of CUDA packages.
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: simulate-demo
+
+simulate-demo: $(STAMP)
+	mkdir -p $(OUT)
+	$(BIN)/megatron-slim simulate --recipe llama2-70b-512k --compare 1f1b,interleaved,slimpipe \
+		--json $(OUT)/simulate.json --trace $(OUT)/simulate.trace.json --plot $(OUT)/simulate.png
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow and not gpu"
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(OUT) .pytest_cache

@@ -1,0 +1,28 @@
+"""``megatron-slim megatron-args``: the Megatron-LM flags (or node count) a recipe stands for."""
+from __future__ import annotations
+
+import shlex
+
+from megatron_slim.megatron.flags import recipe_to_megatron_args
+from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.plan.schema import ConfigError
+
+
+def nodes_for(recipe) -> int:
+    world, per_node = recipe.parallel.world_size, recipe.hardware_profile.gpus_per_node
+    if world % per_node and world > per_node:
+        raise ConfigError(f"parallel: tp*pp*cp*dp={world} GPUs do not fill whole nodes of {per_node} "
+                          f"GPUs (hardware {recipe.hardware}); allowed: a multiple of {per_node}")
+    return max(1, world // per_node)
+
+
+def main(args) -> int:
+    recipe = load_recipe(args.recipe, args.set)
+    if args.nodes:
+        print(nodes_for(recipe))
+    elif args.gpus_per_node:
+        print(min(recipe.parallel.world_size, recipe.hardware_profile.gpus_per_node))
+    else:
+        flags = recipe_to_megatron_args(recipe)
+        print(" ".join(shlex.quote(f) for f in flags) if args.format == "shell" else "\n".join(flags))
+    return 0

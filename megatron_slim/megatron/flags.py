@@ -1,0 +1,129 @@
+"""Megatron-LM command-line flags: the ones a recipe stands for, and megatron-slim's own.
+
+``recipe_to_megatron_args`` derives ``pretrain_gpt.py`` flags from a recipe (never duplicated by
+hand in scripts); ``add_arguments`` registers megatron-slim's flags on Megatron's parser (pass it
+as ``extra_args_provider``). Importing this module imports no megatron and no torch.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron_slim.plan.recipe import CPEngine, Recipe, SlicePolicy
+from megatron_slim.plan.schema import ConfigError
+
+SLICE_POLICIES: tuple[str, ...] = SlicePolicy.__args__  # type: ignore[attr-defined]
+CP_ENGINES: tuple[str, ...] = ("te",) + CPEngine.__args__  # type: ignore[attr-defined]
+ATTENTION_BACKENDS = ("auto", "flash", "te", "sdpa", "reference")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register megatron-slim's flags (use as Megatron's ``extra_args_provider``)."""
+    g = parser.add_argument_group("megatron-slim")
+    g.add_argument("--use-slimpipe", action="store_true",
+                   help="run the SlimPipe slice-level pipeline schedule (K/V cache across slices)")
+    g.add_argument("--slimpipe-num-slices", type=int, default=1,
+                   help="slices per microbatch (default 1: no slicing)")
+    g.add_argument("--slimpipe-slice-policy", choices=SLICE_POLICIES, default="uniform",
+                   help="uniform: equal slices; balanced: equal forward+backward work under the causal mask")
+    g.add_argument("--slimpipe-hardware", default="h100",
+                   help="hardware profile the balanced policy's cost model uses (configs/hardware)")
+    g.add_argument("--slimpipe-calibration", default=None,
+                   help="measured kernel rates for the balanced policy's cost model")
+    g.add_argument("--cp-engine", choices=CP_ENGINES, default="te",
+                   help="context-parallel attention: te = Megatron's own (default); the others are "
+                        "megatron-slim engines")
+    g.add_argument("--cp-remap", action="store_true",
+                   help="with --cp-engine zeppelin: token-balanced layout for the MLP (remap layer)")
+    g.add_argument("--megatron-slim-attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="attention kernels for megatron-slim's core attention (auto: flash > te > sdpa)")
+    return parser
+
+
+def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
+    """The ``pretrain_gpt.py`` flags a recipe stands for (data and output paths excepted)."""
+    m, p, t, s = recipe.model, recipe.parallel, recipe.train, recipe.schedule
+    out = [
+        "--num-layers", m.num_layers, "--hidden-size", m.hidden_size,
+        "--ffn-hidden-size", m.ffn_hidden_size, "--num-attention-heads", m.num_attention_heads,
+        "--seq-length", m.seq_length, "--max-position-embeddings", m.seq_length,
+        "--position-embedding-type", "rope", "--rotary-base", _number(m.rotary_base),
+        "--normalization", "RMSNorm", "--norm-epsilon", _number(m.norm_epsilon),
+        "--swiglu", "--disable-bias-linear", "--attention-dropout", 0, "--hidden-dropout", 0,
+        "--vocab-size", m.vocab_size,
+    ]
+    if m.num_query_groups != m.num_attention_heads:
+        out += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
+    if m.untie_embeddings_and_output_weights:
+        out += ["--untie-embeddings-and-output-weights"]
+    out += ["--tensor-model-parallel-size", p.tp, "--pipeline-model-parallel-size", p.pp,
+            "--context-parallel-size", p.cp]
+    if p.vpp > 1:
+        out += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // (p.pp * p.vpp)]
+    if p.sequence_parallel:
+        out += ["--sequence-parallel"]
+    out += ["--micro-batch-size", t.micro_batch_size, "--global-batch-size", t.global_batch_size,
+            "--train-iters", t.iters, "--lr", _number(t.lr), "--min-lr", _number(t.min_lr),
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", t.warmup_iters,
+            "--weight-decay", _number(t.weight_decay), "--clip-grad", _number(t.clip_grad),
+            "--seed", t.seed, "--log-interval", t.log_interval]
+    if t.precision == "bf16":
+        out += ["--bf16"]
+    if t.distributed_optimizer:
+        out += ["--use-distributed-optimizer"]
+    if t.recompute == "full":
+        out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
+    if t.save_interval:
+        out += ["--save-interval", t.save_interval]
+    if s.kind == "slimpipe":
+        out += ["--use-slimpipe", "--slimpipe-num-slices", s.num_slices, "--slimpipe-slice-policy",
+                s.slice_policy, "--slimpipe-hardware", recipe.hardware]
+    if p.cp > 1 and recipe.cp.engine != "ring":
+        out += ["--cp-engine", recipe.cp.engine] + (["--cp-remap"] if recipe.cp.remap else [])
+    return [str(x) for x in out]
+
+
+def _number(x: float) -> str:
+    return repr(float(x)) if not float(x).is_integer() or abs(x) >= 1e16 else str(int(x))
+
+
+def check_megatron_args(args: argparse.Namespace) -> None:
+    """Reject flag combinations megatron-slim cannot run, saying what to change. Runs at start-up,
+    after Megatron's own validation, before any model is built."""
+    if args.cp_engine not in ("te",) and getattr(args, "context_parallel_size", 1) == 1:
+        raise ConfigError(f"--cp-engine {args.cp_engine}: needs --context-parallel-size > 1 "
+                          "(or drop --cp-engine)")
+    if args.cp_remap and args.cp_engine != "zeppelin":
+        raise ConfigError("--cp-remap: only with --cp-engine zeppelin")
+    if not args.use_slimpipe:
+        if args.slimpipe_num_slices != 1:
+            raise ConfigError("--slimpipe-num-slices: needs --use-slimpipe")
+        return
+    n = args.slimpipe_num_slices
+    if n < 1:
+        raise ConfigError(f"--slimpipe-num-slices: got {n}; allowed: an integer >= 1")
+    problems = {
+        "context_parallel_size": (lambda v: v not in (None, 1),
+                                  "--use-slimpipe with --context-parallel-size > 1 is not supported yet: "
+                                  "set --context-parallel-size 1"),
+        "overlap_p2p_comm": (bool, "--use-slimpipe runs its own point-to-point schedule: drop --overlap-p2p-comm"),
+        "num_experts": (lambda v: bool(v), "--use-slimpipe does not support MoE yet: drop --num-experts"),
+        "multi_latent_attention": (bool, "--use-slimpipe does not support MLA: drop --multi-latent-attention"),
+        "cuda_graph_impl": (lambda v: v not in (None, "none"),
+                            "--use-slimpipe cannot run under CUDA graphs: set --cuda-graph-impl none"),
+        "enable_cuda_graph": (bool, "--use-slimpipe cannot run under CUDA graphs: drop --enable-cuda-graph"),
+        "mtp_num_layers": (lambda v: bool(v), "--use-slimpipe does not support multi-token prediction"),
+        "sequence_packing": (bool, "--use-slimpipe does not support packed (THD) sequences yet"),
+        "position_embedding_type": (lambda v: v not in (None, "rope", "none"),
+                                    "--use-slimpipe needs --position-embedding-type rope (or none)"),
+    }
+    for name, (bad, message) in problems.items():
+        if name in vars(args) and bad(getattr(args, name)):
+            raise ConfigError(message)
+    seq = args.seq_length
+    unit = getattr(args, "tensor_model_parallel_size", 1) if getattr(args, "sequence_parallel", False) else 1
+    if args.slimpipe_slice_policy == "uniform" and seq % (n * unit):
+        raise ConfigError(
+            f"--slimpipe-num-slices {n}: --seq-length {seq} does not split into {n} equal slices that are "
+            f"multiples of {unit} tokens; allowed: a divisor of {seq // unit} (or --slimpipe-slice-policy balanced)")
+    if seq < n * unit:
+        raise ConfigError(f"--slimpipe-num-slices {n}: at most {seq // unit} slices of --seq-length {seq}")

@@ -1,0 +1,197 @@
+"""SlimPipe as a megatron-core forward-backward function.
+
+``make_forward_backward_func(settings)`` returns a function with the keyword contract of
+``megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_*`` for megatron-core
+0.14 .. 0.19 (unknown keywords are accepted; the ones that change behaviour and are not supported
+raise). It generates the slice schedule for the call's (pp, vpp, microbatches, slices), lowers and
+validates it, checks that every pipeline rank holds the same plan, and runs the interpreter on
+megatron's model chunks with megatron's hooks: ``no_sync_func``, ``grad_sync_func``,
+``finalize_model_grads_func``, ``grad_scale_func`` (inside megatron's ``backward_step``),
+``deallocate_pipeline_outputs``, ``timers``. It returns what megatron's schedules return: one loss
+report per microbatch on the last pipeline stage, an empty list elsewhere.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_slim.megatron import compat
+from megatron_slim.megatron.slicing import attach_slicing
+from megatron_slim.plan.schedule import check_link_order, generate, lower, validate
+from megatron_slim.runtime.pipeline.grad_sync import GradSync
+from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter, StageOps, last_backward_steps
+from megatron_slim.runtime.pipeline.kv_cache import ByteLedger, KVCacheStore
+from megatron_slim.runtime.pipeline.loss import SlicedLoss
+from megatron_slim.runtime.pipeline.memory_meter import ActivationMeter
+from megatron_slim.runtime.pipeline.p2p import P2P
+from megatron_slim.runtime.pipeline.slice_context import SliceContext
+from megatron_slim.runtime.pipeline.sliced_data import SlicedIterator
+
+
+@dataclass(frozen=True)
+class SlimPipeSettings:
+    slice_lengths: tuple[int, ...]  # the slice plan: what the simulator was given too
+    attention_backend: Optional[str] = None
+    measure_memory: bool = False
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slice_lengths)
+
+
+@dataclass
+class RunStats:
+    """Measured by the last call with ``measure_memory``: per model chunk on this rank."""
+
+    peak_activation_bytes: int = 0
+    peak_kv_bytes: int = 0
+    schedule_digest: str = ""
+    agreed_digests: set = field(default_factory=set)
+
+
+class _NonLossData:
+    """``collect_non_loss_data``: keep what ``loss_func(output, non_loss_data=True)`` returns."""
+
+    def __init__(self) -> None:
+        self.reports: list = []
+
+    def add(self, microbatch, slice_, outputs, keep_graph):
+        self.reports.append(outputs)
+
+    def is_drained(self) -> bool:
+        return True
+
+
+def _pp_group(pg_collection, p2p_communicator):
+    for source in (pg_collection, p2p_communicator):
+        group = getattr(source, "pp", None) or getattr(source, "pp_group", None)
+        if group is not None:
+            return group
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_group()
+
+
+def _agree_on_plan(digest: str, group, stats: RunStats) -> None:
+    if digest in stats.agreed_digests or group.size() == 1:
+        return
+    gathered = [None] * group.size()
+    dist.all_gather_object(gathered, digest, group=group)
+    if len(set(gathered)) != 1:
+        raise RuntimeError(f"pipeline ranks hold different SlimPipe schedules: digests {gathered}")
+    stats.agreed_digests.add(digest)
+
+
+def _takes_checkpoint_flag(forward_step_func: Callable) -> bool:
+    try:
+        return len(inspect.signature(forward_step_func).parameters) >= 3
+    except (TypeError, ValueError):
+        return False
+
+
+def make_forward_backward_func(settings: SlimPipeSettings) -> Callable:
+    stats = RunStats()
+
+    def forward_backward_slimpipe(*, forward_step_func, data_iterator, model, num_microbatches: int,
+                                  seq_length: int, micro_batch_size: int, decoder_seq_length=None,
+                                  forward_only: bool = False, collect_non_loss_data: bool = False,
+                                  first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None,
+                                  pg_collection=None, grad_finalize_pgs=None, force_all_reduce=False,
+                                  **unused: Any):
+        if adjust_tensor_shapes_fn is not None:
+            raise ValueError("adjust_tensor_shapes_fn: not supported by SlimPipe (ModelOpt distillation); "
+                             "run without --use-slimpipe")
+        if sum(settings.slice_lengths) != seq_length:
+            raise ValueError(f"seq_length={seq_length}: the SlimPipe slice plan covers "
+                             f"{sum(settings.slice_lengths)} tokens ({settings.slice_lengths})")
+        models = list(model) if isinstance(model, (list, tuple)) else [model]
+        iterators = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator] * len(models)
+        from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+        config = get_model_config(models[0])
+        group = _pp_group(pg_collection, p2p_communicator)
+        pp, rank, vpp = group.size(), group.rank(), len(models)
+        schedule = lower(generate("slimpipe", pp, vpp, num_microbatches, settings.num_slices))
+        validate(schedule)
+        check_link_order(schedule)
+        stats.schedule_digest = schedule.digest()
+        _agree_on_plan(stats.schedule_digest, group, stats)
+
+        context = SliceContext()
+        ledger = ByteLedger()
+        stores = [KVCacheStore(ledger) for _ in models]
+        for m, store in zip(models, stores):
+            if attach_slicing(m, context, store, settings.attention_backend) == 0:
+                raise ValueError("--use-slimpipe: the model has no SliceCoreAttention; build it with "
+                                 "megatron_slim's layer spec (megatron_slim.megatron.install patches the spec)")
+        sliced = [SlicedIterator(it, settings.slice_lengths) if it is not None else None for it in iterators]
+        params = next(models[0].parameters())
+        dtype = config.pipeline_dtype or params.dtype
+        tp = getattr(config, "tensor_model_parallel_size", 1) if getattr(config, "sequence_parallel", False) else 1
+        cp = getattr(config, "context_parallel_size", 1) or 1
+        with_flag = _takes_checkpoint_flag(forward_step_func)
+
+        def forward(chunk: int, inp):
+            get_attr_wrapped_model(models[chunk], "set_input_tensor")(inp)
+            autocast = (torch.autocast(params.device.type, dtype=config.autocast_dtype)
+                        if getattr(config, "enable_autocast", False) else contextlib.nullcontext())
+            with autocast:
+                args = (sliced[chunk], models[chunk]) + ((None,) if with_flag else ())
+                output, loss_func = forward_step_func(*args)
+            if collect_non_loss_data and forward_only and loss_func is not None:
+                loss_func = functools.partial(loss_func, non_loss_data=True)
+            return output, loss_func
+
+        def backward(inp, out, grad):
+            grads = compat.backward_step(inp, out, grad, config)
+            return grads[0] if isinstance(grads, (list, tuple)) else grads
+
+        def release(out):
+            from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
+            deallocate_output_tensor(out, getattr(config, "deallocate_pipeline_outputs", False))
+
+        ops = StageOps(forward=forward, backward=backward, release_output=release, dtype=dtype,
+                       tensor_shape=lambda j: (settings.slice_lengths[j] // cp // tp, micro_batch_size,
+                                               config.hidden_size))
+        p2p = P2P(group, dist.get_process_group_ranks(group), params.device, schedule.num_stages,
+                  num_microbatches, settings.num_slices) if pp > 1 else None
+        loss = (_NonLossData() if collect_non_loss_data and forward_only else
+                SlicedLoss(num_microbatches, settings.num_slices, getattr(config, "calculate_per_token_loss", False)))
+        meter = ActivationMeter([p for m in models for p in m.parameters()],
+                                lambda: set().union(*(s.storage_ptrs() for s in stores))) \
+            if settings.measure_memory else None
+        grad_sync = GradSync(config.no_sync_func, config.grad_sync_func,
+                             [functools.partial(lambda m: m.parameters(), m) for m in models],
+                             last_backward_steps(schedule.ranks[rank], vpp))
+        interpreter = PipelineInterpreter(schedule, rank, ops, p2p, settings.slice_lengths, context, stores,
+                                          loss, meter=meter, grad_sync=grad_sync, forward_only=forward_only)
+        timer = config.timers("forward-backward", log_level=1) if getattr(config, "timers", None) else None
+        if timer is not None:
+            timer.start(barrier=getattr(config, "barrier_with_L1_time", False))
+        interpreter.run()
+        if timer is not None:
+            timer.stop()
+        if meter is not None:
+            stats.peak_activation_bytes = meter.peak_bytes
+            stats.peak_kv_bytes = ledger.peak_bytes
+        if not forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
+            per_token = getattr(config, "calculate_per_token_loss", False)
+            tokens = loss.total_num_tokens if per_token else None
+            if per_token and tokens is None:
+                tokens = torch.zeros((), dtype=torch.int, device=params.device)  # not the last stage
+            compat.finalize_model_grads(models, tokens, groups=pg_collection or grad_finalize_pgs,
+                                        force_all_reduce=force_all_reduce or None,
+                                        fn=config.finalize_model_grads_func)
+        last_stage = rank == pp - 1
+        return list(loss.reports) if last_stage else []
+
+    forward_backward_slimpipe.stats = stats
+    forward_backward_slimpipe.settings = settings
+    return forward_backward_slimpipe

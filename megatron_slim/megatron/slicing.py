@@ -1,0 +1,83 @@
+"""Make megatron-core model chunks slice-aware: K/V-cached core attention and offset RoPE.
+
+``SliceCoreAttention`` is the core attention to put in a layer spec; ``attach_slicing`` then
+points every instance in a chunk at the run's ``SliceContext`` and the chunk's ``KVCacheStore``,
+and wraps the chunk's rotary embedding so slice ``j`` gets positions ``start_j ..``. Outside a
+schedule (no current slice) the attention is plain causal attention over what it is given.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megatron_slim.megatron.core_attention import SlimCoreAttention
+from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
+from megatron_slim.runtime.pipeline.slice_attention import sliced_attention
+from megatron_slim.runtime.pipeline.slice_context import SliceContext
+
+
+class SliceCoreAttention(SlimCoreAttention):
+    context: Optional[SliceContext] = None
+    store: Optional[KVCacheStore] = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        info = self.context.current if self.context is not None else None
+        if info is None:
+            return super().attend(q, k, v)
+        if self.store is None:
+            raise RuntimeError(f"layer {self.layer_number}: slice attention has no K/V cache store attached "
+                               "(call megatron_slim.megatron.slicing.attach_slicing)")
+        return sliced_attention(q, k, v, backend=self.attention_backend(q), softmax_scale=self.softmax_scale,
+                                store=self.store, info=info, layer=self.layer_number)
+
+
+class SliceRotary(torch.nn.Module):
+    """Wraps a chunk's rotary embedding: the table starts at the current slice's first position."""
+
+    def __init__(self, inner: torch.nn.Module, context: SliceContext) -> None:
+        super().__init__()
+        self.inner = inner
+        self.context = context
+
+    def forward(self, max_seq_len: int, offset: int = 0, *args: Any, **kwargs: Any) -> torch.Tensor:
+        info = self.context.current
+        start = info.start if info is not None else 0
+        return self.inner(max_seq_len, offset + start, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("inner"), name)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / Float16Module style wrappers (``.module`` chains)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def attach_slicing(chunk: torch.nn.Module, context: SliceContext, store: KVCacheStore,
+                   preferred_backend: Optional[str] = None) -> int:
+    """Point ``chunk``'s slice attentions at ``context``/``store``; wrap its rotary embedding.
+
+    Returns how many slice attentions were found (0 means the spec lacks SliceCoreAttention:
+    the caller must refuse to run sliced).
+    """
+    found = 0
+    for module in chunk.modules():
+        if isinstance(module, SliceCoreAttention):
+            module.context, module.store = context, store
+            if preferred_backend not in (None, "auto"):
+                module.preferred_backend, module._backend = preferred_backend, None
+            found += 1
+    inner = unwrap(chunk)
+    rotary = getattr(inner, "rotary_pos_emb", None)
+    if rotary is not None:
+        if isinstance(rotary, SliceRotary):
+            rotary.context = context
+        else:
+            inner.rotary_pos_emb = SliceRotary(rotary, context)
+    return found

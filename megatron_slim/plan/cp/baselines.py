@@ -1,0 +1,114 @@
+"""Placements of the engines Zeppelin is compared with, on the same pack and topology.
+
+* ``ring`` -- Transformer Engine's THD p2p CP: every sequence zigzag-split over all ``C`` ranks,
+  one ring in CP-rank order (only the hops between nodes cross a NIC, each on the sender's own
+  NIC share; no routing).
+* ``ulysses`` -- all-to-all head parallelism over all ``C`` ranks; the pack is cut into ``C``
+  contiguous token slices. Needs ``C`` to divide the attention heads (checked); with fewer K/V
+  heads than ``C`` the K/V heads are replicated, as DeepSpeed and TE do.
+* ``a2a+p2p`` -- TE's hierarchical CP: all-to-all inside each node, zigzag ring across nodes,
+  every sequence spread over all ranks. Needs the ranks per node to divide the heads (checked);
+  one node degenerates to Ulysses, one rank per node to ``ring``.
+* ``allgather`` -- Llama-3 CP: queries zigzag-split per sequence like ``ring``; the K/V of all
+  ranks are all-gathered before attention (not overlapped), dK/dV reduce-scattered after.
+* ``dynamic`` -- Megatron dynamic CP (``BalancedCPScheduler``): a sequence of ``s`` tokens gets
+  ``2^ceil(log2(s / budget))`` ranks (at least 1, at most the largest power of two dividing ``C``) with ``budget = ceil(L / C)``
+  (``--max-seqlen-per-dp-cp-rank``), placed on the aligned block of that many consecutive ranks
+  whose busiest member has the least ``s^2 / size`` workload among blocks with room for
+  ``s / size`` more tokens per member under the budget (with none, the block with most room).
+  Sequences on the same block share one ring; no routing, no remapping.
+"""
+from __future__ import annotations
+
+from megatron_slim.plan.cp.assemble import GroupSpec, assemble
+from megatron_slim.plan.cp.costs import CPCosts
+from megatron_slim.plan.cp.layout import CPPlan
+from megatron_slim.plan.cp.placement import check_lengths
+from megatron_slim.plan.cp.topology import CPTopology
+from megatron_slim.plan.schema import ConfigError
+
+
+def _all(topo: CPTopology) -> tuple[int, ...]:
+    return tuple(range(topo.num_ranks))
+
+
+def plan_ring(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
+    check_lengths(lengths)
+    kind = "zigzag" if topo.num_ranks > 1 else "local"
+    return assemble("ring", lengths, topo, [GroupSpec(kind, _all(topo), tuple(range(len(lengths))))])
+
+
+def check_heads(engine: str, heads: int, ways: int, what: str) -> None:
+    if heads % ways:
+        raise ConfigError(f"--cp-engine {engine}: model.num_attention_heads={heads} (per TP rank) is not "
+                          f"divisible by {what}={ways} (allowed: engines ring, zeppelin, allgather, dynamic, "
+                          f"or a head count that {what} divides)")
+
+
+def plan_ulysses(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> CPPlan:
+    check_lengths(lengths)
+    check_heads("ulysses", costs.heads, topo.num_ranks, "parallel.cp")
+    kind = "ulysses" if topo.num_ranks > 1 else "local"
+    return assemble("ulysses", lengths, topo, [GroupSpec(kind, _all(topo), tuple(range(len(lengths))))])
+
+
+def plan_a2a_p2p(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> CPPlan:
+    check_lengths(lengths)
+    m = topo.ranks_per_node
+    check_heads("a2a+p2p", costs.heads, m, "CP ranks per node")
+    seqs = tuple(range(len(lengths)))
+    if topo.num_ranks == 1:
+        spec = GroupSpec("local", (0,), seqs)
+    elif m == 1:
+        spec = GroupSpec("zigzag", _all(topo), seqs)
+    elif topo.num_nodes == 1:
+        spec = GroupSpec("ulysses", _all(topo), seqs)
+    else:
+        spec = GroupSpec("hierarchical", _all(topo), seqs, a2a_size=m)
+    return assemble("a2a+p2p", lengths, topo, [spec])
+
+
+def plan_allgather(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
+    check_lengths(lengths)
+    kind = "allgather" if topo.num_ranks > 1 else "local"
+    return assemble("allgather", lengths, topo, [GroupSpec(kind, _all(topo), tuple(range(len(lengths))))])
+
+
+def dynamic_size(s: int, budget: int, num_ranks: int) -> int:
+    """``2^ceil(log2(s / budget))``, at least 1, at most the largest power of two dividing ``C``
+    (the aligned blocks of one size must tile the ranks)."""
+    cap = num_ranks & -num_ranks
+    size = 1
+    while size * budget < s and size < cap:
+        size *= 2
+    return size
+
+
+def plan_dynamic(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
+    check_lengths(lengths)
+    lengths = tuple(lengths)
+    C = topo.num_ranks
+    budget = -(-sum(lengths) // C)
+    work = [0.0] * C
+    tokens = [0.0] * C
+    blocks: dict[tuple[int, ...], list[int]] = {}
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        s = lengths[i]
+        size = dynamic_size(s, budget, C)
+        candidates = [tuple(range(b, b + size)) for b in range(0, C, size)]
+        share = s / size
+
+        def room(block: tuple[int, ...]) -> float:
+            return min(budget - tokens[r] for r in block)
+
+        fitting = [b for b in candidates if room(b) >= share]
+        if fitting:
+            block = min(fitting, key=lambda b: (max(work[r] for r in b), b[0]))
+        else:
+            block = max(candidates, key=lambda b: (room(b), -b[0]))
+        for r in block:
+            work[r] += s * s / size
+            tokens[r] += share
+        blocks.setdefault(block, []).append(i)
+    specs = [GroupSpec("zigzag" if len(b) > 1 else "local", b, tuple(seqs)) for b, seqs in blocks.items()]
+    return assemble("dynamic", lengths, topo, specs)

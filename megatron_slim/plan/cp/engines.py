@@ -1,0 +1,51 @@
+"""One entry point for every CP engine's placement of a pack."""
+from __future__ import annotations
+
+from megatron_slim.plan.cp.baselines import plan_a2a_p2p, plan_allgather, plan_dynamic, plan_ring, plan_ulysses
+from megatron_slim.plan.cp.costs import CPCosts
+from megatron_slim.plan.cp.layout import CPPlan
+from megatron_slim.plan.cp.placement import plan_zeppelin
+from megatron_slim.plan.cp.topology import CPTopology
+from megatron_slim.plan.schema import fail
+
+ENGINES = ("zeppelin", "ring", "ulysses", "a2a+p2p", "allgather", "dynamic")
+
+
+def check_engine(engine: str) -> str:
+    if engine not in ENGINES:
+        raise fail("--cp-engine", engine, " | ".join(ENGINES) + " | all | a comma-separated list")
+    return engine
+
+
+def parse_engines(text: str) -> tuple[str, ...]:
+    """``all``, one engine, or a comma-separated list (order kept, duplicates dropped)."""
+    if text.strip() == "all":
+        return ENGINES
+    out: list[str] = []
+    for name in (t.strip() for t in text.split(",")):
+        if name and check_engine(name) not in out:
+            out.append(name)
+    if not out:
+        raise fail("--cp-engine", text, " | ".join(ENGINES) + " | all")
+    return tuple(out)
+
+
+def uses_remap(engine: str, remap: bool) -> bool:
+    """Only Zeppelin has a remapping layer; the baselines run the MLP in their attention layout."""
+    return engine == "zeppelin" and remap
+
+
+def plan_pack(engine: str, lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *,
+              remap: bool = True, routing: bool = True) -> CPPlan:
+    check_engine(engine)
+    if engine == "zeppelin":
+        return plan_zeppelin(lengths, topo, costs, remap=remap, routing=routing)
+    if engine == "ring":
+        return plan_ring(lengths, topo)
+    if engine == "ulysses":
+        return plan_ulysses(lengths, topo, costs)
+    if engine == "a2a+p2p":
+        return plan_a2a_p2p(lengths, topo, costs)
+    if engine == "allgather":
+        return plan_allgather(lengths, topo)
+    return plan_dynamic(lengths, topo)

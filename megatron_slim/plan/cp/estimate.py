@@ -1,0 +1,109 @@
+"""What one sequence costs each rank of a split, per link class: the numbers the Zeppelin planner
+decides with.
+
+A ring of ``g`` members runs ``g`` steps per pass; every step a member computes ``s^2 / (2 g^2)``
+causal pairs (zigzag makes steps equal) while the next K/V block (``s / g`` tokens) travels one
+hop. The step costs ``max(compute, hop)`` except the first (own block, nothing to wait for); the
+backward moves K/V and dK/dV (twice the bytes) per step plus a final dK/dV hop home. So a split
+pays off once ``s / g`` is long enough for a step's quadratic compute to hide its linear hop --
+about ``2 F / B`` tokens per rank for MHA in bf16 (``F`` attention FLOP/s, ``B`` link bytes/s),
+which is four times longer on a NIC share than on NVLink: short sequences stay local, medium ones
+split inside a node, long ones across nodes.
+
+Hierarchical splits (all-to-all inside each node, ring across nodes) trade the inter-node ring's
+``n * m`` short steps for ``n`` long ones on every rank's own NIC share, at the price of two
+all-to-alls over NVLink per pass; they need the heads to divide over the node's ranks.
+
+Estimates are per rank and pessimistic: exposed communication is charged in full, although the
+attention engine fills it with other groups' and local work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_slim.plan.cp.costs import CPCosts
+from megatron_slim.plan.cp.topology import CPTopology
+
+
+@dataclass(frozen=True)
+class SplitOption:
+    kind: str  # "local" | "zigzag" | "hierarchical"
+    span: int  # ranks the sequence occupies
+    nodes: int  # nodes it spans (1 unless inter-node)
+    est_s: float  # forward + backward seconds per member of one layer for this sequence
+
+
+def _ring(steps: int, compute_f: float, hop_f: float, compute_b: float, hop_b: float,
+          final_b: float) -> float:
+    fwd = compute_f + (steps - 1) * max(compute_f, hop_f)
+    bwd = compute_b + (steps - 1) * max(compute_b, hop_b) + final_b
+    return fwd + bwd
+
+
+def local_time(s: int, costs: CPCosts, remap: bool) -> float:
+    pairs = s * (s + 1) / 2
+    return costs.token_s(s, remap=remap) + pairs * costs.pair_s()
+
+
+def zigzag_time(s: int, g: int, topo: CPTopology, costs: CPCosts, remap: bool, *, inter: bool,
+                routed: bool) -> float:
+    if g == 1:
+        return local_time(s, costs, remap)
+    pairs = s * s / (2 * g * g)
+    block = s / g * costs.kv_bytes
+
+    def hop(nbytes: float) -> float:
+        return topo.inter_hop_time(nbytes, routed) if inter else topo.nvlink.transfer_time(nbytes)
+
+    ring = _ring(g, costs.attention_s(pairs, False), hop(block), costs.attention_s(pairs, True),
+                 hop(2 * block), hop(block))
+    return ring + costs.token_s(s / g, remap=remap)
+
+
+def hierarchical_time(s: int, nodes: int, topo: CPTopology, costs: CPCosts, remap: bool) -> float:
+    m = topo.ranks_per_node
+    per_rank = s / (nodes * m)
+    share = (m - 1) / m
+    nv = topo.nvlink
+
+    def a2a(per_token: float) -> float:
+        return nv.transfer_time(per_rank * per_token * share) if m > 1 else 0.0
+
+    a2a_total = 2 * a2a(costs.q_bytes + costs.kv_bytes) + 2 * a2a(costs.q_bytes)
+    pairs = s * s / (2 * nodes * nodes) / m
+    block = s / nodes * costs.kv_bytes / m
+    ring = _ring(nodes, costs.attention_s(pairs, False), topo.nic.transfer_time(block),
+                 costs.attention_s(pairs, True), topo.nic.transfer_time(2 * block),
+                 topo.nic.transfer_time(block))
+    return ring + a2a_total + costs.token_s(per_rank, remap=remap)
+
+
+def hierarchical_allowed(topo: CPTopology, costs: CPCosts) -> bool:
+    m = topo.ranks_per_node
+    return m > 1 and costs.heads % m == 0
+
+
+def split_options(s: int, topo: CPTopology, costs: CPCosts, *, remap: bool, routing: bool,
+                  hierarchical: bool) -> list[SplitOption]:
+    """Every placement Zeppelin considers for a sequence of ``s`` tokens, by increasing span."""
+    m, n = topo.ranks_per_node, topo.num_nodes
+    out = [SplitOption("local", 1, 1, local_time(s, costs, remap))]
+    for g in range(2, m + 1):
+        out.append(SplitOption("zigzag", g, 1, zigzag_time(s, g, topo, costs, remap, inter=False, routed=False)))
+    for k in range(2, n + 1):
+        best = SplitOption("zigzag", k * m, k, zigzag_time(s, k * m, topo, costs, remap, inter=True, routed=routing))
+        if hierarchical and hierarchical_allowed(topo, costs):
+            hier = SplitOption("hierarchical", k * m, k, hierarchical_time(s, k, topo, costs, remap))
+            if hier.est_s < best.est_s:
+                best = hier
+        out.append(best)
+    return out
+
+
+def choose_split(options: list[SplitOption], target_s: float) -> SplitOption:
+    """The smallest span whose per-rank cost fits the per-rank target (a fair share of the pack);
+    when none fits, the cheapest per rank (ties: the smaller span)."""
+    for opt in options:
+        if opt.est_s <= target_s:
+            return opt
+    return min(options, key=lambda o: (o.est_s, o.span))

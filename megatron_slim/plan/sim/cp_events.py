@@ -1,0 +1,130 @@
+"""A small discrete-event engine for one layer pass of context-parallel attention.
+
+Two kinds of task:
+
+* **compute** -- runs on its rank's single compute stream for ``duration`` seconds. A rank runs one
+  task at a time, non-preemptively; when it is free it starts the ready task with the smallest
+  ``priority`` (the attention engine's queue order: inter-node rings, then intra-node rings, then
+  local sequences, which therefore fill the gaps while rings wait for K/V).
+* **comm** -- starts as soon as its dependencies are done (communication runs on its own streams)
+  and loads network *resources*: a GPU's NVLink out/in and a rank's NIC share out/in. Each
+  resource serves its loads first come, first served; a task's part on a resource starts when the
+  resource is free and lasts ``seconds``; the task ends when its last part ends, plus the link
+  latency. Concurrent transfers thus share a link by queueing on it, which gives every transfer
+  the same total as fair sharing would give the last one to finish.
+
+Collectives are single comm tasks whose dependencies are every participant's preceding work: the
+participants synchronise there.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+Resource = tuple[str, int]  # ("nvl_out" | "nvl_in" | "nic_out" | "nic_in", rank)
+
+_DONE, _READY, _DISPATCH = 0, 1, 2
+
+
+@dataclass
+class Task:
+    rank: int  # compute: the rank; comm: -1
+    duration: float
+    loads: tuple[tuple[Resource, float], ...]
+    latency: float
+    deps: tuple[int, ...]
+    priority: tuple
+    category: str  # "attention" | "linear" | "comm"
+
+
+@dataclass
+class TaskGraph:
+    num_ranks: int
+    tasks: list[Task] = field(default_factory=list)
+
+    def compute(self, rank: int, duration: float, deps, priority: tuple, category: str = "attention") -> int:
+        self.tasks.append(Task(rank, max(0.0, duration), (), 0.0, tuple(deps), priority, category))
+        return len(self.tasks) - 1
+
+    def comm(self, loads: dict[Resource, float] | tuple, latency: float, deps) -> int:
+        items = tuple(sorted(loads.items())) if isinstance(loads, dict) else tuple(loads)
+        self.tasks.append(Task(-1, 0.0, tuple((r, s) for r, s in items if s > 0), latency, tuple(deps), (), "comm"))
+        return len(self.tasks) - 1
+
+
+@dataclass
+class Timeline:
+    end: list[float]
+    start: list[float]
+    busy: dict[int, dict[str, float]]  # rank -> category -> seconds of compute
+    resource_busy: dict[Resource, float]
+    makespan: float
+
+
+def run(graph: TaskGraph) -> Timeline:
+    tasks = graph.tasks
+    n = len(tasks)
+    remaining = [len(t.deps) for t in tasks]
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for tid, t in enumerate(tasks):
+        for d in t.deps:
+            dependents[d].append(tid)
+    start = [0.0] * n
+    end = [0.0] * n
+    free_at: dict[Resource, float] = {}
+    resource_busy: dict[Resource, float] = {}
+    pools: list[list] = [[] for _ in range(graph.num_ranks)]
+    idle = [True] * graph.num_ranks
+    busy: dict[int, dict[str, float]] = {r: {} for r in range(graph.num_ranks)}
+    heap: list = []
+    counter = 0
+
+    def push(time: float, kind: int, item: int) -> None:
+        nonlocal counter
+        heapq.heappush(heap, (time, kind, counter, item))
+        counter += 1
+
+    for tid in range(n):
+        if remaining[tid] == 0:
+            push(0.0, _READY, tid)
+    done = 0
+    now = 0.0
+    while heap:
+        now, kind, _, item = heapq.heappop(heap)
+        if kind == _DONE:
+            done += 1
+            t = tasks[item]
+            end[item] = now
+            if t.rank >= 0:
+                idle[t.rank] = True
+                push(now, _DISPATCH, t.rank)
+            for d in dependents[item]:
+                remaining[d] -= 1
+                if remaining[d] == 0:
+                    push(now, _READY, d)
+        elif kind == _READY:
+            t = tasks[item]
+            if t.rank >= 0:
+                heapq.heappush(pools[t.rank], (t.priority, item))
+                push(now, _DISPATCH, t.rank)
+                continue
+            start[item] = now
+            finish = now
+            for res, seconds in t.loads:
+                s = max(free_at.get(res, 0.0), now)
+                free_at[res] = s + seconds
+                resource_busy[res] = resource_busy.get(res, 0.0) + seconds
+                finish = max(finish, s + seconds)
+            push(finish + t.latency, _DONE, item)
+        else:
+            rank = item
+            if idle[rank] and pools[rank]:
+                _, tid = heapq.heappop(pools[rank])
+                t = tasks[tid]
+                idle[rank] = False
+                start[tid] = now
+                busy[rank][t.category] = busy[rank].get(t.category, 0.0) + t.duration
+                push(now + t.duration, _DONE, tid)
+    if done != n:
+        raise RuntimeError(f"CP simulation stalled: {n - done} of {n} tasks never ran (dependency cycle)")
+    return Timeline(end, start, busy, resource_busy, max(end, default=0.0))

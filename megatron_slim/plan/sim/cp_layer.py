@@ -1,0 +1,88 @@
+"""One decoder layer's forward or backward pass on every CP rank, as a task graph.
+
+Forward, per rank (``t`` = its attention-layout tokens, ``b`` = its balanced-layout tokens):
+
+    pre(t) -> attention groups -> post(t) -> [remap a2a] -> mlp(b) -> [remap back a2a]
+
+Backward mirrors it: ``[remap a2a] -> mlp'(b) -> [remap back a2a] -> post'(t) -> attention
+groups' backward -> pre'(t)``. Without remapping ``b = t`` and there is no all-to-all. Every
+pass starts with all ranks at time 0 and ends when the last rank is done: layers are identical,
+so the rank that is slowest in one layer is slowest in every layer, and the ring and remap
+collectives synchronise ranks anyway.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_slim.plan.cp.costs import CPCosts
+from megatron_slim.plan.cp.layout import CPPlan
+from megatron_slim.plan.cp.remap import RemapPlan
+from megatron_slim.plan.cp.routing import RoutingPlan
+from megatron_slim.plan.cp.topology import CPTopology
+from megatron_slim.plan.sim.cp_attention import AttentionBuilder
+from megatron_slim.plan.sim.cp_events import TaskGraph, Timeline, run
+from megatron_slim.plan.sim.cp_network import Network
+
+_LINEAR = (-1, 0, 0, 0)  # linear work outranks attention pieces when both are ready
+
+
+@dataclass
+class PassResult:
+    time_s: float
+    busy: dict[int, dict[str, float]]
+    sent: list[dict[str, float]]
+    comm_s: list[float]  # seconds each rank's outgoing links were busy
+
+
+def _remap(net: Network, remap: RemapPlan, per_token: float, deps) -> int:
+    flows = [(t.src, t.dst, t.tokens * per_token) for t in remap.transfers]
+    return net.all_to_all(flows, deps)
+
+
+def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: bool,
+                  remap: RemapPlan | None = None, routing: RoutingPlan | None = None) -> PassResult:
+    C = plan.num_ranks
+    graph = TaskGraph(C)
+    net = Network(topo, graph)
+    attn_tokens = plan.tokens_per_rank()
+    mlp_tokens = remap.target_tokens if remap else attn_tokens
+    c = costs
+    linear = lambda r, sec, deps: graph.compute(r, sec, deps, _LINEAR, "linear")  # noqa: E731
+    attention = AttentionBuilder(plan, costs, net, routing, backward)
+
+    def attention_pass(ready: dict[int, int]) -> dict[int, list[int]]:
+        finals: dict[int, list[int]] = {r: [ready[r]] for r in range(C)}
+        for group in plan.groups:
+            for r, tids in attention.build(group, ready).items():
+                finals[r].extend(tids)
+        return finals
+
+    if not backward:
+        pre = {r: linear(r, c.pre_fwd_s * attn_tokens[r], ()) for r in range(C)}
+        finals = attention_pass(pre)
+        post = [linear(r, c.post_fwd_s * attn_tokens[r], finals[r]) for r in range(C)]
+        if remap:
+            moved = _remap(net, remap, c.hidden_bytes, post)
+            mlp = [linear(r, c.mlp_fwd_s * mlp_tokens[r], (moved,)) for r in range(C)]
+            _remap(net, remap.inverse(), c.hidden_bytes, mlp)
+        else:
+            for r in range(C):
+                linear(r, c.mlp_fwd_s * mlp_tokens[r], (post[r],))
+    else:
+        if remap:
+            moved = _remap(net, remap, c.hidden_bytes, ())
+            mlp = [linear(r, c.mlp_bwd_s * mlp_tokens[r], (moved,)) for r in range(C)]
+            back = _remap(net, remap.inverse(), c.hidden_bytes, mlp)
+            post_deps = {r: (back,) for r in range(C)}
+        else:
+            post_deps = {r: (linear(r, c.mlp_bwd_s * mlp_tokens[r], ()),) for r in range(C)}
+        post = {r: linear(r, c.post_bwd_s * attn_tokens[r], post_deps[r]) for r in range(C)}
+        finals = attention_pass(post)
+        for r in range(C):
+            linear(r, c.pre_bwd_s * attn_tokens[r], finals[r])
+    timeline: Timeline = run(graph)
+    comm = [0.0] * C
+    for (kind, rank), sec in timeline.resource_busy.items():
+        if kind.endswith("_out"):
+            comm[rank] += sec
+    return PassResult(timeline.makespan, timeline.busy, net.sent, comm)

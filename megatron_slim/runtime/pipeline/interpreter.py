@@ -1,0 +1,224 @@
+"""Execute one rank's row of a lowered schedule: a table from action kind to handler.
+
+The interpreter holds the in-flight state (received inputs, forward outputs kept for backward,
+received output gradients, input gradients waiting to be sent) and checks it: no compute before
+its receive, nothing left over at the end. Every action runs under
+``record_function("PP:<action>")`` so profiler traces line up with the simulator's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.profiler import record_function
+
+from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
+from megatron_slim.plan.schedule.validate import format_grid
+from megatron_slim.runtime.pipeline.grad_sync import GradSync
+from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
+from megatron_slim.runtime.pipeline.loss import SlicedLoss
+from megatron_slim.runtime.pipeline.memory_meter import ActivationMeter
+from megatron_slim.runtime.pipeline.p2p import P2P
+from megatron_slim.runtime.pipeline.slice_context import SliceContext, SliceInfo
+
+Unit = tuple[int, int, int]  # (chunk, microbatch, slice)
+
+
+class PipelineStateError(RuntimeError):
+    """The runtime found the schedule and its own state disagreeing (a bug, never a user error)."""
+
+
+@dataclass
+class StageOps:
+    """The model side, supplied by the Megatron adapter or by tests.
+
+    ``forward(chunk, input)`` runs the chunk's forward step for the slice set in the context and
+    returns ``(output, loss_func)`` (loss_func is used on the last stage); ``backward(input,
+    output, output_grad)`` back-propagates and returns the input's gradient (None on the first
+    stage); ``tensor_shape(slice)`` is the shape of a slice's hidden states between stages.
+    """
+
+    forward: Callable[[int, Optional[torch.Tensor]], tuple]
+    backward: Callable[[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]], Optional[torch.Tensor]]
+    tensor_shape: Callable[[int], tuple]
+    dtype: torch.dtype
+    release_output: Callable[[torch.Tensor], None] = lambda t: None
+
+
+@dataclass
+class RunState:
+    inputs: dict = field(default_factory=dict)  # unit -> received (or handed-over) input
+    outputs: dict = field(default_factory=dict)  # unit -> (input, output) kept for backward
+    grads: dict = field(default_factory=dict)  # unit -> output gradient
+    to_send: dict = field(default_factory=dict)  # unit -> input gradient awaiting SEND_B
+
+
+def forward_only_row(row: Sequence[Action]) -> list[Action]:
+    return [a for a in row if a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F)]
+
+
+class PipelineInterpreter:
+    def __init__(self, schedule: Schedule, rank: int, ops: StageOps, p2p: Optional[P2P],
+                 slice_lengths: Sequence[int], context: SliceContext, kv_stores: Sequence[KVCacheStore],
+                 loss: SlicedLoss, meter: Optional[ActivationMeter] = None,
+                 grad_sync: Optional[GradSync] = None, forward_only: bool = False) -> None:
+        if not schedule.is_lowered and schedule.pp > 1:
+            raise ValueError("the interpreter runs lowered schedules (plan.schedule.add_communication)")
+        if schedule.has_split_backward:
+            raise ValueError("split input/weight backward (I/W) schedules are simulated, not executed: "
+                             "merge them with plan.schedule.merge_backward")
+        if len(slice_lengths) != schedule.num_slices:
+            raise ValueError(f"{len(slice_lengths)} slice lengths for {schedule.num_slices} slices")
+        self.s, self.rank, self.ops, self.p2p = schedule, rank, ops, p2p
+        self.lengths = list(slice_lengths)
+        self.starts = [sum(self.lengths[:j]) for j in range(len(self.lengths))]
+        self.ctx, self.kv, self.loss, self.meter = context, kv_stores, loss, meter
+        self.grad_sync, self.forward_only = grad_sync, forward_only
+        row = schedule.ranks[rank]
+        self.row = forward_only_row(row) if forward_only else list(row)
+        self.state = RunState()
+        self._step = 0
+        self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.SEND_F: self._send_forward,
+                          Kind.RECV_F: self._recv_forward, Kind.SEND_B: self._send_backward,
+                          Kind.RECV_B: self._recv_backward}
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _stage(self, a: Action) -> int:
+        return self.s.stage(self.rank, a.chunk)
+
+    def _local(self, stage: int) -> bool:
+        return 0 <= stage < self.s.num_stages and self.s.placement(stage)[0] == self.rank
+
+    def _fail(self, message: str) -> PipelineStateError:
+        return PipelineStateError(f"rank {self.rank} step {self._step} {self.row[self._step]}: {message}\n"
+                                  + format_grid(self.s.replace_ranks(
+                                      [self.row if r == self.rank else self.s.ranks[r] for r in range(self.s.pp)]),
+                                      {self.rank: self._step}))
+
+    def _slice_info(self, a: Action) -> SliceInfo:
+        return SliceInfo(a.microbatch, a.slice, self.s.num_slices, self.starts[a.slice],
+                         self.lengths[a.slice], self.forward_only)
+
+    # ---- handlers -----------------------------------------------------------------------------
+    def _forward(self, a: Action) -> None:
+        unit, stage = a.unit, self._stage(a)
+        inp = None
+        if stage > 0:
+            if unit not in self.state.inputs:
+                raise self._fail("forward before its input was received")
+            inp = self.state.inputs.pop(unit)
+        meter = self.meter.track(unit) if self.meter is not None and not self.forward_only else _null()
+        with self.ctx.enter(self._slice_info(a)), meter:
+            output, loss_func = self.ops.forward(a.chunk, inp)
+            if stage == self.s.num_stages - 1:
+                self.loss.add(a.microbatch, a.slice, loss_func(output), keep_graph=not self.forward_only)
+        if self.forward_only and a.slice == self.s.num_slices - 1:
+            self.kv[a.chunk].drop_microbatch(a.microbatch)
+        if stage < self.s.num_stages - 1 and self._local(stage + 1):
+            _, next_chunk = self.s.placement(stage + 1)
+            handed = output.detach()
+            self.state.inputs[(next_chunk, a.microbatch, a.slice)] = handed.requires_grad_(not self.forward_only)
+        if not self.forward_only:
+            self.state.outputs[unit] = (inp, output)
+        elif stage < self.s.num_stages - 1:
+            self.state.outputs[unit] = (None, output)  # kept only until SEND_F
+
+    def _send_forward(self, a: Action) -> None:
+        unit, stage = a.unit, self._stage(a)
+        if unit not in self.state.outputs:
+            raise self._fail("sending an output that was not computed")
+        output = self.state.outputs[unit][1]
+        dst = self.s.placement(stage + 1)[0]
+        self.p2p.send(output, dst, self.p2p.tag(False, stage + 1, a.microbatch, a.slice))
+        if self.forward_only:
+            del self.state.outputs[unit]
+        else:
+            self.ops.release_output(output)
+
+    def _recv_forward(self, a: Action) -> None:
+        stage = self._stage(a)
+        src = self.s.placement(stage - 1)[0]
+        t = self.p2p.recv(self.ops.tensor_shape(a.slice), self.ops.dtype, src,
+                          self.p2p.tag(False, stage, a.microbatch, a.slice))
+        self.state.inputs[a.unit] = t.requires_grad_(not self.forward_only)
+
+    def _backward(self, a: Action) -> None:
+        unit, stage = a.unit, self._stage(a)
+        if unit not in self.state.outputs:
+            raise self._fail("backward of a unit with no forward output")
+        inp, output = self.state.outputs.pop(unit)
+        grad = None
+        if stage == self.s.num_stages - 1:
+            output = self.loss.backward_tensor(a.microbatch, a.slice)
+        else:
+            if unit not in self.state.grads:
+                raise self._fail("backward before its output gradient was received")
+            grad = self.state.grads.pop(unit)
+        if self.grad_sync is not None:
+            self.grad_sync.before_backward(a.chunk, self._step)
+        input_grad = self.ops.backward(inp, output, grad)
+        if self.grad_sync is not None:
+            self.grad_sync.after_backward(a.chunk, self._step)
+        if self.meter is not None:
+            self.meter.release(unit)
+        if stage > 0:
+            if input_grad is None:
+                raise self._fail("backward returned no input gradient on a stage that has an input")
+            if self._local(stage - 1):
+                _, prev_chunk = self.s.placement(stage - 1)
+                self.state.grads[(prev_chunk, a.microbatch, a.slice)] = input_grad
+            else:
+                self.state.to_send[unit] = input_grad
+
+    def _send_backward(self, a: Action) -> None:
+        stage = self._stage(a)
+        if a.unit not in self.state.to_send:
+            raise self._fail("sending an input gradient that was not computed")
+        dst = self.s.placement(stage - 1)[0]
+        self.p2p.send(self.state.to_send.pop(a.unit), dst, self.p2p.tag(True, stage - 1, a.microbatch, a.slice))
+
+    def _recv_backward(self, a: Action) -> None:
+        stage = self._stage(a)
+        src = self.s.placement(stage + 1)[0]
+        self.state.grads[a.unit] = self.p2p.recv(self.ops.tensor_shape(a.slice), self.ops.dtype, src,
+                                                 self.p2p.tag(True, stage, a.microbatch, a.slice))
+
+    # ---- run ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        if self.grad_sync is not None and not self.forward_only:
+            self.grad_sync.start()
+        for self._step, a in enumerate(self.row):
+            with record_function(f"PP:{a}"):
+                self._handlers[a.kind](a)
+        if self.p2p is not None:
+            self.p2p.wait_all()
+        if self.grad_sync is not None and not self.forward_only:
+            self.grad_sync.finish()
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        left = {name: sorted(getattr(self.state, name)) for name in ("inputs", "outputs", "grads", "to_send")
+                if getattr(self.state, name)}
+        stores = [f"chunk {c}: {s.describe()}" for c, s in enumerate(self.kv) if not s.is_empty()]
+        if left or stores or not self.loss.is_drained():
+            raise PipelineStateError(f"rank {self.rank}: state left after the schedule: {left} {stores}")
+
+    def last_backward_steps(self) -> dict[int, int]:
+        return last_backward_steps(self.row, self.s.vpp)
+
+
+def last_backward_steps(row: Sequence[Action], vpp: int) -> dict[int, int]:
+    last = {c: -1 for c in range(vpp)}
+    for step, a in enumerate(row):
+        if a.kind is Kind.B:
+            last[a.chunk] = step
+    return last
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None

@@ -1,0 +1,95 @@
+"""Losses over slices, normalised per microbatch (Megatron's semantics), not per slice.
+
+A Megatron loss function returns ``(loss_sum, num_tokens, report)``; Megatron divides each
+microbatch's ``loss_sum`` by its ``num_tokens`` (unless ``calculate_per_token_loss``) and by the
+number of microbatches. Computing the loss slice by slice keeps only one slice's logits; the
+division by the microbatch's token count waits until the microbatch's last slice is forwarded,
+which the schedule guarantees before that microbatch's first backward on the last stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class _Microbatch:
+    losses: dict = field(default_factory=dict)  # slice -> loss_sum tensor (in the graph)
+    num_tokens: torch.Tensor | None = None
+    reports: list = field(default_factory=list)  # (num_tokens, report) per slice
+    slices_seen: int = 0
+
+
+class SlicedLoss:
+    def __init__(self, num_microbatches: int, num_slices: int, per_token_loss: bool) -> None:
+        self.num_microbatches = num_microbatches
+        self.num_slices = num_slices
+        self.per_token_loss = per_token_loss
+        self._mbs: dict[int, _Microbatch] = {}
+        self.total_num_tokens: torch.Tensor | None = None
+        self.reports: list = []
+
+    def add(self, microbatch: int, slice_: int, outputs, keep_graph: bool) -> None:
+        if not isinstance(outputs, tuple) or len(outputs) not in (2, 3):
+            raise TypeError("loss_func must return (loss_sum, num_tokens, report) or, unsliced, (loss, report); "
+                            f"got {type(outputs).__name__}")
+        if len(outputs) == 2:
+            if self.num_slices > 1:
+                raise ValueError("a 2-tuple loss_func (mean loss, report) cannot be normalised per microbatch "
+                                 "over slices: return (loss_sum, num_tokens, report) as pretrain_gpt.py does")
+            loss, report = outputs
+            num_tokens = torch.ones((), dtype=torch.int, device=loss.device)
+        else:
+            loss, num_tokens, report = outputs
+        mb = self._mbs.setdefault(microbatch, _Microbatch())
+        if slice_ != mb.slices_seen:
+            raise RuntimeError(f"loss of microbatch {microbatch}: slice {slice_} after {mb.slices_seen} slices")
+        mb.slices_seen += 1
+        count = num_tokens.detach().reshape(())
+        mb.num_tokens = count if mb.num_tokens is None else mb.num_tokens + count
+        mb.reports.append((count, report))
+        self._legacy_mean = len(outputs) == 2
+        if keep_graph:
+            mb.losses[slice_] = loss
+        if mb.slices_seen == self.num_slices:
+            self.total_num_tokens = mb.num_tokens if self.total_num_tokens is None else self.total_num_tokens + mb.num_tokens
+            self.reports.append(_combine_reports(mb.reports))
+            mb.reports = []
+            if not keep_graph:
+                del self._mbs[microbatch]
+
+    def backward_tensor(self, microbatch: int, slice_: int) -> torch.Tensor:
+        """The slice's loss scaled as Megatron scales the microbatch's loss."""
+        mb = self._mbs[microbatch]
+        if mb.slices_seen != self.num_slices:
+            raise RuntimeError(f"backward of microbatch {microbatch} slice {slice_} before its last slice's loss")
+        loss = mb.losses.pop(slice_)
+        if not mb.losses:
+            del self._mbs[microbatch]
+        if self.per_token_loss or self._legacy_mean:
+            return loss / self.num_microbatches
+        return loss / (torch.clamp(mb.num_tokens, min=1) * self.num_microbatches)
+
+    def is_drained(self) -> bool:
+        return not self._mbs
+
+
+def _combine_reports(parts: list) -> dict:
+    """Per-slice report dicts -> one per microbatch: 2-element [sum, count] values add up; other
+    values are averaged weighted by the slice's token count."""
+    reports = [r for _, r in parts]
+    if not reports or not isinstance(reports[0], dict):
+        return reports[0] if len(reports) == 1 else reports
+    total = sum(float(c) for c, _ in parts) or 1.0
+    out = {}
+    for name in reports[0]:
+        values = [r[name] for r in reports]
+        if torch.is_tensor(values[0]) and values[0].numel() == 2:
+            out[name] = torch.stack([v.detach() for v in values]).sum(0)
+        elif len(values) == 1:
+            out[name] = values[0]
+        else:
+            weights = [float(c) / total for c, _ in parts]
+            out[name] = sum(w * (v.detach() if torch.is_tensor(v) else v) for w, v in zip(weights, values))
+    return out

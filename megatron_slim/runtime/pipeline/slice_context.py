@@ -1,0 +1,45 @@
+"""Which microbatch slice a rank is computing right now.
+
+The interpreter sets it around every forward and backward; the slice attention (K/V cache key,
+prefix length) and the rotary wrapper (positions) read it. One object per model-chunk set,
+injected at the edge: no module-level state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SliceInfo:
+    microbatch: int
+    slice: int
+    num_slices: int
+    start: int  # first token position of the slice in its sequence
+    length: int  # tokens in the slice (the whole sequence, not the CP/SP shard)
+    forward_only: bool = False
+
+    @property
+    def is_last(self) -> bool:
+        return self.slice == self.num_slices - 1
+
+
+class SliceContext:
+    def __init__(self) -> None:
+        self._current: SliceInfo | None = None
+
+    @property
+    def current(self) -> SliceInfo | None:
+        """None outside a schedule (plain unsliced forward): attention then runs uncached."""
+        return self._current
+
+    def enter(self, info: SliceInfo) -> "SliceContext":
+        if self._current is not None:
+            raise RuntimeError(f"slice context already holds {self._current}; nested entry of {info}")
+        self._current = info
+        return self
+
+    def __enter__(self) -> "SliceContext":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._current = None

@@ -1,0 +1,87 @@
+"""Rank functions for the SlimPipe multi-process tests (module level so spawn can import them)."""
+import dataclasses
+import functools
+
+import torch
+
+from megatron_slim.plan.recipe import ModelConfig
+
+TINY = dict(num_layers=8, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4, num_query_groups=2,
+            vocab_size=128, seq_length=32, rotary_base=10000.0)
+
+
+def make_batches(model: ModelConfig, num_microbatches: int, micro_batch: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num_microbatches):
+        tokens = torch.randint(0, model.vocab_size, (micro_batch, model.seq_length + 1), generator=g)
+        mask = (torch.rand(micro_batch, model.seq_length, generator=g) > 0.15).float()
+        pos = torch.arange(model.seq_length).expand(micro_batch, -1).contiguous()
+        out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                    "loss_mask": mask, "position_ids": pos})
+    return out
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float()
+    loss = torch.sum(losses.reshape(-1) * loss_mask.reshape(-1))
+    num_tokens = loss_mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def reference(model: ModelConfig, batches, seed: int):
+    """Single process, unpipelined, unsliced: Megatron's per-microbatch normalisation."""
+    from megatron_slim.megatron.model import build_chunk, global_grads
+    from megatron_slim.megatron.slicing import SliceCoreAttention
+
+    full = build_chunk(model, _groups(), layers=range(model.num_layers), pre_process=True, post_process=True,
+                       core_attention=SliceCoreAttention, seed=seed)
+    reports = []
+    total = 0.0
+    for batch in batches:
+        out = full(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss, n, report = loss_func(batch["loss_mask"], out)
+        total = total + loss / n.clamp(min=1) / len(batches)
+        reports.append(report["lm loss"])
+    total.backward()
+    return reports, global_grads(full)
+
+
+_GROUPS = None
+
+
+def _groups():
+    return _GROUPS
+
+
+def run_slimpipe(rank, world_size, configs, seed=1234):
+    """Each config: (vpp, num_microbatches, slice_lengths). Returns per config (reports, grads, ref)."""
+    global _GROUPS
+    from megatron_slim.megatron.model import build_rank_chunks, global_grads
+    from megatron_slim.megatron.parallel import init_model_parallel
+    from megatron_slim.megatron.schedule import SlimPipeSettings, make_forward_backward_func
+    from megatron_slim.megatron.slicing import SliceCoreAttention
+
+    _GROUPS = init_model_parallel(pp=world_size)
+    model = ModelConfig(**TINY)
+    results = []
+    for vpp, m, lengths in configs:
+        batches = make_batches(model, m, micro_batch=2, seed=seed + m)
+        chunks = build_rank_chunks(model, dataclasses.replace(_GROUPS, vpp=vpp),
+                                   core_attention=SliceCoreAttention, seed=seed)
+        fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths), measure_memory=True))
+        reports = fb(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
+                     model=chunks, num_microbatches=m, seq_length=model.seq_length, micro_batch_size=2)
+        grads = {}
+        for c in chunks:
+            grads.update(global_grads(c))
+        ref = reference(model, batches, seed) if rank == 0 else None
+        results.append(([r["lm loss"] for r in reports], grads, ref,
+                        (fb.stats.peak_activation_bytes, fb.stats.peak_kv_bytes)))
+    return results
