@@ -34,7 +34,28 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--calibration", metavar="FILE",
                      help="measured kernel rates replacing the hardware profile's efficiencies "
                           "(format: docs/calibration.md)")
+    sim.add_argument("--cp-engine", metavar="ENGINE",
+                     help="simulate context-parallel attention over variable-length packs instead of the "
+                          "pipeline: zeppelin | ring | ulysses | a2a+p2p | allgather | dynamic, 'all', or a "
+                          "comma list (default with --lengths: the recipe's cp.engine)")
+    sim.add_argument("--lengths", metavar="FILE|SPEC",
+                     help="sequence lengths for --cp-engine: a file (one length per line) or a spec such as "
+                          "lognormal:mean=8192,sigma=1.1,min=1024,max=65536 (see plan/cp/lengths.py)")
+    sim.add_argument("--seed", type=int, default=0, help="seed for drawing --lengths (default 0)")
     sim.set_defaults(run="megatron_slim.commands.simulate")
+
+    train = sub.add_parser("train", help="train a recipe on local CPU ranks (default: tiny-cpu on 4 ranks)",
+                           description="Run a real training job on megatron-core model chunks with the recipe's "
+                                       "pipeline schedule, on locally spawned gloo ranks.")
+    _add_recipe_args(train, required=False, default="tiny-cpu")
+    train.add_argument("--json", metavar="PATH", help="write losses, tokens/s and per-stage memory as JSON ('-': stdout)")
+    train.add_argument("--checkpoint-dir", metavar="DIR",
+                       help="save checkpoints here (every train.save_interval iterations and at the end) and "
+                            "resume from the latest one found")
+    train.add_argument("--no-resume", action="store_true", help="start from scratch even if DIR has a checkpoint")
+    train.add_argument("--exit-interval", type=int, metavar="N",
+                       help="stop after iteration N with a checkpoint, as an interrupted run would")
+    train.set_defaults(run="megatron_slim.commands.train")
 
     margs = sub.add_parser("megatron-args", help="print the Megatron-LM pretrain_gpt.py flags a recipe stands for",
                            description="Print the pretrain_gpt.py flags of a recipe (data and output paths "

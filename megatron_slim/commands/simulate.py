@@ -61,6 +61,9 @@ def table(runs: list[Simulated]) -> str:
 
 
 def main(args) -> int:
+    if getattr(args, "cp_engine", None) or getattr(args, "lengths", None):
+        from megatron_slim.commands import simulate_cp
+        return simulate_cp.main(args)
     recipe = load_recipe(args.recipe, args.set)
     kinds = [k for k in (args.compare or "").split(",") if k.strip()]
     variants = [schedule_variant(recipe, k) for k in kinds] if kinds else [recipe]

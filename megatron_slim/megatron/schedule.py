@@ -37,6 +37,7 @@ from megatron_slim.runtime.pipeline.sliced_data import SlicedIterator
 @dataclass(frozen=True)
 class SlimPipeSettings:
     slice_lengths: tuple[int, ...]  # the slice plan: what the simulator was given too
+    kind: str = "slimpipe"  # 1f1b and interleaved run through the same interpreter (one slice)
     attention_backend: Optional[str] = None
     measure_memory: bool = False
 
@@ -117,7 +118,7 @@ def make_forward_backward_func(settings: SlimPipeSettings) -> Callable:
         config = get_model_config(models[0])
         group = _pp_group(pg_collection, p2p_communicator)
         pp, rank, vpp = group.size(), group.rank(), len(models)
-        schedule = lower(generate("slimpipe", pp, vpp, num_microbatches, settings.num_slices))
+        schedule = lower(generate(settings.kind, pp, vpp, num_microbatches, settings.num_slices))
         validate(schedule)
         check_link_order(schedule)
         stats.schedule_digest = schedule.digest()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -45,6 +46,10 @@ class HardwareProfile:
     nic_latency: float  # seconds
     efficiency: Efficiency = field(default_factory=Efficiency)
     usable_memory_fraction: float = 0.92  # CUDA context, NCCL buffers, allocator fragmentation
+    # Which megatron-core layer implementation runs here; it decides what a layer saves for
+    # backward: "te" (Transformer Engine fused norm+linear, fused SwiGLU and RoPE) on GPU clusters,
+    # "local" (megatron-core's local spec: torch RMSNorm, unfused SwiGLU and RoPE) on CPU ranks.
+    layer_impl: Literal["te", "local"] = "te"
 
     def __post_init__(self) -> None:
         positive = (

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_module
+import time
 import socket
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,29 +47,36 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, t
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
-              threads_per_rank: int = 1, timeout_s: float = 600.0) -> list[Any]:
+              threads_per_rank: int = 1, timeout_s: Optional[float] = 600.0,
+              collective_timeout_s: float = 600.0) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
 
-    ``fn`` must be importable (module level) and its result picklable.
+    ``fn`` must be importable (module level) and its result picklable. ``timeout_s`` bounds the
+    whole run (None: no bound); ``collective_timeout_s`` bounds any one collective on a rank. A
+    rank that raises, or dies without a result, fails the run at once and the others are stopped.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, threads_per_rank,
-                                               timeout_s, fn, args, queue), daemon=True)
+                                               collective_timeout_s, fn, args, queue), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     failure = None
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while len(results) < world_size and failure is None:
             try:
-                rank, ok, payload = queue.get(timeout=timeout_s)
-            except Exception:  # queue.Empty
-                dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in results]
-                failure = f"ranks {dead or 'all'} produced no result within {timeout_s:.0f}s"
-                break
+                rank, ok, payload = queue.get(timeout=2.0)
+            except queue_module.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead:
+                    failure = f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]}) without a result"
+                elif deadline is not None and time.monotonic() > deadline:
+                    failure = f"ranks {sorted(set(range(world_size)) - set(results))} produced no result within {timeout_s:.0f}s"
+                continue
             if ok:
                 results[rank] = pickle.loads(payload)
             else:

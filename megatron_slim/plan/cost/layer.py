@@ -52,13 +52,14 @@ class LayerShape:
     sequence_parallel: bool
     micro_batch: int
     element_bytes: int  # activations and weights (2 for bf16, 4 for fp32)
+    layer_impl: str = "te"  # "te" (fused GPU kernels) or "local" (megatron-core local spec)
 
     @classmethod
     def from_configs(cls, model: ModelConfig, parallel: ParallelConfig, micro_batch: int,
-                     element_bytes: int) -> "LayerShape":
+                     element_bytes: int, layer_impl: str = "te") -> "LayerShape":
         return cls(model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
                    model.num_query_groups, model.head_dim, model.vocab_size, parallel.tp, parallel.cp,
-                   parallel.sequence_parallel, micro_batch, element_bytes)
+                   parallel.sequence_parallel, micro_batch, element_bytes, layer_impl)
 
     @property
     def sp(self) -> int:
@@ -116,13 +117,23 @@ class LayerShape:
 
     # ---- saved activations ------------------------------------------------------------------
     def activation_bytes(self, tokens: float, recompute: str = "none") -> float:
-        """Bytes one layer saves for backward, excluding K and V (counted as K/V cache)."""
+        """Bytes one layer saves for backward, excluding K and V (counted as K/V cache).
+
+        ``te``: each norm+linear saves its input and normalised output (2h), attention saves q
+        and its output (2h), fused SwiGLU saves fc1's output (2f) and fc2 its input (f).
+        ``local`` (measured on megatron-core 0.16.1's local spec): each torch RMSNorm keeps its
+        input, the normalised input and the weighted output the next linear saves (3h), the
+        unfused GLU keeps fc1's output (2f), silu's output, ``x_linear + offset`` and the product
+        (3f), RoPE keeps fp32 cos/sin tables for q and k, and each norm its rsqrt.
+        """
         h, f, tp, e = self.hidden, self.ffn, self.tp, self.element_bytes
         n = self._local(tokens)
         if recompute == "full":
             return n * h * e / self.sp  # only the layer input
         lse = n * (self.heads / tp) * FP32_BYTES
-        # norm inputs and outputs (x2 norms), q and attention output, SwiGLU input (2f) and output (f)
+        if self.layer_impl == "local":
+            rope_tables = 4 * self.head_dim * FP32_BYTES
+            return n * e * (6 * h / self.sp + 2 * h / tp + 5 * f / tp + 2) + n * rope_tables + lse
         return n * e * (4 * h / self.sp + 2 * h / tp + 3 * f / tp) + lse
 
     def kv_bytes(self, tokens: float, recompute: str = "none") -> float:

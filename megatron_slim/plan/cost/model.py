@@ -36,7 +36,8 @@ class CostModel:
         self.calibration = calibration
         p = recipe.parallel
         self.element_bytes = 2 if recipe.train.precision == "bf16" else 4
-        self.shape = LayerShape.from_configs(recipe.model, p, recipe.train.micro_batch_size, self.element_bytes)
+        self.shape = LayerShape.from_configs(recipe.model, p, recipe.train.micro_batch_size, self.element_bytes,
+                                             self.hw.layer_impl)
         self.num_stages = p.pp * p.vpp
         self.layers_per_stage = recipe.model.num_layers // self.num_stages
         self.recompute = recipe.train.recompute

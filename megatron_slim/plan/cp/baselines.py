@@ -47,7 +47,8 @@ def check_heads(engine: str, heads: int, ways: int, what: str) -> None:
 
 def plan_ulysses(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> CPPlan:
     check_lengths(lengths)
-    check_heads("ulysses", costs.heads, topo.num_ranks, "parallel.cp")
+    if topo.num_ranks > 1:
+        check_heads("ulysses", costs.heads, topo.num_ranks, "parallel.cp")
     kind = "ulysses" if topo.num_ranks > 1 else "local"
     return assemble("ulysses", lengths, topo, [GroupSpec(kind, _all(topo), tuple(range(len(lengths))))])
 
@@ -55,7 +56,8 @@ def plan_ulysses(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> 
 def plan_a2a_p2p(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> CPPlan:
     check_lengths(lengths)
     m = topo.ranks_per_node
-    check_heads("a2a+p2p", costs.heads, m, "CP ranks per node")
+    if topo.num_ranks > 1:
+        check_heads("a2a+p2p", costs.heads, m, "CP ranks per node")
     seqs = tuple(range(len(lengths)))
     if topo.num_ranks == 1:
         spec = GroupSpec("local", (0,), seqs)

@@ -1,7 +1,8 @@
 """One entry point for every CP engine's placement of a pack."""
 from __future__ import annotations
 
-from megatron_slim.plan.cp.baselines import plan_a2a_p2p, plan_allgather, plan_dynamic, plan_ring, plan_ulysses
+from megatron_slim.plan.cp.baselines import (check_heads, plan_a2a_p2p, plan_allgather, plan_dynamic, plan_ring,
+                                             plan_ulysses)
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.placement import plan_zeppelin
@@ -28,6 +29,15 @@ def parse_engines(text: str) -> tuple[str, ...]:
     if not out:
         raise fail("--cp-engine", text, " | ".join(ENGINES) + " | all")
     return tuple(out)
+
+
+def check_supported(engine: str, topo: CPTopology, costs: CPCosts) -> None:
+    """Raise before any work when ``engine`` cannot run on this model and topology."""
+    check_engine(engine)
+    if engine == "ulysses" and topo.num_ranks > 1:
+        check_heads("ulysses", costs.heads, topo.num_ranks, "parallel.cp")
+    if engine == "a2a+p2p" and topo.num_ranks > 1:
+        check_heads("a2a+p2p", costs.heads, topo.ranks_per_node, "CP ranks per node")
 
 
 def uses_remap(engine: str, remap: bool) -> bool:

@@ -7,8 +7,10 @@ Ring groups (``zigzag``, and the per-local-index rings of ``hierarchical``), mem
   free (its compute of step ``t - 2`` is done). Compute of step ``t`` waits for its hop and for
   step ``t - 1`` (the softmax merge is sequential).
 * backward: the K/V hop as above plus a dK/dV hop carrying the block's gradient accumulated so
-  far, which can leave only once the sender's step ``t - 1`` compute is done; after the last step
-  the gradient goes one more hop to its owner. Backward compute is ``CPCosts.pair_bwd_s`` per
+  far, which leaves once the sender's step ``t - 1`` kernel is done and its own incoming
+  accumulator has arrived. As in ring flash-attention, a step's kernel does not wait for the
+  incoming dK/dV (only the cheap accumulation does), so that hop overlaps the next kernel. After
+  the last step the gradient goes one more hop to its owner. Backward compute is ``CPCosts.pair_bwd_s`` per
   pair (2.5x the forward FLOPs at the backward kernel efficiency).
 * routed groups send inter-node hops through the routing plan's parts.
 
@@ -89,6 +91,12 @@ class AttentionBuilder:
         prio = (group.priority, group.index)
         comp = [[0] * g for _ in range(g)]
         kv_hop = [[0] * g for _ in range(g)]
+        dkv_hop = [[0] * g for _ in range(g)]
+
+        def grad_ready(i: int, t: int) -> tuple[int, ...]:
+            """Member i's accumulated dK/dV of the block it computed at step t can leave."""
+            return (comp[i][t],) + ((dkv_hop[i][t],) if t >= 1 else ())
+
         for i, r in enumerate(ranks):
             comp[i][0] = self._attn(r, pairs[i][i] * head_share, (ready[r],), prio + (0, sub))
         for t in range(1, g):
@@ -97,17 +105,17 @@ class AttentionBuilder:
                 buffer = (comp[i][t - 2],) if t >= 2 else ()
                 have = (ready[ranks[prev]],) if t == 1 else (kv_hop[prev][t - 1],)
                 kv_hop[i][t] = self._hop(group, t, ranks[prev], r, block_rows[origin], kvb, have + buffer)
-                deps = [kv_hop[i][t], comp[i][t - 1]]
                 if self.backward:
-                    deps.append(self._hop(group, t, ranks[prev], r, block_rows[origin], kvb,
-                                          (comp[prev][t - 1],) + buffer))
-                comp[i][t] = self._attn(r, pairs[i][origin] * head_share, deps, prio + (t, sub))
+                    dkv_hop[i][t] = self._hop(group, t, ranks[prev], r, block_rows[origin], kvb,
+                                              grad_ready(prev, t - 1))
+                comp[i][t] = self._attn(r, pairs[i][origin] * head_share, (kv_hop[i][t], comp[i][t - 1]),
+                                        prio + (t, sub))
         finals = {r: [comp[i][g - 1]] for i, r in enumerate(ranks)}
         if self.backward:  # the last step's dK/dV belongs to the next member: one hop home
             for i, r in enumerate(ranks):
                 owner = (i + 1) % g
                 finals[ranks[owner]].append(
-                    self._hop(group, g, r, ranks[owner], block_rows[owner], kvb, (comp[i][g - 1],)))
+                    self._hop(group, g, r, ranks[owner], block_rows[owner], kvb, grad_ready(i, g - 1)))
         return finals
 
     def _node_a2a(self, ranks: list[int], rows: list[int], per_row: float, deps, gather: bool) -> int:

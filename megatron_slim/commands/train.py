@@ -1,0 +1,71 @@
+"""``megatron-slim train``: prepare the corpus, spawn the recipe's ranks, train, report as JSON."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from megatron_slim.plan.recipe import load_recipe
+
+
+def _stage_entries(reports, pp: int) -> list[dict]:
+    by_stage = {r.pp_rank: r for r in reports if r.dp_rank == 0 and r.tp_rank == 0}
+    return [{"stage": s, "peak_activation_bytes": int(by_stage[s].peak_activation_bytes),
+             "peak_kv_bytes": int(by_stage[s].peak_kv_bytes)} for s in range(pp)]
+
+
+def main(args) -> int:
+    from megatron_slim.train.loop import TrainOptions, check_trainable, train_rank
+
+    recipe = load_recipe(args.recipe, args.set)
+    check_trainable(recipe)
+    if args.checkpoint_dir and not args.no_resume:
+        from megatron_slim.train.checkpoint import check_resumable
+
+        check_resumable(args.checkpoint_dir, recipe.to_dict())
+    from megatron_slim.data import prepare_corpus
+    from megatron_slim.runtime.spawn import run_ranks
+
+    d, p, t = recipe.data, recipe.parallel, recipe.train
+    began = time.perf_counter()
+    prepared = prepare_corpus(corpus=d.corpus, cache_dir=d.cache_dir or None, vocab_size=recipe.model.vocab_size,
+                              max_files=d.max_files)
+    print(f"data: {prepared.num_documents} documents, {prepared.num_tokens:,} tokens from {prepared.source} "
+          f"({'cached' if prepared.cache_hit else 'prepared'} in {time.perf_counter() - began:.1f}s, "
+          f"vocab {prepared.vocab_size})", flush=True)
+    print(f"recipe {recipe.name}: {p.world_size} CPU ranks (tp{p.tp} pp{p.pp} vpp{p.vpp} dp{p.dp}), schedule "
+          f"{recipe.schedule.kind} with {recipe.schedule.num_slices} {recipe.schedule.slice_policy} slice(s), "
+          f"{recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens, {t.iters} iterations",
+          flush=True)
+    options = TrainOptions(checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume,
+                           exit_interval=args.exit_interval or 0, quiet=args.json == "-")
+    threads = max(1, (os.cpu_count() or 1) // p.world_size)
+    reports = run_ranks(train_rank, p.world_size, recipe.to_dict(), prepared, options,
+                        threads_per_rank=threads, timeout_s=None)
+    reporter = next(r for r in reports if r.pp_rank == p.pp - 1 and r.dp_rank == 0 and r.tp_rank == 0)
+    seconds = sum(reporter.iteration_seconds)
+    iterations = len(reporter.iteration_seconds)
+    payload = {
+        "recipe": recipe.name, "schedule": recipe.schedule.kind, "num_slices": recipe.schedule.num_slices,
+        "schedule_digest": reporter.schedule_digest, "attention_backend": reporter.attention_backend,
+        "losses": [loss for _, loss in reporter.losses], "loss_iterations": [i for i, _ in reporter.losses],
+        "tokens_per_s": (t.global_batch_size * recipe.model.seq_length * iterations / seconds) if seconds else 0.0,
+        "iteration_time_s": reporter.iteration_seconds, "skipped_steps": reporter.skipped_steps,
+        "resumed_from": reporter.resumed_from, "last_iteration": reporter.last_iteration,
+        "stages": _stage_entries(reports, p.pp), "wall_time_s": time.perf_counter() - began,
+    }
+    if args.json == "-":
+        print(json.dumps(payload, indent=2))
+    elif args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps(payload, indent=2) + "\n")
+    if args.json != "-":
+        first, last = payload["losses"][0], payload["losses"][-1]
+        print(f"done: loss {first:.4f} -> {last:.4f} over iterations {payload['loss_iterations'][0]}.."
+              f"{payload['loss_iterations'][-1]}, {payload['tokens_per_s']:,.0f} tokens/s, attention backend "
+              f"{reporter.attention_backend}", file=sys.stdout)
+        for s in payload["stages"]:
+            print(f"  stage {s['stage']}: peak activations {s['peak_activation_bytes'] / 2**20:.2f} MiB, "
+                  f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB")
+    return 0

@@ -1,0 +1,81 @@
+"""The data side of Zeppelin context parallelism: a pack becomes this rank's batch; the loss.
+
+**Batch.** A microbatch is one pack of ``L`` tokens made of whole sequences (``plan.lengths``).
+``cp_batch`` keeps this rank's tokens in the plan's attention-layout order (``RankLayout``) as a
+``[1, T]`` batch and adds ``position_ids`` (offsets inside each sequence; ``CPRotary`` reads the
+same values from the plan). Every rank of the CP group must get the same pack and the same plan.
+
+**Loss.** The single-process reference's microbatch loss is ``sum over all L tokens of
+mask * loss / sum(mask)``; under CP each rank holds only its tokens. ``cp_loss_func`` returns what
+megatron-core's ``forward_step`` (3-tuple form, 0.14+) needs for the gradients to equal it:
+
+* default (``calculate_per_token_loss=False``): megatron divides the returned loss by the returned
+  ``num_tokens`` and by the microbatch count, and DDP *averages* gradients over data x context
+  parallel ranks. So the loss is ``cp * local_sum`` and ``num_tokens`` the CP group's total
+  masked-token count (an all-reduce): averaging ``cp * local_sum / total`` over the ``cp`` ranks
+  gives ``sum(local_sums) / total``, the reference.
+* ``per_token_loss=True`` (``--calculate-per-token-loss``): megatron does not divide; it sums
+  ``num_tokens`` over data x context parallel ranks and scales the *summed* gradients by its
+  inverse. So the loss is ``local_sum`` and ``num_tokens`` the local count.
+
+The report is ``[local_sum, local_count]`` in both cases: megatron sums report pairs over data x
+context parallel ranks before dividing, which gives the pack's mean loss.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_slim.plan.cp.layout import CPPlan
+
+
+def layout_index(plan: CPPlan, rank: int, device: Optional[torch.device | str] = None) -> torch.Tensor:
+    """Pack positions of ``rank``'s tokens in its attention-layout order."""
+    return torch.tensor([s.pack_start + i for s in plan.ranks[rank].segments for i in range(s.length)],
+                        dtype=torch.long, device=device)
+
+
+def cp_batch(batch: Mapping[str, Any], plan: CPPlan, rank: int) -> dict[str, Any]:
+    """``batch``'s per-token tensors (``[L]`` or ``[1, L]``) cut to this rank's ``[1, T]`` tokens, plus
+    ``position_ids``. A causal ``attention_mask`` is dropped (the engine's attention is causal per
+    sequence); any other per-token tensor is gathered, anything else passed through."""
+    L = plan.pack_length
+    out: dict[str, Any] = {}
+    index = None
+    for name, value in batch.items():
+        if name == "attention_mask":
+            continue
+        if name == "position_ids" or not torch.is_tensor(value):
+            if not torch.is_tensor(value):
+                out[name] = value
+            continue
+        flat = value.reshape(-1) if value.dim() == 2 and value.shape[0] == 1 else value
+        if flat.dim() != 1 or flat.shape[0] != L:
+            raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)}; allowed: [{L}] or [1, {L}] "
+                             f"(one pack of the plan's {L} tokens)")
+        if index is None:
+            index = layout_index(plan, rank, flat.device)
+        out[name] = flat[index].unsqueeze(0)
+    positions = plan.ranks[rank].position_ids()
+    device = index.device if index is not None else None
+    out["position_ids"] = torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0)
+    return out
+
+
+def cp_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group, *,
+                 per_token_loss: bool = False):
+    """megatron-style ``(loss, num_tokens, report)`` of this CP rank (see the module docstring)."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    local_sum = torch.sum(losses * mask)
+    local_count = mask.sum().detach().to(torch.int)
+    report = {"lm loss": torch.cat([local_sum.detach().view(1), local_count.float().view(1)])}
+    if per_token_loss:
+        return local_sum, local_count, report
+    cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+    total = local_count.clone()
+    if cp > 1:
+        dist.all_reduce(total, group=cp_group)
+    return local_sum * cp, total, report

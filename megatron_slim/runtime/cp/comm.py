@@ -1,0 +1,43 @@
+"""Point-to-point messages between CP ranks over one injected process group.
+
+Plans name CP ranks ``0 .. C-1``; ``Comm`` maps them to the group's global ranks and never creates
+a process group (plans change every step). No tags: NCCL ignores them, so correctness rests on
+both ends of every directed pair posting their messages in the same order, which the engine's
+fixed program order guarantees; gloo, which would honour tags, is run the same way so the CPU
+tests exercise that guarantee. Sends are waited on only when the pass ends (``drain``): a rank
+never blocks on its own send.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+class Comm:
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else (dist.get_rank(),)
+        self.me = self.ranks.index(dist.get_rank())
+        self._sends: list[tuple[dist.Work, Tensor]] = []
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def send(self, tensor: Tensor, to: int) -> None:
+        if not tensor.is_contiguous():
+            raise ValueError("send: tensor must be contiguous")
+        self._sends.append((dist.isend(tensor, dst=self.ranks[to], group=self.group), tensor))
+
+    def recv(self, buffer: Tensor, frm: int) -> dist.Work:
+        if not buffer.is_contiguous():
+            raise ValueError("recv: buffer must be contiguous")
+        return dist.irecv(buffer, src=self.ranks[frm], group=self.group)
+
+    def drain(self) -> None:
+        """Wait for every send posted so far (their tensors stay alive until then)."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()

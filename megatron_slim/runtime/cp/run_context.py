@@ -1,0 +1,56 @@
+"""What every group task needs while it runs one pass: the comm, the kernels and the tensor facts."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_slim.runtime.attention import AttentionBackend
+from megatron_slim.runtime.cp.comm import Comm
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """Heads and head sizes of one layer's attention on this tensor-parallel rank."""
+
+    hq: int
+    hkv: int
+    d: int  # query/key head size
+    dv: int  # value head size
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor, v: Tensor) -> "HeadShape":
+        return cls(q.shape[1], k.shape[1], q.shape[2], v.shape[2])
+
+
+@dataclass(frozen=True)
+class RunContext:
+    comm: Comm
+    backend: AttentionBackend
+    scale: float
+    dtype: torch.dtype  # of q/k/v and of the messages carrying them
+    device: torch.device
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        """Accumulators and travelling dK/dV: float32, or float64 for float64 inputs."""
+        return torch.promote_types(self.dtype, torch.float32)
+
+
+def pack(*tensors: Tensor) -> Tensor:
+    """``[rows, heads_i, d_i]`` tensors side by side as one contiguous ``[rows, sum(heads_i * d_i)]``."""
+    rows = tensors[0].shape[0]
+    return torch.cat([t.reshape(rows, -1) for t in tensors], dim=1).contiguous()
+
+
+def unpack(message: Tensor, *shapes: tuple[int, int]) -> list[Tensor]:
+    """Views ``[rows, heads, d]`` of a packed message (the inverse of ``pack``)."""
+    out, col = [], 0
+    for heads, d in shapes:
+        out.append(message[:, col:col + heads * d].view(message.shape[0], heads, d))
+        col += heads * d
+    if col != message.shape[1]:
+        raise ValueError(f"message of width {message.shape[1]} does not hold {shapes}")
+    return out

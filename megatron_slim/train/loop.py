@@ -1,0 +1,176 @@
+"""One rank of ``megatron-slim train``: megatron-core chunks trained with the schedule interpreter.
+
+Global batch ``G`` samples per iteration; data-parallel rank ``d`` takes samples
+``it*G + d*m*b .. + m*b`` as ``m`` microbatches of ``b``, so the data order depends only on the
+iteration: a resumed run reads exactly what the uninterrupted run would have read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megatron_slim.plan.cost.model import CostModel
+from megatron_slim.plan.recipe import Recipe, recipe_from_dict
+from megatron_slim.plan.sim.costs import slice_lengths
+from megatron_slim.train import checkpoint
+from megatron_slim.train.step import average_data_parallel, clip_and_step
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    checkpoint_dir: Optional[str] = None
+    resume: bool = True
+    exit_interval: int = 0  # stop (with a checkpoint) after this iteration, as if interrupted
+    measure_memory: bool = True
+    quiet: bool = False
+
+
+@dataclass
+class RankReport:
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    losses: list = field(default_factory=list)  # (iteration, loss) on the reporting rank
+    iteration_seconds: list = field(default_factory=list)
+    peak_activation_bytes: int = 0
+    peak_kv_bytes: int = 0
+    resumed_from: Optional[int] = None
+    last_iteration: int = 0
+    attention_backend: str = ""
+    schedule_digest: str = ""
+    skipped_steps: int = 0
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's pretrain_gpt loss: (sum of masked token losses, token count, report)."""
+    losses = output_tensor.float()
+    loss = torch.sum(losses.reshape(-1) * loss_mask.reshape(-1))
+    num_tokens = loss_mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def _microbatches(dataset, recipe: Recipe, iteration: int, dp_rank: int):
+    t, m = recipe.train, recipe.num_microbatches
+    base = iteration * t.global_batch_size + dp_rank * m * t.micro_batch_size
+    for k in range(m):
+        samples = [dataset[base + k * t.micro_batch_size + i] for i in range(t.micro_batch_size)]
+        yield {name: torch.stack([torch.as_tensor(s[name]) for s in samples])
+               for name in ("tokens", "labels", "loss_mask", "position_ids")}
+
+
+def check_trainable(recipe: Recipe) -> None:
+    from megatron_slim.plan.schema import ConfigError
+
+    p = recipe.parallel
+    if p.cp > 1:
+        raise ConfigError("parallel.cp: megatron-slim train runs cp=1 on CPU ranks (context parallelism runs "
+                          "through pretrain_gpt.py with --cp-engine); allowed: 1")
+    if p.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel: megatron-core's sequence-parallel buffers are CUDA-only; "
+                          "allowed on CPU ranks: false")
+    if recipe.train.recompute != "none":
+        raise ConfigError("train.recompute: the slice schedule keeps its K/V cache across recomputation only "
+                          "for none; allowed: none")
+    if recipe.train.precision != "fp32":
+        raise ConfigError("train.precision: CPU ranks train in fp32; allowed: fp32")
+
+
+def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options: TrainOptions) -> RankReport:
+    from megatron_slim.data import build_gpt_dataset
+    from megatron_slim.megatron.model import build_rank_chunks
+    from megatron_slim.megatron.optimizer import build_optimizer
+    from megatron_slim.megatron.parallel import init_model_parallel
+    from megatron_slim.megatron.schedule import SlimPipeSettings, make_forward_backward_func
+    from megatron_slim.megatron.slicing import SliceCoreAttention
+    from megatron_slim.runtime.attention import choose_backend
+
+    recipe = recipe_from_dict(recipe_data)
+    p, t = recipe.parallel, recipe.train
+    torch.manual_seed(t.seed)
+    groups = init_model_parallel(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, dp=p.dp, seed=t.seed)
+    chunks = build_rank_chunks(recipe.model, groups, core_attention=SliceCoreAttention, seed=t.seed)
+    params = [q for c in chunks for q in c.parameters()]
+    optimizer, scheduler = build_optimizer(chunks, t)
+    lengths = slice_lengths(recipe, CostModel(recipe))
+    fb = make_forward_backward_func(SlimPipeSettings(lengths, measure_memory=options.measure_memory,
+                                                     kind=recipe.schedule.kind))
+    dataset = build_gpt_dataset(prepared, recipe.model.seq_length, t.global_batch_size * t.iters, seed=t.seed)
+    report = RankReport(rank, groups.pp_rank, groups.dp_rank, groups.tp_rank,
+                        attention_backend=_backend_text(choose_backend(None, torch.device("cpu"), torch.float32)))
+    reporter = groups.pp_rank == p.pp - 1 and groups.dp_rank == 0 and groups.tp_rank == 0
+
+    start = 0
+    if options.checkpoint_dir and options.resume:
+        found = checkpoint.latest_iteration(options.checkpoint_dir)
+        if found is not None:
+            state = checkpoint.load(options.checkpoint_dir, found, rank, recipe_data)
+            for c, sd in zip(chunks, state["chunks"]):
+                c.load_state_dict(sd)
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            start = report.resumed_from = found
+            report.losses = [tuple(x) for x in state.get("losses", [])]
+            if reporter and not options.quiet:
+                print(f"resumed from {options.checkpoint_dir} at iteration {found}", flush=True)
+
+    mp_group = groups.mp
+    for it in range(start, t.iters):
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        iterators = [iter(list(_microbatches(dataset, recipe, it, groups.dp_rank))) for _ in chunks]
+        reports = fb(forward_step_func=forward_step, data_iterator=iterators, model=chunks,
+                     num_microbatches=recipe.num_microbatches, seq_length=recipe.model.seq_length,
+                     micro_batch_size=t.micro_batch_size)
+        average_data_parallel(params, groups.dp, p.dp)
+        stepped, norm = clip_and_step(params, optimizer, scheduler, t.clip_grad, mp_group, groups.tp_rank)
+        report.skipped_steps += not stepped
+        elapsed = time.perf_counter() - began
+        report.iteration_seconds.append(elapsed)
+        report.peak_activation_bytes = max(report.peak_activation_bytes, fb.stats.peak_activation_bytes)
+        report.peak_kv_bytes = max(report.peak_kv_bytes, fb.stats.peak_kv_bytes)
+        report.schedule_digest = fb.stats.schedule_digest
+        if reporter:
+            total = torch.stack([r["lm loss"] for r in reports]).sum(0)
+            loss = _dp_mean(total, groups)
+            report.losses.append((it + 1, loss))
+            if not options.quiet and ((it + 1) % t.log_interval == 0 or it + 1 == t.iters):
+                tok_s = t.global_batch_size * recipe.model.seq_length / elapsed
+                print(f"iter {it + 1:4d}/{t.iters} | loss {loss:.4f} | lr {optimizer.param_groups[0]['lr']:.2e} | "
+                      f"grad norm {norm:.3f}{'' if stepped else ' (skipped: not finite)'} | {elapsed:.2f} s/it | "
+                      f"{tok_s:,.0f} tokens/s", flush=True)
+        elif p.dp > 1 and groups.pp_rank == p.pp - 1 and groups.tp_rank == 0:
+            _dp_mean(torch.stack([r["lm loss"] for r in reports]).sum(0), groups)
+        report.last_iteration = it + 1
+        done = it + 1 == t.iters or (options.exit_interval and it + 1 == options.exit_interval)
+        if options.checkpoint_dir and (done or (t.save_interval and (it + 1) % t.save_interval == 0)):
+            state = {"chunks": [c.state_dict() for c in chunks], "optimizer": optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict(), "losses": report.losses}
+            checkpoint.save(options.checkpoint_dir, it + 1, rank, state, recipe_data)
+        if options.exit_interval and it + 1 == options.exit_interval:
+            break
+    return report
+
+
+def _dp_mean(total: torch.Tensor, groups) -> float:
+    """Token-weighted loss over the data-parallel ranks (Megatron's ``lm loss`` reduction)."""
+    import torch.distributed as dist
+
+    if groups.dp_size > 1:
+        dist.all_reduce(total, group=groups.dp)
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def _backend_text(choice) -> str:
+    return f"{choice.name} ({choice.reason})" if getattr(choice, "reason", "") else choice.name
