@@ -56,7 +56,7 @@ def main(args) -> int:
     engines = parse_engines(args.cp_engine) if args.cp_engine else (recipe.cp.engine,)
     packs, results = run_engines(recipe, engines, args.lengths, args.seed)
     payload: dict = {"recipe": recipe.name, "hardware": recipe.hardware, "lengths": args.lengths,
-                     "seed": args.seed, "packs": [list(p) for p in packs]}
+                     "seed": args.seed, "pack_lengths": [list(p) for p in packs]}
     if len(results) == 1:
         payload.update(results[0].to_json())
     else:

@@ -46,10 +46,11 @@ def uses_remap(engine: str, remap: bool) -> bool:
 
 
 def plan_pack(engine: str, lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *,
-              remap: bool = True, routing: bool = True) -> CPPlan:
+              remap: bool = True, routing: bool = True, hierarchical: bool = True) -> CPPlan:
+    """``remap``/``routing``/``hierarchical`` switch Zeppelin's layers (ablations); baselines ignore them."""
     check_engine(engine)
     if engine == "zeppelin":
-        return plan_zeppelin(lengths, topo, costs, remap=remap, routing=routing)
+        return plan_zeppelin(lengths, topo, costs, remap=remap, routing=routing, hierarchical=hierarchical)
     if engine == "ring":
         return plan_ring(lengths, topo)
     if engine == "ulysses":

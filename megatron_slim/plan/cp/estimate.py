@@ -40,15 +40,21 @@ def _ring(steps: int, compute_f: float, hop_f: float, compute_b: float, hop_b: f
     return fwd + bwd
 
 
-def local_time(s: int, costs: CPCosts, remap: bool) -> float:
+def token_time(n: float, topo: CPTopology, costs: CPCosts, remap: bool) -> float:
+    """Token work a member does in the attention layout (QKV/O with remapping, the MLP too
+    without)."""
+    return costs.token_s(n, remap=remap)
+
+
+def local_time(s: int, topo: CPTopology, costs: CPCosts, remap: bool) -> float:
     pairs = s * (s + 1) / 2
-    return costs.token_s(s, remap=remap) + pairs * costs.pair_s()
+    return token_time(s, topo, costs, remap) + pairs * costs.pair_s()
 
 
 def zigzag_time(s: int, g: int, topo: CPTopology, costs: CPCosts, remap: bool, *, inter: bool,
                 routed: bool) -> float:
     if g == 1:
-        return local_time(s, costs, remap)
+        return local_time(s, topo, costs, remap)
     pairs = s * s / (2 * g * g)
     block = s / g * costs.kv_bytes
 
@@ -57,7 +63,7 @@ def zigzag_time(s: int, g: int, topo: CPTopology, costs: CPCosts, remap: bool, *
 
     ring = _ring(g, costs.attention_s(pairs, False), hop(block), costs.attention_s(pairs, True),
                  hop(2 * block), hop(block))
-    return ring + costs.token_s(s / g, remap=remap)
+    return ring + token_time(s / g, topo, costs, remap)
 
 
 def hierarchical_time(s: int, nodes: int, topo: CPTopology, costs: CPCosts, remap: bool) -> float:
@@ -75,7 +81,7 @@ def hierarchical_time(s: int, nodes: int, topo: CPTopology, costs: CPCosts, rema
     ring = _ring(nodes, costs.attention_s(pairs, False), topo.nic.transfer_time(block),
                  costs.attention_s(pairs, True), topo.nic.transfer_time(2 * block),
                  topo.nic.transfer_time(block))
-    return ring + a2a_total + costs.token_s(per_rank, remap=remap)
+    return ring + a2a_total + token_time(per_rank, topo, costs, remap)
 
 
 def hierarchical_allowed(topo: CPTopology, costs: CPCosts) -> bool:
@@ -87,7 +93,7 @@ def split_options(s: int, topo: CPTopology, costs: CPCosts, *, remap: bool, rout
                   hierarchical: bool) -> list[SplitOption]:
     """Every placement Zeppelin considers for a sequence of ``s`` tokens, by increasing span."""
     m, n = topo.ranks_per_node, topo.num_nodes
-    out = [SplitOption("local", 1, 1, local_time(s, costs, remap))]
+    out = [SplitOption("local", 1, 1, local_time(s, topo, costs, remap))]
     for g in range(2, m + 1):
         out.append(SplitOption("zigzag", g, 1, zigzag_time(s, g, topo, costs, remap, inter=False, routed=False)))
     for k in range(2, n + 1):

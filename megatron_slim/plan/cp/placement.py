@@ -71,7 +71,7 @@ def _better(new: list[float], old: list[float], target: float) -> bool:
 
 
 def _target(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, remap: bool) -> float:
-    return sum(local_time(s, costs, remap) for s in lengths) / topo.num_ranks
+    return sum(local_time(s, topo, costs, remap) for s in lengths) / topo.num_ranks
 
 
 def partition_pack(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *, remap: bool = True,

@@ -34,9 +34,20 @@ class PassResult:
     comm_s: list[float]  # seconds each rank's outgoing links were busy
 
 
-def _remap(net: Network, remap: RemapPlan, per_token: float, deps) -> int:
-    flows = [(t.src, t.dst, t.tokens * per_token) for t in remap.transfers]
-    return net.all_to_all(flows, deps)
+def _remap(net: Network, remap: RemapPlan, per_token: float, ready: dict[int, tuple[int, ...]]) -> dict[
+        int, list[int]]:
+    """The remap all-to-all as the grouped sends/receives it is: a pair's transfer starts once both
+    ranks have entered the call, and a rank continues once its own transfers are done (a rank with
+    nothing to move does not wait for anyone)."""
+    pairs: dict[tuple[int, int], int] = {}
+    for t in remap.transfers:
+        pairs[(t.src, t.dst)] = pairs.get((t.src, t.dst), 0) + t.tokens
+    after = {r: list(ready[r]) for r in ready}
+    for (src, dst), tokens in sorted(pairs.items()):
+        tid = net.transfer(src, dst, tokens * per_token, ready[src] + ready[dst])
+        after[src].append(tid)
+        after[dst].append(tid)
+    return after
 
 
 def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: bool,
@@ -62,18 +73,17 @@ def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: b
         finals = attention_pass(pre)
         post = [linear(r, c.post_fwd_s * attn_tokens[r], finals[r]) for r in range(C)]
         if remap:
-            moved = _remap(net, remap, c.hidden_bytes, post)
-            mlp = [linear(r, c.mlp_fwd_s * mlp_tokens[r], (moved,)) for r in range(C)]
-            _remap(net, remap.inverse(), c.hidden_bytes, mlp)
+            moved = _remap(net, remap, c.hidden_bytes, {r: (post[r],) for r in range(C)})
+            mlp = [linear(r, c.mlp_fwd_s * mlp_tokens[r], moved[r]) for r in range(C)]
+            _remap(net, remap.inverse(), c.hidden_bytes, {r: (mlp[r],) for r in range(C)})
         else:
             for r in range(C):
                 linear(r, c.mlp_fwd_s * mlp_tokens[r], (post[r],))
     else:
         if remap:
-            moved = _remap(net, remap, c.hidden_bytes, ())
-            mlp = [linear(r, c.mlp_bwd_s * mlp_tokens[r], (moved,)) for r in range(C)]
-            back = _remap(net, remap.inverse(), c.hidden_bytes, mlp)
-            post_deps = {r: (back,) for r in range(C)}
+            moved = _remap(net, remap, c.hidden_bytes, {r: () for r in range(C)})
+            mlp = [linear(r, c.mlp_bwd_s * mlp_tokens[r], moved[r]) for r in range(C)]
+            post_deps = _remap(net, remap.inverse(), c.hidden_bytes, {r: (mlp[r],) for r in range(C)})
         else:
             post_deps = {r: (linear(r, c.mlp_bwd_s * mlp_tokens[r], ()),) for r in range(C)}
         post = {r: linear(r, c.post_bwd_s * attn_tokens[r], post_deps[r]) for r in range(C)}

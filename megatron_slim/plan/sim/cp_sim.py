@@ -94,9 +94,10 @@ def cp_setup(recipe: Recipe) -> tuple[CPTopology, CPCosts]:
 
 
 def simulate_cp(recipe: Recipe, engine: str, packs: tuple[tuple[int, ...], ...], *,
-                remap: bool | None = None, routing: bool = True, topo: CPTopology | None = None,
-                costs: CPCosts | None = None) -> CPSimResult:
-    """``remap`` defaults to the recipe's ``cp.remap`` (only Zeppelin remaps)."""
+                remap: bool | None = None, routing: bool = True, hierarchical: bool = True,
+                topo: CPTopology | None = None, costs: CPCosts | None = None) -> CPSimResult:
+    """``remap`` defaults to the recipe's ``cp.remap`` (only Zeppelin remaps); ``routing`` and
+    ``hierarchical`` switch Zeppelin's routing layer and its a2a+ring inter-node splits off."""
     if topo is None or costs is None:
         topo, costs = cp_setup(recipe)
     L = recipe.model.seq_length
@@ -111,7 +112,7 @@ def simulate_cp(recipe: Recipe, engine: str, packs: tuple[tuple[int, ...], ...],
     total = 0.0
     model_flops = 0.0
     for k, pack in enumerate(packs):
-        plan = plan_pack(engine, pack, topo, costs, remap=do_remap, routing=do_route)
+        plan = plan_pack(engine, pack, topo, costs, remap=do_remap, routing=do_route, hierarchical=hierarchical)
         rmp = plan_remap_for(plan, topo) if do_remap else None
         rtg = plan_routing(plan, topo, costs.kv_bytes) if do_route else None
         fwd = simulate_pass(plan, topo, costs, backward=False, remap=rmp, routing=rtg)

@@ -1,0 +1,32 @@
+"""Run a Megatron-LM training script with megatron-slim hooked in, without editing it.
+
+    python -m megatron_slim.launch pretrain_gpt.py <Megatron-LM flags> [--use-slimpipe ...]
+
+torchrun works the same way: ``torchrun ... -m megatron_slim.launch pretrain_gpt.py ...``.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or not argv[0].endswith(".py"):
+        raise SystemExit("usage: python -m megatron_slim.launch SCRIPT.py [script flags...]\n"
+                         "  e.g. python -m megatron_slim.launch pretrain_gpt.py --use-slimpipe "
+                         "--slimpipe-num-slices 8 ...")
+    script = os.path.abspath(argv[0])
+    if not os.path.isfile(script):
+        raise SystemExit(f"megatron_slim.launch: {argv[0]}: no such script")
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(script))
+    from megatron_slim.megatron.install import prepare_launch
+
+    prepare_launch()
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
