@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"megatron_slim.launch: {argv[0]}: no such script")
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))
-    from megatron_slim.megatron.install import prepare_launch
+    from megatron_slim.megatron.hooks import prepare_launch
 
     prepare_launch()
     runpy.run_path(script, run_name="__main__")

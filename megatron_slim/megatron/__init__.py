@@ -8,7 +8,7 @@ from megatron_slim.megatron.flags import add_arguments
 
 
 def install(args=None) -> None:
-    from megatron_slim.megatron.install import install as _install
+    from megatron_slim.megatron.hooks import install as _install
 
     _install(args)
 

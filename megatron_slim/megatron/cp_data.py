@@ -1,4 +1,8 @@
-"""The data side of Zeppelin context parallelism: a pack becomes this rank's batch; the loss.
+"""The data side of Zeppelin context parallelism: a pack's plans, this rank's batch, the loss.
+
+**Plans.** ``plan_microbatch(lengths, topo, costs, engine=, remap=)`` gives the ``CPPlan``,
+``RoutingPlan`` and ``RemapPlan`` of one pack, the same values the CP simulator prices; hand them
+to ``CPContext.set_plan`` on every CP rank before the microbatch's forward.
 
 **Batch.** A microbatch is one pack of ``L`` tokens made of whole sequences (``plan.lengths``).
 ``cp_batch`` keeps this rank's tokens in the plan's attention-layout order (``RankLayout``) as a
@@ -28,7 +32,25 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_slim.plan.cp.costs import CPCosts
+from megatron_slim.plan.cp.engines import plan_pack, uses_remap
 from megatron_slim.plan.cp.layout import CPPlan
+from megatron_slim.plan.cp.remap import RemapPlan, plan_remap_for
+from megatron_slim.plan.cp.routing import RoutingPlan, plan_routing
+from megatron_slim.plan.cp.topology import CPTopology
+
+
+def plan_microbatch(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *, engine: str = "zeppelin",
+                    remap: bool = False, routing: bool = True, hierarchical: bool = True
+                    ) -> tuple[CPPlan, Optional[RoutingPlan], Optional[RemapPlan]]:
+    """The plans of one pack exactly as the CP simulator builds them (``plan.sim.cp_sim``): placement,
+    routing (Zeppelin only; K/V bytes per row from ``costs``) and remap (Zeppelin with ``remap``).
+    Pure and deterministic: every CP rank computes the same values from the same lengths."""
+    plan = plan_pack(engine, tuple(lengths), topo, costs, remap=uses_remap(engine, remap),
+                     routing=routing and engine == "zeppelin", hierarchical=hierarchical)
+    routes = plan_routing(plan, topo, costs.kv_bytes) if routing and engine == "zeppelin" else None
+    moves = plan_remap_for(plan, topo) if uses_remap(engine, remap) else None
+    return plan, routes, moves
 
 
 def layout_index(plan: CPPlan, rank: int, device: Optional[torch.device | str] = None) -> torch.Tensor:
@@ -39,17 +61,16 @@ def layout_index(plan: CPPlan, rank: int, device: Optional[torch.device | str] =
 
 def cp_batch(batch: Mapping[str, Any], plan: CPPlan, rank: int) -> dict[str, Any]:
     """``batch``'s per-token tensors (``[L]`` or ``[1, L]``) cut to this rank's ``[1, T]`` tokens, plus
-    ``position_ids``. A causal ``attention_mask`` is dropped (the engine's attention is causal per
-    sequence); any other per-token tensor is gathered, anything else passed through."""
+    ``position_ids`` from the plan. ``attention_mask`` is dropped (the engine attends causally within
+    each of the plan's sequences); any other per-token tensor is gathered, anything else passed on."""
     L = plan.pack_length
     out: dict[str, Any] = {}
     index = None
     for name, value in batch.items():
-        if name == "attention_mask":
-            continue
-        if name == "position_ids" or not torch.is_tensor(value):
-            if not torch.is_tensor(value):
-                out[name] = value
+        if name in ("attention_mask", "position_ids"):
+            continue  # causal per sequence by construction; positions come from the plan
+        if not torch.is_tensor(value):
+            out[name] = value
             continue
         flat = value.reshape(-1) if value.dim() == 2 and value.shape[0] == 1 else value
         if flat.dim() != 1 or flat.shape[0] != L:

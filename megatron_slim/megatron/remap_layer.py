@@ -33,6 +33,9 @@ class RemapTransformerLayer(TransformerLayer):
                           packed_seq_params=kwargs.get("packed_seq_params"))
         if remap is None:
             return compat.forward_mlp(self, hidden_states, **mlp_kwargs), context
+        if self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1:
+            raise ValueError("--cp-remap with --sequence-parallel: not supported (each tensor-parallel rank holds "
+                             "a slice of the CP rank's tokens; the remap plan moves whole CP-rank layouts)")
         if mlp_kwargs["padding_mask"] is not None:
             raise ValueError("padding_mask: allowed value is None with the remap layer (it is in the attention layout)")
         balanced = remap_rows(hidden_states, remap, ctx.comm, ctx.remap_back)

@@ -130,7 +130,7 @@ def make_forward_backward_func(settings: SlimPipeSettings) -> Callable:
         for m, store in zip(models, stores):
             if attach_slicing(m, context, store, settings.attention_backend) == 0:
                 raise ValueError("--use-slimpipe: the model has no SliceCoreAttention; build it with "
-                                 "megatron_slim's layer spec (megatron_slim.megatron.install patches the spec)")
+                                 "megatron_slim's layer spec (megatron_slim.megatron.hooks patches the spec)")
         sliced = [SlicedIterator(it, settings.slice_lengths) if it is not None else None for it in iterators]
         params = next(models[0].parameters())
         dtype = config.pipeline_dtype or params.dtype

@@ -38,3 +38,10 @@ def test_unsupported_flag_combinations_fail_at_start_up():
     results = run_ranks(_launch_workers.launch_many, 1, [single + extra for extra, _ in REJECTED], timeout_s=180)
     for (extra, needle), result in zip(REJECTED, results[0]):
         assert needle in result.get("error", ""), (extra, result)
+
+
+def test_public_entry_points_are_functions():
+    import megatron_slim.megatron as m
+    from megatron_slim.megatron import hooks  # noqa: F401 - importing the submodule must not shadow install()
+
+    assert callable(m.install) and callable(m.add_arguments)

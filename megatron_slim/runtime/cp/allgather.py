@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_slim.plan.cp.layout import CPGroup, CPPlan
-from megatron_slim.runtime.cp.block_attention import (Rows, backward_into, forward_into, new_accumulators,
-                                                      pair_calls)
+from megatron_slim.runtime.cp.block_attention import Rows, backward_into, forward_into, new_accumulators, pair_calls
 from megatron_slim.runtime.cp.exchange import Exchange, Hop
 from megatron_slim.runtime.cp.run_context import HeadShape, RunContext, pack, unpack
 from megatron_slim.runtime.cp.spans import block_rows, group_rows, member_block

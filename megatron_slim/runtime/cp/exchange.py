@@ -81,18 +81,18 @@ class Exchange:
         self.name = name
         self.hops = tuple(hops)
         legs = [leg for i, hop in enumerate(self.hops) for leg in _legs(i, hop)]
-        self.legs = tuple(sorted(legs, key=lambda l: (l.stage, l.hop, l.part)))
+        self.legs = tuple(sorted(legs, key=lambda leg: (leg.stage, leg.hop, leg.part)))
         self._mine: dict[int, tuple[tuple[list[Leg], list[Leg]], ...]] = {}
 
     def involves(self, rank: int) -> bool:
         return any(rank in (h.src, h.dst) for h in self.hops if h.rows) or \
-            any(rank in (l.sender, l.receiver) for l in self.legs)
+            any(rank in (leg.sender, leg.receiver) for leg in self.legs)
 
     def legs_of(self, rank: int) -> tuple[tuple[list[Leg], list[Leg]], ...]:
         """Per stage 1..3: (legs ``rank`` receives, legs it sends), in canonical order."""
         if rank not in self._mine:
-            self._mine[rank] = tuple(([l for l in self.legs if l.stage == s and l.receiver == rank],
-                                      [l for l in self.legs if l.stage == s and l.sender == rank])
+            self._mine[rank] = tuple(([leg for leg in self.legs if leg.stage == s and leg.receiver == rank],
+                                      [leg for leg in self.legs if leg.stage == s and leg.sender == rank])
                                      for s in (1, 2, 3))
         return self._mine[rank]
 

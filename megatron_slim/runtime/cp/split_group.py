@@ -30,11 +30,11 @@ Tensor = torch.Tensor
 
 
 def _a2a(name: str, node: tuple[int, ...], rows: list[int], width, *, to_owner: bool) -> Exchange:
-    """Hop ``l * a + m`` goes node member ``l -> m``. ``to_owner=False``: ``l`` sends its ``rows[l]``
-    tokens (width by receiver ``m``); ``True``: ``l`` sends ``m``'s ``rows[m]`` tokens (width by sender)."""
+    """Hop ``j * a + m`` goes node member ``j -> m``. ``to_owner=False``: ``j`` sends its ``rows[j]``
+    tokens (width by receiver ``m``); ``True``: ``j`` sends ``m``'s ``rows[m]`` tokens (width by sender)."""
     a = len(node)
-    hops = [Hop(node[l], node[m], rows[m] if to_owner else rows[l], width(l) if to_owner else width(m))
-            for l in range(a) for m in range(a)]
+    hops = [Hop(node[j], node[m], rows[m] if to_owner else rows[j], width(j) if to_owner else width(m))
+            for j in range(a) for m in range(a)]
     return Exchange(name, tuple(hops))
 
 
@@ -81,13 +81,13 @@ class SplitGroupTask:
         return x[:, lo:hi]
 
     def _post(self, rt: RunContext, exchange: Exchange, payload, dtype: torch.dtype):
-        l, a = self.local, self.a
-        return exchange.post(rt.comm, {l * a + m: payload(m) for m in range(a)}, dtype=dtype, device=rt.device)
+        me, a = self.local, self.a
+        return exchange.post(rt.comm, {me * a + m: payload(m) for m in range(a)}, dtype=dtype, device=rt.device)
 
     def _from_each(self, got: dict) -> list[Tensor]:
         """The message from each node member ``m``, in member order."""
-        l, a = self.local, self.a
-        return [got[m * a + l] for m in range(a)]
+        me, a = self.local, self.a
+        return [got[m * a + me] for m in range(a)]
 
     # ---- passes -----------------------------------------------------------------------------------
     def forward(self, rt: RunContext, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor]):

@@ -26,7 +26,7 @@ def _check(results, precision: str, name: str) -> None:
         seen[idx] += 1
         for key, ref in zip(("out", "dq", "dk", "dv"), want):
             torch.testing.assert_close(got[key].double(), ref[idx], **TOLERANCE[precision],
-                                       msg=lambda m: f"{name} rank {rank} {key}: {m}")
+                                       msg=lambda m, where=f"{name} rank {rank} {key}": f"{where}: {m}")
     assert bool((seen == 1).all()), f"{name}: every pack token must live on exactly one rank"
 
 

@@ -29,7 +29,8 @@ def _check(results, cases):
         assert got["grads"].keys() == ref_grads.keys()
         for name, want in ref_grads.items():
             assert want is not None and got["grads"][name] is not None, name
-            torch.testing.assert_close(got["grads"][name], want, **TOL, msg=lambda m: f"{case} {name}: {m}")
+            where = f"{case} {name}"
+            torch.testing.assert_close(got["grads"][name], want, **TOL, msg=lambda m, where=where: f"{where}: {m}")
         for rank in range(1, WORLD):  # every rank reports the same pack loss
             torch.testing.assert_close(results[rank][case]["loss"], got["loss"], atol=0, rtol=0)
 

@@ -60,7 +60,7 @@ def test_routed_hop_legs_dispatch_nic_combine():
     # directly; part 1 leaves through rank 1 itself and is combined from rank 3.
     hop = Hop(1, 2, 10, 4, (RoutePart(0, 2, 0, 5), RoutePart(1, 3, 5, 10)))
     ex = Exchange("test", (hop,))
-    legs = [(l.stage, l.sender, l.receiver, l.start) for l in ex.legs]
+    legs = [(leg.stage, leg.sender, leg.receiver, leg.start) for leg in ex.legs]
     assert legs == [(1, 1, 0, 0), (1, 1, 3, 5), (2, 0, 2, 0), (2, 3, 2, 5)]
     assert ex.involves(0) and ex.involves(3)
     with pytest.raises(ValueError, match="do not tile"):
@@ -106,3 +106,15 @@ def test_cp_loss_func_normalisation_without_a_group():
     assert loss.item() == 5.0 and n.item() == 2 and report["lm loss"].tolist() == [5.0, 2.0]
     loss, n, _ = cp_loss_func(mask, losses, None, per_token_loss=True)
     assert loss.item() == 5.0 and n.item() == 2
+
+
+def test_plan_microbatch_builds_what_the_simulator_prices():
+    from megatron_slim.megatron.cp_data import plan_microbatch
+    from megatron_slim.plan.cp.engines import plan_pack
+
+    lengths = _plans.zeppelin_plan().lengths
+    plan, routing, remap = plan_microbatch(lengths, _plans.topology(), _plans.costs(), remap=True)
+    assert plan.digest() == plan_pack("zeppelin", lengths, _plans.topology(), _plans.costs()).digest()
+    assert routing is not None and remap is not None and remap.source_tokens == plan.tokens_per_rank()
+    ring, no_routes, no_remap = plan_microbatch(lengths, _plans.topology(), _plans.costs(), engine="ring", remap=True)
+    assert ring.engine == "ring" and no_routes is None and no_remap is None
