@@ -105,7 +105,8 @@ def summarise(rows: list[dict]) -> list[dict]:
             sel = [r for r in rows if r["distribution"] == dist and r["variant"] == label]
             out.append({"distribution": dist, "variant": label,
                         "iteration_time_s": statistics.fmean(r["iteration_time_s"] for r in sel),
-                        "min_s": min(r["iteration_time_s"] for r in sel), "max_s": max(r["iteration_time_s"] for r in sel),
+                        "min_s": min(r["iteration_time_s"] for r in sel),
+                        "max_s": max(r["iteration_time_s"] for r in sel),
                         "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in sel),
                         "mfu": statistics.fmean(r["mfu"] for r in sel),
                         "speedup_vs_ring": statistics.fmean(r["speedup_vs_ring"] for r in sel),

@@ -1,2 +1,27 @@
-"""Context-parallel planning: sequence lengths, the CP topology, Zeppelin's placement, remapping and
-routing plans, and the baseline engines' placements. Pure Python; imports no torch."""
+"""Context-parallel planning for variable-length packs. Pure Python; imports no torch.
+
+* ``lengths``   -- ``--lengths FILE|SPEC``: distributions, files, packing into packs of ``L`` tokens
+* ``topology``  -- the CP domain as nodes x ranks; NVLink / NIC-share links
+* ``costs``     -- per-token / per-pair / per-byte costs of one layer, from a recipe's cost model
+* ``layout``    -- the plan values: ``Segment``, ``CPGroup``, ``RankLayout``, ``CPPlan``
+* ``placement`` -- Zeppelin's planner (``plan_zeppelin``); ``estimate`` -- its split costs
+* ``baselines`` -- ring, ulysses, a2a+p2p, allgather, dynamic; ``engines`` -- one entry point
+* ``remap``     -- attention layout -> token-balanced layout (``RemapPlan``)
+* ``routing``   -- inter-node hops spread over every NIC of the node (``RoutingPlan``)
+
+The simulator that prices these plans is ``megatron_slim.plan.sim.cp_sim``.
+"""
+from megatron_slim.plan.cp.costs import CPCosts
+from megatron_slim.plan.cp.engines import ENGINES, plan_pack
+from megatron_slim.plan.cp.layout import CPGroup, CPPlan, RankLayout, Segment
+from megatron_slim.plan.cp.lengths import LengthSource, make_packs, parse_lengths
+from megatron_slim.plan.cp.placement import plan_zeppelin
+from megatron_slim.plan.cp.remap import RemapPlan, Transfer, plan_remap, plan_remap_for
+from megatron_slim.plan.cp.routing import Route, RoutedHop, RoutePart, RoutingPlan, plan_routing, route_transfer
+from megatron_slim.plan.cp.topology import CPTopology
+
+__all__ = [
+    "CPCosts", "CPGroup", "CPPlan", "CPTopology", "ENGINES", "LengthSource", "RankLayout", "RemapPlan",
+    "Route", "RoutePart", "RoutedHop", "RoutingPlan", "Segment", "Transfer", "make_packs", "parse_lengths",
+    "plan_pack", "plan_remap", "plan_remap_for", "plan_routing", "plan_zeppelin", "route_transfer",
+]

@@ -12,11 +12,12 @@
 * ``allgather`` -- Llama-3 CP: queries zigzag-split per sequence like ``ring``; the K/V of all
   ranks are all-gathered before attention (not overlapped), dK/dV reduce-scattered after.
 * ``dynamic`` -- Megatron dynamic CP (``BalancedCPScheduler``): a sequence of ``s`` tokens gets
-  ``2^ceil(log2(s / budget))`` ranks (at least 1, at most the largest power of two dividing ``C``) with ``budget = ceil(L / C)``
-  (``--max-seqlen-per-dp-cp-rank``), placed on the aligned block of that many consecutive ranks
-  whose busiest member has the least ``s^2 / size`` workload among blocks with room for
-  ``s / size`` more tokens per member under the budget (with none, the block with most room).
-  Sequences on the same block share one ring; no routing, no remapping.
+  ``2^ceil(log2(s / budget))`` ranks (at least 1, at most the largest power of two dividing
+  ``C``) with ``budget = ceil(L / C)`` (``--max-seqlen-per-dp-cp-rank``), placed on the aligned
+  block of that many consecutive ranks whose busiest member has the least ``s^2 / size``
+  workload among blocks with room for ``s / size`` more tokens per member under the budget (with
+  none, the block with most room). Sequences on the same block share one ring; no routing, no
+  remapping.
 """
 from __future__ import annotations
 

@@ -144,7 +144,9 @@ class CPPlan:
         return sum(s.length for s in self.ranks[rank].segments if s.group == group)
 
     def groups_of(self, rank: int) -> tuple[CPGroup, ...]:
-        return tuple(self.groups[g] for g in self.ranks[rank].groups())
+        """Groups ``rank`` is a member of (also those where it holds no token: a sequence shorter
+        than ``2g`` leaves some zigzag chunks empty, but every member still runs the ring)."""
+        return tuple(g for g in self.groups if rank in g.ranks)
 
     def canonical_text(self) -> str:
         lines = [f"engine={self.engine} ranks={self.num_ranks} per_node={self.ranks_per_node}",

@@ -8,7 +8,8 @@ SPEC forms (spaces are ignored; keys may come in any order):
 * ``uniform:min=A,max=B`` -- integers uniform on ``[A, B]``.
 * ``fixed:length=N``.
 * ``mix:W1*KIND(k=v,...)+W2*KIND(k=v,...)`` -- each draw first picks a component with probability
-  proportional to its weight, e.g. ``mix:0.9*lognormal(mean=4096,sigma=1,min=256,max=32768)+0.1*uniform(min=65536,max=262144)``.
+  proportional to its weight, e.g.
+  ``mix:0.9*lognormal(mean=4096,sigma=1,min=256,max=32768)+0.1*uniform(min=65536,max=262144)``.
 
 FILE: an existing path; one positive integer per line, ``#`` starts a comment, blank lines are
 skipped. A file's lengths are used in file order and cycled from the top when the batch needs
@@ -22,8 +23,8 @@ no pack is set aside. Every pack's final gap is then filled, packs in order, by 
 set-aside sequence (in draw order) truncated to the gap: every set-aside sequence is longer than
 every final gap (it did not fit while the gaps were at least as large), so one filler closes a
 gap. Only when the set-aside sequences run out are further sequences drawn, each placed whole or
-truncated to what is left of the gap. Unused set-aside sequences are dropped. So every pack holds exactly ``L`` tokens, and the result depends
-only on (source, L, packs, seed).
+truncated to what is left of the gap. Unused set-aside sequences are dropped. So every pack
+holds exactly ``L`` tokens, and the result depends only on (source, L, packs, seed).
 """
 from __future__ import annotations
 

@@ -5,10 +5,11 @@ Forward, per rank (``t`` = its attention-layout tokens, ``b`` = its balanced-lay
     pre(t) -> attention groups -> post(t) -> [remap a2a] -> mlp(b) -> [remap back a2a]
 
 Backward mirrors it: ``[remap a2a] -> mlp'(b) -> [remap back a2a] -> post'(t) -> attention
-groups' backward -> pre'(t)``. Without remapping ``b = t`` and there is no all-to-all. Every
-pass starts with all ranks at time 0 and ends when the last rank is done: layers are identical,
-so the rank that is slowest in one layer is slowest in every layer, and the ring and remap
-collectives synchronise ranks anyway.
+groups' backward -> pre'(t)``. Without remapping ``b = t`` and there is no all-to-all. The
+remap all-to-all synchronises pairs of ranks that exchange tokens, not all ranks (NCCL runs it as
+grouped sends and receives). Every pass starts with all ranks at time 0 and ends when the last
+rank is done: layers are identical, so the rank that is slowest in one layer is slowest in every
+layer, and rings and collectives couple the ranks anyway.
 """
 from __future__ import annotations
 

@@ -17,8 +17,10 @@ Tensor = torch.Tensor
 
 class Comm:
     def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-        self.ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else (dist.get_rank(),)
+        """``group``: the CP process group (``None``: the default group); CP rank ``i`` is its
+        ``i``-th rank, as in megatron's ``get_context_parallel_rank``."""
+        self.group = group if group is not None else dist.group.WORLD
+        self.ranks = tuple(dist.get_process_group_ranks(self.group))
         self.me = self.ranks.index(dist.get_rank())
         self._sends: list[tuple[dist.Work, Tensor]] = []
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_slim.plan.cp.remap import RemapPlan
 from megatron_slim.runtime.cp.comm import Comm
+from megatron_slim.runtime.cp.run_context import flat2d
 
 Tensor = torch.Tensor
 
@@ -28,7 +29,7 @@ def move_rows(x: Tensor, plan: RemapPlan, comm: Comm) -> Tensor:
         raise ValueError(f"remap plan for {plan.num_ranks} ranks, but the CP group has {comm.size}")
     if x.shape[0] != plan.source_tokens[me]:
         raise ValueError(f"remap: CP rank {me} holds {x.shape[0]} rows, the plan expects {plan.source_tokens[me]}")
-    flat = x.reshape(x.shape[0], -1)
+    flat = flat2d(x)
     out = flat.new_empty(plan.target_tokens[me], flat.shape[1])
     keep = plan.keep[me]
     out[:keep] = flat[:keep]

@@ -1,6 +1,7 @@
 """What every group task needs while it runs one pass: the comm, the kernels and the tensor facts."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +42,12 @@ class RunContext:
 
 def pack(*tensors: Tensor) -> Tensor:
     """``[rows, heads_i, d_i]`` tensors side by side as one contiguous ``[rows, sum(heads_i * d_i)]``."""
-    rows = tensors[0].shape[0]
-    return torch.cat([t.reshape(rows, -1) for t in tensors], dim=1).contiguous()
+    return torch.cat([flat2d(t) for t in tensors], dim=1).contiguous()
+
+
+def flat2d(t: Tensor) -> Tensor:
+    """``[rows, ...]`` -> ``[rows, features]`` (also for zero rows, where ``reshape(rows, -1)`` fails)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
 def unpack(message: Tensor, *shapes: tuple[int, int]) -> list[Tensor]:

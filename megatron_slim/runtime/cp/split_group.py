@@ -23,7 +23,7 @@ from megatron_slim.runtime.cp.block_attention import Rows
 from megatron_slim.runtime.cp.exchange import Exchange, Hop
 from megatron_slim.runtime.cp.heads import split_heads
 from megatron_slim.runtime.cp.ring import Ring
-from megatron_slim.runtime.cp.run_context import HeadShape, RunContext, pack, unpack
+from megatron_slim.runtime.cp.run_context import HeadShape, RunContext, flat2d, pack, unpack
 from megatron_slim.runtime.cp.spans import block_rows, concat, group_rows, member_block
 
 Tensor = torch.Tensor
@@ -106,11 +106,12 @@ class SplitGroupTask:
         qh, kh, vh = (torch.cat([p[i] for p in parts]).contiguous() for i in range(3))
         out_h, lse_h = yield from self.ring.forward(rt, qh, kh, vh)
         o, r = self.offsets, self.node_rows
-        pending = self._post(rt, self.fwd_out, lambda m: out_h[o[m]:o[m] + r[m]].reshape(r[m], -1).contiguous(),
+        pending = self._post(rt, self.fwd_out, lambda m: flat2d(out_h[o[m]:o[m] + r[m]]).contiguous(),
                              rt.dtype)
         yield
         n = r[self.local]
-        out = torch.cat([x.view(n, -1, dv) for x in self._from_each(pending.wait())], dim=1)
+        out = torch.cat([x.view(n, self.heads.q_count(m), dv) for m, x in enumerate(self._from_each(pending.wait()))],
+                        dim=1)
         return out, (qh, kh, vh, out_h, lse_h)
 
     def backward(self, rt: RunContext, dout: Optional[Tensor], saved):
@@ -119,10 +120,10 @@ class SplitGroupTask:
             return (yield from self.ring.backward(rt, dout, saved))
         qh, kh, vh, _, _ = saved
         d, dv = qh.shape[2], vh.shape[2]
-        pending = self._post(rt, self.bwd_in, lambda m: self._heads(dout, m, False).reshape(dout.shape[0], -1)
-                             .contiguous(), rt.dtype)
+        pending = self._post(rt, self.bwd_in, lambda m: flat2d(self._heads(dout, m, False)).contiguous(), rt.dtype)
         yield
-        dout_h = torch.cat([x.view(x.shape[0], -1, dv) for x in self._from_each(pending.wait())]).contiguous()
+        hq = self.heads.q_count(self.local)
+        dout_h = torch.cat([x.view(x.shape[0], hq, dv) for x in self._from_each(pending.wait())]).contiguous()
         dq_h, dk_h, dv_h = yield from self.ring.backward(rt, dout_h, saved)
         o, r = self.offsets, self.node_rows
         pending = self._post(rt, self.bwd_out, lambda m: pack(*(t[o[m]:o[m] + r[m]].to(rt.dtype)

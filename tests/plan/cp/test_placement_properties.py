@@ -138,3 +138,13 @@ def test_invalid_lengths_and_topologies_are_rejected(costs):
         plan_zeppelin((5, 0), topology("2x2"), costs)
     with pytest.raises(ConfigError, match="parallel.cp"):
         CPTopology(12, 8, topology("2x2").nvlink, topology("2x2").nic)
+
+
+def test_ring_neighbours_follow_ring_order_and_node_rails(costs):
+    topo = topology("2x2")
+    ring = plan_pack("ring", (40, 24), topo, costs).groups[0]
+    assert ring.ring_neighbours(0) == (3, 1) and ring.ring_neighbours(3) == (2, 0)
+    hier = plan_pack("a2a+p2p", (40, 24), topo, costs).groups[0]
+    assert hier.kind == "hierarchical" and hier.ring_size == 2 and hier.a2a_size == 2
+    assert hier.ring_neighbours(1) == (3, 3)  # local index 1 of node 0 <-> local index 1 of node 1
+    assert {g.index for g in plan_pack("ring", (1,), topo, costs).groups_of(3)} == {0}  # holds no token

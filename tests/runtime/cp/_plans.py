@@ -103,6 +103,10 @@ def case(name: str):
         return plan_allgather(MIXED, topo), None
     if name == "dynamic":
         return plan_dynamic(MIXED, topo), None
+    if name == "tiny":  # fewer tokens than ranks: some ranks hold nothing and only pass blocks on
+        return plan_ring((1, 2), topo), None
+    if name == "tiny-a2a":
+        return plan_a2a_p2p((2, 1), topo, costs()), None
     if name == "skewed":
         return _skewed_plan(), None
     if name == "relay":
@@ -116,4 +120,4 @@ def remap_for(plan):
 
 
 CASES = ("zeppelin", "zeppelin-routed", "ring", "ring-routed", "hierarchical", "ulysses", "allgather", "dynamic",
-         "relay", "skewed")
+         "relay", "skewed", "tiny", "tiny-a2a")
