@@ -159,7 +159,7 @@ def make_forward_backward_func(settings: SlimPipeSettings) -> Callable:
             deallocate_output_tensor(out, getattr(config, "deallocate_pipeline_outputs", False))
 
         ops = StageOps(forward=forward, backward=backward, release_output=release, dtype=dtype,
-                       tensor_shape=lambda j: (settings.slice_lengths[j] // cp // tp, micro_batch_size,
+                       tensor_shape=lambda mb, j: (settings.slice_lengths[j] // cp // tp, micro_batch_size,
                                                config.hidden_size))
         p2p = P2P(group, dist.get_process_group_ranks(group), params.device, schedule.num_stages,
                   num_microbatches, settings.num_slices) if pp > 1 else None

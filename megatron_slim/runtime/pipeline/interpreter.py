@@ -41,7 +41,7 @@ class StageOps:
 
     forward: Callable[[int, Optional[torch.Tensor]], tuple]
     backward: Callable[[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]], Optional[torch.Tensor]]
-    tensor_shape: Callable[[int], tuple]
+    tensor_shape: Callable[[int, int], tuple]
     dtype: torch.dtype
     release_output: Callable[[torch.Tensor], None] = lambda t: None
 
@@ -139,7 +139,7 @@ class PipelineInterpreter:
     def _recv_forward(self, a: Action) -> None:
         stage = self._stage(a)
         src = self.s.placement(stage - 1)[0]
-        t = self.p2p.recv(self.ops.tensor_shape(a.slice), self.ops.dtype, src,
+        t = self.p2p.recv(self.ops.tensor_shape(a.microbatch, a.slice), self.ops.dtype, src,
                           self.p2p.tag(False, stage, a.microbatch, a.slice))
         self.state.inputs[a.unit] = t.requires_grad_(not self.forward_only)
 
@@ -181,7 +181,7 @@ class PipelineInterpreter:
     def _recv_backward(self, a: Action) -> None:
         stage = self._stage(a)
         src = self.s.placement(stage + 1)[0]
-        self.state.grads[a.unit] = self.p2p.recv(self.ops.tensor_shape(a.slice), self.ops.dtype, src,
+        self.state.grads[a.unit] = self.p2p.recv(self.ops.tensor_shape(a.microbatch, a.slice), self.ops.dtype, src,
                                                  self.p2p.tag(True, stage, a.microbatch, a.slice))
 
     # ---- run ----------------------------------------------------------------------------------
