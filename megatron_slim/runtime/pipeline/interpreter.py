@@ -36,7 +36,8 @@ class StageOps:
     ``forward(chunk, input)`` runs the chunk's forward step for the slice set in the context and
     returns ``(output, loss_func)`` (loss_func is used on the last stage); ``backward(input,
     output, output_grad)`` back-propagates and returns the input's gradient (None on the first
-    stage); ``tensor_shape(slice)`` is the shape of a slice's hidden states between stages.
+    stage); ``tensor_shape(microbatch, slice)`` is the shape of a slice's hidden states between
+    stages (per microbatch: under data-dependent context-parallel plans it varies).
     """
 
     forward: Callable[[int, Optional[torch.Tensor]], tuple]
