@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 OUT ?= out
 
-.PHONY: install demo simulate-demo test test-slow test-all clean
+.PHONY: install demo train-demo simulate-demo test test-slow test-all clean
 
 # torch is pinned: the local CPU wheel; any other spec pulls several GB of CUDA packages.
 $(STAMP): setup.py
@@ -17,7 +17,12 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
-demo: simulate-demo
+# The main job: train tiny-cpu on 4 CPU ranks with SlimPipe, then simulate the 70B@512K comparison.
+demo: train-demo simulate-demo
+
+train-demo: $(STAMP)
+	mkdir -p $(OUT)
+	$(BIN)/megatron-slim train --json $(OUT)/train.json
 
 simulate-demo: $(STAMP)
 	mkdir -p $(OUT)

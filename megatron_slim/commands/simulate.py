@@ -1,10 +1,9 @@
 """``megatron-slim simulate``: simulate a recipe's pipeline schedule(s) before spending cluster time."""
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import dataclass
 
+from megatron_slim.commands.output import emit_json, format_table
 from megatron_slim.plan.cost.calibration import load_calibration
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.recipe import Recipe, load_recipe
@@ -55,9 +54,7 @@ def table(runs: list[Simulated]) -> str:
                      f"{worst.peak_activation_bytes / _GIB:.1f}", f"{worst.peak_kv_bytes / _GIB:.2f}",
                      f"{worst.static_bytes / _GIB:.1f}",
                      "yes" if worst.peak_memory_bytes <= res.hbm_bytes else "NO (OOM)"))
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths)), *(fmt.format(*r) for r in rows)])
+    return format_table(header, rows)
 
 
 def main(args) -> int:
@@ -70,15 +67,7 @@ def main(args) -> int:
     runs = [run_one(v, args.calibration) for v in variants]
     payload = runs[0].to_json() if not kinds else {
         "recipe": recipe.name, "hardware": recipe.hardware, "results": [r.to_json() for r in runs]}
-    to_stdout = args.json == "-"
-    if args.json:
-        text = json.dumps(payload, indent=2)
-        if to_stdout:
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-    out = sys.stderr if to_stdout else sys.stdout
+    out = emit_json(payload, args.json)
     print(f"recipe {recipe.name} on {recipe.hardware}: {recipe.parallel.world_size} GPUs "
           f"(tp{recipe.parallel.tp} pp{recipe.parallel.pp} cp{recipe.parallel.cp} dp{recipe.parallel.dp}), "
           f"{recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens", file=out)

@@ -8,9 +8,8 @@ every engine runs the same packs. Without ``--cp-engine`` the recipe's ``cp.engi
 """
 from __future__ import annotations
 
-import json
-import sys
 
+from megatron_slim.commands.output import emit_json, format_table
 from megatron_slim.plan.cp.engines import check_supported, parse_engines
 from megatron_slim.plan.cp.lengths import SPEC_FORMS, make_packs, parse_lengths
 from megatron_slim.plan.recipe import Recipe, load_recipe
@@ -41,9 +40,7 @@ def table(results: list[CPSimResult]) -> str:
         rows.append([res.engine + (" +remap" if res.remap else ""), f"{res.iteration_time_s:.3f}",
                      f"{res.tokens_per_s:,.0f}", f"{100 * res.mfu:.1f}%", speed, f"{busy:.3f} s",
                      f"{100 * idle / res.iteration_time_s:.0f}%", f"{inter:.1f}"])
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths)), *(fmt.format(*r) for r in rows)])
+    return format_table(header, rows)
 
 
 def main(args) -> int:
@@ -61,15 +58,7 @@ def main(args) -> int:
         payload.update(results[0].to_json())
     else:
         payload["results"] = [r.to_json() for r in results]
-    to_stdout = args.json == "-"
-    if args.json:
-        text = json.dumps(payload, indent=1)
-        if to_stdout:
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-    out = sys.stderr if to_stdout else sys.stdout
+    out = emit_json(payload, args.json, indent=1)
     p = recipe.parallel
     seqs = sum(len(pk) for pk in packs)
     print(f"recipe {recipe.name} on {recipe.hardware}: cp={p.cp} (tp{p.tp}), {len(packs)} packs of "
