@@ -102,9 +102,14 @@ def check_megatron_args(args: argparse.Namespace) -> None:
     if n < 1:
         raise ConfigError(f"--slimpipe-num-slices: got {n}; allowed: an integer >= 1")
     problems = {
-        "context_parallel_size": (lambda v: v not in (None, 1),
-                                  "--use-slimpipe with --context-parallel-size > 1 is not supported yet: "
-                                  "set --context-parallel-size 1"),
+        "hierarchical_context_parallel_sizes": (bool, "--use-slimpipe runs context parallelism as query-out "
+                                                "attention on the flat CP group: drop "
+                                                "--hierarchical-context-parallel-sizes"),
+        "cp_comm_type": (lambda v: any(t not in (None, "p2p") for t in (v if isinstance(v, (list, tuple)) else [v])),
+                         "--use-slimpipe runs context parallelism as query-out attention (all-gather Q, "
+                         "all-to-all of partial outputs): drop --cp-comm-type"),
+        "hybrid_context_parallel": (bool, "--use-slimpipe does not support hybrid context parallelism: "
+                                          "drop --hybrid-context-parallel"),
         "overlap_p2p_comm": (bool, "--use-slimpipe runs its own point-to-point schedule: drop --overlap-p2p-comm"),
         "num_experts": (lambda v: bool(v), "--use-slimpipe does not support MoE yet: drop --num-experts"),
         "multi_latent_attention": (bool, "--use-slimpipe does not support MLA: drop --multi-latent-attention"),
@@ -119,8 +124,17 @@ def check_megatron_args(args: argparse.Namespace) -> None:
     for name, (bad, message) in problems.items():
         if name in vars(args) and bad(getattr(args, name)):
             raise ConfigError(message)
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp > 1 and args.cp_engine != "te":
+        raise ConfigError(f"--cp-engine {args.cp_engine}: --use-slimpipe brings its own context-parallel attention "
+                          "(query-out over the K/V-cached slices): drop --cp-engine and --cp-remap")
     seq = args.seq_length
-    unit = getattr(args, "tensor_model_parallel_size", 1) if getattr(args, "sequence_parallel", False) else 1
+    unit = (2 * cp if cp > 1 else 1) * (
+        getattr(args, "tensor_model_parallel_size", 1) if getattr(args, "sequence_parallel", False) else 1)
+    if seq % unit:
+        raise ConfigError(f"--seq-length {seq}: SlimPipe slice boundaries are multiples of {unit} tokens "
+                          "(2*cp zigzag chunks, times tp under --sequence-parallel); allowed: a multiple of "
+                          f"{unit}")
     if args.slimpipe_slice_policy == "uniform" and seq % (n * unit):
         raise ConfigError(
             f"--slimpipe-num-slices {n}: --seq-length {seq} does not split into {n} equal slices that are "

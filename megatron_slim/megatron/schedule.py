@@ -9,6 +9,15 @@ megatron's model chunks with megatron's hooks: ``no_sync_func``, ``grad_sync_fun
 ``finalize_model_grads_func``, ``grad_scale_func`` (inside megatron's ``backward_step``),
 ``deallocate_pipeline_outputs``, ``timers``. It returns what megatron's schedules return: one loss
 report per microbatch on the last pipeline stage, an empty list elsewhere.
+
+Context parallelism: every slice is split zigzag-wise over the CP ranks by megatron's own data
+path (``get_batch_on_this_cp_rank`` on the slice the forward step receives), so slice lengths must
+be multiples of ``2 * cp`` (times ``tp`` under sequence parallelism: the hidden states between
+stages are ``[slice / cp / tp, b, h]``). ``SliceCoreAttention`` then runs the query-out CP slice
+attention (``runtime.pipeline.cp_slice_attention``) on the model's own CP group (a model built with
+a CP engine's core attention, ``megatron.cp_schedule``, runs that engine instead, one slice per
+microbatch). Losses are normalised as megatron does on each CP rank (``runtime.pipeline.loss``),
+and DDP averages over data x context parallel ranks as it always does.
 """
 from __future__ import annotations
 
@@ -89,6 +98,16 @@ def _agree_on_plan(digest: str, group, stats: RunStats) -> None:
     stats.agreed_digests.add(digest)
 
 
+def _check_slice_alignment(lengths, cp: int, sp_tp: int) -> None:
+    """Each slice is cut into 2*cp zigzag chunks, and (sequence parallel) each CP shard into tp."""
+    unit = (2 * cp if cp > 1 else 1) * sp_tp
+    bad = sorted({n for n in lengths if n % unit})
+    if bad:
+        raise ValueError(f"SlimPipe slice lengths {tuple(lengths)}: {bad} are not multiples of {unit} tokens "
+                         f"(context parallel size {cp}, sequence-parallel tp {sp_tp}); allowed: slice lengths "
+                         f"that are multiples of {unit} (recipes: slice_alignment)")
+
+
 def _takes_checkpoint_flag(forward_step_func: Callable) -> bool:
     try:
         return len(inspect.signature(forward_step_func).parameters) >= 3
@@ -118,9 +137,12 @@ def make_forward_backward_func(settings: SlimPipeSettings) -> Callable:
         config = get_model_config(models[0])
         group = _pp_group(pg_collection, p2p_communicator)
         pp, rank, vpp = group.size(), group.rank(), len(models)
-        schedule = lower(generate(settings.kind, pp, vpp, num_microbatches, settings.num_slices))
+        schedule = generate(settings.kind, pp, vpp, num_microbatches, settings.num_slices)
+        if pp > 1:  # one stage has no messages to add (context parallelism alone, or a single rank)
+            schedule = lower(schedule)
         validate(schedule)
-        check_link_order(schedule)
+        if pp > 1:
+            check_link_order(schedule)
         stats.schedule_digest = schedule.digest()
         _agree_on_plan(stats.schedule_digest, group, stats)
 
@@ -136,6 +158,7 @@ def make_forward_backward_func(settings: SlimPipeSettings) -> Callable:
         dtype = config.pipeline_dtype or params.dtype
         tp = getattr(config, "tensor_model_parallel_size", 1) if getattr(config, "sequence_parallel", False) else 1
         cp = getattr(config, "context_parallel_size", 1) or 1
+        _check_slice_alignment(settings.slice_lengths, cp, tp)
         with_flag = _takes_checkpoint_flag(forward_step_func)
 
         def forward(chunk: int, inp):
@@ -164,7 +187,8 @@ def make_forward_backward_func(settings: SlimPipeSettings) -> Callable:
         p2p = P2P(group, dist.get_process_group_ranks(group), params.device, schedule.num_stages,
                   num_microbatches, settings.num_slices) if pp > 1 else None
         loss = (_NonLossData() if collect_non_loss_data and forward_only else
-                SlicedLoss(num_microbatches, settings.num_slices, getattr(config, "calculate_per_token_loss", False)))
+                SlicedLoss(num_microbatches, settings.num_slices, getattr(config, "calculate_per_token_loss", False),
+                           cp_size=cp))
         meter = ActivationMeter([p for m in models for p in m.parameters()],
                                 lambda: set().union(*(s.storage_ptrs() for s in stores))) \
             if settings.measure_memory else None

@@ -28,7 +28,10 @@ REJECTED = [
     (["--use-slimpipe", "--slimpipe-num-slices", "4", "--overlap-p2p-comm"], "drop --overlap-p2p-comm"),
     (["--slimpipe-num-slices", "4"], "--slimpipe-num-slices: needs --use-slimpipe"),
     (["--use-slimpipe", "--slimpipe-num-slices", "2", "--num-experts", "8"], "does not support MoE"),
-    (["--use-slimpipe", "--slimpipe-num-slices", "2", "--context-parallel-size", "2"], "set --context-parallel-size 1"),
+    (["--use-slimpipe", "--slimpipe-num-slices", "2", "--context-parallel-size", "2", "--cp-engine", "zeppelin"],
+     "--use-slimpipe brings its own context-parallel attention"),
+    (["--use-slimpipe", "--slimpipe-num-slices", "2", "--context-parallel-size", "2", "--seq-length", "30",
+      "--max-position-embeddings", "30"], "SlimPipe slice boundaries are multiples of 4 tokens"),
     (["--cp-remap"], "--cp-remap: only with --cp-engine zeppelin"),
 ]
 
@@ -45,3 +48,23 @@ def test_public_entry_points_are_functions():
     from megatron_slim.megatron import hooks  # noqa: F401 - importing the submodule must not shadow install()
 
     assert callable(m.install) and callable(m.add_arguments)
+
+
+def test_every_shipped_recipe_passes_the_start_up_checks():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {_launch_workers.STANDIN!r})\n"
+        "from megatron.training.arguments import parse_args\n"
+        "from megatron_slim.megatron.flags import add_arguments, check_megatron_args, recipe_to_megatron_args\n"
+        "from megatron_slim.plan.recipe import available_recipes, load_recipe\n"
+        "for name in available_recipes():\n"
+        "    sys.argv = ['pretrain_gpt.py'] + recipe_to_megatron_args(load_recipe(name))\n"
+        "    check_megatron_args(parse_args(add_arguments, ignore_unknown_args=True))\n"
+        "    print(name)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "llama2-70b-512k" in run.stdout.split()

@@ -92,30 +92,43 @@ class CostModel:
 
     # ---- per-action time ----------------------------------------------------------------------
     def _layer_comm_time(self, tokens: float, prefix: float, backward: bool) -> tuple[float, float]:
-        """(TP collective time, CP K/V ring time) of one layer pass."""
+        """(time on the critical path, time that overlaps attention) of one layer's communication.
+
+        TP collectives are on the critical path. Context parallelism depends on the schedule:
+        1F1B/interleaved use Megatron's ring (each step passes this rank's K/V block on, dK/dV back
+        in backward; overlaps attention). SlimPipe uses query-out attention over the K/V-cached
+        slices (``runtime/pipeline/cp_slice_attention.py``): forward all-gathers the slice's Q and
+        all-to-alls fp32 partial outputs and log-sum-exps; backward all-gathers q, dout, out and lse
+        and reduce-scatters fp32 dQ. Those are blocking collectives, independent of the prefix.
+        """
         p = self.recipe.parallel
-        tp_time = 0.0
+        serial = 0.0
         if p.tp > 1:
             link = self._group_link(p.tp, 1)
             per = self.shape.tp_collective_bytes(tokens) * (p.tp - 1) / p.tp
-            tp_time = 4 * (per / link.bandwidth + (p.tp - 1) * link.latency)
-        cp_time = 0.0
+            serial += 4 * (per / link.bandwidth + (p.tp - 1) * link.latency)
+        overlapped = 0.0
         if p.cp > 1:
             link = self._group_link(p.cp, p.tp)
-            # Each ring step passes this rank's K/V on (and dK/dV back in backward); the prefix
-            # K/V of earlier slices travels too.
-            kv = self.shape.kv_bytes(tokens + prefix)
-            cp_time = (p.cp - 1) * (kv * (2 if backward else 1) / link.bandwidth + link.latency)
-        return tp_time, cp_time
+            if self.recipe.schedule.kind == "slimpipe":
+                heads = self.shape.heads / p.tp
+                rows = tokens * self.recipe.train.micro_batch_size  # the whole slice's queries
+                q = rows * self.shape.hidden / p.tp * self.element_bytes
+                partials = rows * (self.shape.hidden / p.tp + heads) * FP32_BYTES
+                moved = (3 * q + partials) if backward else (q + partials)  # bwd: q, dout, out (+lse), dQ fp32
+                serial += moved * (p.cp - 1) / p.cp / link.bandwidth + 2 * (p.cp - 1) * link.latency
+            else:
+                kv = self.shape.kv_bytes(tokens + prefix)
+                overlapped = (p.cp - 1) * (kv * (2 if backward else 1) / link.bandwidth + link.latency)
+        return serial, overlapped
 
     def _layers_time(self, tokens: float, prefix: float, backward: bool) -> float:
         s = self.shape
         work = s.backward_work(tokens, prefix) if backward else s.forward_work(tokens, prefix)
         attn = OpWork(0.0, work.attention_flops, 0.0)
         rest = OpWork(work.gemm_flops, 0.0, work.memory_bytes)
-        tp_time, cp_time = self._layer_comm_time(tokens, prefix, backward)
-        # CP's ring traffic overlaps attention compute; TP collectives sit on the critical path.
-        per_layer = self.kernel_time(rest, backward) + max(self.kernel_time(attn, backward), cp_time) + tp_time
+        serial, overlapped = self._layer_comm_time(tokens, prefix, backward)
+        per_layer = self.kernel_time(rest, backward) + max(self.kernel_time(attn, backward), overlapped) + serial
         return per_layer * self.layers_per_stage
 
     def forward_time(self, stage: int, tokens: float, prefix: float) -> float:

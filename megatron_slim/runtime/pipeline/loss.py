@@ -1,10 +1,32 @@
 """Losses over slices, normalised per microbatch (Megatron's semantics), not per slice.
 
 A Megatron loss function returns ``(loss_sum, num_tokens, report)``; Megatron divides each
-microbatch's ``loss_sum`` by its ``num_tokens`` (unless ``calculate_per_token_loss``) and by the
-number of microbatches. Computing the loss slice by slice keeps only one slice's logits; the
+microbatch's ``loss_sum`` by its ``num_tokens`` and by the number of microbatches (neither under
+``calculate_per_token_loss``). Computing the loss slice by slice keeps only one slice's logits; the
 division by the microbatch's token count waits until the microbatch's last slice is forwarded,
 which the schedule guarantees before that microbatch's first backward on the last stage.
+
+Context parallelism. This reproduces, per microbatch on each CP rank, what megatron-core 0.16.1's
+``forward_step_calc_loss`` does to the loss of one whole microbatch on that rank:
+
+* 3-tuple, default: ``loss_sum / clamp(num_tokens, 1) / num_microbatches``, where ``num_tokens``
+  is what the loss function returned, summed over the slices: for megatron's ``pretrain_gpt``
+  that is this CP rank's *local* count (no CP all-reduce, no ``cp`` factor);
+* 3-tuple with ``calculate_per_token_loss``: neither division; the loss sum is back-propagated
+  as it is; ``total_num_tokens`` (local, summed over slices and
+  microbatches) goes to ``finalize_model_grads``, which all-reduces it over data x context
+  parallel ranks and scales the gradients by its inverse;
+* 2-tuple (legacy mean, one slice only): ``loss * cp_size / num_microbatches``.
+
+Megatron's DDP then *averages* gradients over data x context parallel ranks (sums them when
+``calculate_per_token_loss``). So the gradients equal the unsharded reference (mean over the
+microbatch's loss tokens) when the loss function makes each rank's normalised loss
+``cp * local_sum / total_count`` (megatron_slim's ``cp_data.cp_loss_func``: count all-reduced over
+CP, sum times cp), with ``calculate_per_token_loss``, with the legacy 2-tuple returning the CP
+group's mean, or when every CP rank holds the same number of loss tokens (all-ones masks).
+With a stock local-count loss function and uneven masks megatron averages per-rank means; this
+class does the same, and the value then also depends on which tokens a rank holds (SlimPipe's
+per-slice zigzag differs from megatron's whole-sequence zigzag).
 """
 from __future__ import annotations
 
@@ -22,10 +44,11 @@ class _Microbatch:
 
 
 class SlicedLoss:
-    def __init__(self, num_microbatches: int, num_slices: int, per_token_loss: bool) -> None:
+    def __init__(self, num_microbatches: int, num_slices: int, per_token_loss: bool, cp_size: int = 1) -> None:
         self.num_microbatches = num_microbatches
         self.num_slices = num_slices
         self.per_token_loss = per_token_loss
+        self.cp_size = cp_size
         self._mbs: dict[int, _Microbatch] = {}
         self.total_num_tokens: torch.Tensor | None = None
         self.reports: list = []
@@ -67,8 +90,10 @@ class SlicedLoss:
         loss = mb.losses.pop(slice_)
         if not mb.losses:
             del self._mbs[microbatch]
-        if self.per_token_loss or self._legacy_mean:
-            return loss / self.num_microbatches
+        if self._legacy_mean:
+            return loss * self.cp_size / self.num_microbatches
+        if self.per_token_loss:
+            return loss
         return loss / (torch.clamp(mb.num_tokens, min=1) * self.num_microbatches)
 
     def is_drained(self) -> bool:

@@ -1,0 +1,59 @@
+"""The three collectives of query-out context parallelism, on an injected CP process group.
+
+All tensors are exchanged *rank-major*: a leading dimension of size ``cp`` whose entry ``i`` is
+CP rank ``i``'s part (rank ``i`` = the group's ``i``-th rank, megatron's CP rank). Backend-neutral
+(gloo on CPU, NCCL on GPU): no device is assumed, no group is created.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+# torch 2.12+ renamed the single-tensor collectives; same semantics, the old names warn.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather(tensors: Sequence[Tensor], group) -> list[Tensor]:
+    """Every rank's ``tensors`` as ``[cp, *shape]`` each, in one collective.
+
+    Tensors of different dtypes travel as one byte buffer; every rank must pass the same shapes
+    and dtypes.
+    """
+    cp = dist.get_world_size(group)
+    flat = [t.detach().contiguous().reshape(-1) for t in tensors]
+    if len({t.dtype for t in flat}) == 1:
+        packed, unit = torch.cat(flat), None
+    else:
+        packed, unit = torch.cat([t.view(torch.uint8) for t in flat]), torch.uint8
+    out = torch.empty((cp, packed.numel()), dtype=packed.dtype, device=packed.device)
+    _all_gather_single(out.view(-1), packed, group=group)
+    parts, offset = [], 0
+    for t, src in zip(flat, tensors):
+        size = t.numel() * (t.element_size() if unit is not None else 1)
+        piece = out[:, offset:offset + size]
+        if unit is not None:
+            piece = piece.contiguous().view(t.dtype)
+        parts.append(piece.reshape(cp, *src.shape))
+        offset += size
+    return parts
+
+
+def all_to_all(send: Tensor, group) -> Tensor:
+    """``send[i]`` goes to rank ``i``; returns ``recv`` with ``recv[i]`` from rank ``i``."""
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def reduce_scatter_sum(x: Tensor, group) -> Tensor:
+    """``sum over ranks of x[me]``: ``x`` is ``[cp, ...]``, the result ``x.shape[1:]``."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out.view(-1), x.view(-1), group=group)
+    return out
