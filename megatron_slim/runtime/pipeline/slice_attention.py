@@ -1,30 +1,35 @@
 """Causal attention of one slice against the K/V cache of the earlier slices.
 
-Forward: the slice's queries attend causally to its own keys (a square causal block) and fully
-to every cached chunk of earlier slices; partial results merge by log-sum-exp. No concatenated
-copy of the prefix is made. Backward (slices run in reverse): with the merged output and
-log-sum-exp, each block's gradient is exact on its own: dQ sums over blocks, the prefix blocks'
-dK/dV go into the store's buffers of those slices, and this slice's own dK/dV gets the buffer the
-later slices filled. Then the slice's cache chunk is released.
+The slice's queries are the last ``s`` positions of the keys ``[prefix; own]``, which is exactly
+the kernel library's bottom-right causal mask: one kernel call over the cached chunks joined with
+the slice's own K/V, forward and backward. (One large call beats one call per cached chunk by a
+wide margin, and the join is a transient copy of the prefix that the kernel reads anyway.) The
+cache itself stays per slice. Backward runs slices in reverse: the prefix rows of dK/dV go into
+the store's fp32 buffers of their slices; this slice's own rows get the buffer the later slices
+filled; then the slice's cache chunk is released.
 """
 from __future__ import annotations
 
 import torch
 
-from megatron_slim.runtime.attention import AttentionBackend, merge_
+from megatron_slim.runtime.attention import AttentionBackend
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceInfo
+
+
+def _joined(prefix: list[tuple[torch.Tensor, torch.Tensor]], k: torch.Tensor, v: torch.Tensor):
+    if not prefix:
+        return k, v
+    return (torch.cat([k_i for k_i, _ in prefix] + [k], dim=1),
+            torch.cat([v_i for _, v_i in prefix] + [v], dim=1))
 
 
 class _SliceAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, backend: AttentionBackend, scale: float, store: KVCacheStore,
                 info: SliceInfo, layer: int):
-        out, lse = backend.forward(q, k, v, causal=True, softmax_scale=scale)
-        for k_i, v_i in store.prefix(info.microbatch, layer, info.slice):
-            out_i, lse_i = backend.forward(q, k_i, v_i, causal=False, softmax_scale=scale)
-            out, lse = _merged(out, lse, out_i, lse_i)
-        out = out.to(q.dtype)
+        keys, values = _joined(store.prefix(info.microbatch, layer, info.slice), k, v)
+        out, lse = backend.forward(q, keys, values, causal=True, softmax_scale=scale)
         store.append(info.microbatch, layer, info.slice, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.meta = (backend, scale, store, info, layer)
@@ -34,25 +39,22 @@ class _SliceAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         backend, scale, store, info, layer = ctx.meta
-        dout = dout.contiguous()
-        dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal=True, softmax_scale=scale)
-        dq = dq.float()
-        for i, (k_i, v_i) in enumerate(store.prefix(info.microbatch, layer, info.slice)):
-            dq_i, dk_i, dv_i = backend.backward(dout, q, k_i, v_i, out, lse, causal=False, softmax_scale=scale)
-            dq += dq_i
-            store.accumulate(info.microbatch, layer, i, dk_i, dv_i)
+        prefix = store.prefix(info.microbatch, layer, info.slice)
+        keys, values = _joined(prefix, k, v)
+        dq, dkeys, dvalues = backend.backward(dout.contiguous(), q, keys, values, out, lse, causal=True,
+                                              softmax_scale=scale)
+        start = 0
+        for i, (k_i, _) in enumerate(prefix):
+            rows = slice(start, start + k_i.shape[1])
+            store.accumulate(info.microbatch, layer, i, dkeys[:, rows], dvalues[:, rows])
+            start += k_i.shape[1]
+        dk, dv = dkeys[:, start:], dvalues[:, start:]
         later = store.take_gradient(info.microbatch, layer, info.slice)
         if later is not None:
             dk = (dk.float() + later[0]).to(k.dtype)
             dv = (dv.float() + later[1]).to(v.dtype)
         store.release(info.microbatch, layer, info.slice)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
-
-
-def _merged(out, lse, out_i, lse_i):
-    out, lse = out.float().clone(), lse.clone()
-    merge_(out, lse, out_i, lse_i)
-    return out, lse
+        return dq, dk, dv, None, None, None, None, None
 
 
 def sliced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: AttentionBackend,
@@ -65,10 +67,8 @@ def sliced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backe
     k, v = k.contiguous(), v.contiguous()
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
         with torch.no_grad():
-            out, lse = backend.forward(q, k, v, causal=True, softmax_scale=softmax_scale)
-            for k_i, v_i in store.prefix(info.microbatch, layer, info.slice):
-                out, lse = _merged(out, lse, *backend.forward(q, k_i, v_i, causal=False, softmax_scale=softmax_scale))
+            keys, values = _joined(store.prefix(info.microbatch, layer, info.slice), k, v)
+            out, _ = backend.forward(q, keys, values, causal=True, softmax_scale=softmax_scale)
             store.append(info.microbatch, layer, info.slice, k, v)
-        return out.to(q.dtype)
-    out = _SliceAttention.apply(q, k, v, backend, softmax_scale, store, info, layer)
-    return out.to(q.dtype)
+        return out
+    return _SliceAttention.apply(q, k, v, backend, softmax_scale, store, info, layer)
