@@ -46,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a recipe on local CPU ranks (default: tiny-cpu on 4 ranks)",
                            description="Run a real training job on megatron-core model chunks with the recipe's "
-                                       "pipeline schedule, on locally spawned gloo ranks.")
+                                       "pipeline schedule, on locally spawned gloo ranks. Each microbatch is a "
+                                       "window of model.seq_length tokens of the corpus with causal attention "
+                                       "over the window; with parallel.cp > 1 the recipe's cp.engine runs "
+                                       "(1f1b, one slice), each window is a pack of the documents between "
+                                       "end-of-document tokens and attention stays inside each document.")
     _add_recipe_args(train, required=False, default="tiny-cpu")
     train.add_argument("--json", metavar="PATH", help="write losses, tokens/s and per-stage memory as JSON ('-': stdout)")
     train.add_argument("--checkpoint-dir", metavar="DIR",

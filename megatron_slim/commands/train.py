@@ -1,4 +1,11 @@
-"""``megatron-slim train``: prepare the corpus, spawn the recipe's ranks, train, report as JSON."""
+"""``megatron-slim train``: prepare the corpus, spawn the recipe's ranks, train, report as JSON.
+
+With ``parallel.cp > 1`` the recipe's ``cp.engine`` (and ``cp.remap``) runs every microbatch as a
+pack of the documents between ``eod`` tokens, attention inside each document only (see
+``megatron_slim.train.cp``); the JSON then has a ``cp`` section: engine, remap, topology,
+``document_masking: true`` and per iteration the plans' counts (sequences local / intra-node /
+inter-node, packs re-planned, tokens per rank).
+"""
 from __future__ import annotations
 
 import json
@@ -10,9 +17,18 @@ from megatron_slim.plan.recipe import load_recipe
 
 
 def _stage_entries(reports, pp: int) -> list[dict]:
-    by_stage = {r.pp_rank: r for r in reports if r.dp_rank == 0 and r.tp_rank == 0}
+    by_stage = {r.pp_rank: r for r in reports if r.dp_rank == 0 and r.tp_rank == 0 and r.cp_rank == 0}
     return [{"stage": s, "peak_activation_bytes": int(by_stage[s].peak_activation_bytes),
              "peak_kv_bytes": int(by_stage[s].peak_kv_bytes)} for s in range(pp)]
+
+
+def _cp_entry(recipe, reporter) -> dict:
+    from megatron_slim.train.cp import cp_topology
+
+    topo, _ = cp_topology(recipe)
+    return {"size": recipe.parallel.cp, "engine": recipe.cp.engine, "remap": recipe.cp.remap,
+            "nodes": topo.num_nodes, "ranks_per_node": topo.ranks_per_node, "document_masking": True,
+            "iterations": reporter.cp_iterations}
 
 
 def main(args) -> int:
@@ -34,16 +50,21 @@ def main(args) -> int:
     print(f"data: {prepared.num_documents} documents, {prepared.num_tokens:,} tokens from {prepared.source} "
           f"({'cached' if prepared.cache_hit else 'prepared'} in {time.perf_counter() - began:.1f}s, "
           f"vocab {prepared.vocab_size})", flush=True)
-    print(f"recipe {recipe.name}: {p.world_size} CPU ranks (tp{p.tp} pp{p.pp} vpp{p.vpp} dp{p.dp}), schedule "
+    print(f"recipe {recipe.name}: {p.world_size} CPU ranks (tp{p.tp} pp{p.pp} vpp{p.vpp} cp{p.cp} dp{p.dp}), schedule "
           f"{recipe.schedule.kind} with {recipe.schedule.num_slices} {recipe.schedule.slice_policy} slice(s), "
           f"{recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens, {t.iters} iterations",
           flush=True)
+    if p.cp > 1:
+        from megatron_slim.train.cp import describe
+
+        print(describe(recipe), flush=True)
     options = TrainOptions(checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume,
                            exit_interval=args.exit_interval or 0, quiet=args.json == "-")
     threads = max(1, (os.cpu_count() or 1) // p.world_size)
     reports = run_ranks(train_rank, p.world_size, recipe.to_dict(), prepared, options,
                         threads_per_rank=threads, timeout_s=None)
-    reporter = next(r for r in reports if r.pp_rank == p.pp - 1 and r.dp_rank == 0 and r.tp_rank == 0)
+    reporter = next(r for r in reports if r.pp_rank == p.pp - 1 and r.dp_rank == 0 and r.tp_rank == 0
+                    and r.cp_rank == 0)
     seconds = sum(reporter.iteration_seconds)
     iterations = len(reporter.iteration_seconds)
     payload = {
@@ -55,6 +76,8 @@ def main(args) -> int:
         "resumed_from": reporter.resumed_from, "last_iteration": reporter.last_iteration,
         "stages": _stage_entries(reports, p.pp), "wall_time_s": time.perf_counter() - began,
     }
+    if p.cp > 1:
+        payload["cp"] = _cp_entry(recipe, reporter)
     if args.json == "-":
         print(json.dumps(payload, indent=2))
     elif args.json:

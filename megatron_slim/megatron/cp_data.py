@@ -3,6 +3,8 @@
 **Plans.** ``plan_microbatch(lengths, topo, costs, engine=, remap=)`` gives the ``CPPlan``,
 ``RoutingPlan`` and ``RemapPlan`` of one pack, the same values the CP simulator prices; hand them
 to ``CPContext.set_plan`` on every CP rank before the microbatch's forward.
+``plan_runnable_microbatch`` is the same for a model run (it never leaves a CP rank without
+tokens); ``cp_lengths`` says where a pack's sequence lengths come from.
 
 **Batch.** A microbatch is one pack of ``L`` tokens made of whole sequences (``plan.lengths``).
 ``cp_batch`` keeps this rank's tokens in the plan's attention-layout order (``RankLayout``) as a
@@ -22,7 +24,9 @@ megatron-core's ``forward_step`` (3-tuple form, 0.14+) needs for the gradients t
   ``num_tokens`` over data x context parallel ranks and scales the *summed* gradients by its
   inverse. So the loss is ``local_sum`` and ``num_tokens`` the local count.
 
-The report is ``[local_sum, local_count]`` in both cases: megatron sums report pairs over data x
+``cp_normalised`` applies the same to any loss function's local ``(loss_sum, num_tokens, report)``
+(the Megatron-LM hooks wrap ``pretrain_gpt.loss_func`` with it). The report is
+``[local_sum, local_count]`` in both cases: megatron sums report pairs over data x
 context parallel ranks before dividing, which gives the pack's mean loss.
 """
 from __future__ import annotations
@@ -51,6 +55,29 @@ def plan_microbatch(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, 
     routes = plan_routing(plan, topo, costs.kv_bytes) if routing and engine == "zeppelin" else None
     moves = plan_remap_for(plan, topo) if uses_remap(engine, remap) else None
     return plan, routes, moves
+
+
+def plan_runnable_microbatch(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *, engine: str = "zeppelin",
+                             remap: bool = False, routing: bool = True, hierarchical: bool = True
+                             ) -> tuple[CPPlan, Optional[RoutingPlan], Optional[RemapPlan], bool]:
+    """``plan_microbatch`` for a model that runs it, plus whether the pack had to be re-planned.
+
+    megatron-core cannot run a CP rank that holds no token (its attention reshapes ``[0, b, -1, d]``),
+    yet a planner may leave ranks idle when splitting a pack's sequences further does not pay (a
+    single short sequence, slow links). Such a pack is planned by the ``ring`` engine instead, which
+    gives every rank the zigzag chunks of every sequence: the result is the same (every engine is
+    exact), only the speed differs, and the caller reports the count. Raises when even the ring
+    leaves a rank empty (possible only when every sequence is shorter than ``2 * cp`` tokens)."""
+    plan, routes, moves = plan_microbatch(lengths, topo, costs, engine=engine, remap=remap, routing=routing,
+                                          hierarchical=hierarchical)
+    if min(plan.tokens_per_rank()) > 0:
+        return plan, routes, moves, False
+    plan, routes, moves = plan_microbatch(lengths, topo, costs, engine="ring")
+    if min(plan.tokens_per_rank()) == 0:
+        raise ValueError(f"pack lengths {tuple(lengths)}: every plan leaves a CP rank without tokens "
+                         f"(tokens per rank {plan.tokens_per_rank()}); allowed: packs with a sequence of at "
+                         f"least {2 * topo.num_ranks} tokens")
+    return plan, routes, moves, True
 
 
 def layout_index(plan: CPPlan, rank: int, device: Optional[torch.device | str] = None) -> torch.Tensor:
@@ -93,10 +120,18 @@ def cp_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group,
     local_sum = torch.sum(losses * mask)
     local_count = mask.sum().detach().to(torch.int)
     report = {"lm loss": torch.cat([local_sum.detach().view(1), local_count.float().view(1)])}
+    return cp_normalised(local_sum, local_count, report, cp_group, per_token_loss=per_token_loss)
+
+
+def cp_normalised(local_sum: torch.Tensor, local_count: torch.Tensor, report: Any, cp_group, *,
+                  per_token_loss: bool = False):
+    """A local ``(loss_sum, num_tokens, report)`` turned into what megatron's normalisation needs
+    under CP (module docstring): ``(cp * loss_sum, CP-wide count, report)``; unchanged with
+    ``per_token_loss`` (megatron then sums counts over data x context parallel ranks itself)."""
     if per_token_loss:
         return local_sum, local_count, report
     cp = dist.get_world_size(cp_group) if cp_group is not None else 1
-    total = local_count.clone()
+    total = local_count.detach().clone()
     if cp > 1:
         dist.all_reduce(total, group=cp_group)
     return local_sum * cp, total, report

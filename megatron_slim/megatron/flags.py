@@ -77,8 +77,10 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
     if s.kind == "slimpipe":
         out += ["--use-slimpipe", "--slimpipe-num-slices", s.num_slices, "--slimpipe-slice-policy",
                 s.slice_policy, "--slimpipe-hardware", recipe.hardware]
-    if p.cp > 1 and recipe.cp.engine != "ring":
-        out += ["--cp-engine", recipe.cp.engine] + (["--cp-remap"] if recipe.cp.remap else [])
+    if p.cp > 1 and s.kind != "slimpipe":
+        # megatron-slim's engines plan each pack of documents: positions and masks reset at each one
+        out += ["--cp-engine", recipe.cp.engine, "--reset-position-ids", "--reset-attention-mask",
+                "--slimpipe-hardware", recipe.hardware] + (["--cp-remap"] if recipe.cp.remap else [])
     return [str(x) for x in out]
 
 
@@ -94,6 +96,9 @@ def check_megatron_args(args: argparse.Namespace) -> None:
                           "(or drop --cp-engine)")
     if args.cp_remap and args.cp_engine != "zeppelin":
         raise ConfigError("--cp-remap: only with --cp-engine zeppelin")
+    from megatron_slim.megatron.cp_checks import check_cp_args
+
+    check_cp_args(args)
     if not args.use_slimpipe:
         if args.slimpipe_num_slices != 1:
             raise ConfigError("--slimpipe-num-slices: needs --use-slimpipe")

@@ -13,6 +13,12 @@ Three hooks, each a no-op unless the parsed args ask for megatron-slim:
   ``SliceCoreAttention``; builders already imported by name elsewhere (``gpt_builders``) are
   patched there too.
 
+With ``--cp-engine`` other than ``te`` (and ``--context-parallel-size > 1``) the same hooks serve
+megatron-slim's CP engines instead (``cp_hooks.py``): the spec gets ``CPCoreAttention`` (and
+``RemapTransformerLayer`` for ``--cp-remap``), the schedule Megatron picked is wrapped to attach the
+engine's context and normalise the loss CP-wide, and ``get_batch_on_this_cp_rank`` -- the name
+``pretrain_gpt.get_batch`` calls -- plans each pack and returns this rank's part of it.
+
 ``prepare_launch()`` installs all three before the script runs (``python -m megatron_slim.launch``);
 ``install(args)`` is the explicit form for a script that parsed its args itself (see
 ``patches/pretrain_gpt.patch``).
@@ -22,9 +28,11 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import importlib.util
 import sys
 from typing import Any, Callable, Optional
 
+from megatron_slim.megatron.cp_hooks import CPHookState, cp_engine_active, with_cp_attention
 from megatron_slim.megatron.flags import add_arguments, check_megatron_args
 
 SPEC_BUILDERS = ("get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec",
@@ -96,7 +104,7 @@ def slimpipe_settings(args) -> "SlimPipeSettings":
     return SlimPipeSettings(lengths, attention_backend=backend)
 
 
-def _patch_schedule(args_getter: Callable[[], Any]) -> None:
+def _patch_schedule(args_getter: Callable[[], Any], cp_state: CPHookState) -> None:
     training = importlib.import_module("megatron.training.training")
     original = training.get_forward_backward_func
     if getattr(original, _MARK, False):
@@ -106,7 +114,8 @@ def _patch_schedule(args_getter: Callable[[], Any]) -> None:
     def get_forward_backward_func(*args: Any, **kwargs: Any):
         parsed = args_getter()
         if parsed is None or not getattr(parsed, "use_slimpipe", False):
-            return original(*args, **kwargs)
+            chosen = original(*args, **kwargs)
+            return cp_state.wrap_forward_backward(chosen) if cp_engine_active(parsed) else chosen
         if id(parsed) not in cache:
             from megatron_slim.megatron.schedule import make_forward_backward_func
 
@@ -146,19 +155,45 @@ def _patch_layer_specs(args_getter: Callable[[], Any]) -> None:
         def builder(*args, __original=original, **kwargs):
             spec = __original(*args, **kwargs)
             parsed = args_getter()
-            return with_slice_attention(spec) if parsed is not None and parsed.use_slimpipe else spec
+            if parsed is not None and parsed.use_slimpipe:
+                return with_slice_attention(spec)
+            if cp_engine_active(parsed):
+                return with_cp_attention(spec, remap=bool(parsed.cp_remap))
+            return spec
 
         setattr(builder, _MARK, True)
         _replace_everywhere(original, builder)
 
 
+# ---- CP batch split --------------------------------------------------------------------------
+CP_BATCH_MODULES = ("megatron.core.utils", "megatron.training.utils")
+
+
+def _patch_cp_batch(cp_state: CPHookState) -> None:
+    """Replace ``get_batch_on_this_cp_rank`` where it is defined (megatron-core 0.16:
+    ``megatron.core.utils``; Megatron-LM main: ``megatron.training.utils``) and every name bound to
+    it; scripts imported later bind the replacement."""
+    for name in CP_BATCH_MODULES:
+        if importlib.util.find_spec(name) is None:
+            continue
+        module = importlib.import_module(name)
+        original = getattr(module, "get_batch_on_this_cp_rank", None)
+        if original is None or getattr(original, _MARK, False):
+            continue
+        replacement = cp_state.wrap_batch_split(original)
+        setattr(replacement, _MARK, True)
+        _replace_everywhere(original, replacement)
+
+
 # ---- entry points ----------------------------------------------------------------------------
 def prepare_launch() -> None:
-    """Before Megatron-LM parses anything: hook flags, schedule and specs (they read the parsed
-    args when called)."""
+    """Before Megatron-LM parses anything: hook flags, schedule, specs and the CP batch split (they
+    read the parsed args when called)."""
     _patch_parse_args()
-    _patch_schedule(_megatron_args)
+    cp_state = CPHookState(_megatron_args)
+    _patch_schedule(_megatron_args, cp_state)
     _patch_layer_specs(_megatron_args)
+    _patch_cp_batch(cp_state)
 
 
 def install(args: Any = None) -> None:
@@ -168,5 +203,7 @@ def install(args: Any = None) -> None:
         raise RuntimeError("install(args): Megatron's args are not parsed yet; pass them or call after "
                            "initialize_megatron")
     check_megatron_args(args)
-    _patch_schedule(lambda: args)
+    cp_state = CPHookState(lambda: args)
+    _patch_schedule(lambda: args, cp_state)
     _patch_layer_specs(lambda: args)
+    _patch_cp_batch(cp_state)

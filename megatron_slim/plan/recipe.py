@@ -193,6 +193,11 @@ class Recipe:
                 raise fail("parallel.vpp", p.vpp, "an integer >= 2 with schedule.kind=interleaved")
             if s.num_slices != 1:
                 raise fail("schedule.num_slices", s.num_slices, "1 with schedule.kind=interleaved (use slimpipe)")
+        if s.kind == "slimpipe" and p.cp > 1 and (self.cp.engine != "ring" or self.cp.remap):
+            raise fail("cp.engine", self.cp.engine,
+                       "ring (the default) with cp.remap=false when schedule.kind=slimpipe: SlimPipe runs context "
+                       "parallelism itself, as query-out attention over its K/V cache; cp.engine selects the "
+                       "engine for 1f1b/interleaved runs")
         unit = self.slice_alignment
         if s.slice_policy == "uniform":
             if m.seq_length % (s.num_slices * unit):

@@ -3,6 +3,9 @@
 Global batch ``G`` samples per iteration; data-parallel rank ``d`` takes samples
 ``it*G + d*m*b .. + m*b`` as ``m`` microbatches of ``b``, so the data order depends only on the
 iteration: a resumed run reads exactly what the uninterrupted run would have read.
+
+With ``parallel.cp > 1`` every microbatch is a pack of documents run by the recipe's CP engine
+(``megatron_slim.train.cp``); gradients are then averaged over data x context parallel ranks.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class RankReport:
     pp_rank: int
     dp_rank: int
     tp_rank: int
+    cp_rank: int = 0
     losses: list = field(default_factory=list)  # (iteration, loss) on the reporting rank
     iteration_seconds: list = field(default_factory=list)
     peak_activation_bytes: int = 0
@@ -45,6 +49,7 @@ class RankReport:
     attention_backend: str = ""
     schedule_digest: str = ""
     skipped_steps: int = 0
+    cp_iterations: list = field(default_factory=list)  # per iteration: train.cp.CPTrainStep.summary()
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -72,11 +77,9 @@ def _microbatches(dataset, recipe: Recipe, iteration: int, dp_rank: int):
 
 def check_trainable(recipe: Recipe) -> None:
     from megatron_slim.plan.schema import ConfigError
+    from megatron_slim.train.cp import check_cp_trainable
 
     p = recipe.parallel
-    if p.cp > 1:
-        raise ConfigError("parallel.cp: megatron-slim train runs cp=1 on CPU ranks (context parallelism runs "
-                          "through pretrain_gpt.py with --cp-engine); allowed: 1")
     if p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel: megatron-core's sequence-parallel buffers are CUDA-only; "
                           "allowed on CPU ranks: false")
@@ -85,6 +88,7 @@ def check_trainable(recipe: Recipe) -> None:
                           "for none; allowed: none")
     if recipe.train.precision != "fp32":
         raise ConfigError("train.precision: CPU ranks train in fp32; allowed: fp32")
+    check_cp_trainable(recipe)
 
 
 def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options: TrainOptions) -> RankReport:
@@ -95,21 +99,29 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     from megatron_slim.megatron.schedule import SlimPipeSettings, make_forward_backward_func
     from megatron_slim.megatron.slicing import SliceCoreAttention
     from megatron_slim.runtime.attention import choose_backend
+    from megatron_slim.train.cp import CPTrainStep, cp_layer_classes, reduce_summary, summary_text
 
     recipe = recipe_from_dict(recipe_data)
     p, t = recipe.parallel, recipe.train
     torch.manual_seed(t.seed)
     groups = init_model_parallel(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, dp=p.dp, seed=t.seed)
-    chunks = build_rank_chunks(recipe.model, groups, core_attention=SliceCoreAttention, seed=t.seed)
+    cp_step = CPTrainStep(recipe, groups, prepared.tokenizer.eod) if p.cp > 1 else None
+    layers = cp_layer_classes(recipe) if cp_step else {"core_attention": SliceCoreAttention}
+    chunks = build_rank_chunks(recipe.model, groups, **layers, seed=t.seed)
+    if cp_step:
+        cp_step.attach(chunks)
     params = [q for c in chunks for q in c.parameters()]
     optimizer, scheduler = build_optimizer(chunks, t)
     lengths = slice_lengths(recipe, CostModel(recipe))
     fb = make_forward_backward_func(SlimPipeSettings(lengths, measure_memory=options.measure_memory,
                                                      kind=recipe.schedule.kind))
     dataset = build_gpt_dataset(prepared, recipe.model.seq_length, t.global_batch_size * t.iters, seed=t.seed)
-    report = RankReport(rank, groups.pp_rank, groups.dp_rank, groups.tp_rank,
+    report = RankReport(rank, groups.pp_rank, groups.dp_rank, groups.tp_rank, groups.cp_rank,
                         attention_backend=_backend_text(choose_backend(None, torch.device("cpu"), torch.float32)))
-    reporter = groups.pp_rank == p.pp - 1 and groups.dp_rank == 0 and groups.tp_rank == 0
+    last_stage = groups.pp_rank == p.pp - 1 and groups.tp_rank == 0
+    reporter = last_stage and groups.dp_rank == 0 and groups.cp_rank == 0
+    # gradients are averaged, loss reports summed over data x context parallel ranks
+    grad_group, grad_size = (groups.dp_cp, p.dp * p.cp) if p.cp > 1 else (groups.dp, p.dp)
 
     start = 0
     if options.checkpoint_dir and options.resume:
@@ -122,6 +134,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
             scheduler.load_state_dict(state["scheduler"])
             start = report.resumed_from = found
             report.losses = [tuple(x) for x in state.get("losses", [])]
+            report.cp_iterations = list(state.get("cp_iterations", []))
             if reporter and not options.quiet:
                 print(f"resumed from {options.checkpoint_dir} at iteration {found}", flush=True)
 
@@ -129,11 +142,18 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     for it in range(start, t.iters):
         began = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        iterators = [iter(list(_microbatches(dataset, recipe, it, groups.dp_rank))) for _ in chunks]
-        reports = fb(forward_step_func=forward_step, data_iterator=iterators, model=chunks,
+        batches = list(_microbatches(dataset, recipe, it, groups.dp_rank))
+        step_func = forward_step
+        if cp_step:
+            batches, step_func = cp_step.plan_iteration(batches), cp_step.forward_step
+        iterators = [iter(batches) for _ in chunks]
+        reports = fb(forward_step_func=step_func, data_iterator=iterators, model=chunks,
                      num_microbatches=recipe.num_microbatches, seq_length=recipe.model.seq_length,
                      micro_batch_size=t.micro_batch_size)
-        average_data_parallel(params, groups.dp, p.dp)
+        average_data_parallel(params, grad_group, grad_size)
+        cp_summary = reduce_summary(cp_step.summary(), groups.dp, p.dp) if cp_step else None
+        if cp_summary is not None and reporter:
+            report.cp_iterations.append(cp_summary)
         stepped, norm = clip_and_step(params, optimizer, scheduler, t.clip_grad, mp_group, groups.tp_rank)
         report.skipped_steps += not stepped
         elapsed = time.perf_counter() - began
@@ -143,32 +163,34 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
         report.schedule_digest = fb.stats.schedule_digest
         if reporter:
             total = torch.stack([r["lm loss"] for r in reports]).sum(0)
-            loss = _dp_mean(total, groups)
+            loss = _dp_mean(total, grad_group, grad_size)
             report.losses.append((it + 1, loss))
             if not options.quiet and ((it + 1) % t.log_interval == 0 or it + 1 == t.iters):
                 tok_s = t.global_batch_size * recipe.model.seq_length / elapsed
+                cp_text = f" | {summary_text(recipe.cp.engine, cp_summary)}" if cp_summary else ""
                 print(f"iter {it + 1:4d}/{t.iters} | loss {loss:.4f} | lr {optimizer.param_groups[0]['lr']:.2e} | "
                       f"grad norm {norm:.3f}{'' if stepped else ' (skipped: not finite)'} | {elapsed:.2f} s/it | "
-                      f"{tok_s:,.0f} tokens/s", flush=True)
-        elif p.dp > 1 and groups.pp_rank == p.pp - 1 and groups.tp_rank == 0:
-            _dp_mean(torch.stack([r["lm loss"] for r in reports]).sum(0), groups)
+                      f"{tok_s:,.0f} tokens/s{cp_text}", flush=True)
+        elif grad_size > 1 and last_stage:
+            _dp_mean(torch.stack([r["lm loss"] for r in reports]).sum(0), grad_group, grad_size)
         report.last_iteration = it + 1
         done = it + 1 == t.iters or (options.exit_interval and it + 1 == options.exit_interval)
         if options.checkpoint_dir and (done or (t.save_interval and (it + 1) % t.save_interval == 0)):
             state = {"chunks": [c.state_dict() for c in chunks], "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "losses": report.losses}
+                     "scheduler": scheduler.state_dict(), "losses": report.losses,
+                     "cp_iterations": report.cp_iterations}
             checkpoint.save(options.checkpoint_dir, it + 1, rank, state, recipe_data)
         if options.exit_interval and it + 1 == options.exit_interval:
             break
     return report
 
 
-def _dp_mean(total: torch.Tensor, groups) -> float:
-    """Token-weighted loss over the data-parallel ranks (Megatron's ``lm loss`` reduction)."""
+def _dp_mean(total: torch.Tensor, group, size: int) -> float:
+    """Token-weighted loss over the data (x context) parallel ranks (Megatron's ``lm loss`` reduction)."""
     import torch.distributed as dist
 
-    if groups.dp_size > 1:
-        dist.all_reduce(total, group=groups.dp)
+    if size > 1:
+        dist.all_reduce(total, group=group)
     return (total[0] / total[1].clamp(min=1)).item()
 
 

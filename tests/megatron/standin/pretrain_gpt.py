@@ -1,5 +1,6 @@
-"""Stand-in for Megatron-LM's pretrain_gpt.py (same shape: spec builder imported by name at import
-time, model_provider, forward_step, loss_func returning (loss, num_tokens, report), pretrain())."""
+"""Stand-in for Megatron-LM's pretrain_gpt.py (same shape: spec builder and get_batch_on_this_cp_rank
+imported by name at import time, model_provider, get_batch -> get_batch_on_this_cp_rank, forward_step,
+loss_func returning (loss, num_tokens, report), pretrain())."""
 from functools import partial
 
 import torch
@@ -7,6 +8,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron.training import get_args, pretrain
 
@@ -19,6 +21,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         normalization=args.normalization, gated_linear_unit=args.swiglu, activation_func=torch.nn.functional.silu,
         add_bias_linear=not args.disable_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, bias_activation_fusion=False,
+        context_parallel_size=args.context_parallel_size, calculate_per_token_loss=args.calculate_per_token_loss,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         persist_layer_norm=False, apply_rope_fusion=False, masked_softmax_fusion=False,
@@ -45,10 +48,34 @@ def loss_func(loss_mask, output_tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
+def get_batch(data_iterator):
+    batch = next(data_iterator)  # the real script: get_batch_on_this_tp_rank(data_iterator) (TP=1 here)
+    batch = get_batch_on_this_cp_rank(batch)
+    return batch.values()
+
+
 def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    output = model(tokens, position_ids, attention_mask, labels=labels)
+    return output, partial(loss_func, loss_mask)
+
+
+def document_starts(s):
+    """Where documents start in every row (the real GPTDataset finds them after eod tokens)."""
+    return [0, 5, s // 2 - 3, s // 2 + 7]
+
+
+def masks_and_positions(b, s, args):
+    """Megatron's get_ltor_masks_and_position_ids for rows whose documents start at document_starts."""
+    position_ids = torch.arange(s).expand(b, s).clone()
+    mask = torch.ones(b, 1, s, s).tril()
+    starts = document_starts(s)
+    for start, end in zip(starts[1:], starts[2:] + [s]):
+        if args.reset_attention_mask:
+            mask[:, 0, start:, :start] = 0
+        if args.reset_position_ids:
+            position_ids[:, start:end] = torch.arange(end - start)
+    return mask < 0.5, position_ids
 
 
 def train_valid_test_datasets_provider():
@@ -59,10 +86,10 @@ def train_valid_test_datasets_provider():
         m = args.global_batch_size // args.micro_batch_size // args.data_parallel_size
         for _ in range(m):
             tokens = torch.randint(0, args.padded_vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g)
-            s = args.seq_length
-            yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(args.micro_batch_size, s),
-                   "position_ids": torch.arange(s).expand(args.micro_batch_size, s),
-                   "attention_mask": torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)}
+            b, s = args.micro_batch_size, args.seq_length
+            attention_mask, position_ids = masks_and_positions(b, s, args)
+            yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(b, s),
+                   "attention_mask": attention_mask, "position_ids": position_ids}
     return batches
 
 

@@ -8,11 +8,13 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     for name in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
                  "--num-query-groups", "--seq-length", "--max-position-embeddings", "--vocab-size",
                  "--micro-batch-size", "--global-batch-size", "--train-iters", "--seed",
-                 "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
                  "--num-layers-per-virtual-pipeline-stage", "--num-experts"):
         g.add_argument(name, type=int, default=None)
+    for name in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
+        g.add_argument(name, type=int, default=1)  # Megatron-LM's defaults
     for name in ("--group-query-attention", "--swiglu", "--disable-bias-linear", "--sequence-parallel",
-                 "--overlap-p2p-comm", "--bf16", "--untie-embeddings-and-output-weights"):
+                 "--overlap-p2p-comm", "--bf16", "--untie-embeddings-and-output-weights", "--reset-position-ids",
+                 "--reset-attention-mask", "--calculate-per-token-loss"):
         g.add_argument(name, action="store_true")
     g.add_argument("--normalization", default="LayerNorm")
     g.add_argument("--position-embedding-type", default="learned_absolute")

@@ -13,5 +13,25 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     from megatron_slim.megatron.parallel import init_model_parallel
 
     args.groups = init_model_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                                      cp=args.context_parallel_size,
                                       vpp=args.virtual_pipeline_model_parallel_size or 1, seed=args.seed or 1234)
+    _cpu_token_counter()
     return get_args()
+
+
+def _cpu_token_counter():
+    """CPU only (not in the real package): megatron-core's schedules allocate their token counter with
+    ``torch.zeros(..., device="cuda")``; give their module a torch whose ``zeros`` maps that to CPU."""
+    import torch
+    from megatron.core.pipeline_parallel import schedules
+
+    class CpuTorch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*args, device=None, **kwargs):
+            return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    if schedules.torch is torch:
+        schedules.torch = CpuTorch()

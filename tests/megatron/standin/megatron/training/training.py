@@ -1,10 +1,30 @@
 import torch
+import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron.training.global_vars import get_args
 from megatron.training.initialize import initialize_megatron
 
 LAST_RUN = {}
+
+
+def finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    """Stand-in for DDP + ``megatron.core.distributed.finalize_model_grads``: gradients summed over
+    data x context parallel ranks and scaled by ``1 / (dp * cp)`` (DDP's gradient_scaling_factor), or,
+    under --calculate-per-token-loss, by the inverse of ``num_tokens`` summed over those ranks."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if num_tokens is not None:
+        dist.all_reduce(num_tokens, group=group)
+        scale = 1.0 / max(int(num_tokens.item()), 1)
+    else:
+        scale = 1.0 / dist.get_world_size(group)
+    for chunk in model:
+        for param in chunk.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=group)
+                param.grad.mul_(scale)
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer):
@@ -18,6 +38,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer):
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         decoder_seq_length=args.decoder_seq_length, forward_only=False, adjust_tensor_shapes_fn=None,
         force_all_reduce=False)
+    if "first_grads" not in LAST_RUN:  # test instrumentation (not in the real script)
+        LAST_RUN["first_grads"] = {n: p.grad.clone() for n, p in model[0].named_parameters() if p.grad is not None}
     optimizer.step()
     LAST_RUN.setdefault("functions", []).append(getattr(forward_backward_func, "__name__", ""))
     return losses_reduced
@@ -34,6 +56,9 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         pre = groups.pp_rank == 0 and chunk == 0
         post = groups.pp_rank == groups.pp_size - 1 and chunk == vpp - 1
         model.append(model_provider(pre_process=pre, post_process=post, vp_stage=chunk))
+    for chunk in model:  # as train() does in the real package
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+    LAST_RUN["initial_state"] = {k: v.clone() for k, v in model[0].state_dict().items() if torch.is_tensor(v)}
     optimizer = torch.optim.SGD([p for m in model for p in m.parameters()], lr=args.lr or 0.05)
     train_ds = train_valid_test_dataset_provider()
     losses = []
@@ -42,5 +67,9 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         reduced = train_step(forward_step_func, iterators, model, optimizer)
         if reduced:
             total = torch.stack([r["lm loss"] for r in reduced]).sum(0)
+            if groups.cp_size * groups.dp_size > 1:  # train_step's reduction over data x context parallel ranks
+                from megatron.core import parallel_state
+
+                dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             losses.append((total[0] / total[1]).item())
     LAST_RUN.update(losses=losses, model=model)

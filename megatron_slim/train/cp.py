@@ -1,0 +1,173 @@
+"""Context parallelism in ``megatron-slim train``: ``cp.engine`` runs every microbatch as a planned pack.
+
+With ``parallel.cp > 1`` each microbatch window of ``model.seq_length`` tokens is a *pack* whose
+sequences are the documents between the tokenizer's ``eod`` tokens (``cp_lengths.document_lengths``;
+a document includes its ``eod``): attention stays inside each document and positions restart at
+0 in each, the THD semantics every CP engine needs -- not the plain causal window of ``cp=1``.
+
+Per iteration, every rank of a CP group derives the same lengths from the same windows and plans
+each microbatch (``cp_data.plan_runnable_microbatch``: placement, routing and, with ``cp.remap``,
+the remap plan, exactly what the CP simulator prices). The forward step then, before every
+microbatch's forward, makes that plan current on the chunk's ``CPContext`` (collective: the CP
+ranks compare plan hashes), cuts the window to this rank's tokens (``cp_data.cp_batch``) and
+returns ``cp_data.cp_loss_func``: the loss is ``cp * local_sum`` over the CP-wide masked-token
+count, so the schedule's per-microbatch normalisation and the loop's gradient *average* over data
+x context parallel ranks give the single-process reference's gradients (mean over each pack's loss
+tokens, averaged over microbatches and data-parallel ranks).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_slim.plan.recipe import Recipe
+from megatron_slim.plan.schema import fail
+
+MICROBATCH_KEY = "cp_microbatch"  # carried through the schedule's data iterator to find the plan
+
+
+def check_cp_trainable(recipe: Recipe) -> None:
+    """Reject, before any work, what ``megatron-slim train`` cannot run under a CP engine."""
+    p, s, engine = recipe.parallel, recipe.schedule, recipe.cp.engine
+    if p.cp == 1:
+        return
+    if p.pp > 1:
+        raise fail("parallel.pp", p.pp, "1 with parallel.cp > 1", "pipeline stages with a CP engine are not wired "
+                   "yet (the schedule adapter's stage-to-stage shapes do not follow per-microbatch CP plans)")
+    if s.kind == "slimpipe" and s.num_slices > 1:
+        detail = ("SlimPipe slices are not supported with this CP engine" if engine != "ring" else
+                  "megatron-slim train does not wire SlimPipe x CP slices (query-out attention over the whole "
+                  "window, no document masking) yet; here cp.engine=ring runs whole packs of documents")
+        raise fail("schedule.num_slices", s.num_slices, f"1 with parallel.cp > 1 and cp.engine={engine}", detail)
+    if recipe.train.micro_batch_size != 1:
+        raise fail("train.micro_batch_size", recipe.train.micro_batch_size, "1 with parallel.cp > 1",
+                   "a CP plan describes one pack per microbatch")
+    if recipe.cp.remap and engine != "zeppelin":
+        raise fail("cp.remap", True, f"false with cp.engine={engine}", "only Zeppelin has a remapping layer")
+    topo, costs = cp_topology(recipe)
+    from megatron_slim.plan.cp.engines import check_supported
+
+    check_supported(engine, topo, costs)
+
+
+def cp_topology(recipe: Recipe):
+    """The CP domain (nodes x ranks from ``hardware.gpus_per_node / parallel.tp``) and unit costs."""
+    from megatron_slim.plan.cp.costs import CPCosts
+    from megatron_slim.plan.cp.topology import CPTopology
+
+    p, hw = recipe.parallel, recipe.hardware_profile
+    span = p.cp * p.tp
+    if p.dp * p.pp > 1 and hw.gpus_per_node % span and span % hw.gpus_per_node:
+        raise fail("parallel.cp", p.cp, f"a size whose CP group (cp*tp={span} GPUs) divides or is a multiple of "
+                   f"hardware.gpus_per_node={hw.gpus_per_node}", "CP groups would straddle node boundaries")
+    return CPTopology.from_hardware(hw, p.cp, p.tp), CPCosts.from_recipe(recipe)
+
+
+def cp_layer_classes(recipe: Recipe) -> dict[str, Optional[type]]:
+    """``build_chunk`` keywords: the CP engine's core attention (schedule-adapter form) and, with
+    ``cp.remap``, the remapping transformer layer."""
+    from megatron_slim.megatron.cp_schedule import CPScheduledCoreAttention
+    from megatron_slim.megatron.remap_layer import RemapTransformerLayer
+
+    return {"core_attention": CPScheduledCoreAttention,
+            "transformer_layer": RemapTransformerLayer if recipe.cp.remap else None}
+
+
+class CPTrainStep:
+    """One rank's CP plumbing: the iteration's plans, the forward step, the plan summary."""
+
+    def __init__(self, recipe: Recipe, groups, eod: int) -> None:
+        from megatron_slim.megatron.cp_attention import CPContext
+
+        self.engine, self.remap = recipe.cp.engine, recipe.cp.remap
+        self.topo, self.costs = cp_topology(recipe)
+        self.cp_group, self.cp_rank = groups.cp, groups.cp_rank
+        self.context = CPContext(groups.cp)
+        self.eod = eod
+        self.plans: list[tuple] = []
+
+    def attach(self, chunks) -> None:
+        from megatron_slim.megatron.cp_attention import attach_context_parallel
+
+        for c in chunks:
+            if attach_context_parallel(c, self.context) == 0:
+                raise RuntimeError("cp.engine: the model chunk has no CPCoreAttention (build it with "
+                                   "train.cp.cp_layer_classes)")
+
+    def plan_iteration(self, microbatches: list[dict]) -> list[dict]:
+        """Plan every microbatch window of this iteration; returns the windows tagged with their index."""
+        from megatron_slim.megatron.cp_data import plan_runnable_microbatch
+        from megatron_slim.megatron.cp_lengths import document_lengths
+
+        self.plans = [plan_runnable_microbatch(document_lengths(b["tokens"], self.eod), self.topo, self.costs,
+                                               engine=self.engine, remap=self.remap) for b in microbatches]
+        return [{**b, MICROBATCH_KEY: k} for k, b in enumerate(microbatches)]
+
+    def forward_step(self, data_iterator, model):
+        from megatron_slim.megatron.cp_data import cp_batch, cp_loss_func
+
+        batch = dict(next(data_iterator))
+        k = batch.pop(MICROBATCH_KEY)
+        plan, routing, remap, _ = self.plans[k]
+        self.context.set_plan(plan, routing=routing, remap=remap)
+        local = cp_batch(batch, plan, self.cp_rank)
+        output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+        return output, functools.partial(cp_loss_func, local["loss_mask"], cp_group=self.cp_group)
+
+    def summary(self) -> dict[str, int]:
+        """This iteration's plans in counts: packs, sequences by scope, re-planned packs, tokens per rank."""
+        out = {"packs": len(self.plans), "sequences": 0, "local": 0, "intra": 0, "inter": 0, "replanned": 0,
+               "max_tokens_per_rank": 0, "min_tokens_per_rank": 0, "remapped_tokens": 0}
+        lows = []
+        for plan, _, remap, replanned in self.plans:
+            out["sequences"] += len(plan.lengths)
+            for g in plan.groups:
+                out[g.scope] += len(g.seqs)
+            out["replanned"] += int(replanned)
+            tokens = plan.tokens_per_rank()
+            out["max_tokens_per_rank"] = max(out["max_tokens_per_rank"], max(tokens))
+            lows.append(min(tokens))
+            out["remapped_tokens"] += remap.moved_tokens if remap is not None else 0
+        out["min_tokens_per_rank"] = min(lows) if lows else 0
+        return out
+
+
+_SUMMED = ("packs", "sequences", "local", "intra", "inter", "replanned", "remapped_tokens")
+
+
+def reduce_summary(summary: dict[str, int], dp_group: Any, dp_size: int) -> dict[str, int]:
+    """The summary over every data-parallel rank's microbatches (collective over ``dp_group``)."""
+    if dp_size == 1:
+        return dict(summary)
+    sums = torch.tensor([summary[k] for k in _SUMMED], dtype=torch.long)
+    extremes = torch.tensor([summary["max_tokens_per_rank"], -summary["min_tokens_per_rank"]], dtype=torch.long)
+    dist.all_reduce(sums, group=dp_group)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=dp_group)
+    out = dict(zip(_SUMMED, sums.tolist()))
+    out["max_tokens_per_rank"], out["min_tokens_per_rank"] = extremes[0].item(), -extremes[1].item()
+    return out
+
+
+def summary_text(engine: str, s: dict[str, int]) -> str:
+    """``cp zeppelin: 9 seqs 6 local/2 intra/1 inter, 96-160 tok/rank`` (+ re-planned packs)."""
+    text = (f"cp {engine}: {s['sequences']} seqs {s['local']} local/{s['intra']} intra/{s['inter']} inter, "
+            f"{s['min_tokens_per_rank']}-{s['max_tokens_per_rank']} tok/rank")
+    if s["replanned"]:
+        text += f", {s['replanned']} pack(s) re-planned by ring (a rank was left empty)"
+    return text
+
+
+def describe(recipe: Recipe) -> str:
+    """One line for the start of a run: engine, topology and the document-masking semantics."""
+    topo, _ = cp_topology(recipe)
+    remap = " with remap" if recipe.cp.remap else ""
+    return (f"context parallel: cp{recipe.parallel.cp} engine {recipe.cp.engine}{remap} on {topo.num_nodes} node(s) "
+            f"x {topo.ranks_per_node} CP ranks (hardware {recipe.hardware_profile.name}); each microbatch is a "
+            "pack of the documents between eod tokens, attention stays inside each document")
+
+
+__all__ = ["CPTrainStep", "MICROBATCH_KEY", "check_cp_trainable", "cp_layer_classes", "cp_topology",
+           "describe", "reduce_summary", "summary_text"]

@@ -1,0 +1,227 @@
+"""`megatron-slim train` with a context-parallel engine (``parallel.cp > 1``, ``cp.engine``).
+
+* One training step of the job's CP plumbing (``train.cp``: documents between ``eod`` tokens, a plan
+  per microbatch, the schedule adapter, ``cp_loss_func``, gradients averaged over data x context
+  parallel ranks) equals the single-process reference: the whole model, every document run on its
+  own with positions from 0, loss = mean over microbatches of each pack's masked-token mean --
+  in the loss and in EVERY parameter gradient (zeppelin with and without remap, and ring).
+* The CLI trains with zeppelin (cp=2, remap) and with ring (cp=2 x dp=2, 4 ranks): the loss falls,
+  both runs give the same losses (CP is exact and gradients are averaged over data x context
+  parallel ranks, so neither the engine nor the dp x cp split changes them), and the JSON /
+  progress lines name the engine and each iteration's plans.
+
+Topology: the tests write a CPU hardware profile with ``gpus_per_node: 1`` (2 CP ranks = 2 nodes x
+1, so Zeppelin chooses between local and inter-node sequences and remaps across the NIC); there is
+no topology key in a recipe, ``--set hardware=<profile YAML>`` selects it.
+"""
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_slim.cli import main
+from megatron_slim.runtime.spawn import run_ranks
+
+TOL = dict(atol=2e-5, rtol=1e-4)
+MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+             vocab_size=96, seq_length=128, rotary_base=10000.0)
+EOD = 1
+# two microbatch windows; the first ends inside a document (no eod), the second is one long
+# document followed by short ones (Zeppelin splits the long one across nodes, keeps short ones local)
+WINDOWS = [(7, 45, 20, 56), (100, 9, 13, 6)]
+HARDWARE = """name: cpu-2-nodes
+peak_bf16_flops: 1.9e11
+hbm_bytes: 25769803776
+hbm_bandwidth: 2.0e10
+gpus_per_node: 1
+nics_per_node: 1
+nvlink_bandwidth: 2.0e10
+nvlink_latency: 1.0e-6
+nic_bandwidth: 5.0e9
+nic_latency: 2.0e-6
+layer_impl: local
+"""
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """A corpus of short documents cut from three stdlib modules, so a window packs several."""
+    import random
+
+    from megatron_slim.data import stdlib_root
+
+    root = tmp_path_factory.mktemp("short-docs")
+    text = "".join((stdlib_root() / name).read_text() for name in ("argparse.py", "textwrap.py"))
+    rng, pos = random.Random(0), 0
+    for i in range(200):
+        size = rng.choice([60, 120, 250, 500, 900, 1600])
+        (root / f"doc{i:04d}.txt").write_text(text[pos:pos + size])
+        pos += size
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def hardware(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hw") / "cpu-2-nodes.yaml"
+    path.write_text(HARDWARE)
+    return str(path)
+
+
+def _window(lengths, seed):
+    """Tokens with an eod closing every document but the last, random labels, a ~85% loss mask."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    tokens = torch.randint(EOD + 1, MODEL["vocab_size"], (total,), generator=g)
+    end = 0
+    for s in lengths[:-1]:
+        end += s
+        tokens[end - 1] = EOD
+    return {"tokens": tokens.unsqueeze(0), "labels": torch.randint(0, MODEL["vocab_size"], (1, total), generator=g),
+            "loss_mask": (torch.rand(1, total, generator=g) > 0.15).float(),
+            "position_ids": torch.arange(total).unsqueeze(0)}
+
+
+def _recipe(engine, remap, cp, hardware_path):
+    from megatron_slim.plan.recipe import recipe_from_dict
+
+    return recipe_from_dict({"name": "cp-step", "hardware": hardware_path, "model": MODEL,
+                             "parallel": {"cp": cp}, "cp": {"engine": engine, "remap": remap},
+                             "train": {"global_batch_size": len(WINDOWS), "precision": "fp32"}})
+
+
+def _reference(model_cfg, solo, windows, seed):
+    from megatron_slim.megatron.cp_lengths import document_lengths
+    from megatron_slim.megatron.model import build_chunk, global_grads
+
+    model = build_chunk(model_cfg, solo, layers=range(model_cfg.num_layers), pre_process=True, post_process=True,
+                        seed=seed)
+    total, summed, tokens = 0.0, 0.0, 0.0
+    for w in windows:
+        pack, offset = 0.0, 0
+        for s in document_lengths(w["tokens"], EOD):
+            part = slice(offset, offset + s)
+            losses = model(w["tokens"][:, part], torch.arange(s).unsqueeze(0), None, labels=w["labels"][:, part])
+            pack = pack + (losses.reshape(-1) * w["loss_mask"][0, part]).sum()
+            offset += s
+        total = total + pack / w["loss_mask"].sum() / len(windows)
+        summed, tokens = summed + pack.detach(), tokens + w["loss_mask"].sum()
+    total.backward()
+    return summed / tokens, global_grads(model)
+
+
+def one_step(rank, world_size, cases, hardware_path, seed=1234):
+    """Per case ``(engine, remap)``: one forward-backward of the training job's CP plumbing through
+    the schedule adapter, gradients averaged as the loop does; on rank 0 also the reference."""
+    from megatron_slim.megatron.model import build_rank_chunks, global_grads
+    from megatron_slim.megatron.parallel import ParallelGroups, init_model_parallel
+    from megatron_slim.megatron.schedule import SlimPipeSettings, make_forward_backward_func
+    from megatron_slim.train.cp import CPTrainStep, cp_layer_classes
+    from megatron_slim.train.step import average_data_parallel
+
+    groups = init_model_parallel(cp=world_size)
+    solo_group = [dist.new_group([r]) for r in range(world_size)][rank]
+    solo = ParallelGroups(*([solo_group] * 7), embd=solo_group, pos_embd=solo_group)
+    windows = [_window(lengths, seed + k) for k, lengths in enumerate(WINDOWS)]
+    results = {}
+    for engine, remap in cases:
+        recipe = _recipe(engine, remap, world_size, hardware_path)
+        chunks = build_rank_chunks(recipe.model, groups, **cp_layer_classes(recipe), seed=seed)
+        step = CPTrainStep(recipe, groups, EOD)
+        step.attach(chunks)
+        fb = make_forward_backward_func(SlimPipeSettings((MODEL["seq_length"],), kind="1f1b"))
+        batches = step.plan_iteration(windows)
+        reports = fb(forward_step_func=step.forward_step, data_iterator=[iter(batches)], model=chunks,
+                     num_microbatches=len(windows), seq_length=MODEL["seq_length"], micro_batch_size=1)
+        params = [p for c in chunks for p in c.parameters()]
+        average_data_parallel(params, groups.dp_cp, world_size)
+        pair = torch.stack([r["lm loss"] for r in reports]).sum(0)
+        dist.all_reduce(pair, group=groups.cp)
+        results[engine, remap] = {"grads": global_grads(chunks[0]) if rank == 0 else None,
+                                  "summary": step.summary(), "pair": pair}
+    if rank == 0:
+        results["reference"] = _reference(recipe.model, solo, windows, seed)
+    return results
+
+
+def test_one_cp_training_step_matches_the_per_document_reference(hardware):
+    cases = [("zeppelin", True), ("zeppelin", False), ("ring", False)]
+    results = run_ranks(one_step, 2, cases, hardware, timeout_s=300)
+    ref_loss, ref_grads = results[0]["reference"]
+    zeppelin = results[0]["zeppelin", True]["summary"]
+    assert zeppelin["local"] > 0 and zeppelin["inter"] > 0 and zeppelin["remapped_tokens"] > 0
+    assert zeppelin["replanned"] == 0 and zeppelin["sequences"] == sum(len(w) for w in WINDOWS)
+    for case in cases:
+        got = results[0][case]
+        assert got["grads"].keys() == ref_grads.keys()
+        for name, want in ref_grads.items():
+            where = f"{case} {name}"
+            torch.testing.assert_close(got["grads"][name], want, **TOL, msg=lambda m, where=where: f"{where}: {m}")
+        for rank in (0, 1):  # the summed [loss, tokens] reports give the token-weighted mean loss
+            pair = results[rank][case]["pair"]
+            torch.testing.assert_close(pair[0] / pair[1], ref_loss, **TOL)
+
+
+def _train(tmp_path, name, data_cache, corpus, *sets):
+    out = tmp_path / f"{name}.json"
+    argv = ["train", "--set", f"data.cache_dir={data_cache}", f"data.corpus={corpus}", "model.vocab_size=512",
+            "parallel.pp=1",
+            "schedule.kind=1f1b", "schedule.num_slices=1", "model.seq_length=256", "model.num_layers=2",
+            "model.hidden_size=64", "model.ffn_hidden_size=160", "model.num_attention_heads=4",
+            "model.num_query_groups=2", "train.global_batch_size=4", "train.iters=4", "train.warmup_iters=1",
+            "train.lr=3e-3", *sets, "--json", str(out)]
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_cli_trains_with_zeppelin_and_ring_with_falling_equal_losses(tmp_path, data_cache, short_documents, hardware,
+                                                                    capfd):
+    zeppelin = _train(tmp_path, "zeppelin", data_cache, short_documents, "parallel.cp=2", "cp.engine=zeppelin",
+                      "cp.remap=true", f"hardware={hardware}")
+    printed = capfd.readouterr().out  # the ranks print the progress lines
+    ring = _train(tmp_path, "ring", data_cache, short_documents, "parallel.cp=2", "parallel.dp=2", "cp.engine=ring",
+                  f"hardware={hardware}")
+    for run in (zeppelin, ring):
+        assert len(run["losses"]) == 4 and run["losses"][-1] < run["losses"][0]
+    assert zeppelin["losses"] == pytest.approx(ring["losses"], abs=2e-4)
+    cp = zeppelin["cp"]
+    assert (cp["engine"], cp["remap"], cp["size"], cp["nodes"], cp["document_masking"]) == ("zeppelin", True, 2, 2,
+                                                                                              True)
+    assert len(cp["iterations"]) == 4 and all(i["packs"] == 4 for i in cp["iterations"])
+    assert sum(i["local"] for i in cp["iterations"]) > 0 and sum(i["inter"] for i in cp["iterations"]) > 0
+    assert ring["cp"]["engine"] == "ring" and all(i["local"] == 0 for i in ring["cp"]["iterations"])
+    assert [i["packs"] for i in ring["cp"]["iterations"]] == [4] * 4  # summed over both data-parallel ranks
+    assert "engine zeppelin with remap on 2 node(s)" in printed and "attention stays inside each document" in printed
+    assert "| cp zeppelin: " in printed and " local/" in printed
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["parallel.cp=2", "parallel.pp=2"], "parallel.pp"),
+    (["parallel.cp=2", "schedule.kind=slimpipe", "schedule.num_slices=2", "cp.engine=zeppelin"],
+     "cp.engine: invalid value (got 'zeppelin'"),
+    (["parallel.cp=2", "cp.engine=ring", "cp.remap=true"], "cp.remap"),
+    (["parallel.cp=2", "train.micro_batch_size=2", "train.global_batch_size=4"], "train.micro_batch_size"),
+])
+def test_unsupported_cp_training_is_rejected_before_any_work(sets, needle, capsys):
+    assert main(["train", "--set", "parallel.pp=1", "schedule.kind=1f1b", "schedule.num_slices=1", *sets]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_pack_that_would_leave_a_cp_rank_empty_is_planned_by_ring():
+    """megatron-core cannot run a rank without tokens; Zeppelin keeps one short sequence local when a
+    node's NIC share is slow, so such a pack goes to the ring engine (exact either way), counted."""
+    import dataclasses
+
+    from megatron_slim.megatron.cp_data import plan_runnable_microbatch
+    from megatron_slim.plan.cp.topology import CPTopology
+    from megatron_slim.train.cp import cp_topology
+
+    recipe = _recipe("zeppelin", True, 2, "cpu")
+    _, costs = cp_topology(recipe)
+    slow = dataclasses.replace(CPTopology.from_hardware(recipe.hardware_profile, 2), ranks_per_node=1)
+    plan, _, remap, replanned = plan_runnable_microbatch((128,), slow, costs, engine="zeppelin", remap=True)
+    assert replanned and plan.engine == "ring" and plan.tokens_per_rank() == (64, 64) and remap is None
+    plan, _, _, replanned = plan_runnable_microbatch((100, 28), slow, costs, engine="zeppelin", remap=True)
+    assert not replanned and plan.engine == "zeppelin" and min(plan.tokens_per_rank()) > 0
+    with pytest.raises(ValueError, match="every plan leaves a CP rank without tokens"):
+        plan_runnable_microbatch((1,), slow, costs, engine="zeppelin")
