@@ -24,6 +24,8 @@ import torch
 
 from megatron_slim.megatron.core_attention import SlimCoreAttention
 from megatron_slim.megatron.remap_layer import RemapTransformerLayer
+from megatron_slim.megatron.rotary import rope_table
+from megatron_slim.megatron.wrapping import RotaryWrapper, unwrap
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.remap import RemapPlan
 from megatron_slim.plan.cp.routing import RoutingPlan
@@ -93,28 +95,8 @@ class CPCoreAttention(SlimCoreAttention):
         return out.unsqueeze(0)
 
 
-def rope_table(rotary: torch.nn.Module, positions: torch.Tensor) -> torch.Tensor:
-    """megatron's RoPE table ``[s, 1, 1, dim]`` at explicit ``positions`` (same formula as
-    ``RotaryEmbedding.get_emb`` / ``CpuRotaryEmbedding.forward``)."""
-    inv_freq = rotary.inv_freq
-    pos = positions.to(device=inv_freq.device, dtype=inv_freq.dtype)
-    if getattr(rotary, "seq_len_interpolation_factor", None) is not None:
-        pos = pos / rotary.seq_len_interpolation_factor
-    freqs = torch.outer(pos, inv_freq)
-    if getattr(rotary, "rotary_interleaved", False):
-        emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
-    else:
-        emb = torch.cat((freqs, freqs), dim=-1)
-    return emb[:, None, None, :]
-
-
-class CPRotary(torch.nn.Module):
+class CPRotary(RotaryWrapper):
     """The chunk's rotary embedding, evaluated at the current plan's position ids of this rank."""
-
-    def __init__(self, inner: torch.nn.Module, context: CPContext) -> None:
-        super().__init__()
-        self.inner = inner
-        self.context = context
 
     def forward(self, max_seq_len: int, offset: int = 0, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.context.plan is None:
@@ -123,18 +105,6 @@ class CPRotary(torch.nn.Module):
             raise ValueError(f"rotary offset={offset}: allowed 0 under context parallelism (positions come "
                              "from the plan)")
         return rope_table(self.inner, self.context.position_ids())
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("inner"), name)
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
 
 
 def attach_context_parallel(chunk: torch.nn.Module, context: CPContext) -> int:
@@ -150,7 +120,7 @@ def attach_context_parallel(chunk: torch.nn.Module, context: CPContext) -> int:
             found += 1
         elif isinstance(module, RemapTransformerLayer):
             module.cp_context = context
-    inner = _unwrap(chunk)
+    inner = unwrap(chunk)
     rotary = getattr(inner, "rotary_pos_emb", None)
     if rotary is not None:
         if isinstance(rotary, CPRotary):

@@ -42,15 +42,22 @@ class CpuRotaryEmbedding(RotaryEmbedding):
         if cp_group is not None and cp_group.size() > 1 and not packed_seq:
             keep = zigzag_positions(positions.numel(), cp_group.rank(), cp_group.size())
             positions = positions[keep.to(positions.device)]
-        positions = positions.to(self.inv_freq.dtype)
-        if self.seq_len_interpolation_factor is not None:
-            positions = positions / self.seq_len_interpolation_factor
-        freqs = torch.outer(positions, self.inv_freq)
-        if self.rotary_interleaved:
-            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)
-        return emb[:, None, None, :]
+        return rope_table(self, positions)
+
+
+def rope_table(rotary: torch.nn.Module, positions: torch.Tensor) -> torch.Tensor:
+    """megatron's RoPE table ``[s, 1, 1, dim]`` at explicit ``positions`` (the formula of
+    ``RotaryEmbedding.get_emb``), for any rotary module with ``inv_freq``."""
+    inv_freq = rotary.inv_freq
+    pos = positions.to(device=inv_freq.device, dtype=inv_freq.dtype)
+    if getattr(rotary, "seq_len_interpolation_factor", None) is not None:
+        pos = pos / rotary.seq_len_interpolation_factor
+    freqs = torch.outer(pos, inv_freq)
+    if getattr(rotary, "rotary_interleaved", False):
+        emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :]
 
 
 def make_cpu_rotary_embedding(**kwargs: Any) -> CpuRotaryEmbedding:

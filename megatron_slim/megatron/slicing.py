@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_slim.megatron.core_attention import SlimCoreAttention
+from megatron_slim.megatron.wrapping import RotaryWrapper, unwrap
 from megatron_slim.runtime.pipeline.cp_slice_attention import cp_sliced_attention
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_attention import sliced_attention
@@ -49,31 +50,13 @@ class SliceCoreAttention(SlimCoreAttention):
                                 store=self.store, info=info, layer=self.layer_number)
 
 
-class SliceRotary(torch.nn.Module):
+class SliceRotary(RotaryWrapper):
     """Wraps a chunk's rotary embedding: the table starts at the current slice's first position."""
-
-    def __init__(self, inner: torch.nn.Module, context: SliceContext) -> None:
-        super().__init__()
-        self.inner = inner
-        self.context = context
 
     def forward(self, max_seq_len: int, offset: int = 0, *args: Any, **kwargs: Any) -> torch.Tensor:
         info = self.context.current
         start = info.start if info is not None else 0
         return self.inner(max_seq_len, offset + start, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("inner"), name)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """Strip DDP / Float16Module style wrappers (``.module`` chains)."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
 
 
 def attach_slicing(chunk: torch.nn.Module, context: SliceContext, store: KVCacheStore,

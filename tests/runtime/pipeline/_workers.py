@@ -1,10 +1,10 @@
 """Rank functions for the SlimPipe multi-process tests (module level so spawn can import them)."""
 import dataclasses
-import functools
 
 import torch
 
 from megatron_slim.plan.recipe import ModelConfig
+from megatron_slim.train.loop import forward_step, loss_func  # the training job's own
 
 TINY = dict(num_layers=8, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4, num_query_groups=2,
             vocab_size=128, seq_length=32, rotary_base=10000.0)
@@ -20,19 +20,6 @@ def make_batches(model: ModelConfig, num_microbatches: int, micro_batch: int, se
         out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
                     "loss_mask": mask, "position_ids": pos})
     return out
-
-
-def loss_func(loss_mask, output_tensor):
-    losses = output_tensor.float()
-    loss = torch.sum(losses.reshape(-1) * loss_mask.reshape(-1))
-    num_tokens = loss_mask.sum().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
-
-
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, functools.partial(loss_func, batch["loss_mask"])
 
 
 def reference(model: ModelConfig, batches, seed: int):
