@@ -25,7 +25,7 @@ import torch
 from megatron_slim.megatron.core_attention import SlimCoreAttention
 from megatron_slim.megatron.remap_layer import RemapTransformerLayer
 from megatron_slim.megatron.rotary import rope_table
-from megatron_slim.megatron.wrapping import RotaryWrapper, unwrap
+from megatron_slim.megatron.wrapping import RotaryWrapper, wrap_rotary
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.remap import RemapPlan
 from megatron_slim.plan.cp.routing import RoutingPlan
@@ -120,13 +120,7 @@ def attach_context_parallel(chunk: torch.nn.Module, context: CPContext) -> int:
             found += 1
         elif isinstance(module, RemapTransformerLayer):
             module.cp_context = context
-    inner = unwrap(chunk)
-    rotary = getattr(inner, "rotary_pos_emb", None)
-    if rotary is not None:
-        if isinstance(rotary, CPRotary):
-            rotary.context = context
-        else:
-            inner.rotary_pos_emb = CPRotary(rotary, context)
+    wrap_rotary(chunk, CPRotary, context)
     return found
 
 

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_slim.megatron.core_attention import SlimCoreAttention
-from megatron_slim.megatron.wrapping import RotaryWrapper, unwrap
+from megatron_slim.megatron.wrapping import RotaryWrapper, wrap_rotary
 from megatron_slim.runtime.pipeline.cp_slice_attention import cp_sliced_attention
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_attention import sliced_attention
@@ -73,11 +73,5 @@ def attach_slicing(chunk: torch.nn.Module, context: SliceContext, store: KVCache
             if preferred_backend not in (None, "auto"):
                 module.preferred_backend, module._backend = preferred_backend, None
             found += 1
-    inner = unwrap(chunk)
-    rotary = getattr(inner, "rotary_pos_emb", None)
-    if rotary is not None:
-        if isinstance(rotary, SliceRotary):
-            rotary.context = context
-        else:
-            inner.rotary_pos_emb = SliceRotary(rotary, context)
+    wrap_rotary(chunk, SliceRotary, context)
     return found

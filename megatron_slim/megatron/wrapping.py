@@ -27,3 +27,16 @@ class RotaryWrapper(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("inner"), name)
+
+
+def wrap_rotary(chunk: torch.nn.Module, wrapper: type, context: Any) -> None:
+    """Give ``chunk``'s rotary embedding a ``wrapper`` (a RotaryWrapper subclass) reading
+    ``context``; a chunk wrapped before is only pointed at the new context."""
+    inner = unwrap(chunk)
+    rotary = getattr(inner, "rotary_pos_emb", None)
+    if rotary is None:
+        return
+    if isinstance(rotary, wrapper):
+        rotary.context = context
+    else:
+        inner.rotary_pos_emb = wrapper(rotary, context)

@@ -93,3 +93,12 @@ def varlen_lengths(
                     "the bottom-right causal mask needs sq <= sk per sequence"
                 )
     return cq, ck
+
+
+def cuda_half_precision_reason(device: torch.device, dtype: torch.dtype | None) -> str | None:
+    """Why a CUDA-only fp16/bf16 kernel (flash-attn, Transformer Engine) cannot run here, or None."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device.type}"
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype} is not one of ['torch.float16', 'torch.bfloat16']"
+    return None

@@ -17,10 +17,9 @@ import torch.nn.functional as F
 
 from megatron_slim.runtime.attention import flash_api
 from megatron_slim.runtime.attention.backend import AttentionBackend
-from megatron_slim.runtime.attention.checks import check_dense, check_varlen, resolve_softmax_scale
+from megatron_slim.runtime.attention.checks import cuda_half_precision_reason, check_dense, check_varlen, resolve_softmax_scale
 
 Tensor = torch.Tensor
-DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 
@@ -48,11 +47,7 @@ class FlashBackend(AttentionBackend):
         self.api = api
 
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
-        if device.type != "cuda":
-            return f"needs a CUDA device, got {device.type}"
-        if dtype is not None and dtype not in DTYPES:
-            return f"dtype {dtype} is not one of {[str(d) for d in DTYPES]}"
-        return None
+        return cuda_half_precision_reason(device, dtype)
 
     def _check_inputs(self, q: Tensor) -> None:
         reason = self.unsupported_reason(q.device, q.dtype)

@@ -20,10 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_slim.runtime.attention.backend import AttentionBackend
-from megatron_slim.runtime.attention.checks import check_dense, check_varlen, resolve_softmax_scale
+from megatron_slim.runtime.attention.checks import cuda_half_precision_reason, check_dense, check_varlen, resolve_softmax_scale
 
 Tensor = torch.Tensor
-DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _pad(x: Tensor) -> Tensor:
@@ -58,11 +57,7 @@ class TeBackend(AttentionBackend):
         self._packed_thd_stats = packed_thd_stats
 
     def unsupported_reason(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
-        if device.type != "cuda":
-            return f"needs a CUDA device, got {device.type}"
-        if dtype is not None and dtype not in DTYPES:
-            return f"dtype {dtype} is not one of {[str(d) for d in DTYPES]}"
-        return None
+        return cuda_half_precision_reason(device, dtype)
 
     def _check_inputs(self, q: Tensor) -> None:
         reason = self.unsupported_reason(q.device, q.dtype)
