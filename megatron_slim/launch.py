@@ -23,9 +23,14 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))
     from megatron_slim.megatron.hooks import prepare_launch
+    from megatron_slim.plan.schema import ConfigError
 
     prepare_launch()
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except ConfigError as exc:  # a flag combination megatron-slim cannot run: say what to change
+        print(f"megatron_slim.launch: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -17,7 +17,11 @@ ATTENTION_BACKENDS = ("auto", "flash", "te", "sdpa", "reference")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Register megatron-slim's flags (use as Megatron's ``extra_args_provider``)."""
+    """Register megatron-slim's flags (use as Megatron's ``extra_args_provider``). Idempotent: a
+    parser that has them already is returned unchanged (Megatron 0.18+ parses through nested
+    helpers that may each add the provider)."""
+    if "--use-slimpipe" in parser._option_string_actions:
+        return parser
     g = parser.add_argument_group("megatron-slim")
     g.add_argument("--use-slimpipe", action="store_true",
                    help="run the SlimPipe slice-level pipeline schedule (K/V cache across slices)")
@@ -72,8 +76,14 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
         out += ["--use-distributed-optimizer"]
     if t.recompute == "full":
         out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
-    if t.save_interval:
-        out += ["--save-interval", t.save_interval]
+    # Megatron requires --save-interval whenever --save is given, and --eval-interval always
+    # (0.16-0.19 fail inside the loop otherwise); a recipe's 0 means "once, at the end".
+    out += ["--save-interval", t.save_interval or t.iters, "--eval-interval", t.eval_interval or t.iters,
+            "--eval-iters", t.eval_iters]
+    # Megatron's data loader would build a [b, 1, s, s] mask per microbatch (16 GiB at 64K tokens);
+    # causal attention needs none (its kernels mask by position) and megatron-slim's engines read
+    # documents from position-id resets.
+    out += ["--no-create-attention-mask-in-dataloader"]
     if s.kind == "slimpipe":
         out += ["--use-slimpipe", "--slimpipe-num-slices", s.num_slices, "--slimpipe-slice-policy",
                 s.slice_policy, "--slimpipe-hardware", recipe.hardware]
@@ -90,7 +100,13 @@ def _number(x: float) -> str:
 
 def check_megatron_args(args: argparse.Namespace) -> None:
     """Reject flag combinations megatron-slim cannot run, saying what to change. Runs at start-up,
-    after Megatron's own validation, before any model is built."""
+    right after Megatron's own ``validate_args`` (which settles defaults such as
+    ``overlap_p2p_comm``), before any model is built.
+
+    ``--overlap-p2p-communication`` (on by default for interleaved schedules) configures
+    megatron-core's ``P2PCommunicator``, which SlimPipe does not use: its own sends and receives are
+    asynchronous point-to-point operations ordered per link, so the flag is accepted and has no
+    effect under ``--use-slimpipe``."""
     if args.cp_engine not in ("te",) and getattr(args, "context_parallel_size", 1) == 1:
         raise ConfigError(f"--cp-engine {args.cp_engine}: needs --context-parallel-size > 1 "
                           "(or drop --cp-engine)")
@@ -115,7 +131,11 @@ def check_megatron_args(args: argparse.Namespace) -> None:
                          "all-to-all of partial outputs): drop --cp-comm-type"),
         "hybrid_context_parallel": (bool, "--use-slimpipe does not support hybrid context parallelism: "
                                           "drop --hybrid-context-parallel"),
-        "overlap_p2p_comm": (bool, "--use-slimpipe runs its own point-to-point schedule: drop --overlap-p2p-comm"),
+        "num_microbatches_with_partial_activation_checkpoints": (
+            lambda v: v is not None, "--use-slimpipe does not support partial activation checkpointing: drop "
+                                     "--num-microbatches-with-partial-activation-checkpoints"),
+        "reset_attention_mask": (bool, "--use-slimpipe attends causally over the whole sequence (no document "
+                                       "masking): drop --reset-attention-mask"),
         "num_experts": (lambda v: bool(v), "--use-slimpipe does not support MoE yet: drop --num-experts"),
         "multi_latent_attention": (bool, "--use-slimpipe does not support MLA: drop --multi-latent-attention"),
         "cuda_graph_impl": (lambda v: v not in (None, "none"),

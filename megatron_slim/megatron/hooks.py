@@ -1,17 +1,23 @@
 """Hook megatron-slim into Megatron-LM's training loop without editing ``pretrain_gpt.py``.
 
-Three hooks, each a no-op unless the parsed args ask for megatron-slim:
+Each hook is a no-op unless the parsed args ask for megatron-slim:
 
-* flags: Megatron parses its own flags in ``megatron.training.arguments.parse_args`` (bound by
-  name into ``megatron.training.initialize``); the wrapper adds ``add_arguments`` to whatever
-  ``extra_args_provider`` the script passes and rejects unsupported combinations right after
-  parsing, before any model is built;
+* flags: ``megatron.training.arguments.parse_args`` (bound by name in ``initialize``, called by
+  ``parse_and_validate_args`` on 0.18+ and by ``inprocess_restart``'s pre-parse on 0.17 and
+  older) gets ``add_arguments`` appended to whatever ``extra_args_provider`` the script passes;
+  registering is idempotent, so nested parses never register a flag twice;
+* start-up checks: ``validate_args`` runs ``check_megatron_args`` right after Megatron's own
+  validation (which settles defaults such as ``overlap_p2p_comm``), before any model is built;
 * schedule: ``megatron.training.training.get_forward_backward_func``, the name ``train()`` and
   ``evaluate()`` call, returns the SlimPipe function when ``--use-slimpipe`` is set; it accepts
   every version's keywords (``pp_size``, ``vp_size``, ``schedule_pg_collection``);
 * layer specs: megatron-core's GPT layer-spec builders return specs whose core attention is
   ``SliceCoreAttention``; builders already imported by name elsewhere (``gpt_builders``) are
-  patched there too.
+  patched there too;
+* tensor-parallel batch broadcast: under SlimPipe the data iterator yields one slice per forward
+  step, and ``get_batch_on_this_tp_rank`` (``megatron.training.utils`` up to 0.17,
+  ``megatron.core.utils`` from 0.18) is told the current slice's length, so TP ranks other than 0
+  allocate slice-sized receive buffers for what TP rank 0 broadcasts.
 
 With ``--cp-engine`` other than ``te`` (and ``--context-parallel-size > 1``) the same hooks serve
 megatron-slim's CP engines instead (``cp_hooks.py``): the spec gets ``CPCoreAttention`` (and
@@ -19,7 +25,7 @@ megatron-slim's CP engines instead (``cp_hooks.py``): the spec gets ``CPCoreAtte
 engine's context and normalise the loss CP-wide, and ``get_batch_on_this_cp_rank`` -- the name
 ``pretrain_gpt.get_batch`` calls -- plans each pack and returns this rank's part of it.
 
-``prepare_launch()`` installs all three before the script runs (``python -m megatron_slim.launch``);
+``prepare_launch()`` installs them all before the script runs (``python -m megatron_slim.launch``);
 ``install(args)`` is the explicit form for a script that parsed its args itself (see
 ``patches/pretrain_gpt.patch``).
 """
@@ -29,9 +35,11 @@ import copy
 import functools
 import importlib
 import importlib.util
+import inspect
 import sys
 from typing import Any, Callable, Optional
 
+from megatron_slim.megatron import compat
 from megatron_slim.megatron.cp_hooks import CPHookState, cp_engine_active, with_cp_attention
 from megatron_slim.megatron.flags import add_arguments, check_megatron_args
 
@@ -60,7 +68,7 @@ def _replace_everywhere(original: Callable, replacement: Callable) -> None:
                 setattr(module, name, replacement)
 
 
-# ---- flags -----------------------------------------------------------------------------------
+# ---- flags and start-up checks -------------------------------------------------------------
 def _with_our_flags(extra_args_provider):
     def provider(parser):
         if extra_args_provider is not None:
@@ -70,22 +78,28 @@ def _with_our_flags(extra_args_provider):
     return provider
 
 
-def _patch_parse_args() -> None:
+def _patch_arguments() -> None:
     arguments = importlib.import_module("megatron.training.arguments")
     importlib.import_module("megatron.training.initialize")
-    for name in ("parse_args", "parse_and_validate_args"):
-        original = getattr(arguments, name, None)
-        if original is None or getattr(original, _MARK, False):
-            continue
+    original_parse = arguments.parse_args
+    if not getattr(original_parse, _MARK, False):
+        @functools.wraps(original_parse)
+        def parse_args(extra_args_provider=None, *args, **kwargs):
+            return original_parse(_with_our_flags(extra_args_provider), *args, **kwargs)
 
-        @functools.wraps(original)
-        def parse(extra_args_provider=None, *args, __original=original, **kwargs):
-            parsed = __original(_with_our_flags(extra_args_provider), *args, **kwargs)
-            check_megatron_args(parsed)
-            return parsed
+        setattr(parse_args, _MARK, True)
+        _replace_everywhere(original_parse, parse_args)
 
-        setattr(parse, _MARK, True)
-        _replace_everywhere(original, parse)
+    original_validate = arguments.validate_args
+    if not getattr(original_validate, _MARK, False):
+        @functools.wraps(original_validate)
+        def validate_args(args, *rest, **kwargs):
+            result = original_validate(args, *rest, **kwargs)
+            check_megatron_args(args)
+            return result
+
+        setattr(validate_args, _MARK, True)
+        _replace_everywhere(original_validate, validate_args)
 
 
 # ---- schedule --------------------------------------------------------------------------------
@@ -104,27 +118,109 @@ def slimpipe_settings(args) -> "SlimPipeSettings":
     return SlimPipeSettings(lengths, attention_backend=backend)
 
 
-def _patch_schedule(args_getter: Callable[[], Any], cp_state: CPHookState) -> None:
+class SlimPipeHookState:
+    """What the SlimPipe hooks share in one process: the schedule function per parsed args, and the
+    ``SliceContext`` it runs under (the TP batch hook reads the current slice from it)."""
+
+    def __init__(self, args_getter: Callable[[], Any]) -> None:
+        from megatron_slim.runtime.pipeline.slice_context import SliceContext
+
+        self.args_getter = args_getter
+        self.context = SliceContext()
+        self._functions: dict[int, Callable] = {}
+
+    def active_args(self) -> Optional[Any]:
+        args = self.args_getter()
+        return args if args is not None and getattr(args, "use_slimpipe", False) else None
+
+    def forward_backward_func(self, args) -> Callable:
+        if id(args) not in self._functions:
+            from megatron_slim.megatron.schedule import make_forward_backward_func
+
+            settings = slimpipe_settings(args)
+            self._functions[id(args)] = make_forward_backward_func(settings, context=self.context)
+            if int(getattr(args, "rank", 0) or 0) == 0:
+                print(f"megatron-slim: SlimPipe schedule, {settings.num_slices} {args.slimpipe_slice_policy} slice(s) "
+                      f"per microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}", flush=True)
+        return self._functions[id(args)]
+
+
+def _check_schedule_groups(schedule_pg_collection: Any) -> None:
+    """0.19 passes ``schedule_pg_collection``; a ``MultiModuleProcessGroupCollection`` (pipelines of
+    several modules, e.g. a vision encoder before the language model) is not something SlimPipe's
+    single-model slice schedule can run."""
+    if schedule_pg_collection is None:
+        return
+    if type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection":
+        raise ValueError("--use-slimpipe: multi-module pipelines (a MultiModuleProcessGroupCollection from "
+                         "get_forward_backward_func(schedule_pg_collection=...)) are not supported; allowed: one "
+                         "GPT model per pipeline rank")
+
+
+def _patch_schedule(slim_state: SlimPipeHookState, cp_state: CPHookState) -> None:
     training = importlib.import_module("megatron.training.training")
     original = training.get_forward_backward_func
     if getattr(original, _MARK, False):
         return
-    cache: dict[int, Callable] = {}
 
     def get_forward_backward_func(*args: Any, **kwargs: Any):
-        parsed = args_getter()
-        if parsed is None or not getattr(parsed, "use_slimpipe", False):
+        parsed = slim_state.args_getter()
+        if slim_state.active_args() is None:
             chosen = original(*args, **kwargs)
             return cp_state.wrap_forward_backward(chosen) if cp_engine_active(parsed) else chosen
-        if id(parsed) not in cache:
-            from megatron_slim.megatron.schedule import make_forward_backward_func
-
-            cache[id(parsed)] = make_forward_backward_func(slimpipe_settings(parsed))
-        return cache[id(parsed)]
+        _check_schedule_groups(kwargs.get("schedule_pg_collection", args[2] if len(args) > 2 else None))
+        return slim_state.forward_backward_func(parsed)
 
     setattr(get_forward_backward_func, _MARK, True)
     _replace_everywhere(original, get_forward_backward_func)
     training.get_forward_backward_func = get_forward_backward_func
+
+
+# ---- tensor-parallel batch broadcast ---------------------------------------------------------
+TP_BATCH_MODULES = ("megatron.training.utils", "megatron.core.utils")
+
+
+def _with_slice_length(original: Callable, slim_state: SlimPipeHookState) -> Callable:
+    """``get_batch_on_this_tp_rank`` that, while a SlimPipe slice is current, sizes the other TP
+    ranks' receive buffers for the slice TP rank 0 read from the slicing data iterator.
+
+    0.18+ take ``seq_length`` as an argument; 0.14-0.17 read ``get_args().seq_length``, which is
+    set to the slice's length for the duration of the call.
+    """
+    takes_length = compat.has_parameter(original, "seq_length")
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def get_batch_on_this_tp_rank(*args, **kwargs):
+        info = slim_state.context.current if slim_state.active_args() is not None else None
+        if info is None:
+            return original(*args, **kwargs)
+        if takes_length:
+            bound = signature.bind(*args, **kwargs)
+            bound.arguments["seq_length"] = info.length
+            return original(*bound.args, **bound.kwargs)
+        megatron_args = slim_state.args_getter()
+        full_length = megatron_args.seq_length
+        megatron_args.seq_length = info.length
+        try:
+            return original(*args, **kwargs)
+        finally:
+            megatron_args.seq_length = full_length
+
+    return get_batch_on_this_tp_rank
+
+
+def _patch_tp_batch(slim_state: SlimPipeHookState) -> None:
+    for name in TP_BATCH_MODULES:
+        if importlib.util.find_spec(name) is None:
+            continue
+        module = importlib.import_module(name)
+        original = getattr(module, "get_batch_on_this_tp_rank", None)
+        if original is None or getattr(original, _MARK, False):
+            continue
+        replacement = _with_slice_length(original, slim_state)
+        setattr(replacement, _MARK, True)
+        _replace_everywhere(original, replacement)
 
 
 # ---- layer specs -----------------------------------------------------------------------------
@@ -186,14 +282,20 @@ def _patch_cp_batch(cp_state: CPHookState) -> None:
 
 
 # ---- entry points ----------------------------------------------------------------------------
-def prepare_launch() -> None:
-    """Before Megatron-LM parses anything: hook flags, schedule, specs and the CP batch split (they
-    read the parsed args when called)."""
-    _patch_parse_args()
-    cp_state = CPHookState(_megatron_args)
-    _patch_schedule(_megatron_args, cp_state)
-    _patch_layer_specs(_megatron_args)
+def _install_all(args_getter: Callable[[], Any]) -> None:
+    slim_state = SlimPipeHookState(args_getter)
+    cp_state = CPHookState(args_getter)
+    _patch_schedule(slim_state, cp_state)
+    _patch_layer_specs(args_getter)
+    _patch_tp_batch(slim_state)
     _patch_cp_batch(cp_state)
+
+
+def prepare_launch() -> None:
+    """Before Megatron-LM parses anything: hook flags, start-up checks, schedule, specs and the TP
+    and CP batch paths (they read the parsed args when called)."""
+    _patch_arguments()
+    _install_all(_megatron_args)
 
 
 def install(args: Any = None) -> None:
@@ -203,7 +305,4 @@ def install(args: Any = None) -> None:
         raise RuntimeError("install(args): Megatron's args are not parsed yet; pass them or call after "
                            "initialize_megatron")
     check_megatron_args(args)
-    cp_state = CPHookState(lambda: args)
-    _patch_schedule(lambda: args, cp_state)
-    _patch_layer_specs(lambda: args)
-    _patch_cp_batch(cp_state)
+    _install_all(lambda: args)

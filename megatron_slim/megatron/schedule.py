@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from megatron_slim.megatron import compat
 from megatron_slim.megatron.slicing import attach_slicing
 from megatron_slim.plan.schedule import check_link_order, generate, lower, validate
-from megatron_slim.runtime.pipeline.grad_sync import GradSync
+from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter, StageOps, last_backward_steps
 from megatron_slim.runtime.pipeline.kv_cache import ByteLedger, KVCacheStore
 from megatron_slim.runtime.pipeline.loss import SlicedLoss
@@ -108,15 +107,11 @@ def _check_slice_alignment(lengths, cp: int, sp_tp: int) -> None:
                          f"that are multiples of {unit} (recipes: slice_alignment)")
 
 
-def _takes_checkpoint_flag(forward_step_func: Callable) -> bool:
-    try:
-        return len(inspect.signature(forward_step_func).parameters) >= 3
-    except (TypeError, ValueError):
-        return False
-
-
-def make_forward_backward_func(settings: SlimPipeSettings) -> Callable:
+def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[SliceContext] = None) -> Callable:
+    """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
+    hook reads it); a new one by default."""
     stats = RunStats()
+    context = context if context is not None else SliceContext()
 
     def forward_backward_slimpipe(*, forward_step_func, data_iterator, model, num_microbatches: int,
                                   seq_length: int, micro_batch_size: int, decoder_seq_length=None,
@@ -146,7 +141,6 @@ def make_forward_backward_func(settings: SlimPipeSettings) -> Callable:
         stats.schedule_digest = schedule.digest()
         _agree_on_plan(stats.schedule_digest, group, stats)
 
-        context = SliceContext()
         ledger = ByteLedger()
         stores = [KVCacheStore(ledger) for _ in models]
         for m, store in zip(models, stores):
@@ -159,15 +153,18 @@ def make_forward_backward_func(settings: SlimPipeSettings) -> Callable:
         tp = getattr(config, "tensor_model_parallel_size", 1) if getattr(config, "sequence_parallel", False) else 1
         cp = getattr(config, "context_parallel_size", 1) or 1
         _check_slice_alignment(settings.slice_lengths, cp, tp)
-        with_flag = _takes_checkpoint_flag(forward_step_func)
+        if getattr(config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
+            raise ValueError("--num-microbatches-with-partial-activation-checkpoints: not supported by SlimPipe "
+                             "(its forward steps are slices, not microbatches); drop it")
 
         def forward(chunk: int, inp):
             get_attr_wrapped_model(models[chunk], "set_input_tensor")(inp)
             autocast = (torch.autocast(params.device.type, dtype=config.autocast_dtype)
                         if getattr(config, "enable_autocast", False) else contextlib.nullcontext())
             with autocast:
-                args = (sliced[chunk], models[chunk]) + ((None,) if with_flag else ())
-                output, loss_func = forward_step_func(*args)
+                # megatron passes a third argument only for partial activation checkpointing
+                # (refused above); in 0.19 a third positional is ``return_schedule_plan``.
+                output, loss_func = forward_step_func(sliced[chunk], models[chunk])
             if collect_non_loss_data and forward_only and loss_func is not None:
                 loss_func = functools.partial(loss_func, non_loss_data=True)
             return output, loss_func
@@ -192,11 +189,13 @@ def make_forward_backward_func(settings: SlimPipeSettings) -> Callable:
         meter = ActivationMeter([p for m in models for p in m.parameters()],
                                 lambda: set().union(*(s.storage_ptrs() for s in stores))) \
             if settings.measure_memory else None
-        grad_sync = GradSync(config.no_sync_func, config.grad_sync_func,
-                             [functools.partial(lambda m: m.parameters(), m) for m in models],
+        chunk_params = [functools.partial(lambda m: m.parameters(), m) for m in models]
+        grad_sync = GradSync(config.no_sync_func, config.grad_sync_func, chunk_params,
                              last_backward_steps(schedule.ranks[rank], vpp))
+        param_sync = ParamSync(getattr(config, "param_sync_func", None), chunk_params) if not forward_only else None
         interpreter = PipelineInterpreter(schedule, rank, ops, p2p, settings.slice_lengths, context, stores,
-                                          loss, meter=meter, grad_sync=grad_sync, forward_only=forward_only)
+                                          loss, meter=meter, grad_sync=grad_sync, param_sync=param_sync,
+                                          forward_only=forward_only)
         timer = config.timers("forward-backward", log_level=1) if getattr(config, "timers", None) else None
         if timer is not None:
             timer.start(barrier=getattr(config, "barrier_with_L1_time", False))

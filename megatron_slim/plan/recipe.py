@@ -95,8 +95,10 @@ class TrainConfig:
     precision: Literal["bf16", "fp32"] = "bf16"
     recompute: Literal["none", "full"] = "none"
     distributed_optimizer: bool = True
-    save_interval: int = 0
+    save_interval: int = 0  # 0: save once, at the end of training
     log_interval: int = 1
+    eval_interval: int = 0  # 0: evaluate once, at the end of training (when eval_iters > 0)
+    eval_iters: int = 0  # microbatch rounds per evaluation; 0: no evaluation
 
     def __post_init__(self) -> None:
         _require_positive("train", self, ("global_batch_size", "micro_batch_size", "iters", "log_interval"))
@@ -104,9 +106,12 @@ class TrainConfig:
             raise fail("train.lr", self.lr, "a positive number")
         if not 0 <= self.min_lr <= self.lr:
             raise fail("train.min_lr", self.min_lr, f"a number in [0, train.lr={self.lr}]")
-        if self.warmup_iters < 0 or self.save_interval < 0:
-            bad = "warmup_iters" if self.warmup_iters < 0 else "save_interval"
-            raise fail(f"train.{bad}", getattr(self, bad), "an integer >= 0")
+        for name in ("warmup_iters", "save_interval", "eval_interval", "eval_iters"):
+            if getattr(self, name) < 0:
+                raise fail(f"train.{name}", getattr(self, name), "an integer >= 0")
+        if self.warmup_iters and self.warmup_iters >= self.iters:
+            # megatron-core's OptimizerParamScheduler asserts warmup < decay steps (= train iters)
+            raise fail("train.warmup_iters", self.warmup_iters, f"an integer in [0, train.iters={self.iters})")
         if self.clip_grad < 0:
             raise fail("train.clip_grad", self.clip_grad, "a number >= 0 (0 disables clipping)")
 

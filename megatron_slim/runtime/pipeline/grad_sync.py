@@ -76,3 +76,34 @@ class GradSync:
         elif self._grad_sync_single is not None:
             for c in range(self.num_chunks):
                 self._grad_sync_single(self.chunk_params[c]())
+
+
+class ParamSync:
+    """Megatron's ``param_sync_func`` (distributed optimizer with ``--overlap-param-gather`` and
+    aligned gathers): launches the parameter all-gather of a model chunk ahead of its first forward.
+
+    As megatron's interleaved schedule does, chunks 0 and 1 are launched when the step starts; chunk
+    ``c + 1`` when chunk ``c`` runs its first forward. DDP's forward pre-hook waits for (or, if none
+    was launched, runs) the gather, so the timing affects overlap only, never the result.
+    """
+
+    def __init__(self, param_sync_func, chunk_params: Sequence[Callable[[], object]]) -> None:
+        self.num_chunks = len(chunk_params)
+        self.chunk_params = chunk_params
+        funcs = _per_chunk(param_sync_func, self.num_chunks)
+        self.funcs = funcs if funcs is not None else (
+            [param_sync_func] * self.num_chunks if param_sync_func is not None else None)
+        self._launched: set[int] = set()
+
+    def _launch(self, chunk: int) -> None:
+        if self.funcs is not None and chunk < self.num_chunks and chunk not in self._launched:
+            self._launched.add(chunk)
+            self.funcs[chunk](self.chunk_params[chunk]())
+
+    def start(self) -> None:
+        for chunk in (0, 1):
+            self._launch(chunk)
+
+    def before_forward(self, chunk: int) -> None:
+        self._launch(chunk)
+        self._launch(chunk + 1)

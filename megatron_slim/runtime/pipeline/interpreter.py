@@ -15,7 +15,7 @@ from torch.profiler import record_function
 
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.validate import format_grid
-from megatron_slim.runtime.pipeline.grad_sync import GradSync
+from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.loss import SlicedLoss
 from megatron_slim.runtime.pipeline.memory_meter import ActivationMeter
@@ -63,7 +63,8 @@ class PipelineInterpreter:
     def __init__(self, schedule: Schedule, rank: int, ops: StageOps, p2p: Optional[P2P],
                  slice_lengths: Sequence[int], context: SliceContext, kv_stores: Sequence[KVCacheStore],
                  loss: SlicedLoss, meter: Optional[ActivationMeter] = None,
-                 grad_sync: Optional[GradSync] = None, forward_only: bool = False) -> None:
+                 grad_sync: Optional[GradSync] = None, param_sync: Optional[ParamSync] = None,
+                 forward_only: bool = False) -> None:
         if not schedule.is_lowered and schedule.pp > 1:
             raise ValueError("the interpreter runs lowered schedules (plan.schedule.add_communication)")
         if schedule.has_split_backward:
@@ -75,7 +76,7 @@ class PipelineInterpreter:
         self.lengths = list(slice_lengths)
         self.starts = [sum(self.lengths[:j]) for j in range(len(self.lengths))]
         self.ctx, self.kv, self.loss, self.meter = context, kv_stores, loss, meter
-        self.grad_sync, self.forward_only = grad_sync, forward_only
+        self.grad_sync, self.param_sync, self.forward_only = grad_sync, param_sync, forward_only
         row = schedule.ranks[rank]
         self.row = forward_only_row(row) if forward_only else list(row)
         self.state = RunState()
@@ -110,6 +111,8 @@ class PipelineInterpreter:
                 raise self._fail("forward before its input was received")
             inp = self.state.inputs.pop(unit)
         meter = self.meter.track(unit) if self.meter is not None and not self.forward_only else _null()
+        if self.param_sync is not None:
+            self.param_sync.before_forward(a.chunk)
         with self.ctx.enter(self._slice_info(a)), meter:
             output, loss_func = self.ops.forward(a.chunk, inp)
             if stage == self.s.num_stages - 1:
@@ -189,6 +192,8 @@ class PipelineInterpreter:
     def run(self) -> None:
         if self.grad_sync is not None and not self.forward_only:
             self.grad_sync.start()
+        if self.param_sync is not None:
+            self.param_sync.start()
         for self._step, a in enumerate(self.row):
             with record_function(f"PP:{a}"):
                 self._handlers[a.kind](a)

@@ -4,8 +4,10 @@ A Megatron ``forward_step_func`` calls ``next(data_iterator)`` once per forward;
 forward is one slice, so the wrapper reads one microbatch from the wrapped iterator at its first
 slice and hands out the slices in order. Batches are dicts of ``[b, s, ...]`` tensors (Megatron's
 ``tokens``, ``labels``, ``loss_mask``, ``position_ids``) or plain tensors. A causal
-``attention_mask`` is dropped (the K/V cache attention is causal by construction); any other mask
-is refused rather than silently ignored.
+``attention_mask`` ``[b, 1, s, s]`` becomes the slice's own causal block ``[b, 1, n, n]`` (the K/V
+cache attention is causal by construction and ignores it, but Megatron's tensor-parallel batch
+broadcast sends whatever TP rank 0 read, so it must keep its slice shape); any other mask is
+refused rather than silently ignored.
 """
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 
-def _is_plain_causal(mask: torch.Tensor) -> bool:
-    """Megatron's boolean mask marks *masked* positions: strictly upper-triangular."""
-    s = mask.shape[-1]
-    expected = torch.ones(s, s, dtype=torch.bool, device=mask.device).triu(1)
-    return mask.dtype == torch.bool and bool((mask == expected).all())
+def _causal_rows(mask: torch.Tensor, start: int, length: int) -> bool:
+    """Megatron's boolean mask marks *masked* positions; a causal mask masks exactly the keys after
+    each query. Checks only the slice's rows (up to its last key)."""
+    rows = mask[..., start:start + length, :start + length]
+    expected = torch.ones(length, start + length, dtype=torch.bool, device=mask.device).triu(start + 1)
+    return mask.dtype == torch.bool and bool((rows == expected).all())
 
 
 def slice_batch(batch: Any, start: int, length: int) -> Any:
@@ -28,10 +31,10 @@ def slice_batch(batch: Any, start: int, length: int) -> Any:
         out = {}
         for name, value in batch.items():
             if name == "attention_mask" and value is not None:
-                if not _is_plain_causal(value):
+                if not _causal_rows(value, start, length):
                     raise ValueError("attention_mask: SlimPipe slices support only the plain causal mask "
                                      "(no --reset-attention-mask / document masking); got a different mask")
-                out[name] = None
+                out[name] = value[..., start:start + length, start:start + length]
             elif torch.is_tensor(value) and value.dim() >= 2:
                 out[name] = value[:, start:start + length]
             else:

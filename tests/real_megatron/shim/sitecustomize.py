@@ -1,0 +1,23 @@
+"""Test harness only (put this folder on PYTHONPATH): with ``MEGATRON_SLIM_TEST_CPU_SHIM=1`` Megatron's
+CUDA plumbing runs on the CPU (``megatron_cpu_shim``); with ``MEGATRON_SLIM_TEST_RECORD=DIR`` every
+rank writes the exact per-iteration lm loss, grad norm and evaluation losses Megatron computed to
+``DIR/rank<R>.jsonl`` (``metrics_recorder``), instead of the rounded figures it prints."""
+import os
+import sys
+
+if os.environ.get("MEGATRON_SLIM_TEST_CPU_SHIM") == "1" or os.environ.get("MEGATRON_SLIM_TEST_RECORD"):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import post_import
+
+    if os.environ.get("MEGATRON_SLIM_TEST_CPU_SHIM") == "1":
+        import megatron_cpu_shim
+
+        megatron_cpu_shim.install()
+        post_import.when_imported("megatron.core.tensor_parallel.random", megatron_cpu_shim.patch_megatron_rng)
+        post_import.when_imported("megatron.legacy.fused_kernels", megatron_cpu_shim.patch_fused_kernels)
+        post_import.when_imported("megatron.core.datasets.utils", megatron_cpu_shim.patch_dataset_helpers)
+        post_import.when_imported("megatron.core.transformer.torch_norm", megatron_cpu_shim.patch_torch_norm)
+    if os.environ.get("MEGATRON_SLIM_TEST_RECORD"):
+        import metrics_recorder
+
+        post_import.when_imported("megatron.training.training", metrics_recorder.install)
