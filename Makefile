@@ -5,10 +5,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 OUT ?= out
 
-.PHONY: install demo train-demo simulate-demo test test-slow test-all clean
+.PHONY: install demo train-demo simulate-demo test test-slow test-all check-wheel clean
 
 # torch is pinned: the local CPU wheel; any other spec pulls several GB of CUDA packages.
-$(STAMP): setup.py
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
