@@ -38,5 +38,10 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# A normal install works: build a wheel, install it (not editable) into a fresh venv and run
+# recipes, simulate and a 2-iteration train from outside the checkout (scripts/ci/check_wheel.sh).
+check-wheel:
+	PYTHON=$(PYTHON) bash scripts/ci/check_wheel.sh
+
 clean:
 	rm -rf $(OUT) .pytest_cache
