@@ -5,10 +5,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 OUT ?= out
 
-.PHONY: install demo train-demo simulate-demo test test-slow test-all clean
+.PHONY: install demo train-demo simulate-demo test test-slow test-all check-wheel clean
 
 # torch is pinned: the local CPU wheel; any other spec pulls several GB of CUDA packages.
-$(STAMP): setup.py
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
@@ -37,6 +37,11 @@ test-slow: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# A normal install works: build a wheel, install it (not editable) into a fresh venv and run
+# recipes, simulate and a 2-iteration train from outside the checkout (scripts/ci/check_wheel.sh).
+check-wheel:
+	PYTHON=$(PYTHON) bash scripts/ci/check_wheel.sh
 
 clean:
 	rm -rf $(OUT) .pytest_cache

@@ -13,7 +13,8 @@ from megatron_slim.plan.schema import ConfigError
 
 def _add_recipe_args(p: argparse.ArgumentParser, required: bool = True, default: str | None = None) -> None:
     p.add_argument("--recipe", required=required, default=default,
-                   help="recipe name in configs/ (e.g. llama2-70b-512k) or a path to a recipe YAML"
+                   help="shipped recipe name (see `megatron-slim recipes`; files in megatron_slim/configs/, "
+                        "e.g. llama2-70b-512k) or a path to a recipe YAML"
                         + (f" (default: {default})" if default else ""))
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="override recipe keys, e.g. --set parallel.pp=8 schedule.num_slices=16")

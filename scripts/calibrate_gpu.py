@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Measure kernel rates for the cost model and write a calibration file (docs/calibration.md).
 
-    python scripts/calibrate_gpu.py --hardware h100 --out configs/calibration/h100.yaml
+    python scripts/calibrate_gpu.py --hardware h100 --out calibration/h100.yaml
     python scripts/calibrate_gpu.py --device cpu --hardware cpu --sizes small --out /tmp/cpu.yaml
 
 Times, on the chosen device: GEMMs of transformer shapes (FLOPs 2mnk), causal attention forward
@@ -74,7 +74,8 @@ def measure(device: torch.device, dtype: torch.dtype, sizes: dict) -> list[dict]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hardware", required=True, help="profile name the file is for (configs/hardware)")
+    p.add_argument("--hardware", required=True,
+                   help="profile name the file is for (megatron_slim/configs/hardware)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--sizes", choices=tuple(SIZES), default=None, help="default: gpu on cuda, small on cpu")

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--slimpipe-slice-policy", choices=SLICE_POLICIES, default="uniform",
                    help="uniform: equal slices; balanced: equal forward+backward work under the causal mask")
     g.add_argument("--slimpipe-hardware", default="h100",
-                   help="hardware profile the balanced policy's cost model uses (configs/hardware)")
+                   help="hardware profile the balanced policy's cost model uses "
+                        "(megatron_slim/configs/hardware)")
     g.add_argument("--slimpipe-calibration", default=None,
                    help="measured kernel rates for the balanced policy's cost model")
     g.add_argument("--cp-engine", choices=CP_ENGINES, default="te",

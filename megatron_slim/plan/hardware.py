@@ -1,6 +1,6 @@
 """Hardware profiles: what one GPU, one node and the network can do.
 
-Profiles live in ``configs/hardware/<name>.yaml`` and cite the spec sheets they come from.
+Profiles live in ``megatron_slim/configs/hardware/<name>.yaml`` and cite the spec sheets they come from.
 Efficiencies are the fraction of peak a kernel class reaches; a calibration file of measured
 times (see ``plan/cost/calibration.py``) replaces them where a GPU has been measured.
 """
@@ -80,8 +80,8 @@ def load_hardware(name_or_path: str) -> HardwareProfile:
         path = config_dir() / "hardware" / f"{name_or_path}.yaml"
     if not path.is_file():
         raise ConfigError(
-            f"hardware: unknown profile {name_or_path!r} (allowed: {', '.join(available_profiles())} "
-            "or a path to a profile YAML)"
+            f"hardware: unknown profile {name_or_path!r} (allowed: {', '.join(available_profiles()) or 'none found'} "
+            f"in {config_dir() / 'hardware'}, or a path to a profile YAML)"
         )
     data = yaml.safe_load(path.read_text()) or {}
     return build(HardwareProfile, data, "hardware")

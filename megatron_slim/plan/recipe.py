@@ -1,8 +1,8 @@
 """Recipes: validated, frozen descriptions of a training run (model, parallelism, schedule, hardware).
 
-A recipe is YAML in ``configs/<name>.yaml``; ``load_recipe`` builds it, applies ``--set`` overrides
-and checks every cross-field rule before any work starts. Megatron-LM flags are derived from a
-recipe (``megatron_slim.megatron.args``), never written twice.
+A recipe is YAML in ``megatron_slim/configs/<name>.yaml`` (``paths.config_dir()``); ``load_recipe``
+builds it, applies ``--set`` overrides and checks every cross-field rule before any work starts.
+Megatron-LM flags are derived from a recipe (``megatron_slim.megatron.args``), never written twice.
 """
 from __future__ import annotations
 
@@ -248,8 +248,8 @@ def recipe_path(name_or_path: str) -> Path:
     candidate = config_dir() / f"{name_or_path}.yaml"
     if not candidate.is_file():
         raise ConfigError(
-            f"--recipe: unknown recipe {name_or_path!r} (allowed: {', '.join(available_recipes())} "
-            "or a path to a .yaml file)"
+            f"--recipe: unknown recipe {name_or_path!r} (allowed: {', '.join(available_recipes()) or 'none found'} "
+            f"in {config_dir()}, or a path to a .yaml file)"
         )
     return candidate
 
