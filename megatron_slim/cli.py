@@ -20,6 +20,16 @@ def _add_recipe_args(p: argparse.ArgumentParser, required: bool = True, default:
                    help="override recipe keys, e.g. --set parallel.pp=8 schedule.num_slices=16")
 
 
+class _EpilogAsWritten(argparse.HelpFormatter):
+    """Wraps the description as usual; keeps an epilog's own line breaks (it is a small table)."""
+
+    def add_text(self, text):
+        if text and "\n" in text:
+            self._add_item(lambda t: t + "\n", [text])
+        else:
+            super().add_text(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-slim", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -46,12 +56,26 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(run="megatron_slim.commands.simulate")
 
     train = sub.add_parser("train", help="train a recipe on local CPU ranks (default: tiny-cpu on 4 ranks)",
+                           formatter_class=_EpilogAsWritten,
                            description="Run a real training job on megatron-core model chunks with the recipe's "
-                                       "pipeline schedule, on locally spawned gloo ranks. Each microbatch is a "
-                                       "window of model.seq_length tokens of the corpus with causal attention "
-                                       "over the window; with parallel.cp > 1 the recipe's cp.engine runs "
-                                       "(1f1b, one slice), each window is a pack of the documents between "
-                                       "end-of-document tokens and attention stays inside each document.")
+                                       "pipeline schedule, on gloo CPU ranks. Each microbatch is a window of "
+                                       "model.seq_length tokens of the corpus with causal attention over the "
+                                       "window; with parallel.cp > 1 the recipe's cp.engine runs (1f1b, one "
+                                       "slice), each window is a pack of the documents between end-of-document "
+                                       "tokens and attention stays inside each document.",
+                           epilog="""where the ranks come from:
+  megatron-slim train ...
+      spawns the recipe's tp*pp*cp*dp gloo ranks on this machine. They never
+      outlive it: SIGTERM or Ctrl-C stops them all and exits non-zero (143/130);
+      killed outright, its ranks die with it.
+  torchrun --nproc_per_node N -m megatron_slim train ...
+  torchrun --nproc_per_node N $(which megatron-slim) train ...
+      each process is one rank of the torchrun job (detected from RANK,
+      WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID); WORLD_SIZE must equal
+      tp*pp*cp*dp. Local rank 0 prepares the corpus cache and the others then
+      read it; the last pipeline stage's first rank prints the summary and
+      writes --json. The same recipe and seed give the same losses as a
+      spawned run.""")
     _add_recipe_args(train, required=False, default="tiny-cpu")
     train.add_argument("--json", metavar="PATH", help="write losses, tokens/s and per-stage memory as JSON ('-': stdout)")
     train.add_argument("--checkpoint-dir", metavar="DIR",
@@ -88,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"megatron-slim {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGINT turned into spawn.Interrupted
+        import signal
+
+        signum = getattr(exc, "signum", signal.SIGINT)
+        ranks = "; its rank processes were stopped" if hasattr(exc, "signum") else ""
+        print(f"megatron-slim {args.command}: interrupted by {signal.Signals(signum).name}{ranks}", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

@@ -1,5 +1,14 @@
 """``megatron-slim train``: prepare the corpus, spawn the recipe's ranks, train, report as JSON.
 
+Two ways to get ranks: by default the command spawns ``tp*pp*cp*dp`` local gloo ranks itself
+(``megatron_slim.runtime.spawn.run_ranks``; they never outlive it, and SIGTERM/Ctrl-C stop them all
+and exit non-zero). Started by torchrun (``torchrun --nproc_per_node N -m megatron_slim train ...``;
+detected from its environment, see ``megatron_slim.runtime.job``) each process is one rank instead:
+``WORLD_SIZE`` must equal the recipe's ``tp*pp*cp*dp`` (checked before any work), local rank 0
+prepares the corpus cache while the others wait, and the reporting rank (last pipeline stage,
+first tp/cp/dp rank: the one whose losses the summary shows) prints the summary and writes
+``--json``. Either way, the same recipe and seed give the same losses.
+
 With ``parallel.cp > 1`` the recipe's ``cp.engine`` (and ``cp.remap``) runs every microbatch as a
 pack of the documents between ``eod`` tokens, attention inside each document only (see
 ``megatron_slim.train.cp``); the JSON then has a ``cp`` section: engine, remap, topology,
@@ -31,40 +40,105 @@ def _cp_entry(recipe, reporter) -> dict:
             "iterations": reporter.cp_iterations}
 
 
-def main(args) -> int:
-    from megatron_slim.train.loop import TrainOptions, check_trainable, train_rank
-
-    recipe = load_recipe(args.recipe, args.set)
-    check_trainable(recipe)
-    if args.checkpoint_dir and not args.no_resume:
-        from megatron_slim.train.checkpoint import check_resumable
-
-        check_resumable(args.checkpoint_dir, recipe.to_dict())
+def _prepare(recipe, say: bool):
     from megatron_slim.data import prepare_corpus
-    from megatron_slim.runtime.spawn import run_ranks
 
-    d, p, t = recipe.data, recipe.parallel, recipe.train
+    d = recipe.data
     began = time.perf_counter()
     prepared = prepare_corpus(corpus=d.corpus, cache_dir=d.cache_dir or None, vocab_size=recipe.model.vocab_size,
                               max_files=d.max_files)
-    print(f"data: {prepared.num_documents} documents, {prepared.num_tokens:,} tokens from {prepared.source} "
-          f"({'cached' if prepared.cache_hit else 'prepared'} in {time.perf_counter() - began:.1f}s, "
-          f"vocab {prepared.vocab_size})", flush=True)
-    print(f"recipe {recipe.name}: {p.world_size} CPU ranks (tp{p.tp} pp{p.pp} vpp{p.vpp} cp{p.cp} dp{p.dp}), schedule "
-          f"{recipe.schedule.kind} with {recipe.schedule.num_slices} {recipe.schedule.slice_policy} slice(s), "
-          f"{recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens, {t.iters} iterations",
+    if say:
+        print(f"data: {prepared.num_documents} documents, {prepared.num_tokens:,} tokens from {prepared.source} "
+              f"({'cached' if prepared.cache_hit else 'prepared'} in {time.perf_counter() - began:.1f}s, "
+              f"vocab {prepared.vocab_size})", flush=True)
+    return prepared
+
+
+def _print_plan(recipe, where: str) -> None:
+    p, t = recipe.parallel, recipe.train
+    print(f"recipe {recipe.name}: {p.world_size} CPU ranks {where}(tp{p.tp} pp{p.pp} vpp{p.vpp} cp{p.cp} dp{p.dp}), "
+          f"schedule {recipe.schedule.kind} with {recipe.schedule.num_slices} {recipe.schedule.slice_policy} "
+          f"slice(s), {recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens, {t.iters} iterations",
           flush=True)
     if p.cp > 1:
         from megatron_slim.train.cp import describe
 
         print(describe(recipe), flush=True)
+
+
+def _is_reporter(report, pp: int) -> bool:
+    return report.pp_rank == pp - 1 and report.dp_rank == 0 and report.tp_rank == 0 and report.cp_rank == 0
+
+
+def check_world_size(recipe, job) -> None:
+    """A launched job must have exactly the recipe's ranks."""
+    from megatron_slim.plan.schema import ConfigError
+
+    p = recipe.parallel
+    if job.world_size != p.world_size:
+        raise ConfigError(
+            f"WORLD_SIZE: {job.launcher} started {job.world_size} rank(s) but recipe {recipe.name} needs "
+            f"tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp} = {p.world_size} (got {job.world_size}; allowed: "
+            f"{p.world_size}: launch that many ranks, e.g. torchrun --nproc_per_node {p.world_size}, or change "
+            f"parallel.* with --set)")
+
+
+def main(args) -> int:
+    from megatron_slim.runtime.job import launched_rank
+    from megatron_slim.train.loop import TrainOptions, check_trainable
+
+    began = time.perf_counter()
+    recipe = load_recipe(args.recipe, args.set)
+    check_trainable(recipe)
+    job = launched_rank()
+    if job is not None:
+        check_world_size(recipe, job)
+    if args.checkpoint_dir and not args.no_resume:
+        from megatron_slim.train.checkpoint import check_resumable
+
+        check_resumable(args.checkpoint_dir, recipe.to_dict())
     options = TrainOptions(checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume,
                            exit_interval=args.exit_interval or 0, quiet=args.json == "-")
+    if job is not None:
+        return _run_launched(args, recipe, options, job, began)
+
+    from megatron_slim.runtime.spawn import run_ranks
+    from megatron_slim.train.loop import train_rank
+
+    p = recipe.parallel
+    prepared = _prepare(recipe, say=True)
+    _print_plan(recipe, "")
     threads = max(1, (os.cpu_count() or 1) // p.world_size)
     reports = run_ranks(train_rank, p.world_size, recipe.to_dict(), prepared, options,
                         threads_per_rank=threads, timeout_s=None)
-    reporter = next(r for r in reports if r.pp_rank == p.pp - 1 and r.dp_rank == 0 and r.tp_rank == 0
-                    and r.cp_rank == 0)
+    _report(args, recipe, reports, began)
+    return 0
+
+
+def _run_launched(args, recipe, options, job, began) -> int:
+    """This process is one rank of a torchrun job: join it, train this rank's part, and let the
+    rank that reports (last pipeline stage, first tp/cp/dp rank) print the summary and write JSON."""
+    import torch.distributed as dist
+
+    from megatron_slim.runtime.job import joined, local_first
+    from megatron_slim.train.loop import train_rank
+
+    with joined(job, backend="gloo"):
+        # local rank 0 of each node tokenizes into the cache (an atomic, locked build); the others then read it
+        prepared = local_first(job, lambda: _prepare(recipe, say=job.rank == 0))
+        if job.rank == 0:
+            _print_plan(recipe, f"under {job.launcher} ")
+        mine = train_rank(job.rank, job.world_size, recipe.to_dict(), prepared, options)
+        reports = [None] * job.world_size
+        dist.all_gather_object(reports, mine)
+    if _is_reporter(mine, recipe.parallel.pp):
+        _report(args, recipe, reports, began)
+    return 0
+
+
+def _report(args, recipe, reports, began) -> None:
+    p, t = recipe.parallel, recipe.train
+    reporter = next(r for r in reports if _is_reporter(r, p.pp))
     seconds = sum(reporter.iteration_seconds)
     iterations = len(reporter.iteration_seconds)
     payload = {
@@ -91,4 +165,3 @@ def main(args) -> int:
         for s in payload["stages"]:
             print(f"  stage {s['stage']}: peak activations {s['peak_activation_bytes'] / 2**20:.2f} MiB, "
                   f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB")
-    return 0
