@@ -5,14 +5,21 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 OUT ?= out
 
-.PHONY: install demo train-demo simulate-demo test test-slow test-all check-wheel clean
+PYTHON312 ?= /root/.pyenv/versions/3.12.1/bin/python3
+VENV312 ?= .venv-py312
+STAMP312 := $(VENV312)/.installed-stamp
+# megatron-core releases whose Megatron-LM tag (../shared/megatron-lm) is checked for argument
+# parsing only; each is installed beside the venv's 0.19 and put first on PYTHONPATH by the tests.
+EXTRA_MCORE := core_v0.17.1=$(CURDIR)/$(VENV312)/mcore-0.17.1,core_v0.18.2=$(CURDIR)/$(VENV312)/mcore-0.18.2
+
+.PHONY: install demo train-demo simulate-demo test test-slow test-all test-megatron-py312 check-wheel clean
 
 # torch is pinned: the local CPU wheel; any other spec pulls several GB of CUDA packages.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,megatron-lm]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,6 +44,20 @@ test-slow: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The contract tier against Megatron-LM core_v0.19.0 (and 0.17/0.18 argument parsing): megatron-core
+# 0.17+ needs Python 3.12, whose PyPI torch is a CUDA build (about 5 GB, pinned; it runs on CPU).
+$(STAMP312): pyproject.toml
+	$(PYTHON312) -m venv $(VENV312)
+	$(VENV312)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV312)/bin/python -m pip install --quiet torch==2.14.1 megatron-core==0.19.2
+	$(VENV312)/bin/python -m pip install --quiet -e ".[test,megatron-lm]"
+	$(VENV312)/bin/python -m pip install --quiet --no-deps --target $(VENV312)/mcore-0.17.1 megatron-core==0.17.1
+	$(VENV312)/bin/python -m pip install --quiet --no-deps --target $(VENV312)/mcore-0.18.2 megatron-core==0.18.2
+	touch $(STAMP312)
+
+test-megatron-py312: $(STAMP312)
+	MEGATRON_SLIM_EXTRA_MCORE=$(EXTRA_MCORE) $(VENV312)/bin/python -m pytest -q -m real_megatron
 
 # A normal install works: build a wheel, install it (not editable) into a fresh venv and run
 # recipes, simulate and a 2-iteration train from outside the checkout (scripts/ci/check_wheel.sh).

@@ -88,6 +88,9 @@ def check_trainable(recipe: Recipe) -> None:
                           "for none; allowed: none")
     if recipe.train.precision != "fp32":
         raise ConfigError("train.precision: CPU ranks train in fp32; allowed: fp32")
+    if recipe.train.eval_iters:
+        raise ConfigError(f"train.eval_iters: got {recipe.train.eval_iters}; megatron-slim train does not evaluate "
+                          "(Megatron-LM's loop does, see megatron-args); allowed here: 0")
     check_cp_trainable(recipe)
 
 

@@ -79,6 +79,9 @@ class _FakeStream:
     def __init__(self, *args, **kwargs):
         pass
 
+    def is_capturing(self):
+        return False
+
     def synchronize(self):
         pass
 
@@ -158,6 +161,13 @@ def _patch_torch_cuda() -> None:
     cuda.random.set_rng_state = fakes["set_rng_state"]
     cuda.nvtx.range_push = lambda *a, **k: None
     cuda.nvtx.range_pop = lambda *a, **k: None
+    # torch's own optimizers ask the accelerator API whether a CUDA graph is being captured; a CUDA
+    # build of torch without a driver would raise there.
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        accelerator.current_stream = lambda device=None: _FakeStream()
+        accelerator.current_device_index = lambda: 0
+        accelerator.synchronize = lambda device=None: None
     torch.Tensor.cuda = _identity
     torch.Tensor.pin_memory = _identity
     torch.nn.Module.cuda = _identity
