@@ -6,6 +6,9 @@ from megatron_slim.plan.recipe import available_recipes, load_recipe
 
 
 def main(args) -> int:
+    if getattr(args, "names", False):
+        print("\n".join(available_recipes()))
+        return 0
     print("recipes:")
     for name in available_recipes():
         r = load_recipe(name)

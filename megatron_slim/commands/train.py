@@ -13,7 +13,8 @@ import os
 import sys
 import time
 
-from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.commands.output import prepare_outputs
+from megatron_slim.plan.recipe import load_recipe, world_size_note
 
 
 def _stage_entries(reports, pp: int) -> list[dict]:
@@ -40,6 +41,11 @@ def main(args) -> int:
         from megatron_slim.train.checkpoint import check_resumable
 
         check_resumable(args.checkpoint_dir, recipe.to_dict())
+    prepare_outputs(("--json", args.json))
+    log = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
+    note = world_size_note(args.recipe, args.set, recipe, unit="ranks")
+    if note:
+        print(note, file=log, flush=True)
     from megatron_slim.data import prepare_corpus
     from megatron_slim.runtime.spawn import run_ranks
 
@@ -49,15 +55,15 @@ def main(args) -> int:
                               max_files=d.max_files)
     print(f"data: {prepared.num_documents} documents, {prepared.num_tokens:,} tokens from {prepared.source} "
           f"({'cached' if prepared.cache_hit else 'prepared'} in {time.perf_counter() - began:.1f}s, "
-          f"vocab {prepared.vocab_size})", flush=True)
+          f"vocab {prepared.vocab_size})", file=log, flush=True)
     print(f"recipe {recipe.name}: {p.world_size} CPU ranks (tp{p.tp} pp{p.pp} vpp{p.vpp} cp{p.cp} dp{p.dp}), schedule "
           f"{recipe.schedule.kind} with {recipe.schedule.num_slices} {recipe.schedule.slice_policy} slice(s), "
           f"{recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens, {t.iters} iterations",
-          flush=True)
+          file=log, flush=True)
     if p.cp > 1:
         from megatron_slim.train.cp import describe
 
-        print(describe(recipe), flush=True)
+        print(describe(recipe), file=log, flush=True)
     options = TrainOptions(checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume,
                            exit_interval=args.exit_interval or 0, quiet=args.json == "-")
     threads = max(1, (os.cpu_count() or 1) // p.world_size)
