@@ -91,12 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                                        "excepted), for `python -m megatron_slim.launch pretrain_gpt.py ...`.")
     _add_recipe_args(margs)
     margs.add_argument("--format", choices=("shell", "lines"), default="shell",
-                       help="one shell-quoted line (default) or one flag per line")
+                       help="one shell-quoted line (default) or one flag per line with its values")
     margs.add_argument("--nodes", action="store_true", help="print only the number of nodes the recipe needs")
     margs.add_argument("--gpus-per-node", action="store_true", help="print only the GPUs used per node")
     margs.set_defaults(run="megatron_slim.commands.megatron_args")
 
     recipes = sub.add_parser("recipes", help="list shipped recipes and hardware profiles")
+    recipes.add_argument("--names", action="store_true", help="print only the recipe names, one per line")
     recipes.set_defaults(run="megatron_slim.commands.recipes")
     return parser
 
@@ -119,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         ranks = "; its rank processes were stopped" if hasattr(exc, "signum") else ""
         print(f"megatron-slim {args.command}: interrupted by {signal.Signals(signum).name}{ranks}", file=sys.stderr)
         return 128 + signum
+    except BrokenPipeError:  # `megatron-slim ... | head`: the reader left; say nothing more
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

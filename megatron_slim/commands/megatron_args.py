@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import shlex
+import sys
 
 from megatron_slim.megatron.flags import recipe_to_megatron_args
-from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.plan.recipe import load_recipe, world_size_note
 from megatron_slim.plan.schema import ConfigError
 
 
@@ -16,13 +17,27 @@ def nodes_for(recipe) -> int:
     return max(1, world // per_node)
 
 
+def flag_lines(flags: list[str]) -> list[str]:
+    """One line per flag with its values, shell-quoted: ``--num-layers 32``, ``--swiglu``."""
+    groups: list[list[str]] = []
+    for word in flags:
+        if word.startswith("--") or not groups:
+            groups.append([word])
+        else:
+            groups[-1].append(word)
+    return [shlex.join(g) for g in groups]
+
+
 def main(args) -> int:
     recipe = load_recipe(args.recipe, args.set)
+    note = world_size_note(args.recipe, args.set, recipe)
+    if note:  # stderr: stdout is read by scripts ($(megatron-slim megatron-args ...))
+        print(note, file=sys.stderr)
     if args.nodes:
         print(nodes_for(recipe))
     elif args.gpus_per_node:
         print(min(recipe.parallel.world_size, recipe.hardware_profile.gpus_per_node))
     else:
         flags = recipe_to_megatron_args(recipe)
-        print(" ".join(shlex.quote(f) for f in flags) if args.format == "shell" else "\n".join(flags))
+        print(shlex.join(flags) if args.format == "shell" else "\n".join(flag_lines(flags)))
     return 0

@@ -1,9 +1,15 @@
-"""What every command prints: aligned text tables and JSON to a file or to stdout."""
+"""What every command prints: aligned text tables and JSON to a file or to stdout, and the check
+that every output path can be written before any work starts."""
 from __future__ import annotations
 
 import json
+import os
 import sys
-from typing import Sequence, TextIO
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence, TextIO
+
+from megatron_slim.plan.schema import ConfigError
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -24,3 +30,51 @@ def emit_json(payload: dict, target: str | None, indent: int = 2) -> TextIO:
             with open(target, "w") as f:
                 f.write(text + "\n")
     return sys.stderr if target == "-" else sys.stdout
+
+
+def prepare_outputs(*outputs: tuple[str, Optional[str]], stdout_ok: Sequence[str] = ("--json",)) -> None:
+    """Before any work: every ``(flag, path)`` given can be written. Missing parent directories are
+    created (``--json out/sim.json`` works on a fresh clone); a path that is a directory, lies under
+    a file, cannot be created or opened, or is also another flag's output fails naming the flag and
+    the path. ``-`` (stdout) is allowed for the flags in ``stdout_ok``."""
+    seen: dict[Path, str] = {}
+    for flag, target in outputs:
+        if target is None:
+            continue
+        if target == "-":
+            if flag in stdout_ok:
+                continue
+            raise ConfigError(f"{flag} -: cannot write this output to stdout (allowed: a file path)")
+        path = Path(target)
+        key = path.resolve()
+        if key in seen:
+            raise ConfigError(f"{flag} {target}: cannot write: {seen[key]} writes the same file "
+                              "(allowed: a different path for each output)")
+        seen[key] = flag
+        _check_writable(flag, target, path)
+
+
+def _check_writable(flag: str, target: str, path: Path) -> None:
+    def fail(reason: str) -> ConfigError:
+        return ConfigError(f"{flag} {target}: cannot write ({reason}); allowed: a file path in a "
+                           "writable directory (missing directories are created)")
+
+    if target == "" or path.is_dir():
+        raise fail("it is a directory" if target else "empty path")
+    existing = next(p for p in (path.parent, *path.parent.parents) if p.exists() or p == p.parent)
+    if existing.exists() and not existing.is_dir():
+        raise fail(f"{existing} is a file, not a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise fail(f"cannot create directory {path.parent}: {exc.strerror or exc}") from None
+    try:
+        if path.exists():
+            with open(path, "a"):
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise fail(exc.strerror or str(exc)) from None

@@ -7,6 +7,9 @@ from megatron_slim.plan.recipe import available_recipes, load_recipe
 
 
 def main(args) -> int:
+    if getattr(args, "names", False):
+        print("\n".join(available_recipes()))
+        return 0
     print("recipes:")
     if not available_recipes():
         print(f"  (none found in {config_dir()})")

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_slim.commands.output import emit_json, format_table
-from megatron_slim.plan.cost.calibration import load_calibration
+from megatron_slim.commands.output import emit_json, format_table, prepare_outputs
+from megatron_slim.plan.cost.calibration import Calibration, load_calibration
 from megatron_slim.plan.cost.model import CostModel
-from megatron_slim.plan.recipe import Recipe, load_recipe
+from megatron_slim.plan.recipe import Recipe, load_recipe, world_size_note
 from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.sim.costs import RecipeCosts
 from megatron_slim.plan.sim.engine import SimResult, simulate
@@ -35,8 +35,7 @@ class Simulated:
         return out
 
 
-def run_one(recipe: Recipe, calibration_path: str | None = None) -> Simulated:
-    calibration = load_calibration(calibration_path) if calibration_path else None
+def run_one(recipe: Recipe, calibration: Calibration | None = None) -> Simulated:
     costs = RecipeCosts(recipe, CostModel(recipe, calibration=calibration))
     p = recipe.parallel
     schedule = generate(recipe.schedule.kind, p.pp, p.vpp, recipe.num_microbatches, recipe.schedule.num_slices)
@@ -57,21 +56,35 @@ def table(runs: list[Simulated]) -> str:
     return format_table(header, rows)
 
 
+def output_flags(args) -> tuple[tuple[str, str | None], ...]:
+    return ("--json", args.json), ("--trace", args.trace), ("--plot", args.plot)
+
+
 def main(args) -> int:
+    """Every input is read and checked (recipe, overrides, calibration, schedules, output paths)
+    before the first simulation."""
+    recipe = load_recipe(args.recipe, args.set)
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    note = world_size_note(args.recipe, args.set, recipe)
     if getattr(args, "cp_engine", None) or getattr(args, "lengths", None):
         from megatron_slim.commands import simulate_cp
-        return simulate_cp.main(args)
-    recipe = load_recipe(args.recipe, args.set)
+        return simulate_cp.run(args, recipe, calibration, note)
     kinds = [k for k in (args.compare or "").split(",") if k.strip()]
     variants = [schedule_variant(recipe, k) for k in kinds] if kinds else [recipe]
-    runs = [run_one(v, args.calibration) for v in variants]
+    prepare_outputs(*output_flags(args))
+    runs = [run_one(v, calibration) for v in variants]
     payload = runs[0].to_json() if not kinds else {
         "recipe": recipe.name, "hardware": recipe.hardware, "results": [r.to_json() for r in runs]}
+    payload["calibration"] = args.calibration
     out = emit_json(payload, args.json)
+    if note:
+        print(note, file=out)
     print(f"recipe {recipe.name} on {recipe.hardware}: {recipe.parallel.world_size} GPUs "
           f"(tp{recipe.parallel.tp} pp{recipe.parallel.pp} cp{recipe.parallel.cp} dp{recipe.parallel.dp}), "
           f"{recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens", file=out)
     print(table(runs), file=out)
+    if args.json and args.json != "-":
+        print(f"wrote {args.json}", file=out)
     if args.trace:
         from megatron_slim.plan.sim.trace import write_chrome_trace_many
         write_chrome_trace_many([(r.label, r.result) for r in runs], args.trace)

@@ -1,30 +1,34 @@
 """``megatron-slim simulate --cp-engine ...``: context-parallel engines on variable-length packs.
 
     megatron-slim simulate --recipe zeppelin-7b-h800 --cp-engine all \\
-        --lengths lognormal:mean=8192,sigma=1.1,min=1024,max=65536 --seed 0 [--json out.json]
+        --lengths lognormal:mean=8192,sigma=1.1,min=1024,max=65536 --seed 0 \\
+        [--json out/cp.json] [--trace out/cp.trace.json] [--plot out/cp.png] [--calibration FILE]
 
 The batch (``train.global_batch_size`` packs of ``model.seq_length`` tokens) is drawn once and
 every engine runs the same packs. Without ``--cp-engine`` the recipe's ``cp.engine`` is used.
+``--trace``: per rank, compute and each link's transfers of one decoder layer per pack
+(``plan/sim/cp_trace.py``); ``--plot``: per engine and per rank, attention / linear / idle time
+(``plan/sim/cp_plot.py``); ``--calibration``: measured kernel rates, as for pipeline simulation.
 """
 from __future__ import annotations
 
-
-from megatron_slim.commands.output import emit_json, format_table
+from megatron_slim.commands.output import emit_json, format_table, prepare_outputs
+from megatron_slim.plan.cost.calibration import Calibration
 from megatron_slim.plan.cp.engines import check_supported, parse_engines
 from megatron_slim.plan.cp.lengths import SPEC_FORMS, make_packs, parse_lengths
-from megatron_slim.plan.recipe import Recipe, load_recipe
+from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.sim.cp_sim import CPSimResult, cp_setup, simulate_cp
 
 
-def run_engines(recipe: Recipe, engines: tuple[str, ...], lengths: str, seed: int) -> tuple[
-        tuple[tuple[int, ...], ...], list[CPSimResult]]:
+def check_inputs(recipe: Recipe, engines: tuple[str, ...], lengths: str, calibration: Calibration | None):
+    """Everything a CP simulation reads, checked: the lengths source, the recipe's CP domain, each
+    engine on it."""
     source = parse_lengths(lengths)
-    topo, costs = cp_setup(recipe)
+    topo, costs = cp_setup(recipe, calibration)
     for engine in engines:
         check_supported(engine, topo, costs)
-    packs = make_packs(source, recipe.model.seq_length, recipe.num_microbatches, seed)
-    return packs, [simulate_cp(recipe, e, packs, topo=topo, costs=costs) for e in engines]
+    return source, topo, costs
 
 
 def table(results: list[CPSimResult]) -> str:
@@ -43,17 +47,21 @@ def table(results: list[CPSimResult]) -> str:
     return format_table(header, rows)
 
 
-def main(args) -> int:
-    recipe = load_recipe(args.recipe, args.set)
+def run(args, recipe: Recipe, calibration: Calibration | None, note: str | None = None) -> int:
+    """``simulate`` with ``--cp-engine``/``--lengths``: ``recipe`` and ``calibration`` are already
+    loaded; every other input is checked here before the first pack is simulated."""
     if getattr(args, "compare", None):
         raise ConfigError("--compare: pipeline schedules cannot be combined with --cp-engine/--lengths "
                           "(allowed: one of them)")
     if not args.lengths:
         raise ConfigError(f"--lengths: required with --cp-engine (allowed: {' | '.join(SPEC_FORMS)})")
     engines = parse_engines(args.cp_engine) if args.cp_engine else (recipe.cp.engine,)
-    packs, results = run_engines(recipe, engines, args.lengths, args.seed)
+    source, topo, costs = check_inputs(recipe, engines, args.lengths, calibration)
+    prepare_outputs(("--json", args.json), ("--trace", args.trace), ("--plot", args.plot))
+    packs = make_packs(source, recipe.model.seq_length, recipe.num_microbatches, args.seed)
+    results = [simulate_cp(recipe, e, packs, topo=topo, costs=costs, record=bool(args.trace)) for e in engines]
     payload: dict = {"recipe": recipe.name, "hardware": recipe.hardware, "lengths": args.lengths,
-                     "seed": args.seed, "pack_lengths": [list(p) for p in packs]}
+                     "seed": args.seed, "calibration": args.calibration, "pack_lengths": [list(p) for p in packs]}
     if len(results) == 1:
         payload.update(results[0].to_json())
     else:
@@ -61,7 +69,19 @@ def main(args) -> int:
     out = emit_json(payload, args.json, indent=1)
     p = recipe.parallel
     seqs = sum(len(pk) for pk in packs)
+    if note:
+        print(note, file=out)
     print(f"recipe {recipe.name} on {recipe.hardware}: cp={p.cp} (tp{p.tp}), {len(packs)} packs of "
           f"{recipe.model.seq_length} tokens, {seqs} sequences from {args.lengths} (seed {args.seed})", file=out)
     print(table(results), file=out)
+    if args.json and args.json != "-":
+        print(f"wrote {args.json}", file=out)
+    if args.trace:
+        from megatron_slim.plan.sim.cp_trace import write_cp_trace
+        write_cp_trace(results, args.trace)
+        print(f"wrote trace {args.trace} (one decoder layer per pack; open in https://ui.perfetto.dev)", file=out)
+    if args.plot:
+        from megatron_slim.plan.sim.cp_plot import plot_cp_results
+        plot_cp_results(results, args.plot)
+        print(f"wrote plot {args.plot}", file=out)
     return 0

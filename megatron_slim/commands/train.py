@@ -22,7 +22,8 @@ import os
 import sys
 import time
 
-from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.commands.output import prepare_outputs
+from megatron_slim.plan.recipe import load_recipe, world_size_note
 
 
 def _stage_entries(reports, pp: int) -> list[dict]:
@@ -40,7 +41,7 @@ def _cp_entry(recipe, reporter) -> dict:
             "iterations": reporter.cp_iterations}
 
 
-def _prepare(recipe, say: bool):
+def _prepare(recipe, say: bool, log=sys.stdout):
     from megatron_slim.data import prepare_corpus
 
     d = recipe.data
@@ -50,20 +51,20 @@ def _prepare(recipe, say: bool):
     if say:
         print(f"data: {prepared.num_documents} documents, {prepared.num_tokens:,} tokens from {prepared.source} "
               f"({'cached' if prepared.cache_hit else 'prepared'} in {time.perf_counter() - began:.1f}s, "
-              f"vocab {prepared.vocab_size})", flush=True)
+              f"vocab {prepared.vocab_size})", file=log, flush=True)
     return prepared
 
 
-def _print_plan(recipe, where: str) -> None:
+def _print_plan(recipe, where: str, log=sys.stdout) -> None:
     p, t = recipe.parallel, recipe.train
     print(f"recipe {recipe.name}: {p.world_size} CPU ranks {where}(tp{p.tp} pp{p.pp} vpp{p.vpp} cp{p.cp} dp{p.dp}), "
           f"schedule {recipe.schedule.kind} with {recipe.schedule.num_slices} {recipe.schedule.slice_policy} "
           f"slice(s), {recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens, {t.iters} iterations",
-          flush=True)
+          file=log, flush=True)
     if p.cp > 1:
         from megatron_slim.train.cp import describe
 
-        print(describe(recipe), flush=True)
+        print(describe(recipe), file=log, flush=True)
 
 
 def _is_reporter(report, pp: int) -> bool:
@@ -97,17 +98,22 @@ def main(args) -> int:
         from megatron_slim.train.checkpoint import check_resumable
 
         check_resumable(args.checkpoint_dir, recipe.to_dict())
+    prepare_outputs(("--json", args.json))
+    log = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
+    note = world_size_note(args.recipe, args.set, recipe, unit="ranks")
+    if note and (job is None or job.rank == 0):
+        print(note, file=log, flush=True)
     options = TrainOptions(checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume,
                            exit_interval=args.exit_interval or 0, quiet=args.json == "-")
     if job is not None:
-        return _run_launched(args, recipe, options, job, began)
+        return _run_launched(args, recipe, options, job, began, log)
 
     from megatron_slim.runtime.spawn import run_ranks
     from megatron_slim.train.loop import train_rank
 
     p = recipe.parallel
-    prepared = _prepare(recipe, say=True)
-    _print_plan(recipe, "")
+    prepared = _prepare(recipe, say=True, log=log)
+    _print_plan(recipe, "", log)
     threads = max(1, (os.cpu_count() or 1) // p.world_size)
     reports = run_ranks(train_rank, p.world_size, recipe.to_dict(), prepared, options,
                         threads_per_rank=threads, timeout_s=None)
@@ -115,7 +121,7 @@ def main(args) -> int:
     return 0
 
 
-def _run_launched(args, recipe, options, job, began) -> int:
+def _run_launched(args, recipe, options, job, began, log) -> int:
     """This process is one rank of a torchrun job: join it, train this rank's part, and let the
     rank that reports (last pipeline stage, first tp/cp/dp rank) print the summary and write JSON."""
     import torch.distributed as dist
@@ -125,9 +131,9 @@ def _run_launched(args, recipe, options, job, began) -> int:
 
     with joined(job, backend="gloo"):
         # local rank 0 of each node tokenizes into the cache (an atomic, locked build); the others then read it
-        prepared = local_first(job, lambda: _prepare(recipe, say=job.rank == 0))
+        prepared = local_first(job, lambda: _prepare(recipe, say=job.rank == 0, log=log))
         if job.rank == 0:
-            _print_plan(recipe, f"under {job.launcher} ")
+            _print_plan(recipe, f"under {job.launcher} ", log)
         mine = train_rank(job.rank, job.world_size, recipe.to_dict(), prepared, options)
         reports = [None] * job.world_size
         dist.all_gather_object(reports, mine)

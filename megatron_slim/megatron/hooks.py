@@ -112,7 +112,8 @@ def slimpipe_settings(args) -> "SlimPipeSettings":
     from megatron_slim.plan.sim.costs import slice_lengths
 
     recipe = recipe_from_megatron_args(args)
-    calibration = load_calibration(args.slimpipe_calibration) if args.slimpipe_calibration else None
+    calibration = (load_calibration(args.slimpipe_calibration, "--slimpipe-calibration")
+                   if args.slimpipe_calibration else None)
     lengths = slice_lengths(recipe, CostModel(recipe, calibration=calibration))
     backend = None if args.megatron_slim_attention_backend == "auto" else args.megatron_slim_attention_backend
     return SlimPipeSettings(lengths, attention_backend=backend)

@@ -133,11 +133,9 @@ def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[Sli
         group = _pp_group(pg_collection, p2p_communicator)
         pp, rank, vpp = group.size(), group.rank(), len(models)
         schedule = generate(settings.kind, pp, vpp, num_microbatches, settings.num_slices)
-        if pp > 1:  # one stage has no messages to add (context parallelism alone, or a single rank)
-            schedule = lower(schedule)
+        schedule = lower(schedule)  # pp=1 (context parallelism alone, or one rank): no messages, unchanged
         validate(schedule)
-        if pp > 1:
-            check_link_order(schedule)
+        check_link_order(schedule)
         stats.schedule_digest = schedule.digest()
         _agree_on_plan(stats.schedule_digest, group, stats)
 

@@ -15,7 +15,7 @@ import yaml
 
 from megatron_slim.plan.hardware import HardwareProfile, load_hardware
 from megatron_slim.plan.paths import config_dir
-from megatron_slim.plan.schema import ConfigError, apply_overrides, build, fail, to_dict
+from megatron_slim.plan.schema import ConfigError, apply_overrides, build, fail, parse_override, to_dict
 
 ScheduleKind = Literal["1f1b", "interleaved", "slimpipe"]
 SlicePolicy = Literal["uniform", "balanced"]
@@ -269,3 +269,37 @@ def load_recipe(name_or_path: str, overrides: Optional[list[str]] = None) -> Rec
 
 def recipe_from_dict(data: dict) -> Recipe:
     return build(Recipe, data)
+
+
+def world_size_note(name_or_path: str, overrides: Optional[list[str]], recipe: Recipe,
+                    unit: str = "GPUs") -> Optional[str]:
+    """A line saying so when ``--set`` overrides change the GPU count (``tp*pp*cp*dp``) from the
+    recipe file's, e.g. ``note: --set parallel.pp=8 changes the job from 64 to 128 GPUs (tp4 pp8 cp1
+    dp4)``; None when they do not. Overrides keep every other key as written (``parallel.dp``
+    included), so a larger pp means more GPUs, not fewer data-parallel replicas: the note also says
+    which ``parallel.dp`` would keep the original count, when one would."""
+    if not overrides:
+        return None
+    data = yaml.safe_load(recipe_path(name_or_path).read_text()) or {}
+    section = data.get("parallel") if isinstance(data, dict) else None
+    section = section if isinstance(section, dict) else {}
+    try:
+        base = 1
+        for key in ("tp", "pp", "cp", "dp"):
+            base *= int(section.get(key, 1))
+    except (TypeError, ValueError):  # the file's own value is invalid and overridden: nothing to compare with
+        return None
+    p = recipe.parallel
+    if base == p.world_size:
+        return None
+    sizes = [(o.strip(), parse_override(o)[0]) for o in overrides]
+    sizes = [(text, path) for text, path in sizes if path in (["parallel", k] for k in ("tp", "pp", "cp", "dp"))]
+    changed = [text for text, _ in sizes]
+    note = (f"note: --set {' '.join(changed)} changes the job from {base} to {p.world_size} {unit} "
+            f"(tp{p.tp} pp{p.pp} cp{p.cp} dp{p.dp})")
+    model_parallel = p.tp * p.pp * p.cp
+    if base % model_parallel == 0 and not any(path == ["parallel", "dp"] for _, path in sizes):
+        dp = base // model_parallel
+        if recipe.train.global_batch_size % (recipe.train.micro_batch_size * dp) == 0:
+            note += f"; parallel.dp={dp} would keep {base}"
+    return note

@@ -54,3 +54,86 @@ def test_recipe_overrides_and_a_mismatched_allocation():
     assert bad.returncode == 2 and "needs 8 nodes" in bad.stderr
     unknown = _dry_run(RECIPE="nope")
     assert unknown.returncode != 0 and "unknown recipe 'nope'" in unknown.stderr
+
+
+REPO = SCRIPT.parents[2]
+
+FAKE_SBATCH = r"""#!/bin/bash
+# Stand-in for SLURM's sbatch: runs the batch script here, as a dry run on the requested nodes.
+nodes=1; export_spec=ALL
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nodes=*) nodes=${1#--nodes=} ;;
+    --export=*) export_spec=${1#--export=} ;;
+    --*) ;;
+    *) break ;;
+  esac
+  shift
+done
+script=$1; shift
+if [ "${export_spec%%,*}" != ALL ]; then echo "fake sbatch: only --export=ALL[,K=V...]" >&2; exit 3; fi
+IFS=, read -r -a kvs <<< "${export_spec#ALL}"
+for kv in "${kvs[@]}"; do if [ -n "$kv" ]; then export "$kv"; fi; done
+SLURM_NNODES=$nodes DRY_RUN=1 exec bash "$script" "$@"
+"""
+
+
+@pytest.fixture
+def slurm_path(tmp_path):
+    """A PATH with a fake ``sbatch`` and a ``megatron-slim`` that runs this checkout's CLI."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
+    cli = f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m megatron_slim.cli \"$@\"\n"
+    (bin_dir / "megatron-slim").write_text(cli)
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+def _clean_env(path, **env):
+    full = {k: v for k, v in os.environ.items() if k not in ("RECIPE", "RECIPE_SET", "DRY_RUN", "MEGATRON_SLIM")
+            and not k.startswith("SLURM_")}
+    full.update(PATH=path, MEGATRON_LM="/opt/Megatron-LM", **env)
+    return full
+
+
+def test_without_recipe_the_batch_script_refuses_to_run(slurm_path):
+    from megatron_slim.plan.recipe import available_recipes
+    for env in ({}, {"RECIPE": ""}):
+        run = subprocess.run(["bash", str(SCRIPT)], env=_clean_env(slurm_path, DRY_RUN="1", **env),
+                             capture_output=True, text=True)
+        assert run.returncode == 2 and run.stdout == ""
+        assert "RECIPE: not set" in run.stderr
+        assert all(name in run.stderr for name in available_recipes())
+
+
+def test_submit_sh_counts_nodes_with_the_recipe_overrides(slurm_path):
+    run = subprocess.run(["bash", str(SCRIPT.parent / "submit.sh"), "llama2-7b-64k"], capture_output=True, text=True,
+                         env=_clean_env(slurm_path, RECIPE_SET="parallel.dp=2 train.global_batch_size=32"))
+    assert run.returncode == 0, run.stderr
+    assert len(run.stdout.strip().splitlines()) == 4
+
+
+def _readme_slurm_lines() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    section = text.split("### On a cluster with Megatron-LM", 1)[1].split("\n## ", 1)[0]
+    blocks = section.split("```")[1::2]
+    return [ln.split("  #", 1)[0].strip() for b in blocks for ln in b.splitlines()
+            if "sbatch" in ln or "submit.sh" in ln]
+
+
+def test_readme_slurm_commands_run_as_written(slurm_path):
+    lines = _readme_slurm_lines()
+    assert any(ln.startswith("scripts/slurm/submit.sh") for ln in lines)
+    assert any(" sbatch " in f" {ln} " for ln in lines) and any(ln.startswith("DRY_RUN=1") for ln in lines)
+    for line in lines:
+        run = subprocess.run(["bash", "-c", line], cwd=REPO, env=_clean_env(slurm_path), capture_output=True,
+                             text=True)
+        assert run.returncode == 0, f"README command failed: {line}\n{run.stderr}"
+        recipe = shlex.split(line.replace("$(", " ").replace(")", " "))
+        name = next(w.split("=", 1)[1] for w in recipe if w.startswith("RECIPE=")) if "RECIPE=" in line else \
+            recipe[recipe.index("scripts/slurm/submit.sh") + 1]
+        flags = recipe_to_megatron_args(load_recipe(name))
+        nodes = run.stdout.strip().splitlines()
+        assert nodes and all(shlex.join(flags) in ln for ln in nodes), line

@@ -46,3 +46,72 @@ def test_compare_prints_a_table_and_json_to_stdout(capsys):
 def test_user_errors_exit_2_with_a_named_message(argv, needle, capsys):
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_missing_output_directories_are_created(tmp_path, monkeypatch, capsys):
+    """The README's `--json out/sim.json --trace out/sim.trace.json --plot out/sim.png` on a fresh clone."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--recipe", "tiny-cpu", "--set", "train.global_batch_size=4", "--json", "out/sim.json",
+                 "--trace", "out/deeper/sim.trace.json", "--plot", "out/sim.png"]) == 0
+    assert json.loads((tmp_path / "out/sim.json").read_text())["schedule"] == "slimpipe"
+    assert json.loads((tmp_path / "out/deeper/sim.trace.json").read_text())["traceEvents"]
+    assert (tmp_path / "out/sim.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("flag", ["--json", "--trace", "--plot"])
+def test_an_unwritable_output_fails_before_any_work(flag, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = str(blocker / "x.out")  # its parent is a file: no directory can be made there
+    assert main(["simulate", "--recipe", "tiny-cpu", flag, bad]) == 2
+    captured = capsys.readouterr()
+    assert f"{flag} {bad}: cannot write" in captured.err
+    assert "schedule" not in captured.out  # nothing was simulated
+    assert main(["simulate", "--recipe", "tiny-cpu", flag, str(tmp_path)]) == 2
+    assert f"{flag} {tmp_path}: cannot write" in capsys.readouterr().err
+
+
+def test_two_outputs_on_one_path_are_refused(tmp_path, capsys):
+    path = str(tmp_path / "same.json")
+    assert main(["simulate", "--recipe", "tiny-cpu", "--json", path, "--trace", path]) == 2
+    assert f"--trace {path}: cannot write" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe,extra", [
+    ("llama2-7b-64k", []), ("llama2-7b-64k", ["--compare", "1f1b,slimpipe"]),
+    ("tiny-cpu", ["schedule.kind=1f1b", "schedule.num_slices=1"]),
+])
+def test_one_pipeline_stage_simulates(recipe, extra, capsys):
+    sets = [x for x in extra if "=" in x]
+    rest = [x for x in extra if "=" not in x]
+    assert main(["simulate", "--recipe", recipe, "--set", "parallel.pp=1", *sets, *rest, "--json", "-"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    for result in payload.get("results", [payload]):
+        assert len(result["ranks"]) == 1 and result["bubble_ratio"] == pytest.approx(0.0, abs=1e-9)
+        assert result["iteration_time_s"] > 0
+
+
+def test_an_override_that_changes_the_gpu_count_says_so(capsys):
+    assert main(["simulate", "--recipe", "llama2-7b-64k", "--set", "parallel.pp=8", "schedule.num_slices=16"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --set parallel.pp=8 changes the job from 64 to 128 GPUs (tp4 pp8 cp1 dp4)" in out
+    assert main(["simulate", "--recipe", "llama2-7b-64k", "--set", "schedule.num_slices=16"]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content,needle", [
+    (None, "does not exist"),
+    ("dir", "is a directory"),
+    ("measurements: [unclosed", "not valid YAML"),
+    ("- just\n- a list\n", "expected a mapping"),
+])
+def test_a_bad_calibration_file_fails_before_any_work(content, needle, tmp_path, capsys):
+    path = tmp_path / "cal.yaml"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    assert main(["simulate", "--recipe", "tiny-cpu", "--calibration", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert f"--calibration {path}" in captured.err and needle in captured.err
+    assert "schedule" not in captured.out

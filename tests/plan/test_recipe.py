@@ -56,3 +56,29 @@ def test_unknown_and_missing_yaml_keys(tmp_path):
         load_recipe(str(bad))
     with pytest.raises(ConfigError, match="does not exist"):
         load_recipe(str(tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize("sets,note", [
+    (["parallel.pp=8"], "note: --set parallel.pp=8 changes the job from 64 to 128 GPUs (tp4 pp8 cp1 dp4); "
+                        "parallel.dp=2 would keep 64"),
+    (["parallel.tp=8", "parallel.dp=2"], None),  # 8*4*1*2 = 64
+    (["parallel.dp=2", "train.global_batch_size=32"],
+     "note: --set parallel.dp=2 changes the job from 64 to 32 GPUs (tp4 pp4 cp1 dp2)"),
+    (["schedule.num_slices=16"], None),
+    ([], None),
+])
+def test_world_size_note_says_when_overrides_change_the_gpu_count(sets, note):
+    from megatron_slim.plan.recipe import world_size_note
+    recipe = load_recipe("llama2-7b-64k", sets)
+    assert world_size_note("llama2-7b-64k", sets, recipe) == note
+
+
+def test_world_size_note_names_the_unit_and_a_recipe_file(tmp_path):
+    from megatron_slim.plan.recipe import world_size_note
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {num_layers: 4, hidden_size: 64, ffn_hidden_size: 128, num_attention_heads: 4, "
+                    "num_query_groups: 4, vocab_size: 256, seq_length: 64}\ntrain: {global_batch_size: 4}\n"
+                    "hardware: cpu\n")
+    recipe = load_recipe(str(path), ["parallel.pp=2"])
+    assert world_size_note(str(path), ["parallel.pp=2"], recipe, unit="ranks") == \
+        "note: --set parallel.pp=2 changes the job from 1 to 2 ranks (tp1 pp2 cp1 dp1)"

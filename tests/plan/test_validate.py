@@ -104,3 +104,65 @@ def test_lowered_schedules_are_nccl_safe(pp, vpp, m, n):
     s = lower(generate("slimpipe", pp, vpp, m, n))
     validate(s)
     check_link_order(s)
+
+
+@pytest.mark.parametrize("kind,vpp,m,n", [("1f1b", 1, 3, 1), ("slimpipe", 1, 4, 3), ("slimpipe", 2, 3, 2),
+                                          ("interleaved", 2, 4, 1), ("1f1b", 1, 1, 1)])
+def test_one_stage_schedules_are_lowered_as_generated(kind, vpp, m, n):
+    """pp=1: every stage is on one rank, so lowering adds no messages and changes nothing."""
+    from megatron_slim.plan.schedule import check_link_order, lower, order_receives_by_link
+    s = generate(kind, 1, vpp, m, n)
+    assert s.is_lowered and not s.has_communication
+    assert add_communication(s) == s and order_receives_by_link(s) == s and lower(s) == s
+    validate(lower(s))
+    check_link_order(lower(s))
+
+
+def test_adding_communication_twice_is_refused():
+    s = add_communication(generate("1f1b", 2, 1, 2, 1))
+    with pytest.raises(ValueError, match="already has SEND/RECV"):
+        add_communication(s)
+
+
+def _reference_order_receives_by_link(schedule):
+    """The receive-ordering pass as first written (rebuilds ``set(messages)`` per action):
+    the linear-time pass must give exactly this."""
+    from megatron_slim.plan.schedule import Kind
+    send_order: dict = {}
+    for rank, row in enumerate(schedule.ranks):
+        for a in row:
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                stage = schedule.stage(rank, a.chunk)
+                dst_stage = stage + 1 if a.kind is Kind.SEND_F else stage - 1
+                dst, dst_chunk = schedule.placement(dst_stage)
+                recv = Action(Kind.RECV_F if a.kind is Kind.SEND_F else Kind.RECV_B, dst_chunk, a.microbatch, a.slice)
+                send_order.setdefault((rank, dst), []).append(recv)
+    rows = []
+    for rank, row in enumerate(schedule.ranks):
+        row = list(row)
+        for (src, dst), messages in send_order.items():
+            if dst != rank:
+                continue
+            position = {a: i for i, a in enumerate(row) if a in set(messages)}
+            slots = [position[m] for m in messages]
+            wanted = slots[:]
+            for k in range(len(wanted) - 2, -1, -1):
+                wanted[k] = min(wanted[k], wanted[k + 1])
+            if wanted == slots:
+                continue
+            keys = {a: (i, 1, 0) for i, a in enumerate(row)}
+            for k, (m, w) in enumerate(zip(messages, wanted)):
+                keys[m] = (w, 0, k)
+            row = sorted(row, key=keys.__getitem__)
+        rows.append(row)
+    return schedule.replace_ranks(rows)
+
+
+@pytest.mark.parametrize("kind,pp,vpp,m,n", [
+    ("slimpipe", 2, 2, 5, 1), ("slimpipe", 2, 3, 9, 2), ("slimpipe", 3, 2, 5, 2), ("slimpipe", 4, 3, 3, 4),
+    ("slimpipe", 4, 1, 6, 3), ("interleaved", 2, 2, 4, 1), ("interleaved", 4, 2, 8, 1), ("1f1b", 3, 1, 5, 1),
+])
+def test_receive_ordering_pass_matches_its_reference(kind, pp, vpp, m, n):
+    from megatron_slim.plan.schedule import order_receives_by_link
+    s = add_communication(generate(kind, pp, vpp, m, n))
+    assert order_receives_by_link(s) == _reference_order_receives_by_link(s)

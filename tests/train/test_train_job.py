@@ -55,3 +55,11 @@ def test_stopped_and_resumed_run_continues_with_the_same_losses(tmp_path, data_c
                "train.warmup_iters=1", "train.lr=1e-4"]
     assert main(["train", "--set", f"data.cache_dir={data_cache}", *SMALL_DATA, *changed,
                  "--checkpoint-dir", ckpt]) == 2
+
+
+def test_an_unwritable_json_path_fails_before_training(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["train", "--json", str(blocker / "train.json")]) == 2
+    captured = capsys.readouterr()
+    assert f"--json {blocker / 'train.json'}: cannot write" in captured.err and "data:" not in captured.out

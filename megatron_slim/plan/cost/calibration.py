@@ -72,12 +72,27 @@ class Calibration:
         return r0 + t * (r1 - r0)
 
 
-def load_calibration(path: str | Path) -> Calibration:
+def load_calibration(path: str | Path, flag: str = "--calibration") -> Calibration:
+    """Read and validate a calibration file; every problem is a ``ConfigError`` naming ``flag`` and
+    the file."""
     path = Path(path)
+    where = f"{flag} {path}"
+    if not path.exists():
+        raise ConfigError(f"{where}: file does not exist (allowed: a YAML or JSON file, format in "
+                          "docs/calibration.md)")
     if not path.is_file():
-        raise ConfigError(f"--calibration: file {str(path)!r} does not exist")
-    text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        what = "a directory" if path.is_dir() else "not a regular file"
+        raise ConfigError(f"{where}: is {what} (allowed: a YAML or JSON file)")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not valid JSON ({exc})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"--calibration {path}: expected a mapping with hardware, source, measurements")
+        raise ConfigError(f"{where}: expected a mapping with hardware, source, measurements")
     return build(Calibration, data, "calibration")

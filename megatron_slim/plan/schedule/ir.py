@@ -104,8 +104,15 @@ class Schedule:
         return stage % self.pp, stage // self.pp
 
     @cached_property
-    def is_lowered(self) -> bool:
+    def has_communication(self) -> bool:
+        """Any ``SEND_*``/``RECV_*`` action."""
         return any(not a.kind.is_compute for row in self.ranks for a in row)
+
+    @cached_property
+    def is_lowered(self) -> bool:
+        """Ready to execute: every message between ranks is an explicit action. With ``pp=1`` all
+        stages sit on one rank and there are no messages, so such a schedule is lowered as generated."""
+        return self.pp == 1 or self.has_communication
 
     @cached_property
     def has_split_backward(self) -> bool:

@@ -11,7 +11,8 @@ from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 
 
 def add_communication(schedule: Schedule) -> Schedule:
-    if schedule.is_lowered:
+    """With ``pp=1`` there is no stage boundary between ranks: the schedule comes back unchanged."""
+    if schedule.has_communication:
         raise ValueError("add_communication: schedule already has SEND/RECV actions")
     last = schedule.num_stages - 1
     rows = []
@@ -102,7 +103,8 @@ def order_receives_by_link(schedule: Schedule) -> Schedule:
         for (src, dst), messages in send_order.items():
             if dst != rank:
                 continue
-            position = {a: i for i, a in enumerate(row) if a in set(messages)}
+            incoming = set(messages)  # once per link: building it per action made the pass quadratic
+            position = {a: i for i, a in enumerate(row) if a in incoming}
             slots = [position[m] for m in messages]
             wanted = slots[:]
             for k in range(len(wanted) - 2, -1, -1):  # suffix minimum: positions rise in send order

@@ -53,8 +53,8 @@ class AttentionBuilder:
         self.plan, self.costs, self.net, self.routing, self.backward = plan, costs, net, routing, backward
         self.graph = net.graph
 
-    def _attn(self, rank: int, pairs: float, deps, priority: tuple) -> int:
-        return self.graph.compute(rank, self.costs.attention_s(pairs, self.backward), deps, priority)
+    def _attn(self, rank: int, pairs: float, deps, priority: tuple, name: str) -> int:
+        return self.graph.compute(rank, self.costs.attention_s(pairs, self.backward), deps, priority, name=name)
 
     def build(self, group: CPGroup, ready: dict[int, int]) -> dict[int, list[int]]:
         """Tasks of ``group``; ``ready[rank]`` is the task after which a member may start.
@@ -74,14 +74,16 @@ class AttentionBuilder:
     # ---- kinds ------------------------------------------------------------------------------------
     def _local(self, group: CPGroup, ready: dict[int, int]) -> dict[int, list[int]]:
         rank = group.ranks[0]
-        return {rank: [self._attn(rank, causal(self.plan.lengths[i]), (ready[rank],), (group.priority, group.index, k))
+        return {rank: [self._attn(rank, causal(self.plan.lengths[i]), (ready[rank],), (group.priority, group.index, k),
+                                  f"local seq {i} ({self.plan.lengths[i]} tokens)")
                        for k, i in enumerate(group.seqs)]}
 
-    def _hop(self, group: CPGroup, step: int, src: int, dst: int, rows: int, per_row: float, deps) -> int:
+    def _hop(self, group: CPGroup, step: int, src: int, dst: int, rows: int, per_row: float, deps,
+             name: str = "") -> int:
         route = self.routing.route_for(group.index, step, dst) if (self.routing and group.routed) else None
         if route is not None and route.routed:
-            return self.net.routed(route, per_row, deps)
-        return self.net.transfer(src, dst, rows * per_row, deps)
+            return self.net.routed(route, per_row, deps, f"{name} routed" if name else "")
+        return self.net.transfer(src, dst, rows * per_row, deps, name)
 
     def _ring(self, group: CPGroup, ranks: list[int], lengths: list[int], ready: dict[int, int],
               block_rows: list[float], head_share: float, kv_share: float, sub: int) -> dict[int, list[int]]:
@@ -89,6 +91,7 @@ class AttentionBuilder:
         pairs = ring_pairs(lengths, g)
         kvb = self.costs.kv_bytes * kv_share
         prio = (group.priority, group.index)
+        tag = f"{group.kind} g{group.index}" + (f" ring {sub}" if group.kind == "hierarchical" else "")
         comp = [[0] * g for _ in range(g)]
         kv_hop = [[0] * g for _ in range(g)]
         dkv_hop = [[0] * g for _ in range(g)]
@@ -98,33 +101,35 @@ class AttentionBuilder:
             return (comp[i][t],) + ((dkv_hop[i][t],) if t >= 1 else ())
 
         for i, r in enumerate(ranks):
-            comp[i][0] = self._attn(r, pairs[i][i] * head_share, (ready[r],), prio + (0, sub))
+            comp[i][0] = self._attn(r, pairs[i][i] * head_share, (ready[r],), prio + (0, sub), f"{tag} step 0")
         for t in range(1, g):
             for i, r in enumerate(ranks):
                 prev, origin = (i - 1) % g, (i - t) % g
                 buffer = (comp[i][t - 2],) if t >= 2 else ()
                 have = (ready[ranks[prev]],) if t == 1 else (kv_hop[prev][t - 1],)
-                kv_hop[i][t] = self._hop(group, t, ranks[prev], r, block_rows[origin], kvb, have + buffer)
+                kv_hop[i][t] = self._hop(group, t, ranks[prev], r, block_rows[origin], kvb, have + buffer,
+                                         f"{tag} K/V step {t}")
                 if self.backward:
                     dkv_hop[i][t] = self._hop(group, t, ranks[prev], r, block_rows[origin], kvb,
-                                              grad_ready(prev, t - 1))
+                                              grad_ready(prev, t - 1), f"{tag} dK/dV step {t}")
                 comp[i][t] = self._attn(r, pairs[i][origin] * head_share, (kv_hop[i][t], comp[i][t - 1]),
-                                        prio + (t, sub))
+                                        prio + (t, sub), f"{tag} step {t}")
         finals = {r: [comp[i][g - 1]] for i, r in enumerate(ranks)}
         if self.backward:  # the last step's dK/dV belongs to the next member: one hop home
             for i, r in enumerate(ranks):
                 owner = (i + 1) % g
                 finals[ranks[owner]].append(
-                    self._hop(group, g, r, ranks[owner], block_rows[owner], kvb, grad_ready(i, g - 1)))
+                    self._hop(group, g, r, ranks[owner], block_rows[owner], kvb, grad_ready(i, g - 1),
+                              f"{tag} dK/dV home"))
         return finals
 
-    def _node_a2a(self, ranks: list[int], rows: list[int], per_row: float, deps, gather: bool) -> int:
+    def _node_a2a(self, ranks: list[int], rows: list[int], per_row: float, deps, gather: bool, name: str) -> int:
         """All-to-all inside one node: a member's rows split evenly over the heads of the others
         (``gather=False``: members send their own rows' heads out; ``True``: return outputs)."""
         a = len(ranks)
         flows = [(ranks[s], ranks[d], (rows[d] if gather else rows[s]) * per_row / a)
                  for s in range(a) for d in range(a) if s != d]
-        return self.net.all_to_all(flows, deps)
+        return self.net.all_to_all(flows, deps, name)
 
     def _hierarchical(self, group: CPGroup, ready: dict[int, int]) -> dict[int, list[int]]:
         a, n = group.a2a_size, group.ring_size
@@ -136,7 +141,8 @@ class AttentionBuilder:
         qkv = c.q_bytes + c.kv_bytes * kv_share * a  # per row before the a2a splits it over a heads
         in_bytes = c.q_bytes if self.backward else qkv
         out_bytes = qkv if self.backward else c.q_bytes
-        first = [self._node_a2a(node_ranks[j], node_rows[j], in_bytes, [ready[r] for r in node_ranks[j]], False)
+        first = [self._node_a2a(node_ranks[j], node_rows[j], in_bytes, [ready[r] for r in node_ranks[j]], False,
+                                f"hierarchical g{group.index} a2a in")
                  for j in range(n)]
         lengths = [self.plan.lengths[i] for i in group.seqs]
         ends: list[list[int]] = [[] for _ in range(n)]
@@ -149,7 +155,8 @@ class AttentionBuilder:
                 ends[j].extend(finals[ring[j]])
         out = {}
         for j in range(n):
-            done = self._node_a2a(node_ranks[j], node_rows[j], out_bytes, ends[j], True)
+            done = self._node_a2a(node_ranks[j], node_rows[j], out_bytes, ends[j], True,
+                                  f"hierarchical g{group.index} a2a out")
             out.update({r: [done] for r in node_ranks[j]})
         return out
 
@@ -163,22 +170,25 @@ class AttentionBuilder:
         out_bytes = (lambda s, d: rows[d] * (c.q_bytes / p + c.kv_bytes * kv_share)) if self.backward else \
             (lambda s, d: rows[d] * c.q_bytes / p)
         flows = [(ranks[s], ranks[d], in_bytes(s, d)) for s in range(p) for d in range(p) if s != d]
-        first = self.net.all_to_all(flows, [ready[r] for r in ranks])
+        first = self.net.all_to_all(flows, [ready[r] for r in ranks], f"ulysses g{group.index} a2a in")
         pairs = sum(causal(self.plan.lengths[i]) for i in group.seqs) / p
-        comp = [self._attn(r, pairs, (first,), (group.priority, group.index, 0)) for r in ranks]
+        comp = [self._attn(r, pairs, (first,), (group.priority, group.index, 0), f"ulysses g{group.index}")
+                for r in ranks]
         flows = [(ranks[s], ranks[d], out_bytes(s, d)) for s in range(p) for d in range(p) if s != d]
-        done = self.net.all_to_all(flows, comp)
+        done = self.net.all_to_all(flows, comp, f"ulysses g{group.index} a2a out")
         return {r: [done] for r in ranks}
 
     def _allgather(self, group: CPGroup, ready: dict[int, int]) -> dict[int, list[int]]:
         ranks, g = group.ranks, len(group.ranks)
         blocks = [self.plan.group_tokens(group.index, r) * self.costs.kv_bytes for r in ranks]
-        gathered = self.net.all_gather(ranks, blocks, [ready[r] for r in ranks])
+        gathered = self.net.all_gather(ranks, blocks, [ready[r] for r in ranks], f"allgather g{group.index} K/V")
         comp = []
         for i, r in enumerate(ranks):
             pairs = sum(member_prefix_pairs(self.plan.lengths[s], g, i) for s in group.seqs)
-            comp.append(self._attn(r, pairs, (gathered,), (group.priority, group.index, 0)))
+            comp.append(self._attn(r, pairs, (gathered,), (group.priority, group.index, 0),
+                                   f"allgather g{group.index}"))
         if not self.backward:
             return {r: [comp[i]] for i, r in enumerate(ranks)}
-        scattered = self.net.all_gather(ranks, blocks, comp)  # reduce-scatter of dK/dV: same traffic
+        scattered = self.net.all_gather(ranks, blocks, comp,  # reduce-scatter of dK/dV: same traffic
+                                        f"allgather g{group.index} dK/dV reduce-scatter")
         return {r: [scattered] for r in ranks}

@@ -35,6 +35,7 @@ class Task:
     deps: tuple[int, ...]
     priority: tuple
     category: str  # "attention" | "linear" | "comm"
+    name: str = ""  # what the task is, for traces: "mlp", "zigzag g3 step 2", "K/V g3 step 2", ...
 
 
 @dataclass
@@ -42,13 +43,15 @@ class TaskGraph:
     num_ranks: int
     tasks: list[Task] = field(default_factory=list)
 
-    def compute(self, rank: int, duration: float, deps, priority: tuple, category: str = "attention") -> int:
-        self.tasks.append(Task(rank, max(0.0, duration), (), 0.0, tuple(deps), priority, category))
+    def compute(self, rank: int, duration: float, deps, priority: tuple, category: str = "attention",
+                name: str = "") -> int:
+        self.tasks.append(Task(rank, max(0.0, duration), (), 0.0, tuple(deps), priority, category, name))
         return len(self.tasks) - 1
 
-    def comm(self, loads: dict[Resource, float] | tuple, latency: float, deps) -> int:
+    def comm(self, loads: dict[Resource, float] | tuple, latency: float, deps, name: str = "") -> int:
         items = tuple(sorted(loads.items())) if isinstance(loads, dict) else tuple(loads)
-        self.tasks.append(Task(-1, 0.0, tuple((r, s) for r, s in items if s > 0), latency, tuple(deps), (), "comm"))
+        self.tasks.append(Task(-1, 0.0, tuple((r, s) for r, s in items if s > 0), latency, tuple(deps), (), "comm",
+                               name))
         return len(self.tasks) - 1
 
 
@@ -59,6 +62,9 @@ class Timeline:
     busy: dict[int, dict[str, float]]  # rank -> category -> seconds of compute
     resource_busy: dict[Resource, float]
     makespan: float
+    # (task, resource, start, end): when each comm task occupied each resource; a resource serves
+    # one load at a time, so one resource's intervals never overlap
+    occupancy: list[tuple[int, Resource, float, float]] = field(default_factory=list)
 
 
 def run(graph: TaskGraph) -> Timeline:
@@ -73,6 +79,7 @@ def run(graph: TaskGraph) -> Timeline:
     end = [0.0] * n
     free_at: dict[Resource, float] = {}
     resource_busy: dict[Resource, float] = {}
+    occupancy: list[tuple[int, Resource, float, float]] = []
     pools: list[list] = [[] for _ in range(graph.num_ranks)]
     idle = [True] * graph.num_ranks
     busy: dict[int, dict[str, float]] = {r: {} for r in range(graph.num_ranks)}
@@ -114,6 +121,7 @@ def run(graph: TaskGraph) -> Timeline:
                 s = max(free_at.get(res, 0.0), now)
                 free_at[res] = s + seconds
                 resource_busy[res] = resource_busy.get(res, 0.0) + seconds
+                occupancy.append((item, res, s, s + seconds))
                 finish = max(finish, s + seconds)
             push(finish + t.latency, _DONE, item)
         else:
@@ -127,4 +135,26 @@ def run(graph: TaskGraph) -> Timeline:
                 push(now + t.duration, _DONE, tid)
     if done != n:
         raise RuntimeError(f"CP simulation stalled: {n - done} of {n} tasks never ran (dependency cycle)")
-    return Timeline(end, start, busy, resource_busy, max(end, default=0.0))
+    return Timeline(end, start, busy, resource_busy, max(end, default=0.0), occupancy)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One interval of a trace: a compute task on its rank's ``compute`` stream, or a comm task's
+    load on one resource (``stream`` = ``nvl_out`` | ``nvl_in`` | ``nic_out`` | ``nic_in`` of ``rank``)."""
+
+    rank: int
+    stream: str
+    category: str
+    name: str
+    start: float
+    end: float
+
+
+def spans(graph: TaskGraph, timeline: Timeline) -> list[Span]:
+    """Every interval of ``timeline`` with positive length, compute tasks then resource loads."""
+    out = [Span(t.rank, "compute", t.category, t.name, timeline.start[i], timeline.end[i])
+           for i, t in enumerate(graph.tasks) if t.rank >= 0 and timeline.end[i] > timeline.start[i]]
+    out += [Span(res[1], res[0], "comm", graph.tasks[i].name, s, e)
+            for i, res, s, e in timeline.occupancy if e > s]
+    return out

@@ -39,36 +39,37 @@ class Network:
         self.sent[src][cls] += nbytes
         return lat
 
-    def transfer(self, src: int, dst: int, nbytes: float, deps) -> int:
+    def transfer(self, src: int, dst: int, nbytes: float, deps, name: str = "") -> int:
         loads: dict[Resource, float] = {}
         lat = self._flow(loads, src, dst, nbytes)
-        return self.graph.comm(loads, lat, deps)
+        return self.graph.comm(loads, lat, deps, name)
 
-    def routed(self, route: Route, bytes_per_row: float, deps) -> int:
+    def routed(self, route: Route, bytes_per_row: float, deps, name: str = "") -> int:
         ends = []
-        for part in route.parts:
+        for k, part in enumerate(route.parts):
             nbytes = part.size * bytes_per_row
             prev = tuple(deps)
+            label = f"{name} part {k}" if name else ""
             if part.proxy_src != route.src:
-                prev = (self.transfer(route.src, part.proxy_src, nbytes, prev),)
-            prev = (self.transfer(part.proxy_src, part.proxy_dst, nbytes, prev),)
+                prev = (self.transfer(route.src, part.proxy_src, nbytes, prev, f"{label} dispatch" if label else ""),)
+            prev = (self.transfer(part.proxy_src, part.proxy_dst, nbytes, prev, label),)
             if part.proxy_dst != route.dst:
-                prev = (self.transfer(part.proxy_dst, route.dst, nbytes, prev),)
+                prev = (self.transfer(part.proxy_dst, route.dst, nbytes, prev, f"{label} combine" if label else ""),)
             ends.extend(prev)
         return self.join(ends or deps)
 
     def join(self, deps) -> int:
         return self.graph.comm({}, 0.0, deps)
 
-    def all_to_all(self, flows, deps) -> int:
+    def all_to_all(self, flows, deps, name: str = "") -> int:
         """``flows``: (src, dst, bytes) triples of one collective."""
         loads: dict[Resource, float] = {}
         lat = 0.0
         for src, dst, nbytes in flows:
             lat = max(lat, self._flow(loads, src, dst, nbytes))
-        return self.graph.comm(loads, lat, deps)
+        return self.graph.comm(loads, lat, deps, name)
 
-    def all_gather(self, members: tuple[int, ...], block_bytes: list[float], deps) -> int:
+    def all_gather(self, members: tuple[int, ...], block_bytes: list[float], deps, name: str = "") -> int:
         """Every member ends with every member's block (also the cost of the mirror-image
         reduce-scatter)."""
         topo = self.topo
@@ -98,4 +99,4 @@ class Network:
                 self.sent[r]["intra"] += own * (m - 1) + remote / m * (m - 1)
         per_node = max(len(v) for v in by_node.values())
         lat = (n - 1) * topo.nic.latency + (per_node - 1) * topo.nvlink.latency
-        return self.graph.comm(loads, lat, deps)
+        return self.graph.comm(loads, lat, deps, name)

@@ -13,8 +13,11 @@ The plan of each pack comes from ``plan.cp.engines.plan_pack``; Zeppelin adds it
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
+from megatron_slim.plan.cost.calibration import Calibration
+from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.engines import plan_pack, uses_remap
 from megatron_slim.plan.cp.remap import plan_remap_for
@@ -23,6 +26,7 @@ from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.cp.zigzag import causal
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schema import fail
+from megatron_slim.plan.sim.cp_events import Span
 from megatron_slim.plan.sim.cp_layer import simulate_pass
 
 
@@ -56,6 +60,17 @@ class PackResult:
 
 
 @dataclass
+class LayerPass:
+    """One decoder layer's forward or backward pass of one pack, as the event engine ran it (times
+    from the pass's start); every layer of the pack repeats it."""
+
+    pack: int
+    phase: str  # "forward" | "backward"
+    time_s: float
+    spans: list[Span]
+
+
+@dataclass
 class CPSimResult:
     engine: str
     recipe: str
@@ -71,16 +86,19 @@ class CPSimResult:
     mfu: float
     packs: list[PackResult] = field(default_factory=list)
     ranks: list[RankStats] = field(default_factory=list)
+    passes: list[LayerPass] = field(default_factory=list)  # simulate_cp(record=True) only; not in JSON
 
     def to_json(self) -> dict:
-        out = asdict(self)
+        out = asdict(dataclasses.replace(self, passes=[]))
+        del out["passes"]
         out["num_packs"] = len(self.packs)
         out["tokens"] = self.pack_length * len(self.packs)
         return out
 
 
-def cp_setup(recipe: Recipe) -> tuple[CPTopology, CPCosts]:
-    """Topology and unit costs of a recipe's CP domain; rejects what the CP model does not cover."""
+def cp_setup(recipe: Recipe, calibration: Calibration | None = None) -> tuple[CPTopology, CPCosts]:
+    """Topology and unit costs of a recipe's CP domain (kernel rates from ``calibration`` where
+    given); rejects what the CP model does not cover."""
     p = recipe.parallel
     if p.pp != 1:
         raise fail("parallel.pp", p.pp, "1 for context-parallel simulation (one pipeline stage holds all layers)")
@@ -90,14 +108,15 @@ def cp_setup(recipe: Recipe) -> tuple[CPTopology, CPCosts]:
     if recipe.train.micro_batch_size != 1:
         raise fail("train.micro_batch_size", recipe.train.micro_batch_size, "1 (a microbatch is one pack)")
     topo = CPTopology.from_hardware(recipe.hardware_profile, p.cp, p.tp)
-    return topo, CPCosts.from_recipe(recipe)
+    return topo, CPCosts.from_recipe(recipe, CostModel(recipe, calibration=calibration))
 
 
 def simulate_cp(recipe: Recipe, engine: str, packs: tuple[tuple[int, ...], ...], *,
                 remap: bool | None = None, routing: bool = True, hierarchical: bool = True,
-                topo: CPTopology | None = None, costs: CPCosts | None = None) -> CPSimResult:
+                topo: CPTopology | None = None, costs: CPCosts | None = None, record: bool = False) -> CPSimResult:
     """``remap`` defaults to the recipe's ``cp.remap`` (only Zeppelin remaps); ``routing`` and
-    ``hierarchical`` switch Zeppelin's routing layer and its a2a+ring inter-node splits off."""
+    ``hierarchical`` switch Zeppelin's routing layer and its a2a+ring inter-node splits off;
+    ``record`` keeps every pack's layer passes (``CPSimResult.passes``) for a trace."""
     if topo is None or costs is None:
         topo, costs = cp_setup(recipe)
     L = recipe.model.seq_length
@@ -109,14 +128,17 @@ def simulate_cp(recipe: Recipe, engine: str, packs: tuple[tuple[int, ...], ...],
     layers = recipe.model.num_layers
     ranks = [RankStats(r) for r in range(topo.num_ranks)]
     results = []
+    passes: list[LayerPass] = []
     total = 0.0
     model_flops = 0.0
     for k, pack in enumerate(packs):
         plan = plan_pack(engine, pack, topo, costs, remap=do_remap, routing=do_route, hierarchical=hierarchical)
         rmp = plan_remap_for(plan, topo) if do_remap else None
         rtg = plan_routing(plan, topo, costs.kv_bytes) if do_route else None
-        fwd = simulate_pass(plan, topo, costs, backward=False, remap=rmp, routing=rtg)
-        bwd = simulate_pass(plan, topo, costs, backward=True, remap=rmp, routing=rtg)
+        fwd = simulate_pass(plan, topo, costs, backward=False, remap=rmp, routing=rtg, record=record)
+        bwd = simulate_pass(plan, topo, costs, backward=True, remap=rmp, routing=rtg, record=record)
+        if record:
+            passes += [LayerPass(k, "forward", fwd.time_s, fwd.spans), LayerPass(k, "backward", bwd.time_s, bwd.spans)]
         time_s = layers * (fwd.time_s + bwd.time_s)
         total += time_s
         model_flops += 3 * layers * (L * costs.flops_per_token + sum(causal(s) for s in pack) * costs.flops_per_pair)
@@ -142,4 +164,4 @@ def simulate_cp(recipe: Recipe, engine: str, packs: tuple[tuple[int, ...], ...],
     mfu = model_flops / (total * gpus * peak) if total > 0 else 0.0
     tokens = L * len(packs)
     return CPSimResult(engine, recipe.name, recipe.hardware, topo.num_ranks, topo.ranks_per_node, layers, L,
-                       do_remap, do_route, total, tokens / total if total > 0 else 0.0, mfu, results, ranks)
+                       do_remap, do_route, total, tokens / total if total > 0 else 0.0, mfu, results, ranks, passes)

@@ -65,7 +65,7 @@ class PipelineInterpreter:
                  loss: SlicedLoss, meter: Optional[ActivationMeter] = None,
                  grad_sync: Optional[GradSync] = None, param_sync: Optional[ParamSync] = None,
                  forward_only: bool = False) -> None:
-        if not schedule.is_lowered and schedule.pp > 1:
+        if not schedule.is_lowered:
             raise ValueError("the interpreter runs lowered schedules (plan.schedule.add_communication)")
         if schedule.has_split_backward:
             raise ValueError("split input/weight backward (I/W) schedules are simulated, not executed: "

@@ -60,3 +60,60 @@ def test_recipe_engine_is_the_default_and_a_file_works(tmp_path, capsys):
 def test_user_errors_exit_2_naming_the_input(argv, needle, capsys):
     assert main(["simulate", "--recipe", "zeppelin-7b-h800", *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_a_missing_calibration_fails_before_any_work(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "ring", "--lengths", SPEC,
+                 "--calibration", str(missing), *SMALL]) == 2
+    captured = capsys.readouterr()
+    assert f"--calibration {missing}: file does not exist" in captured.err and "engine" not in captured.out
+
+
+def test_a_calibration_file_prices_the_cp_kernels(tmp_path, capsys):
+    """Measured rates replace the profile's efficiencies on the CP path as on the pipeline path."""
+    slow = tmp_path / "slow.yaml"
+    slow.write_text("hardware: h800\nmeasurements:\n"
+                    "  - {op: attention_forward, work: 1.0e12, seconds: 1.0}\n"
+                    "  - {op: attention_backward, work: 1.0e12, seconds: 1.0}\n")
+    argv = ["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "ring", "--lengths", SPEC, *SMALL,
+            "--json", "-"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--calibration", str(slow)]) == 0
+    calibrated = json.loads(capsys.readouterr().out)
+    assert calibrated["iteration_time_s"] > 10 * plain["iteration_time_s"]
+    assert calibrated["calibration"] == str(slow) and plain["calibration"] is None
+
+
+def test_trace_and_plot_show_each_engine_per_rank(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "ring,zeppelin", "--lengths", SPEC,
+                 "--set", "train.global_batch_size=2", "--trace", "out/cp.trace.json", "--plot", "out/cp.png",
+                 "--json", "out/cp.json"]) == 0
+    printed = capsys.readouterr().out
+    assert "wrote trace out/cp.trace.json" in printed and "wrote plot out/cp.png" in printed
+    assert (tmp_path / "out/cp.png").read_bytes()[:4] == b"\x89PNG"
+    trace = json.loads((tmp_path / "out/cp.trace.json").read_text())
+    events = trace["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {f"{engine} rank {r}" for engine in ("ring", "zeppelin") for r in range(32)} <= names
+    spans = [e for e in events if e["ph"] == "X"]
+    by_engine = {e["pid"] // 1000 for e in spans}
+    assert by_engine == {0, 1}
+    categories = {e["cat"] for e in spans}
+    assert {"attention", "linear", "comm"} <= categories
+    assert any(e["name"].startswith("pack 1 backward") for e in spans)
+    # each compute stream runs one task at a time
+    per_thread: dict = {}
+    for e in spans:
+        per_thread.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for intervals in per_thread.values():
+        intervals.sort()
+        assert all(b[0] >= a[1] - 2e-3 for a, b in zip(intervals, intervals[1:]))  # times rounded to 1 ns
+    # one layer per pack, forward then backward, back to back
+    data = json.loads((tmp_path / "out/cp.json").read_text())
+    ring = data["results"][0]
+    one_layer = sum(p["forward_layer_s"] + p["backward_layer_s"] for p in ring["packs"])
+    ring_end = max(e["ts"] + e["dur"] for e in spans if e["pid"] < 1000)
+    assert ring_end == pytest.approx(one_layer * 1e6, rel=1e-6)

@@ -1,0 +1,41 @@
+"""``megatron-slim megatron-args``: the flags of a recipe, as one shell line or one flag per line."""
+import shlex
+
+import pytest
+
+from megatron_slim.cli import main
+from megatron_slim.megatron.flags import recipe_to_megatron_args
+from megatron_slim.plan.recipe import load_recipe
+
+
+@pytest.mark.parametrize("recipe", ["llama2-7b-64k", "zeppelin-7b-h800", "tiny-cpu"])
+def test_lines_format_prints_one_flag_per_line_with_its_values(recipe, capsys):
+    assert main(["megatron-args", "--recipe", recipe, "--format", "lines"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected = recipe_to_megatron_args(load_recipe(recipe))
+    assert [w for line in lines for w in shlex.split(line)] == expected
+    for line in lines:
+        words = shlex.split(line)
+        assert words[0].startswith("--") and not any(w.startswith("--") for w in words[1:])
+    assert "--num-layers" in [shlex.split(line)[0] for line in lines]
+    assert lines.count("--swiglu") == 1
+
+
+def test_lines_format_shell_quotes_values(capsys):
+    from megatron_slim.commands.megatron_args import flag_lines
+    assert flag_lines(["--num-layers", "32", "--name", "a b", "--swiglu"]) == [
+        "--num-layers 32", "--name 'a b'", "--swiglu"]
+
+
+def test_shell_format_round_trips(capsys):
+    assert main(["megatron-args", "--recipe", "llama2-7b-64k"]) == 0
+    assert shlex.split(capsys.readouterr().out) == recipe_to_megatron_args(load_recipe("llama2-7b-64k"))
+
+
+def test_an_override_that_changes_the_gpu_count_is_noted_on_stderr(capsys):
+    assert main(["megatron-args", "--recipe", "llama2-7b-64k", "--set", "parallel.pp=8", "--nodes"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "16"  # stdout stays machine-readable
+    assert "note: --set parallel.pp=8 changes the job from 64 to 128 GPUs (tp4 pp8 cp1 dp4)" in captured.err
+    assert main(["megatron-args", "--recipe", "llama2-7b-64k", "--set", "parallel.pp=2", "parallel.dp=8"]) == 0
+    assert "note:" not in capsys.readouterr().err
