@@ -6,11 +6,14 @@ STAMP := $(VENV)/.installed-stamp
 OUT ?= out
 
 PYTHON312 ?= /root/.pyenv/versions/3.12.1/bin/python3
-VENV312 ?= .venv-py312
+# The Python 3.12 environment lives outside the checkout so that repeat runs (CI clones the
+# repository afresh every time) reuse it; it is rebuilt whenever pyproject.toml changes. It holds
+# megatron-slim's dependencies only: the tests import megatron_slim from this checkout.
+VENV312 ?= $(HOME)/.cache/megatron-slim/venv-py312-$(shell sha1sum pyproject.toml | cut -c1-12)
 STAMP312 := $(VENV312)/.installed-stamp
 # megatron-core releases whose Megatron-LM tag (../shared/megatron-lm) is checked for argument
 # parsing only; each is installed beside the venv's 0.19 and put first on PYTHONPATH by the tests.
-EXTRA_MCORE := core_v0.17.1=$(CURDIR)/$(VENV312)/mcore-0.17.1,core_v0.18.2=$(CURDIR)/$(VENV312)/mcore-0.18.2
+EXTRA_MCORE := core_v0.17.1=$(VENV312)/mcore-0.17.1,core_v0.18.2=$(VENV312)/mcore-0.18.2
 
 .PHONY: install demo train-demo simulate-demo test test-slow test-all test-megatron-py312 check-wheel clean
 
@@ -48,16 +51,18 @@ test-all: $(STAMP)
 # The contract tier against Megatron-LM core_v0.19.0 (and 0.17/0.18 argument parsing): megatron-core
 # 0.17+ needs Python 3.12, whose PyPI torch is a CUDA build (about 5 GB, pinned; it runs on CPU).
 $(STAMP312): pyproject.toml
+	rm -rf $(VENV312)
 	$(PYTHON312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV312)/bin/python -m pip install --quiet torch==2.14.1 megatron-core==0.19.2
-	$(VENV312)/bin/python -m pip install --quiet -e ".[test,megatron-lm]"
+	$(VENV312)/bin/python -m pip install --quiet ".[test,megatron-lm]"
+	$(VENV312)/bin/python -m pip uninstall --quiet --yes megatron-slim
 	$(VENV312)/bin/python -m pip install --quiet --no-deps --target $(VENV312)/mcore-0.17.1 megatron-core==0.17.1
 	$(VENV312)/bin/python -m pip install --quiet --no-deps --target $(VENV312)/mcore-0.18.2 megatron-core==0.18.2
 	touch $(STAMP312)
 
 test-megatron-py312: $(STAMP312)
-	MEGATRON_SLIM_EXTRA_MCORE=$(EXTRA_MCORE) $(VENV312)/bin/python -m pytest -q -m real_megatron
+	PYTHONPATH=$(CURDIR) MEGATRON_SLIM_EXTRA_MCORE=$(EXTRA_MCORE) $(VENV312)/bin/python -m pytest -q -m real_megatron
 
 # A normal install works: build a wheel, install it (not editable) into a fresh venv and run
 # recipes, simulate and a 2-iteration train from outside the checkout (scripts/ci/check_wheel.sh).

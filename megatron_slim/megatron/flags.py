@@ -66,6 +66,10 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
         out += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // (p.pp * p.vpp)]
     if p.sequence_parallel:
         out += ["--sequence-parallel"]
+    if t.warmup_iters and t.warmup_iters >= t.iters:
+        # Megatron's OptimizerParamScheduler asserts warmup < decay steps (train iterations) at start-up
+        raise ConfigError(f"train.warmup_iters: got {t.warmup_iters} with train.iters={t.iters}; Megatron-LM needs "
+                          f"fewer warmup than training iterations; allowed: an integer in [0, {t.iters})")
     out += ["--micro-batch-size", t.micro_batch_size, "--global-batch-size", t.global_batch_size,
             "--train-iters", t.iters, "--lr", _number(t.lr), "--min-lr", _number(t.min_lr),
             "--lr-decay-style", "cosine", "--lr-warmup-iters", t.warmup_iters,

@@ -109,9 +109,7 @@ class TrainConfig:
         for name in ("warmup_iters", "save_interval", "eval_interval", "eval_iters"):
             if getattr(self, name) < 0:
                 raise fail(f"train.{name}", getattr(self, name), "an integer >= 0")
-        if self.warmup_iters and self.warmup_iters >= self.iters:
-            # megatron-core's OptimizerParamScheduler asserts warmup < decay steps (= train iters)
-            raise fail("train.warmup_iters", self.warmup_iters, f"an integer in [0, train.iters={self.iters})")
+
         if self.clip_grad < 0:
             raise fail("train.clip_grad", self.clip_grad, "a number >= 0 (0 disables clipping)")
 

@@ -39,3 +39,14 @@ def test_an_override_that_changes_the_gpu_count_is_noted_on_stderr(capsys):
     assert "note: --set parallel.pp=8 changes the job from 64 to 128 GPUs (tp4 pp8 cp1 dp4)" in captured.err
     assert main(["megatron-args", "--recipe", "llama2-7b-64k", "--set", "parallel.pp=2", "parallel.dp=8"]) == 0
     assert "note:" not in capsys.readouterr().err
+
+
+def test_flags_megatron_would_reject_inside_its_loop_are_refused_or_always_emitted(capsys):
+    """Megatron asserts warmup < train iterations at start-up, needs --save-interval with --save and
+    --eval-interval always, and builds an s x s mask per sample unless told not to."""
+    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", "train.iters=2"]) == 2
+    assert "train.warmup_iters: got 4 with train.iters=2" in capsys.readouterr().err
+    flags = recipe_to_megatron_args(load_recipe("llama2-7b-64k"))
+    for flag in ("--save-interval", "--eval-interval", "--eval-iters", "--no-create-attention-mask-in-dataloader"):
+        assert flag in flags
+    assert flags[flags.index("--save-interval") + 1] == flags[flags.index("--train-iters") + 1]

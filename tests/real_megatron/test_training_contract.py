@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.real_megatron.harness import TINY, megatron_args, relative_difference, run_pretrain, write_corpus
+from tests.real_megatron.harness import (TINY, installed_tag, megatron_args, relative_difference, run_pretrain,
+                                         write_corpus)
 
 pytestmark = pytest.mark.real_megatron
 TOLERANCE = 1e-5
@@ -77,7 +78,7 @@ def _flags(case: Case) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_megatron_slim_matches_megatrons_own_schedule(case, corpus, tmp_path):
+def test_megatron_slim_matches_megatrons_own_schedule(case, corpus, tmp_path, report_measurement):
     ours_flags, reference_flags = _flags(case)
     ours = run_pretrain(case.nproc, ours_flags, tmp_path / "ours", launcher=True, data_prefix=corpus)
     reference = run_pretrain(case.reference_nproc or case.nproc, reference_flags, tmp_path / "reference",
@@ -92,11 +93,12 @@ def test_megatron_slim_matches_megatrons_own_schedule(case, corpus, tmp_path):
     assert reference.losses[-1] < reference.losses[0]  # it trained
     loss_diff = relative_difference(ours.losses, reference.losses)
     norm_diff = relative_difference(ours.grad_norms, reference.grad_norms)
-    print(f"[{case.name}] max relative difference: lm loss {loss_diff:.2e}, grad norm {norm_diff:.2e}")
+    measured = f"{installed_tag().name} {case.name}: lm loss {loss_diff:.1e}, grad norm {norm_diff:.1e}"
     assert loss_diff <= TOLERANCE, (ours.losses, reference.losses)
     assert norm_diff <= TOLERANCE, (ours.grad_norms, reference.grad_norms)
     if case.evaluate:
         assert len(reference.eval_losses) >= 2
         eval_diff = relative_difference(ours.eval_losses, reference.eval_losses)
-        print(f"[{case.name}] evaluation lm loss max relative difference {eval_diff:.2e}")
+        measured += f", evaluation lm loss {eval_diff:.1e} ({len(ours.eval_losses)} evaluations)"
         assert eval_diff <= TOLERANCE, (ours.eval_losses, reference.eval_losses)
+    report_measurement(measured)
