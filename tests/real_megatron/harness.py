@@ -6,7 +6,9 @@ megatron-core (0.16.1 on Python 3.11, 0.19.x on Python 3.12; see ``make test-meg
 Each run is ``torchrun --standalone ... [-m megatron_slim.launch] <tag>/pretrain_gpt.py <flags>``
 with ``shim/`` on ``PYTHONPATH``: its ``sitecustomize`` answers Megatron's CUDA plumbing on the CPU
 and records the exact per-iteration ``lm loss``, ``grad norm`` and evaluation losses each rank
-computed. megatron-slim's code is not shimmed.
+computed (and, with ``MEGATRON_SLIM_BENCH_ACTIVATIONS=1`` in ``env``, the peak bytes autograd
+holds saved for backward per iteration: ``shim/activation_recorder.py``; ``benchmarks/real_loop.py``
+uses it). megatron-slim's code is not shimmed.
 
 Model flags come from ``megatron-slim megatron-args`` of a tiny recipe (so the real parser checks
 what users run); the harness adds only what a CPU run needs (gloo, local transformer, no fused
