@@ -6,7 +6,9 @@ megatron-core (0.16.1 on Python 3.11, 0.19.x on Python 3.12; see ``make test-meg
 Each run is ``torchrun --standalone ... [-m megatron_slim.launch] <tag>/pretrain_gpt.py <flags>``
 with ``shim/`` on ``PYTHONPATH``: its ``sitecustomize`` answers Megatron's CUDA plumbing on the CPU
 and records the exact per-iteration ``lm loss``, ``grad norm`` and evaluation losses each rank
-computed. megatron-slim's code is not shimmed.
+computed (and, with ``MEGATRON_SLIM_BENCH_ACTIVATIONS=1`` in ``env``, the peak bytes autograd
+holds saved for backward per iteration: ``shim/activation_recorder.py``; ``benchmarks/real_loop.py``
+uses it). megatron-slim's code is not shimmed.
 
 Model flags come from ``megatron-slim megatron-args`` of a tiny recipe (so the real parser checks
 what users run); the harness adds only what a CPU run needs (gloo, local transformer, no fused
@@ -74,9 +76,9 @@ def megatron_args(overrides: list[str], recipe: str = "tiny-cpu") -> list[str]:
     return shlex.split(out.stdout)
 
 
-def write_corpus(prefix: Path, *, documents: int = 400, seed: int = 0) -> Path:
-    """Short documents (4..48 tokens, each ending in NullTokenizer's eod = VOCAB) whose tokens
-    follow a noisy bigram rule, so the loss has something to learn."""
+def write_corpus(prefix: Path, *, documents: int = 400, seed: int = 0, vocab: int = VOCAB) -> Path:
+    """Short documents (4..48 tokens, each ending in NullTokenizer's eod = ``vocab``, the model's
+    ``--vocab-size``) whose tokens follow a noisy bigram rule, so the loss has something to learn."""
     import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
@@ -84,11 +86,11 @@ def write_corpus(prefix: Path, *, documents: int = 400, seed: int = 0) -> Path:
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.int32)
     for _ in range(documents):
         length = int(rng.integers(4, 49))
-        tokens = [int(rng.integers(0, VOCAB))]
+        tokens = [int(rng.integers(0, vocab))]
         for _ in range(length - 2):
-            step = 1 if rng.random() < 0.7 else int(rng.integers(0, VOCAB))
-            tokens.append((tokens[-1] + step) % VOCAB)
-        tokens.append(VOCAB)  # eod
+            step = 1 if rng.random() < 0.7 else int(rng.integers(0, vocab))
+            tokens.append((tokens[-1] + step) % vocab)
+        tokens.append(vocab)  # eod
         builder.add_document(numpy.array(tokens, dtype=numpy.int32), [len(tokens)])
     builder.finalize(f"{prefix}.idx")
     return prefix
@@ -103,12 +105,18 @@ class Run:
     eval_losses: list[float]
     skipped: int
     log: str = field(repr=False, default="")
+    # per rank, per iteration: the rank's perf_counter() when Megatron logged it
+    times: dict[int, list[float]] = field(repr=False, default_factory=dict)
+    # per rank, per iteration: the activation recorder's record (MEGATRON_SLIM_BENCH_ACTIVATIONS=1)
+    activations: dict[int, list[dict]] = field(repr=False, default_factory=dict)
 
 
 def _read_records(record_dir: Path, world_size: int) -> Run:
     losses: dict[int, float] = {}
     norms: dict[int, float] = {}
     evals: dict[int, float] = {}
+    times: dict[int, dict[int, float]] = {}
+    activations: dict[int, dict[int, dict]] = {}
     skipped = 0
     for rank in range(world_size):
         path = record_dir / f"rank{rank}.jsonl"
@@ -121,10 +129,16 @@ def _read_records(record_dir: Path, world_size: int) -> Run:
                 if "lm loss" in record["loss"]:
                     losses[record["iteration"]] = record["loss"]["lm loss"]
                 skipped = max(skipped, record["skipped"])
-            elif "lm loss" in record["loss"]:
+                if "time" in record:
+                    times.setdefault(rank, {})[record["iteration"]] = record["time"]
+            elif record["kind"] == "activations":
+                activations.setdefault(rank, {})[record["iteration"]] = record
+            elif record["kind"] == "eval" and "lm loss" in record["loss"]:
                 evals[record["call"]] = record["loss"]["lm loss"]
     return Run([losses[i] for i in sorted(losses)], [norms[i] for i in sorted(norms)],
-               [evals[i] for i in sorted(evals)], skipped)
+               [evals[i] for i in sorted(evals)], skipped,
+               times={r: [t[i] for i in sorted(t)] for r, t in times.items()},
+               activations={r: [a[i] for i in sorted(a)] for r, a in activations.items()})
 
 
 def run_pretrain(nproc: int, flags: list[str], workdir: Path, *, launcher: bool, data_prefix: Path,

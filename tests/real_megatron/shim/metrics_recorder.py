@@ -3,7 +3,9 @@
 Megatron prints ``lm loss`` with 7 significant digits and ``grad norm`` with 3 decimals; comparing
 schedules to 1e-5 needs the values themselves. ``install`` wraps ``training_log`` (called once per
 iteration on every rank with that iteration's reduced losses and grad norm) and ``evaluate``
-(returns the averaged evaluation losses) in ``megatron.training.training``.
+(returns the averaged evaluation losses) in ``megatron.training.training``. Each train record also
+carries ``time``, the rank's ``time.perf_counter()`` when Megatron logged the iteration, so the
+difference between consecutive records is that iteration's wall time on the rank.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import functools
 import inspect
 import json
 import os
+import time
 
 
 def _number(value):
@@ -34,11 +37,12 @@ def install(training) -> None:
 
     @functools.wraps(training_log)
     def recording_training_log(*args, **kwargs):
+        now = time.perf_counter()
         bound = signature.bind(*args, **kwargs)
         a = bound.arguments
         _write({"kind": "train", "iteration": int(a["iteration"]),
                 "loss": {k: _number(v) for k, v in (a["loss_dict"] or {}).items()},
-                "grad_norm": _number(a.get("grad_norm")), "skipped": int(a.get("skipped_iter") or 0)})
+                "grad_norm": _number(a.get("grad_norm")), "skipped": int(a.get("skipped_iter") or 0), "time": now})
         return training_log(*args, **kwargs)
 
     evaluate = training.evaluate

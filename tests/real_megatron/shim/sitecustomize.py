@@ -1,7 +1,9 @@
 """Test harness only (put this folder on PYTHONPATH): with ``MEGATRON_SLIM_TEST_CPU_SHIM=1`` Megatron's
 CUDA plumbing runs on the CPU (``megatron_cpu_shim``); with ``MEGATRON_SLIM_TEST_RECORD=DIR`` every
 rank writes the exact per-iteration lm loss, grad norm and evaluation losses Megatron computed to
-``DIR/rank<R>.jsonl`` (``metrics_recorder``), instead of the rounded figures it prints."""
+``DIR/rank<R>.jsonl`` (``metrics_recorder``), instead of the rounded figures it prints; with
+``MEGATRON_SLIM_BENCH_ACTIVATIONS=1`` as well, each rank also records the peak bytes autograd held
+saved for backward per iteration, the same way under any schedule (``activation_recorder``)."""
 import os
 import sys
 
@@ -21,3 +23,7 @@ if os.environ.get("MEGATRON_SLIM_TEST_CPU_SHIM") == "1" or os.environ.get("MEGAT
         import metrics_recorder
 
         post_import.when_imported("megatron.training.training", metrics_recorder.install)
+        if os.environ.get("MEGATRON_SLIM_BENCH_ACTIVATIONS") == "1":
+            import activation_recorder
+
+            post_import.when_imported("megatron.training.training", activation_recorder.install)
