@@ -76,21 +76,30 @@ def megatron_args(overrides: list[str], recipe: str = "tiny-cpu") -> list[str]:
     return shlex.split(out.stdout)
 
 
+def null_tokenizer_eod(vocab: int) -> int:
+    """The end-of-document id of ``--tokenizer-type NullTokenizer --vocab-size vocab``: Megatron-LM
+    up to core_v0.16 (its legacy tokenizer) appends it after the vocabulary (``vocab``); from 0.17
+    ``megatron.core.tokenizers``' NullTokenizer takes the vocabulary's last id (``vocab - 1``)."""
+    return vocab if installed_megatron_core() < (0, 17) else vocab - 1
+
+
 def write_corpus(prefix: Path, *, documents: int = 400, seed: int = 0, vocab: int = VOCAB) -> Path:
-    """Short documents (4..48 tokens, each ending in NullTokenizer's eod = ``vocab``, the model's
-    ``--vocab-size``) whose tokens follow a noisy bigram rule, so the loss has something to learn."""
+    """Short documents (4..48 tokens, each ending in NullTokenizer's eod for ``vocab``, the model's
+    ``--vocab-size``) whose other tokens (below ``vocab - 1``) follow a noisy bigram rule, so the loss
+    has something to learn."""
     import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     rng = numpy.random.default_rng(seed)
+    ids, eod = vocab - 1, null_tokenizer_eod(vocab)
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.int32)
     for _ in range(documents):
         length = int(rng.integers(4, 49))
-        tokens = [int(rng.integers(0, vocab))]
+        tokens = [int(rng.integers(0, ids))]
         for _ in range(length - 2):
-            step = 1 if rng.random() < 0.7 else int(rng.integers(0, vocab))
-            tokens.append((tokens[-1] + step) % vocab)
-        tokens.append(vocab)  # eod
+            step = 1 if rng.random() < 0.7 else int(rng.integers(0, ids))
+            tokens.append((tokens[-1] + step) % ids)
+        tokens.append(eod)
         builder.add_document(numpy.array(tokens, dtype=numpy.int32), [len(tokens)])
     builder.finalize(f"{prefix}.idx")
     return prefix

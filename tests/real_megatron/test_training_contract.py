@@ -88,7 +88,7 @@ def test_megatron_slim_matches_megatrons_own_schedule(case, corpus, tmp_path, re
         assert "megatron-slim: SlimPipe schedule" in ours.log
     else:
         assert "megatron-slim: --cp-engine zeppelin --cp-remap" in ours.log
-    assert "megatron-slim" not in reference.log
+    assert "megatron-slim: " not in reference.log
     assert len(reference.losses) == 3 and ours.skipped == reference.skipped == 0
     assert reference.losses[-1] < reference.losses[0]  # it trained
     loss_diff = relative_difference(ours.losses, reference.losses)
