@@ -88,6 +88,13 @@ def check_trainable(recipe: Recipe) -> None:
                           "for none; allowed: none")
     if recipe.train.precision != "fp32":
         raise ConfigError("train.precision: CPU ranks train in fp32; allowed: fp32")
+    if p.pp > 1 and not recipe.model.untie_embeddings_and_output_weights:
+        # The first stage's word embedding and the last stage's output copy must get the sum of both
+        # gradients (Megatron all-reduces them over its embedding group); this loop does not yet.
+        raise ConfigError("model.untie_embeddings_and_output_weights: tied embeddings with parallel.pp > 1 are not "
+                          "trained correctly by megatron-slim train yet (the two copies' gradients are not summed); "
+                          "allowed: true, or parallel.pp=1 (Megatron-LM's own loop through the launcher handles "
+                          "both)")
     if recipe.train.eval_iters:
         raise ConfigError(f"train.eval_iters: got {recipe.train.eval_iters}; megatron-slim train does not evaluate "
                           "(Megatron-LM's loop does, see megatron-args); allowed here: 0")
