@@ -57,6 +57,21 @@ def _megatron_args() -> Optional[Any]:
         return None
 
 
+def _wrap_where_defined(modules: tuple[str, ...], name: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Replace function ``name`` in each of ``modules`` that defines it (its home moved between
+    releases) with ``wrap(original)``, and every name already bound to it; later imports bind the
+    replacement."""
+    for module_name in modules:
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        original = getattr(importlib.import_module(module_name), name, None)
+        if original is None or getattr(original, _MARK, False):
+            continue
+        replacement = wrap(original)
+        setattr(replacement, _MARK, True)
+        _replace_everywhere(original, replacement)
+
+
 def _replace_everywhere(original: Callable, replacement: Callable) -> None:
     """Rebind every module-level name that refers to ``original`` (imports by name included)."""
     for module in list(sys.modules.values()):
@@ -212,16 +227,8 @@ def _with_slice_length(original: Callable, slim_state: SlimPipeHookState) -> Cal
 
 
 def _patch_tp_batch(slim_state: SlimPipeHookState) -> None:
-    for name in TP_BATCH_MODULES:
-        if importlib.util.find_spec(name) is None:
-            continue
-        module = importlib.import_module(name)
-        original = getattr(module, "get_batch_on_this_tp_rank", None)
-        if original is None or getattr(original, _MARK, False):
-            continue
-        replacement = _with_slice_length(original, slim_state)
-        setattr(replacement, _MARK, True)
-        _replace_everywhere(original, replacement)
+    _wrap_where_defined(TP_BATCH_MODULES, "get_batch_on_this_tp_rank",
+                        lambda original: _with_slice_length(original, slim_state))
 
 
 # ---- layer specs -----------------------------------------------------------------------------
@@ -270,16 +277,7 @@ def _patch_cp_batch(cp_state: CPHookState) -> None:
     """Replace ``get_batch_on_this_cp_rank`` where it is defined (megatron-core 0.16:
     ``megatron.core.utils``; Megatron-LM main: ``megatron.training.utils``) and every name bound to
     it; scripts imported later bind the replacement."""
-    for name in CP_BATCH_MODULES:
-        if importlib.util.find_spec(name) is None:
-            continue
-        module = importlib.import_module(name)
-        original = getattr(module, "get_batch_on_this_cp_rank", None)
-        if original is None or getattr(original, _MARK, False):
-            continue
-        replacement = cp_state.wrap_batch_split(original)
-        setattr(replacement, _MARK, True)
-        _replace_everywhere(original, replacement)
+    _wrap_where_defined(CP_BATCH_MODULES, "get_batch_on_this_cp_rank", cp_state.wrap_batch_split)
 
 
 # ---- entry points ----------------------------------------------------------------------------
