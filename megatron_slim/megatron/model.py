@@ -192,6 +192,9 @@ def build_chunk(model: ModelConfig, groups: ParallelGroups, *, layers: range, pr
                                       tied_embeddings=tied, tp_rank=groups.tp_rank,
                                       tp_size=groups.tp_size)
     init_chunk_weights(chunk, seed=seed, std=config.init_method_std)
+    if tied and post_process and not pre_process:
+        # the last stage's copy of the first stage's embedding: megatron's mark for "count once"
+        chunk.output_layer.weight.shared = True
     return chunk
 
 

@@ -21,7 +21,7 @@ from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.recipe import Recipe, recipe_from_dict
 from megatron_slim.plan.sim.costs import slice_lengths
 from megatron_slim.train import checkpoint
-from megatron_slim.train.step import average_data_parallel, clip_and_step
+from megatron_slim.train.step import average_data_parallel, clip_and_step, sum_tied_embedding_grads
 
 
 @dataclass(frozen=True)
@@ -88,13 +88,6 @@ def check_trainable(recipe: Recipe) -> None:
                           "for none; allowed: none")
     if recipe.train.precision != "fp32":
         raise ConfigError("train.precision: CPU ranks train in fp32; allowed: fp32")
-    if p.pp > 1 and not recipe.model.untie_embeddings_and_output_weights:
-        # The first stage's word embedding and the last stage's output copy must get the sum of both
-        # gradients (Megatron all-reduces them over its embedding group); this loop does not yet.
-        raise ConfigError("model.untie_embeddings_and_output_weights: tied embeddings with parallel.pp > 1 are not "
-                          "trained correctly by megatron-slim train yet (the two copies' gradients are not summed); "
-                          "allowed: true, or parallel.pp=1 (Megatron-LM's own loop through the launcher handles "
-                          "both)")
     if recipe.train.eval_iters:
         raise ConfigError(f"train.eval_iters: got {recipe.train.eval_iters}; megatron-slim train does not evaluate "
                           "(Megatron-LM's loop does, see megatron-args); allowed here: 0")
@@ -160,6 +153,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
         reports = fb(forward_step_func=step_func, data_iterator=iterators, model=chunks,
                      num_microbatches=recipe.num_microbatches, seq_length=recipe.model.seq_length,
                      micro_batch_size=t.micro_batch_size)
+        sum_tied_embedding_grads(chunks, groups.embd)
         average_data_parallel(params, grad_group, grad_size)
         cp_summary = reduce_summary(cp_step.summary(), groups.dp, p.dp) if cp_step else None
         if cp_summary is not None and reporter:

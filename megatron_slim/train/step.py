@@ -1,6 +1,7 @@
-"""What happens between the schedule and the optimizer: data-parallel averaging of gradients,
-global-norm clipping over every model-parallel rank, and skipping a step whose gradients are not
-finite, so a failed step leaves model and optimizer state as they were."""
+"""What happens between the schedule and the optimizer: summing the gradients of tied embedding
+copies, data-parallel averaging of gradients, global-norm clipping over every model-parallel rank,
+and skipping a step whose gradients are not finite, so a failed step leaves model and optimizer
+state as they were."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,34 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+
+def tied_embedding_copy(chunks) -> torch.nn.Parameter | None:
+    """This rank's copy of a tied word embedding that lives on two pipeline stages: the first
+    stage's input embedding, or the last stage's output weight (``None`` when the model is untied
+    or one chunk holds both ends)."""
+    for chunk in chunks:
+        info = chunk.slim_chunk_info
+        if not info.tied_embeddings or (info.pre_process and info.post_process):
+            continue
+        if info.pre_process:
+            return chunk.embedding.word_embeddings.weight
+        if info.post_process:
+            return chunk.output_layer.weight
+    return None
+
+
+def sum_tied_embedding_grads(chunks, embedding_group) -> None:
+    """Give both copies of a tied embedding the sum of their gradients (the whole model's gradient
+    of the one shared weight). megatron-core does this in ``finalize_model_grads``
+    (``_allreduce_word_embedding_grads``), but that helper reads ``ddp_config`` and ``main_grad``
+    from DDP-wrapped chunks; this loop trains the bare chunks, so it sums ``.grad`` itself."""
+    weight = tied_embedding_copy(chunks)
+    if weight is None or embedding_group is None or dist.get_world_size(embedding_group) == 1:
+        return
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=embedding_group)
 
 
 def average_data_parallel(params: Sequence[torch.nn.Parameter], dp_group, dp_size: int) -> None:
@@ -26,10 +55,12 @@ def average_data_parallel(params: Sequence[torch.nn.Parameter], dp_group, dp_siz
 
 
 def global_grad_norm(params: Sequence[torch.nn.Parameter], model_parallel_group, tp_rank: int) -> float:
-    """L2 norm over the whole model: each pipeline rank's share, TP-replicated parameters once."""
+    """L2 norm over the whole model: each pipeline rank's share, TP-replicated parameters once,
+    and a tied embedding once (its last-stage copy, marked ``shared`` as megatron marks it, is left
+    out, as megatron's ``param_is_not_shared`` leaves it out)."""
     total = torch.zeros((), dtype=torch.float64)
     for p in params:
-        if p.grad is None:
+        if p.grad is None or getattr(p, "shared", False):
             continue
         if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
             continue  # replicated across TP ranks: counted on TP rank 0 only

@@ -36,6 +36,7 @@ CASES = [
     Case("pp2+eval", 2, ("parallel.pp=2",), evaluate=True),
     # word embedding on the first stage, its output copy on the last: Megatron sums their gradients
     Case("pp2-tied-embeddings", 2, ("parallel.pp=2", "model.untie_embeddings_and_output_weights=false")),
+    Case("pp4-tied-embeddings", 4, ("parallel.pp=4", "model.untie_embeddings_and_output_weights=false")),
     Case("pp4xvpp2", 4, ("parallel.pp=4", "parallel.vpp=2"), slices=2),
     Case("pp2xdp2-overlap-grad-reduce", 4, ("parallel.pp=2", "parallel.dp=2", "train.global_batch_size=8"),
          extra=("--overlap-grad-reduce",)),

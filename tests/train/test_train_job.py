@@ -63,17 +63,3 @@ def test_an_unwritable_json_path_fails_before_training(tmp_path, capsys):
     assert main(["train", "--json", str(blocker / "train.json")]) == 2
     captured = capsys.readouterr()
     assert f"--json {blocker / 'train.json'}: cannot write" in captured.err and "data:" not in captured.out
-
-
-def test_tied_embeddings_under_pipeline_parallelism_are_refused_not_trained_wrong():
-    import pytest
-
-    from megatron_slim.plan.recipe import load_recipe
-    from megatron_slim.plan.schema import ConfigError
-    from megatron_slim.train.loop import check_trainable
-
-    with pytest.raises(ConfigError, match="model.untie_embeddings_and_output_weights: tied embeddings with"):
-        check_trainable(load_recipe("tiny-cpu", ["model.untie_embeddings_and_output_weights=false"]))
-    check_trainable(load_recipe("tiny-cpu", ["model.untie_embeddings_and_output_weights=false", "parallel.pp=1",
-                                             "schedule.kind=1f1b", "schedule.num_slices=1"]))
-    check_trainable(load_recipe("tiny-cpu"))
