@@ -19,6 +19,7 @@ def reference(tmp_path_factory, data_cache):
 PIPELINED = {
     "pp2-slimpipe": ["parallel.pp=2", "schedule.kind=slimpipe", "schedule.num_slices=4"],
     "pp4-slimpipe": ["parallel.pp=4", "schedule.kind=slimpipe", "schedule.num_slices=4"],
+    "tp2-pp2-slimpipe": ["parallel.tp=2", "parallel.pp=2", "schedule.kind=slimpipe", "schedule.num_slices=4"],
     "pp2-vpp2-interleaved": ["parallel.pp=2", "parallel.vpp=2", "schedule.kind=interleaved", "schedule.num_slices=1"],
 }
 
