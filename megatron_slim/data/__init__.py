@@ -1,9 +1,9 @@
-"""Training data for tiny real runs: a real text corpus, our own tokenizer, megatron's format.
+"""Training data for tiny real runs: a real text corpus, a Hugging Face tokenizer, megatron's format.
 
 Pipeline::
 
     corpus.py       list_corpus("stdlib" | dir): sorted UTF-8 text files + content fingerprint
-    tokenizer.py    train_bpe: byte-level BPE trained on ~2 MB spread over the corpus
+    tokenizer.py    train_tokenizer: tokenizers' byte-level BPE trained on ~2 MB spread over the corpus
     indexed.py      write_tokenized_corpus: one document per file, eod appended, written as
                     megatron-core's IndexedDataset (.bin/.idx)
     gpt_dataset.py  build_gpt_dataset: megatron-core GPTDataset samples (tokens, labels,
@@ -15,7 +15,8 @@ vocab size) and caches the result (dataset.py, cache.py)::
     $MEGATRON_SLIM_CACHE (default ~/.cache/megatron-slim)/
       corpora/
         <label>-<key16>/           label: "stdlib" or the corpus dir's name; key: settings hash
-          tokenizer.json           Tokenizer.save / Tokenizer.load
+          tokenizer.json           CorpusTokenizer.save / .load (Hugging Face tokenizers; with
+          tokenizer_config.json    tokenizer_config.json, loadable by Megatron's HuggingFaceTokenizer)
           tokens.bin, tokens.idx   the indexed dataset; PreparedCorpus.path_prefix = ".../tokens"
           meta.json                settings and stats (documents, tokens, bytes)
         .<entry>.lock              flock serializing concurrent builders of one entry
@@ -36,22 +37,21 @@ from megatron_slim.data.indexed import (
     write_token_documents,
     write_tokenized_corpus,
 )
-from megatron_slim.data.tokenizer import Tokenizer, pretokenize, train_bpe
+from megatron_slim.data.tokenizer import CorpusTokenizer, train_tokenizer
 
 __all__ = [
     "Corpus",
     "Document",
     "IndexedStats",
     "PreparedCorpus",
-    "Tokenizer",
+    "CorpusTokenizer",
     "build_gpt_dataset",
     "default_cache_dir",
     "list_corpus",
     "prepare_corpus",
-    "pretokenize",
     "read_token_documents",
     "stdlib_root",
-    "train_bpe",
+    "train_tokenizer",
     "write_token_documents",
     "write_tokenized_corpus",
 ]

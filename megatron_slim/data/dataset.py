@@ -15,14 +15,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import tokenizers
+
 from megatron_slim.data.cache import build_once, default_cache_dir
 from megatron_slim.data.corpus import STDLIB, Corpus, list_corpus
 from megatron_slim.data.indexed import write_tokenized_corpus
-from megatron_slim.data.tokenizer import Tokenizer, check_vocab_size, train_bpe
+from megatron_slim.data.tokenizer import CorpusTokenizer, check_vocab_size, train_tokenizer
 
 # Bump when the layout or content of a cache entry changes for the same inputs.
-PIPELINE_VERSION = 1
-TOKENIZER_FILE = "tokenizer.json"
+PIPELINE_VERSION = 2  # 2: Hugging Face tokenizers BPE
 META_FILE = "meta.json"
 DATA_PREFIX = "tokens"
 DEFAULT_VOCAB_SIZE = 4096
@@ -36,7 +37,7 @@ class PreparedCorpus:
     source: str
     directory: Path
     path_prefix: str
-    tokenizer: Tokenizer
+    tokenizer: CorpusTokenizer
     num_documents: int
     num_tokens: int
     num_bytes: int
@@ -65,7 +66,7 @@ def prepare_corpus(corpus: str | os.PathLike = STDLIB, cache_dir: str | os.PathL
     settings = {
         "pipeline_version": PIPELINE_VERSION,
         "corpus_fingerprint": docs.fingerprint,
-        "tokenizer_format": {k: v for k, v in Tokenizer([]).to_dict().items() if k != "merges"},
+        "tokenizer_format": {"library": "tokenizers", "version": tokenizers.__version__, "model": "byte-level BPE"},
         "vocab_size": vocab_size,
         "tokenizer_train_bytes": tokenizer_train_bytes,
     }
@@ -75,8 +76,8 @@ def prepare_corpus(corpus: str | os.PathLike = STDLIB, cache_dir: str | os.PathL
 
     def build(staging: Path) -> None:
         sample = _training_sample(docs, tokenizer_train_bytes)
-        tokenizer = train_bpe(sample, vocab_size, max_bytes=tokenizer_train_bytes)
-        tokenizer.save(staging / TOKENIZER_FILE)
+        tokenizer = train_tokenizer(sample, vocab_size)
+        tokenizer.save(staging)
         stats = write_tokenized_corpus(staging / DATA_PREFIX, docs.texts(), tokenizer)
         meta = {**settings, "source": docs.source, "root": str(docs.root),
                 "num_documents": stats.num_documents, "num_tokens": stats.num_tokens,
@@ -87,7 +88,7 @@ def prepare_corpus(corpus: str | os.PathLike = STDLIB, cache_dir: str | os.PathL
     meta = json.loads((entry / META_FILE).read_text(encoding="utf-8"))
     return PreparedCorpus(
         source=docs.source, directory=entry, path_prefix=str(entry / DATA_PREFIX),
-        tokenizer=Tokenizer.load(entry / TOKENIZER_FILE), num_documents=meta["num_documents"],
+        tokenizer=CorpusTokenizer.load(entry), num_documents=meta["num_documents"],
         num_tokens=meta["num_tokens"], num_bytes=meta["num_bytes"],
         corpus_fingerprint=docs.fingerprint, cache_hit=not built)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy
 from megatron.core.datasets.indexed_dataset import (
@@ -18,7 +18,7 @@ from megatron.core.datasets.indexed_dataset import (
     get_idx_path,
 )
 
-from megatron_slim.data.tokenizer import Tokenizer
+from megatron_slim.data.tokenizer import CorpusTokenizer
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,20 @@ def write_token_documents(prefix: str | Path, documents: Iterable[Sequence[int]]
 
 
 def write_tokenized_corpus(prefix: str | Path, texts: Iterable[str],
-                           tokenizer: Tokenizer) -> IndexedStats:
+                           tokenizer: CorpusTokenizer) -> IndexedStats:
     """Encode each text, append ``eod`` and write them all as an indexed dataset at ``prefix``."""
-    eod = tokenizer.eod
-    return write_token_documents(prefix, (tokenizer.encode(text) + [eod] for text in texts),
-                                 tokenizer.vocab_size)
+    return write_token_documents(prefix, _encoded_documents(texts, tokenizer), tokenizer.vocab_size)
+
+
+def _encoded_documents(texts: Iterable[str], tokenizer: CorpusTokenizer, batch: int = 256) -> Iterator[list[int]]:
+    pending: list[str] = []
+    for text in [*texts, None]:
+        if text is not None:
+            pending.append(text)
+        if pending and (text is None or len(pending) == batch):
+            for ids in tokenizer.encode_batch(pending):
+                yield ids + [tokenizer.eod]
+            pending = []
 
 
 def read_token_documents(prefix: str | Path) -> list[numpy.ndarray]:

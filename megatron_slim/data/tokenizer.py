@@ -1,261 +1,109 @@
-"""A deterministic byte-level BPE tokenizer, trained and used in pure Python.
+"""The corpus tokenizer: a Hugging Face ``tokenizers`` byte-level BPE, trained offline on the corpus.
 
-Ids ``0..255`` are the raw bytes, then the special tokens (``eod``, ``pad``), then one id per
-learned merge in the order it was learned. Text is first split by ``PRETOKENIZE_PATTERN`` into
-word-like pieces; merges never cross a piece boundary, so training counts each unique piece once
-(weighted by its frequency) and encoding caches the ids of every unique piece it has seen.
+It is saved the way Hugging Face tools and Megatron-LM read it: ``tokenizer.json`` (the
+``tokenizers`` model) plus ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast`` and the
+end-of-document token as ``eos_token``. Megatron-LM loads that directory with
+``--tokenizer-type HuggingFaceTokenizer --tokenizer-model <dir>`` (its ``_HuggingFaceTokenizer``
+takes ``eod`` from ``eos_token_id``), so a corpus prepared here can be trained on by
+``pretrain_gpt.py`` as is.
 
-Because the base alphabet is bytes, ``decode(encode(text)) == text`` for any ``str`` (lone
-surrogates included: text is encoded to UTF-8 with ``surrogatepass``).
+Byte-level: the base alphabet is the 256 bytes, so any text round-trips. Only ``tokenizers`` is
+needed at run time; ``transformers`` is needed only by Megatron's loader.
 """
 from __future__ import annotations
 
-import hashlib
-import heapq
 import json
-import re
-from collections import Counter
-from functools import cached_property
+import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
-FORMAT_NAME = "megatron-slim-byte-bpe"
-FORMAT_VERSION = 1
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-# Runs of letters and underscores (so "__init__" is one piece; digits split off), runs of
-# digits, runs of punctuation, and whitespace. A single optional leading space stays with the
-# next piece; a whitespace run keeps its last space for the following word (GPT-2's trick), so
-# indentation "    def" becomes "   " + " def". The classes cover every character, so splitting
-# is lossless.
-PRETOKENIZE_PATTERN = r" ?[^\W\d]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+"
-_PRETOKENIZE = re.compile(PRETOKENIZE_PATTERN)
-
-NUM_BYTES = 256
-SPECIAL_TOKENS = ("eod", "pad")
-FIRST_MERGE_ID = NUM_BYTES + len(SPECIAL_TOKENS)
-_TEXT_ERRORS = "surrogatepass"
-_MAX_CACHED_PIECES = 1 << 20
-
-
-def pretokenize(text: str) -> list[str]:
-    """Split ``text`` into the pieces BPE merges within; ``"".join(result) == text``."""
-    return _PRETOKENIZE.findall(text)
-
-
-class Tokenizer:
-    """A trained byte-level BPE tokenizer; build one with ``train_bpe`` or ``Tokenizer.load``."""
-
-    def __init__(self, merges: Sequence[tuple[int, int]]) -> None:
-        self.merges: tuple[tuple[int, int], ...] = tuple((int(a), int(b)) for a, b in merges)
-        self._ranks: dict[tuple[int, int], int] = {}
-        pieces: list[bytes] = [bytes([i]) for i in range(NUM_BYTES)] + [b""] * len(SPECIAL_TOKENS)
-        for rank, (a, b) in enumerate(self.merges):
-            new_id = FIRST_MERGE_ID + rank
-            in_range = 0 <= a < new_id and 0 <= b < new_id
-            if not in_range or self._is_special(a) or self._is_special(b):
-                raise ValueError(f"merge #{rank} {(a, b)} must combine two earlier non-special "
-                                 f"ids in [0, {new_id})")
-            if (a, b) in self._ranks:
-                raise ValueError(f"merge #{rank} {(a, b)} is a duplicate")
-            self._ranks[(a, b)] = rank
-            pieces.append(pieces[a] + pieces[b])
-        self._bytes = pieces
-        self._cache: dict[str, tuple[int, ...]] = {}
-
-    @staticmethod
-    def _is_special(token_id: int) -> bool:
-        return NUM_BYTES <= token_id < FIRST_MERGE_ID
-
-    @property
-    def vocab_size(self) -> int:
-        return FIRST_MERGE_ID + len(self.merges)
-
-    @property
-    def eod(self) -> int:
-        """End-of-document id, appended after every document in the indexed dataset."""
-        return NUM_BYTES + SPECIAL_TOKENS.index("eod")
-
-    @property
-    def pad(self) -> int:
-        """Padding id; never produced by ``encode``."""
-        return NUM_BYTES + SPECIAL_TOKENS.index("pad")
-
-    @cached_property
-    def fingerprint(self) -> str:
-        """A hash of everything that decides the encoding (pattern, specials, merges)."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
-
-    @property
-    def unique_identifiers(self) -> dict[str, str]:
-        """What megatron-core's dataset config hashes to identify the tokenizer."""
-        return {"class": f"{__name__}.{type(self).__qualname__}", "fingerprint": self.fingerprint}
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes a token stands for (empty for special tokens)."""
-        return self._bytes[token_id]
-
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = []
-        cache = self._cache
-        for piece in _PRETOKENIZE.findall(text):
-            piece_ids = cache.get(piece)
-            if piece_ids is None:
-                piece_ids = self._encode_piece(piece.encode("utf-8", _TEXT_ERRORS))
-                if len(cache) >= _MAX_CACHED_PIECES:
-                    cache.clear()
-                cache[piece] = piece_ids
-            ids += piece_ids
-        return ids
-
-    def _encode_piece(self, data: bytes) -> tuple[int, ...]:
-        word = list(data)
-        ranks = self._ranks
-        while len(word) > 1:
-            best_rank = None
-            for pair in zip(word, word[1:]):
-                rank = ranks.get(pair)
-                if rank is not None and (best_rank is None or rank < best_rank):
-                    best_rank = rank
-            if best_rank is None:
-                break
-            word = _merge_pair(word, self.merges[best_rank], FIRST_MERGE_ID + best_rank)
-        return tuple(word)
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of ``ids``; special tokens decode to nothing, invalid UTF-8 to U+FFFD."""
-        ids = list(ids)
-        if ids and not (0 <= min(ids) and max(ids) < self.vocab_size):
-            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
-            raise ValueError(f"token id {bad} is outside [0, {self.vocab_size})")
-        data = b"".join([self._bytes[i] for i in ids])
-        try:
-            return data.decode("utf-8", _TEXT_ERRORS)
-        except UnicodeDecodeError:
-            return data.decode("utf-8", "replace")
-
-    def to_dict(self) -> dict:
-        return {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "pretokenize_pattern": PRETOKENIZE_PATTERN,
-            "special_tokens": {name: NUM_BYTES + i for i, name in enumerate(SPECIAL_TOKENS)},
-            "merges": [list(pair) for pair in self.merges],
-        }
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()) + "\n", encoding="utf-8")
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Tokenizer":
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        expected = cls([]).to_dict()
-        for key in ("format", "version", "pretokenize_pattern", "special_tokens"):
-            if data.get(key) != expected[key]:
-                raise ValueError(f"{path}: {key}={data.get(key)!r} is not supported; "
-                                 f"this version reads {key}={expected[key]!r}")
-        return cls([tuple(pair) for pair in data["merges"]])
-
-    def __getstate__(self) -> dict:
-        # The piece cache can hold ~1e6 entries; data-loader workers rebuild their own.
-        return {**self.__dict__, "_cache": {}}
-
-    def __repr__(self) -> str:
-        return f"Tokenizer(vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"
-
-
-def _merge_pair(word: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
-    """``word`` with every non-overlapping occurrence of ``pair`` (left to right) replaced."""
-    first, second = pair
-    out: list[int] = []
-    i, n = 0, len(word)
-    while i < n:
-        if i + 1 < n and word[i] == first and word[i + 1] == second:
-            out.append(new_id)
-            i += 2
-        else:
-            out.append(word[i])
-            i += 1
-    return out
+EOD_TOKEN = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+MIN_VOCAB_SIZE = 257  # the 256 bytes and the end-of-document token
 
 
 def check_vocab_size(vocab_size: object) -> None:
-    if not isinstance(vocab_size, int) or vocab_size < FIRST_MERGE_ID:
-        raise ValueError(f"vocab_size={vocab_size!r}: must be an integer >= {FIRST_MERGE_ID} "
-                         f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size={vocab_size!r}: must be an integer >= {MIN_VOCAB_SIZE} "
+                         "(256 bytes + the end-of-document token)")
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, *, max_bytes: int | None = None) -> Tokenizer:
-    """Learn ``vocab_size - 258`` merges from ``texts`` (fewer if the texts run out of pairs).
+class CorpusTokenizer:
+    """What the data pipeline and megatron-core's ``GPTDataset`` need from a tokenizer: ``encode``,
+    ``decode``, ``eod``, ``vocab_size`` and ``unique_identifiers`` (GPTDataset's cache description)."""
 
-    Reads texts until ``max_bytes`` UTF-8 bytes have been seen (``None``: all of them). The most
-    frequent pair wins; ties go to the smallest ``(left_id, right_id)``, so the same texts always
-    give the same merges.
-    """
+    def __init__(self, tokenizer: Tokenizer, eod_token: str = EOD_TOKEN, source: str = "") -> None:
+        eod = tokenizer.token_to_id(eod_token)
+        if eod is None:
+            raise ValueError(f"tokenizer {source or '(in memory)'}: has no end-of-document token {eod_token!r}")
+        # a document that contains the literal "<|endoftext|>" (this file does) stays one document
+        tokenizer.encode_special_tokens = True
+        self.hf = tokenizer
+        self.eod_token = eod_token
+        self.eod = eod
+        self.source = source
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def unique_identifiers(self) -> dict[str, str]:
+        return {"class": type(self).__name__, "tokenizer": self.hf.to_str()}
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """``encode`` of each text, in parallel (the library's thread pool)."""
+        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)  # eod decodes to ""
+
+    def save(self, directory: str | Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``."""
+        directory = Path(directory)
+        self.hf.save(str(directory / TOKENIZER_FILE))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eod_token,
+                  "bos_token": self.eod_token, "unk_token": None, "model_max_length": 1 << 30,
+                  "clean_up_tokenization_spaces": False}
+        (directory / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CorpusTokenizer":
+        """A tokenizer directory (``tokenizer.json`` with an optional ``tokenizer_config.json``
+        naming ``eos_token``) or a ``tokenizer.json`` file."""
+        path = Path(path).expanduser()
+        file = path / TOKENIZER_FILE if path.is_dir() else path
+        config_file = file.parent / CONFIG_FILE
+        eod_token = EOD_TOKEN
+        if config_file.is_file():
+            eos = json.loads(config_file.read_text(encoding="utf-8")).get("eos_token")
+            eod_token = eos.get("content", EOD_TOKEN) if isinstance(eos, dict) else (eos or EOD_TOKEN)
+        return cls(Tokenizer.from_file(str(file)), eod_token, source=str(path))
+
+    def __getstate__(self) -> dict:
+        return {"json": self.hf.to_str(), "eod_token": self.eod_token, "source": self.source}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(Tokenizer.from_str(state["json"]), state["eod_token"], state["source"])
+
+    def __repr__(self) -> str:
+        return f"CorpusTokenizer(vocab_size={self.vocab_size}, eod={self.eod}, source={self.source!r})"
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> CorpusTokenizer:
+    """Byte-level BPE with ``vocab_size`` ids at most (fewer if the texts hold fewer merges):
+    the 256 bytes, ``<|endoftext|>`` (id 0), then the learned merges."""
     check_vocab_size(vocab_size)
-    if max_bytes is not None and max_bytes < 1:
-        raise ValueError(f"max_bytes={max_bytes!r}: must be None or an integer >= 1")
-    piece_counts = _count_pieces(texts, max_bytes)
-    words = [list(piece.encode("utf-8", _TEXT_ERRORS)) for piece in piece_counts]
-    freqs = list(piece_counts.values())
-    return Tokenizer(_learn_merges(words, freqs, vocab_size - FIRST_MERGE_ID))
-
-
-def _count_pieces(texts: Iterable[str], max_bytes: int | None) -> Counter[str]:
-    counts: Counter[str] = Counter()
-    seen = 0
-    for text in texts:
-        if max_bytes is not None:
-            encoded = text.encode("utf-8", _TEXT_ERRORS)
-            if seen + len(encoded) > max_bytes:
-                # Cut at a byte budget; "ignore" drops a split multi-byte character at the edge.
-                text = encoded[: max_bytes - seen].decode("utf-8", "ignore")
-            seen += len(encoded)
-        counts.update(_PRETOKENIZE.findall(text))
-        if max_bytes is not None and seen >= max_bytes:
-            break
-    return counts
-
-
-def _learn_merges(words: list[list[int]], freqs: list[int],
-                  num_merges: int) -> list[tuple[int, int]]:
-    """Greedy BPE over weighted words with incremental pair counts and a lazy max-heap."""
-    pair_counts: dict[tuple[int, int], int] = {}
-    pair_words: dict[tuple[int, int], set[int]] = {}
-    for index, (word, freq) in enumerate(zip(words, freqs)):
-        for pair in zip(word, word[1:]):
-            pair_counts[pair] = pair_counts.get(pair, 0) + freq
-            pair_words.setdefault(pair, set()).add(index)
-    # Every count change pushes a fresh entry, so an entry whose count disagrees is stale.
-    heap = [(-count, pair) for pair, count in pair_counts.items()]
-    heapq.heapify(heap)
-    merges: list[tuple[int, int]] = []
-    while len(merges) < num_merges and heap:
-        neg_count, pair = heapq.heappop(heap)
-        if pair_counts.get(pair, 0) != -neg_count:
-            continue
-        new_id = FIRST_MERGE_ID + len(merges)
-        merges.append(pair)
-        changed: set[tuple[int, int]] = set()
-        for index in pair_words.pop(pair):
-            word, freq = words[index], freqs[index]
-            merged = _merge_pair(word, pair, new_id)
-            if len(merged) == len(word):
-                continue
-            for old in zip(word, word[1:]):
-                pair_counts[old] -= freq
-                changed.add(old)
-            for new in zip(merged, merged[1:]):
-                pair_counts[new] = pair_counts.get(new, 0) + freq
-                pair_words.setdefault(new, set()).add(index)
-                changed.add(new)
-            words[index] = merged
-        del pair_counts[pair]
-        changed.discard(pair)
-        for other in changed:
-            count = pair_counts[other]
-            if count > 0:
-                heapq.heappush(heap, (-count, other))
-            else:
-                del pair_counts[other]
-                pair_words.pop(other, None)
-    return merges
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return CorpusTokenizer(tokenizer)

@@ -73,9 +73,9 @@ def test_same_seed_same_samples_other_seed_other_order(tiny_prepared):
 
 def test_dataset_survives_pickling_for_loader_workers(tiny_prepared):
     dataset = build_gpt_dataset(tiny_prepared, SEQ, num_samples=10, seed=2)
-    tiny_prepared.tokenizer.encode("fill the piece cache " * 10)
     copy = pickle.loads(pickle.dumps(dataset))
-    assert copy.config.tokenizer._cache == {}
+    text = "def f(x):\n    return x  # ünïcödé\n"
+    assert copy.config.tokenizer.encode(text) == tiny_prepared.tokenizer.encode(text)
     for i in range(10):
         assert all(torch.equal(copy[i][k], dataset[i][k]) for k in dataset[i])
 

@@ -25,7 +25,7 @@ def test_second_call_is_a_cache_hit_with_the_same_result(tiny_cache_dir, tiny_pr
                            max_files=TINY_FILES)
     assert again.cache_hit
     assert again.path_prefix == tiny_prepared.path_prefix
-    assert again.tokenizer.merges == tiny_prepared.tokenizer.merges
+    assert again.tokenizer.hf.to_str() == tiny_prepared.tokenizer.hf.to_str()
     assert (again.num_documents, again.num_tokens) == (tiny_prepared.num_documents,
                                                        tiny_prepared.num_tokens)
     meta = json.loads((again.directory / "meta.json").read_text())
