@@ -43,15 +43,20 @@ def _cp_entry(recipe, reporter) -> dict:
 
 def _prepare(recipe, say: bool, log=sys.stdout):
     from megatron_slim.data import prepare_corpus
+    from megatron_slim.data.megatron_data import load_tokenizer, prepare_megatron_data
 
-    d = recipe.data
+    d, vocab_size = recipe.data, recipe.model.vocab_size
     began = time.perf_counter()
-    prepared = prepare_corpus(corpus=d.corpus, cache_dir=d.cache_dir or None, vocab_size=recipe.model.vocab_size,
-                              max_files=d.max_files)
+    if d.path:
+        prepared = prepare_megatron_data(d.path, d.tokenizer, vocab_size)
+    else:
+        tokenizer = load_tokenizer(d.tokenizer, vocab_size) if d.tokenizer else None
+        prepared = prepare_corpus(corpus=d.corpus, cache_dir=d.cache_dir or None, vocab_size=vocab_size,
+                                  max_files=d.max_files, tokenizer=tokenizer)
     if say:
         print(f"data: {prepared.num_documents} documents, {prepared.num_tokens:,} tokens from {prepared.source} "
               f"({'cached' if prepared.cache_hit else 'prepared'} in {time.perf_counter() - began:.1f}s, "
-              f"vocab {prepared.vocab_size})", file=log, flush=True)
+              f"tokenizer vocab {prepared.vocab_size})", file=log, flush=True)
     return prepared
 
 

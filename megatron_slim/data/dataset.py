@@ -43,6 +43,7 @@ class PreparedCorpus:
     num_bytes: int
     corpus_fingerprint: str
     cache_hit: bool
+    blend: tuple = ()  # ((weight, prefix), ...) for a Megatron blend (data.path); () = path_prefix alone
 
     @property
     def vocab_size(self) -> int:
@@ -51,12 +52,14 @@ class PreparedCorpus:
 
 def prepare_corpus(corpus: str | os.PathLike = STDLIB, cache_dir: str | os.PathLike | None = None,
                    vocab_size: int = DEFAULT_VOCAB_SIZE, max_files: int = 0, *, max_bytes: int = 0,
-                   tokenizer_train_bytes: int = DEFAULT_TOKENIZER_TRAIN_BYTES) -> PreparedCorpus:
+                   tokenizer_train_bytes: int = DEFAULT_TOKENIZER_TRAIN_BYTES,
+                   tokenizer: CorpusTokenizer | None = None) -> PreparedCorpus:
     """Tokenize ``corpus`` (``"stdlib"`` or a directory) into a cached indexed dataset.
 
     ``max_files``/``max_bytes`` bound the corpus (0 = all; see ``list_corpus``). The tokenizer
     is trained on about ``tokenizer_train_bytes`` of documents spread evenly over the corpus.
-    ``cache_dir`` defaults to ``$MEGATRON_SLIM_CACHE`` or ``~/.cache/megatron-slim``.
+    ``cache_dir`` defaults to ``$MEGATRON_SLIM_CACHE`` or ``~/.cache/megatron-slim``. A given
+    ``tokenizer`` (``data.tokenizer``) is used instead of training one; its content is in the cache key.
     """
     check_vocab_size(vocab_size)
     if not isinstance(tokenizer_train_bytes, int) or tokenizer_train_bytes < 1:
@@ -69,19 +72,20 @@ def prepare_corpus(corpus: str | os.PathLike = STDLIB, cache_dir: str | os.PathL
         "tokenizer_format": {"library": "tokenizers", "version": tokenizers.__version__, "model": "byte-level BPE"},
         "vocab_size": vocab_size,
         "tokenizer_train_bytes": tokenizer_train_bytes,
+        "given_tokenizer": (hashlib.sha256(tokenizer.hf.to_str().encode()).hexdigest() if tokenizer else None),
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     entry = root / "corpora" / f"{_label(docs)}-{key}"
 
     def build(staging: Path) -> None:
-        sample = _training_sample(docs, tokenizer_train_bytes)
-        tokenizer = train_tokenizer(sample, vocab_size)
-        tokenizer.save(staging)
-        stats = write_tokenized_corpus(staging / DATA_PREFIX, docs.texts(), tokenizer)
+        sample = [] if tokenizer else _training_sample(docs, tokenizer_train_bytes)
+        used = tokenizer or train_tokenizer(sample, vocab_size)
+        used.save(staging)
+        stats = write_tokenized_corpus(staging / DATA_PREFIX, docs.texts(), used)
         meta = {**settings, "source": docs.source, "root": str(docs.root),
                 "num_documents": stats.num_documents, "num_tokens": stats.num_tokens,
-                "num_bytes": docs.num_bytes, "tokenizer_vocab_size": tokenizer.vocab_size}
+                "num_bytes": docs.num_bytes, "tokenizer_vocab_size": used.vocab_size}
         (staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
     built = build_once(entry, build)

@@ -15,10 +15,12 @@ every rank gets identical samples without any collective or shared file, with or
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import contextmanager
 from typing import Iterator
 
 import numpy
+from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import Split
 
@@ -27,7 +29,7 @@ from megatron_slim.data.dataset import PreparedCorpus
 
 def build_gpt_dataset(prepared: PreparedCorpus, seq_length: int, num_samples: int | None,
                       seed: int = 1234, *, eod_mask_loss: bool = False,
-                      create_attention_mask: bool = False) -> GPTDataset:
+                      create_attention_mask: bool = False) -> GPTDataset | BlendedDataset:
     """``num_samples`` samples (``None``: one epoch) of ``seq_length`` tokens, shuffled by ``seed``.
 
     Each sample is a dict of CPU tensors of length ``seq_length``: ``tokens`` and ``labels``
@@ -54,16 +56,34 @@ def build_gpt_dataset(prepared: PreparedCorpus, seq_length: int, num_samples: in
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
     )
-    indexed = GPTDataset.build_low_level_dataset(prepared.path_prefix, config)
-    documents = numpy.arange(len(indexed), dtype=numpy.int32)
-    with _without_megatron_cache_warning():
-        dataset = GPTDataset(indexed, prepared.path_prefix, documents, num_samples, Split.train,
-                             config)
+    if len(prepared.blend) > 1:
+        dataset = _blended(prepared, num_samples, config)
+    else:
+        dataset = _one_prefix(prepared.path_prefix, num_samples, config)
     if len(dataset) == 0:
         raise ValueError(f"seq_length={seq_length} leaves no sample: the corpus at "
                          f"{prepared.path_prefix} has {prepared.num_tokens} tokens; "
                          f"use seq_length < {prepared.num_tokens} or a larger corpus")
     return dataset
+
+
+def _one_prefix(prefix: str, num_samples: int | None, config: GPTDatasetConfig) -> GPTDataset:
+    indexed = GPTDataset.build_low_level_dataset(prefix, config)
+    documents = numpy.arange(len(indexed), dtype=numpy.int32)
+    with _without_megatron_cache_warning():
+        return GPTDataset(indexed, prefix, documents, num_samples, Split.train, config)
+
+
+def _blended(prepared: PreparedCorpus, num_samples: int | None, config: GPTDatasetConfig) -> BlendedDataset:
+    """Megatron's blend of ``prepared.blend``: each prefix gets its weight's share of the samples plus
+    Megatron's 0.5% margin (``BlendedMegatronDatasetBuilder``'s rule), then ``BlendedDataset`` interleaves
+    them by weight, with its index built in memory as the single datasets' are."""
+    if num_samples is None:
+        raise ValueError("num_samples: a blend (data.path with weights) needs a sample count; allowed: an integer >= 1")
+    parts = [_one_prefix(prefix, int(math.ceil(weight * num_samples * 1.005)), config)
+             for weight, prefix in prepared.blend]
+    with _without_megatron_cache_warning():
+        return BlendedDataset(parts, [w for w, _ in prepared.blend], num_samples, config)
 
 
 class _DropUnableToSave(logging.Filter):

@@ -7,6 +7,7 @@ as ``extra_args_provider``). Importing this module imports no megatron and no to
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from megatron_slim.plan.recipe import CPEngine, Recipe, SlicePolicy
 from megatron_slim.plan.schema import ConfigError
@@ -44,8 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _data_flags(data) -> list:
+    out = ["--data-path", *data.path] if data.path else []
+    if data.tokenizer:
+        where = Path(data.tokenizer).expanduser()
+        # Megatron's HuggingFaceTokenizer loads a directory (AutoTokenizer.from_pretrained)
+        out += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                str(where.parent if where.name == "tokenizer.json" else where)]
+    return out
+
+
 def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
-    """The ``pretrain_gpt.py`` flags a recipe stands for (data and output paths excepted)."""
+    """The ``pretrain_gpt.py`` flags a recipe stands for; of the data, only ``data.path`` (as
+    ``--data-path``) and ``data.tokenizer`` (as Megatron's ``HuggingFaceTokenizer``), output paths never."""
     m, p, t, s = recipe.model, recipe.parallel, recipe.train, recipe.schedule
     out = [
         "--num-layers", m.num_layers, "--hidden-size", m.hidden_size,
@@ -89,6 +101,7 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
     # causal attention needs none (its kernels mask by position) and megatron-slim's engines read
     # documents from position-id resets.
     out += ["--no-create-attention-mask-in-dataloader"]
+    out += _data_flags(recipe.data)
     if s.kind == "slimpipe":
         out += ["--use-slimpipe", "--slimpipe-num-slices", s.num_slices, "--slimpipe-slice-policy",
                 s.slice_policy, "--slimpipe-hardware", recipe.hardware]

@@ -134,11 +134,19 @@ class CPConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training data for ``megatron-slim train``: a corpus tokenized into megatron-core's indexed format."""
+    """Training data for ``megatron-slim train``: a corpus tokenized into megatron-core's indexed format,
+    or existing Megatron data (``path``, as ``--data-path``) with the tokenizer it was written with."""
 
     corpus: str = "stdlib"  # "stdlib" (the Python standard library's sources) or a directory of text files
     cache_dir: str = ""  # where the tokenizer and indexed dataset are written; "" = ~/.cache/megatron-slim
     max_files: int = 0  # 0 = every file found
+    path: tuple[str, ...] = ()  # Megatron --data-path: a prefix, or weight/prefix pairs; replaces corpus
+    tokenizer: str = ""  # a Hugging Face tokenizer dir or tokenizer.json; "" = train one on the corpus
+
+    def __post_init__(self) -> None:
+        if self.path and self.corpus != "stdlib":
+            raise ConfigError(f"data.corpus: {self.corpus!r} with data.path {list(self.path)!r} (allowed: one "
+                              "source: data.path (existing Megatron data) or data.corpus (text to tokenize))")
 
 
 @dataclass(frozen=True)
