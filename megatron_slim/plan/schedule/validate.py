@@ -60,10 +60,13 @@ def _expected_units(schedule: Schedule) -> Counter:
     return expected
 
 
-def _check_complete(schedule: Schedule) -> None:
+def _check_complete(schedule: Schedule, progress: Optional[Progress] = None) -> None:
     expected = _expected_units(schedule)
     seen: Counter = Counter()
+    total, done = sum(len(row) for row in schedule.ranks), 0
     for rank, row in enumerate(schedule.ranks):
+        report(progress, "checking completeness", done, total)
+        done += len(row)
         for step, a in enumerate(row):
             if a.chunk >= schedule.vpp or a.microbatch >= schedule.num_microbatches or a.slice >= schedule.num_slices:
                 raise ScheduleError(
@@ -167,8 +170,7 @@ def validate(schedule: Schedule, progress: Optional[Progress] = None) -> Schedul
     ``progress``: ``("checking completeness", 0, actions)``, then now and then
     ``("checking dependencies", actions run through, actions)``."""
     total = sum(len(row) for row in schedule.ranks)
-    report(progress, "checking completeness", 0, total)
-    _check_complete(schedule)
+    _check_complete(schedule, progress)
     report(progress, "checking dependencies", 0, total)
     done: set = set()
     pos = [0] * schedule.pp

@@ -215,9 +215,8 @@ def _memory_peaks(result: RankResult, deltas: list[tuple[float, float, float]]) 
 
 def simulate(schedule: Schedule, costs: PipelineCosts, progress: Optional[Progress] = None) -> SimResult:
     """Simulate ``schedule`` (compute-only schedules are lowered first) and summarise it.
-    ``progress(phase, done, total)``: ``lowering``, the validator's ``checking ...``, ``simulating`` (actions)."""
-    report(progress, "lowering", 0, sum(len(row) for row in schedule.ranks))
-    lowered = schedule if schedule.is_lowered else lower(schedule)
+    ``progress(phase, done, total)``: the lowering's, the validator's, then ``simulating`` (actions)."""
+    lowered = schedule if schedule.is_lowered else lower(schedule, progress)
     validate(lowered, progress)
     run = _Run(lowered, costs)
     run.run(progress)
