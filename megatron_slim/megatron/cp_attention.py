@@ -99,10 +99,10 @@ class CPCoreAttention(SlimCoreAttention):
         if q.shape[0] != 1:
             raise ValueError(f"layer {self.layer_number}: a CP plan describes one pack per microbatch; got "
                              f"micro-batch size {q.shape[0]} (allowed: 1; pack sequences instead)")
-        (q, _), (k, _), (v, _) = (split_padding(x[0], ctx.planned_tokens) for x in (q, k, v))
+        (q, padding), (k, _), (v, _) = (split_padding(x[0], ctx.planned_tokens) for x in (q, k, v))
         out = ctx.engine(q, k, v, softmax_scale=self.softmax_scale, backend=self.attention_backend(q))
-        if ctx.padding:  # a padding row attends to nothing (cp_padding)
-            out = torch.cat([out, out.new_zeros(ctx.padding, *out.shape[1:])])
+        if padding.shape[0]:  # a padding row attends to nothing (cp_padding)
+            out = torch.cat([out, out.new_zeros(padding.shape[0], *out.shape[1:])])
         return out.unsqueeze(0)
 
 
