@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--lengths", metavar="FILE|SPEC",
                      help="sequence lengths for --cp-engine: a file (one length per line) or a spec such as "
                           "lognormal:mean=8192,sigma=1.1,min=1024,max=65536 (see plan/cp/lengths.py)")
-    sim.add_argument("--seed", type=int, default=0, help="seed for drawing --lengths (default 0)")
+    sim.add_argument("--seed", type=int, help="seed for drawing --lengths (default 0; only with --lengths)")
     sim.set_defaults(run="megatron_slim.commands.simulate")
 
     train = sub.add_parser("train", help="train a recipe on local CPU ranks (default: tiny-cpu on 4 ranks)",

@@ -4,9 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_slim.commands.output import emit_json, format_table, prepare_outputs
+from megatron_slim.commands.progress import ProgressLine
 from megatron_slim.plan.cost.calibration import Calibration, load_calibration
 from megatron_slim.plan.cost.model import CostModel
+from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.recipe import Recipe, load_recipe, world_size_note
+from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.sim.costs import RecipeCosts
 from megatron_slim.plan.sim.engine import SimResult, simulate
@@ -23,9 +26,7 @@ class Simulated:
 
     @property
     def label(self) -> str:
-        s, p = self.recipe.schedule, self.recipe.parallel
-        extra = f" v{p.vpp}" if p.vpp > 1 else ""
-        return f"{s.kind}{extra}" + (f" n{s.num_slices} {s.slice_policy}" if s.kind == "slimpipe" else "")
+        return schedule_label(self.recipe)
 
     def to_json(self) -> dict:
         out = {"recipe": self.recipe.name, "hardware": self.recipe.hardware, "label": self.label}
@@ -35,11 +36,27 @@ class Simulated:
         return out
 
 
-def run_one(recipe: Recipe, calibration: Calibration | None = None) -> Simulated:
+def schedule_label(recipe: Recipe) -> str:
+    s, p = recipe.schedule, recipe.parallel
+    extra = f" v{p.vpp}" if p.vpp > 1 else ""
+    return f"{s.kind}{extra}" + (f" n{s.num_slices} {s.slice_policy}" if s.kind == "slimpipe" else "")
+
+
+def run_one(recipe: Recipe, calibration: Calibration | None = None, progress: Progress | None = None) -> Simulated:
     costs = RecipeCosts(recipe, CostModel(recipe, calibration=calibration))
     p = recipe.parallel
     schedule = generate(recipe.schedule.kind, p.pp, p.vpp, recipe.num_microbatches, recipe.schedule.num_slices)
-    return Simulated(recipe, costs, simulate(schedule, costs))
+    return Simulated(recipe, costs, simulate(schedule, costs, progress))
+
+
+def schedule_progress(line: ProgressLine, recipe: Recipe, index: int, count: int) -> Progress:
+    """The simulator's ``(phase, done, total)`` as a line: schedule, phase, actions."""
+    label = f"{schedule_label(recipe)} ({index + 1}/{count})" if count > 1 else schedule_label(recipe)
+
+    def progress(phase: str, done: int, total: int) -> None:
+        line.update(f"{label}: {phase} {done:,}/{total:,} actions", done, total, series=(index, phase))
+
+    return progress
 
 
 def table(runs: list[Simulated]) -> str:
@@ -69,10 +86,14 @@ def main(args) -> int:
     if getattr(args, "cp_engine", None) or getattr(args, "lengths", None):
         from megatron_slim.commands import simulate_cp
         return simulate_cp.run(args, recipe, calibration, note)
+    if args.seed is not None:
+        raise ConfigError(f"--seed {args.seed}: it seeds the sequence lengths drawn for --lengths, and a pipeline "
+                          "simulation draws none (allowed: --seed with --lengths/--cp-engine, or no --seed)")
     kinds = [k for k in (args.compare or "").split(",") if k.strip()]
     variants = [schedule_variant(recipe, k) for k in kinds] if kinds else [recipe]
     prepare_outputs(*output_flags(args))
-    runs = [run_one(v, calibration) for v in variants]
+    with ProgressLine("megatron-slim simulate") as line:
+        runs = [run_one(v, calibration, schedule_progress(line, v, i, len(variants))) for i, v in enumerate(variants)]
     payload = runs[0].to_json() if not kinds else {
         "recipe": recipe.name, "hardware": recipe.hardware, "results": [r.to_json() for r in runs]}
     payload["calibration"] = args.calibration

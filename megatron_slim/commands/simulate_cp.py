@@ -13,9 +13,11 @@ every engine runs the same packs. Without ``--cp-engine`` the recipe's ``cp.engi
 from __future__ import annotations
 
 from megatron_slim.commands.output import emit_json, format_table, prepare_outputs
+from megatron_slim.commands.progress import ProgressLine
 from megatron_slim.plan.cost.calibration import Calibration
 from megatron_slim.plan.cp.engines import check_supported, parse_engines
 from megatron_slim.plan.cp.lengths import SPEC_FORMS, make_packs, parse_lengths
+from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.sim.cp_sim import CPSimResult, cp_setup, simulate_cp
@@ -47,6 +49,16 @@ def table(results: list[CPSimResult]) -> str:
     return format_table(header, rows)
 
 
+def engine_progress(line: ProgressLine, engines: tuple[str, ...], index: int) -> Progress:
+    """The simulator's per-pack calls as a line: engine, packs planned and simulated; the ETA runs
+    over every engine's packs."""
+    def progress(_phase: str, done: int, total: int) -> None:
+        line.update(f"engine {engines[index]} ({index + 1}/{len(engines)}): {done}/{total} packs planned and "
+                    "simulated", index * total + done, len(engines) * total)
+
+    return progress
+
+
 def run(args, recipe: Recipe, calibration: Calibration | None, note: str | None = None) -> int:
     """``simulate`` with ``--cp-engine``/``--lengths``: ``recipe`` and ``calibration`` are already
     loaded; every other input is checked here before the first pack is simulated."""
@@ -56,12 +68,15 @@ def run(args, recipe: Recipe, calibration: Calibration | None, note: str | None 
     if not args.lengths:
         raise ConfigError(f"--lengths: required with --cp-engine (allowed: {' | '.join(SPEC_FORMS)})")
     engines = parse_engines(args.cp_engine) if args.cp_engine else (recipe.cp.engine,)
+    seed = 0 if args.seed is None else args.seed
     source, topo, costs = check_inputs(recipe, engines, args.lengths, calibration)
     prepare_outputs(("--json", args.json), ("--trace", args.trace), ("--plot", args.plot))
-    packs = make_packs(source, recipe.model.seq_length, recipe.num_microbatches, args.seed)
-    results = [simulate_cp(recipe, e, packs, topo=topo, costs=costs, record=bool(args.trace)) for e in engines]
+    packs = make_packs(source, recipe.model.seq_length, recipe.num_microbatches, seed)
+    with ProgressLine("megatron-slim simulate") as line:
+        results = [simulate_cp(recipe, e, packs, topo=topo, costs=costs, record=bool(args.trace),
+                               progress=engine_progress(line, engines, i)) for i, e in enumerate(engines)]
     payload: dict = {"recipe": recipe.name, "hardware": recipe.hardware, "lengths": args.lengths,
-                     "seed": args.seed, "calibration": args.calibration, "pack_lengths": [list(p) for p in packs]}
+                     "seed": seed, "calibration": args.calibration, "pack_lengths": [list(p) for p in packs]}
     if len(results) == 1:
         payload.update(results[0].to_json())
     else:
@@ -72,7 +87,7 @@ def run(args, recipe: Recipe, calibration: Calibration | None, note: str | None 
     if note:
         print(note, file=out)
     print(f"recipe {recipe.name} on {recipe.hardware}: cp={p.cp} (tp{p.tp}), {len(packs)} packs of "
-          f"{recipe.model.seq_length} tokens, {seqs} sequences from {args.lengths} (seed {args.seed})", file=out)
+          f"{recipe.model.seq_length} tokens, {seqs} sequences from {args.lengths} (seed {seed})", file=out)
     print(table(results), file=out)
     if args.json and args.json != "-":
         print(f"wrote {args.json}", file=out)

@@ -13,7 +13,7 @@ With ``parallel.cp > 1`` the recipe's ``cp.engine`` (and ``cp.remap``) runs ever
 pack of the documents between ``eod`` tokens, attention inside each document only (see
 ``megatron_slim.train.cp``); the JSON then has a ``cp`` section: engine, remap, topology,
 ``document_masking: true`` and per iteration the plans' counts (sequences local / intra-node /
-inter-node, packs re-planned, tokens per rank).
+inter-node, packs that left a CP rank without tokens, tokens per rank).
 """
 from __future__ import annotations
 

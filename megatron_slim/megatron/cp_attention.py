@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_slim.megatron.core_attention import SlimCoreAttention
+from megatron_slim.megatron.cp_padding import padding_rows, split_padding
 from megatron_slim.megatron.remap_layer import RemapTransformerLayer
 from megatron_slim.megatron.rotary import rope_table
 from megatron_slim.megatron.wrapping import RotaryWrapper, wrap_rotary
@@ -43,6 +44,7 @@ class CPContext:
         self.remap: Optional[RemapPlan] = None
         self.remap_back: Optional[RemapPlan] = None
         self._positions: Optional[torch.Tensor] = None
+        self.padding = 0  # rows this rank runs beyond the plan's tokens (``cp_padding``)
 
     @property
     def comm(self):
@@ -62,16 +64,22 @@ class CPContext:
                                      extra=remap.digest() if remap is not None else "no-remap")
         self.plan, self.routing, self.remap = plan, routing, remap
         self.remap_back = remap.inverse() if remap is not None else None
+        self.padding = padding_rows(plan, self.rank)
         self._positions = None
         return digest
+
+    @property
+    def planned_tokens(self) -> int:
+        """Tokens the current plan gives this rank (its model input holds ``padding`` rows more)."""
+        return self.plan.ranks[self.rank].num_tokens
 
     def position_ids(self) -> torch.Tensor:
         """Positions of this rank's tokens inside their sequences, in attention-layout order."""
         if self.plan is None:
             raise RuntimeError("CPContext has no plan: call set_plan(...) on every CP rank first")
         if self._positions is None:
-            self._positions = torch.tensor(self.plan.ranks[self.rank].position_ids(), dtype=torch.long,
-                                           device=self.device)
+            self._positions = torch.tensor(self.plan.ranks[self.rank].position_ids() + [0] * self.padding,
+                                           dtype=torch.long, device=self.device)
         return self._positions
 
 
@@ -91,7 +99,10 @@ class CPCoreAttention(SlimCoreAttention):
         if q.shape[0] != 1:
             raise ValueError(f"layer {self.layer_number}: a CP plan describes one pack per microbatch; got "
                              f"micro-batch size {q.shape[0]} (allowed: 1; pack sequences instead)")
-        out = ctx.engine(q[0], k[0], v[0], softmax_scale=self.softmax_scale, backend=self.attention_backend(q))
+        (q, padding), (k, _), (v, _) = (split_padding(x[0], ctx.planned_tokens) for x in (q, k, v))
+        out = ctx.engine(q, k, v, softmax_scale=self.softmax_scale, backend=self.attention_backend(q))
+        if padding.shape[0]:  # a padding row attends to nothing (cp_padding)
+            out = torch.cat([out, out.new_zeros(padding.shape[0], *out.shape[1:])])
         return out.unsqueeze(0)
 
 

@@ -2,9 +2,9 @@
 
 **Plans.** ``plan_microbatch(lengths, topo, costs, engine=, remap=)`` gives the ``CPPlan``,
 ``RoutingPlan`` and ``RemapPlan`` of one pack, the same values the CP simulator prices; hand them
-to ``CPContext.set_plan`` on every CP rank before the microbatch's forward.
-``plan_runnable_microbatch`` is the same for a model run (it never leaves a CP rank without
-tokens); ``cp_lengths`` says where a pack's sequence lengths come from.
+to ``CPContext.set_plan`` on every CP rank before the microbatch's forward. Every plan runs, also
+one that leaves a CP rank without tokens (that rank runs one masked padding row, ``cp_padding``);
+``cp_lengths`` says where a pack's sequence lengths come from.
 
 **Batch.** A microbatch is one pack of ``L`` tokens made of whole sequences (``plan.lengths``).
 ``cp_batch`` keeps this rank's tokens in the plan's attention-layout order (``RankLayout``) as a
@@ -36,6 +36,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_slim.megatron.cp_padding import padding_rows
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.engines import plan_pack, uses_remap
 from megatron_slim.plan.cp.layout import CPPlan
@@ -57,29 +58,6 @@ def plan_microbatch(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, 
     return plan, routes, moves
 
 
-def plan_runnable_microbatch(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *, engine: str = "zeppelin",
-                             remap: bool = False, routing: bool = True, hierarchical: bool = True
-                             ) -> tuple[CPPlan, Optional[RoutingPlan], Optional[RemapPlan], bool]:
-    """``plan_microbatch`` for a model that runs it, plus whether the pack had to be re-planned.
-
-    megatron-core cannot run a CP rank that holds no token (its attention reshapes ``[0, b, -1, d]``),
-    yet a planner may leave ranks idle when splitting a pack's sequences further does not pay (a
-    single short sequence, slow links). Such a pack is planned by the ``ring`` engine instead, which
-    gives every rank the zigzag chunks of every sequence: the result is the same (every engine is
-    exact), only the speed differs, and the caller reports the count. Raises when even the ring
-    leaves a rank empty (possible only when every sequence is shorter than ``2 * cp`` tokens)."""
-    plan, routes, moves = plan_microbatch(lengths, topo, costs, engine=engine, remap=remap, routing=routing,
-                                          hierarchical=hierarchical)
-    if min(plan.tokens_per_rank()) > 0:
-        return plan, routes, moves, False
-    plan, routes, moves = plan_microbatch(lengths, topo, costs, engine="ring")
-    if min(plan.tokens_per_rank()) == 0:
-        raise ValueError(f"pack lengths {tuple(lengths)}: every plan leaves a CP rank without tokens "
-                         f"(tokens per rank {plan.tokens_per_rank()}); allowed: packs with a sequence of at "
-                         f"least {2 * topo.num_ranks} tokens")
-    return plan, routes, moves, True
-
-
 def layout_index(plan: CPPlan, rank: int, device: Optional[torch.device | str] = None) -> torch.Tensor:
     """Pack positions of ``rank``'s tokens in its attention-layout order."""
     return torch.tensor([s.pack_start + i for s in plan.ranks[rank].segments for i in range(s.length)],
@@ -89,8 +67,13 @@ def layout_index(plan: CPPlan, rank: int, device: Optional[torch.device | str] =
 def cp_batch(batch: Mapping[str, Any], plan: CPPlan, rank: int) -> dict[str, Any]:
     """``batch``'s per-token tensors (``[L]`` or ``[1, L]``) cut to this rank's ``[1, T]`` tokens, plus
     ``position_ids`` from the plan. ``attention_mask`` is dropped (the engine attends causally within
-    each of the plan's sequences); any other per-token tensor is gathered, anything else passed on."""
+    each of the plan's sequences); any other per-token tensor is gathered, anything else passed on.
+    A rank the plan leaves without tokens gets one padding row with ``loss_mask`` 0 (``cp_padding``)."""
     L = plan.pack_length
+    padded = padding_rows(plan, rank)
+    if padded and torch.is_tensor(batch.get("labels")) and not torch.is_tensor(batch.get("loss_mask")):
+        raise ValueError(f"CP rank {rank} holds no token of the pack and runs a padding row, which needs a "
+                         "loss_mask to keep it out of the loss; allowed: a batch with loss_mask beside labels")
     out: dict[str, Any] = {}
     index = None
     for name, value in batch.items():
@@ -104,9 +87,12 @@ def cp_batch(batch: Mapping[str, Any], plan: CPPlan, rank: int) -> dict[str, Any
             raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)}; allowed: [{L}] or [1, {L}] "
                              f"(one pack of the plan's {L} tokens)")
         if index is None:
-            index = layout_index(plan, rank, flat.device)
+            index = layout_index(plan, rank, flat.device) if not padded else \
+                torch.zeros(padded, dtype=torch.long, device=flat.device)
         out[name] = flat[index].unsqueeze(0)
-    positions = plan.ranks[rank].position_ids()
+        if padded and name == "loss_mask":
+            out[name] = torch.zeros_like(out[name])
+    positions = plan.ranks[rank].position_ids() + [0] * padded
     device = index.device if index is not None else None
     out["position_ids"] = torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0)
     return out

@@ -117,7 +117,7 @@ class CPHookState:
         self.context = None
         self._setup = None
         self.plans_set = 0
-        self.replanned = 0
+        self.padded = 0  # packs that left a CP rank without tokens (it ran a padding row)
         self.length_sources: Counter = Counter()
         self.attached: list[int] = []
 
@@ -147,7 +147,7 @@ class CPHookState:
 
     # ---- batch split ----------------------------------------------------------------------------
     def split(self, args, batch: dict, cp_group=None) -> dict:
-        from megatron_slim.megatron.cp_data import plan_runnable_microbatch
+        from megatron_slim.megatron.cp_data import plan_microbatch
         from megatron_slim.megatron.cp_lengths import pack_lengths
 
         context = self.cp_context()
@@ -156,15 +156,11 @@ class CPHookState:
                              f"group has {context.comm.size}")
         lengths, source = pack_lengths(batch)
         topo, costs = self.plan_inputs(args)
-        plan, routing, remap, replanned = plan_runnable_microbatch(lengths, topo, costs, engine=args.cp_engine,
-                                                                   remap=bool(args.cp_remap))
+        plan, routing, remap = plan_microbatch(lengths, topo, costs, engine=args.cp_engine,
+                                               remap=bool(args.cp_remap))
         context.set_plan(plan, routing=routing, remap=remap)
         self.plans_set += 1
-        if replanned and not self.replanned and context.rank == 0:
-            print(f"megatron-slim: --cp-engine {args.cp_engine} left a CP rank without tokens for pack lengths "
-                  f"{lengths}; such packs are planned by the ring engine (same result; counted from now on)",
-                  flush=True)
-        self.replanned += int(replanned)
+        self.padded += int(min(plan.tokens_per_rank()) == 0)
         self.length_sources[source] += 1
         return local_batch(batch, plan, context.rank)
 

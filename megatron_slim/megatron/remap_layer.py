@@ -5,7 +5,8 @@ megatron-core has no slot between attention and MLP: ``_forward_mlp`` takes its 
 (notes/megatron-core.md section 3). ``RemapTransformerLayer.forward`` is the stock forward plus
 two moves: hidden states ``[s, b, h]`` go from the attention layout to the token-balanced layout
 (the ``RemapPlan``'s all-to-all) before the MLP block -- norm, MLP and residual add all run
-balanced -- and back after it. Both moves are differentiable (backward: the inverse move).
+balanced -- and back after it. Both moves are differentiable (backward: the inverse move). The
+padding row of a rank the plan leaves empty (``cp_padding``) is not moved and skips the MLP.
 
 Without a remap plan in its context the layer is exactly ``TransformerLayer``. The context is
 attached after the build by ``cp_attention.attach_context_parallel``. CUDA graphs must be off:
@@ -17,7 +18,10 @@ from typing import Any
 
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+import torch
+
 from megatron_slim.megatron import compat
+from megatron_slim.megatron.cp_padding import split_padding
 from megatron_slim.runtime.cp.remap import remap_rows
 
 
@@ -38,6 +42,8 @@ class RemapTransformerLayer(TransformerLayer):
                              "a slice of the CP rank's tokens; the remap plan moves whole CP-rank layouts)")
         if mlp_kwargs["padding_mask"] is not None:
             raise ValueError("padding_mask: allowed value is None with the remap layer (it is in the attention layout)")
-        balanced = remap_rows(hidden_states, remap, ctx.comm, ctx.remap_back)
+        planned, padding = split_padding(hidden_states, ctx.planned_tokens)
+        balanced = remap_rows(planned, remap, ctx.comm, ctx.remap_back)
         output = compat.forward_mlp(self, balanced, **mlp_kwargs)
-        return remap_rows(output, ctx.remap_back, ctx.comm, remap), context
+        # a padding row (cp_padding) stays out of the move and passes unchanged
+        return torch.cat([remap_rows(output, ctx.remap_back, ctx.comm, remap), padding]), context

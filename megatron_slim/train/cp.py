@@ -6,8 +6,10 @@ a document includes its ``eod``): attention stays inside each document and posit
 0 in each, the THD semantics every CP engine needs -- not the plain causal window of ``cp=1``.
 
 Per iteration, every rank of a CP group derives the same lengths from the same windows and plans
-each microbatch (``cp_data.plan_runnable_microbatch``: placement, routing and, with ``cp.remap``,
-the remap plan, exactly what the CP simulator prices). The forward step then, before every
+each microbatch (``cp_data.plan_microbatch``: placement, routing and, with ``cp.remap``, the remap
+plan, exactly what the CP simulator prices). Every window runs under every engine: a CP rank that
+a plan leaves without tokens (one-token documents under ring / allgather / a2a+p2p) takes part in
+every collective and runs one masked padding row (``cp_padding``). The forward step then, before every
 microbatch's forward, makes that plan current on the chunk's ``CPContext`` (collective: the CP
 ranks compare plan hashes), cuts the window to this rank's tokens (``cp_data.cp_batch``) and
 returns ``cp_data.cp_loss_func``: the loss is ``cp * local_sum`` over the CP-wide masked-token
@@ -99,11 +101,11 @@ class CPTrainStep:
 
     def plan_iteration(self, microbatches: list[dict]) -> list[dict]:
         """Plan every microbatch window of this iteration; returns the windows tagged with their index."""
-        from megatron_slim.megatron.cp_data import plan_runnable_microbatch
+        from megatron_slim.megatron.cp_data import plan_microbatch
         from megatron_slim.megatron.cp_lengths import document_lengths
 
-        self.plans = [plan_runnable_microbatch(document_lengths(b["tokens"], self.eod), self.topo, self.costs,
-                                               engine=self.engine, remap=self.remap) for b in microbatches]
+        self.plans = [plan_microbatch(document_lengths(b["tokens"], self.eod), self.topo, self.costs,
+                                      engine=self.engine, remap=self.remap) for b in microbatches]
         return [{**b, MICROBATCH_KEY: k} for k, b in enumerate(microbatches)]
 
     def forward_step(self, data_iterator, model):
@@ -111,23 +113,24 @@ class CPTrainStep:
 
         batch = dict(next(data_iterator))
         k = batch.pop(MICROBATCH_KEY)
-        plan, routing, remap, _ = self.plans[k]
+        plan, routing, remap = self.plans[k]
         self.context.set_plan(plan, routing=routing, remap=remap)
         local = cp_batch(batch, plan, self.cp_rank)
         output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
         return output, functools.partial(cp_loss_func, local["loss_mask"], cp_group=self.cp_group)
 
     def summary(self) -> dict[str, int]:
-        """This iteration's plans in counts: packs, sequences by scope, re-planned packs, tokens per rank."""
-        out = {"packs": len(self.plans), "sequences": 0, "local": 0, "intra": 0, "inter": 0, "replanned": 0,
+        """This iteration's plans in counts: packs, sequences by scope, packs that leave a CP rank
+        without tokens (``padded``: it runs a masked padding row), tokens per rank."""
+        out = {"packs": len(self.plans), "sequences": 0, "local": 0, "intra": 0, "inter": 0, "padded": 0,
                "max_tokens_per_rank": 0, "min_tokens_per_rank": 0, "remapped_tokens": 0}
         lows = []
-        for plan, _, remap, replanned in self.plans:
+        for plan, _, remap in self.plans:
             out["sequences"] += len(plan.lengths)
             for g in plan.groups:
                 out[g.scope] += len(g.seqs)
-            out["replanned"] += int(replanned)
             tokens = plan.tokens_per_rank()
+            out["padded"] += int(min(tokens) == 0)
             out["max_tokens_per_rank"] = max(out["max_tokens_per_rank"], max(tokens))
             lows.append(min(tokens))
             out["remapped_tokens"] += remap.moved_tokens if remap is not None else 0
@@ -135,7 +138,7 @@ class CPTrainStep:
         return out
 
 
-_SUMMED = ("packs", "sequences", "local", "intra", "inter", "replanned", "remapped_tokens")
+_SUMMED = ("packs", "sequences", "local", "intra", "inter", "padded", "remapped_tokens")
 
 
 def reduce_summary(summary: dict[str, int], dp_group: Any, dp_size: int) -> dict[str, int]:
@@ -152,11 +155,11 @@ def reduce_summary(summary: dict[str, int], dp_group: Any, dp_size: int) -> dict
 
 
 def summary_text(engine: str, s: dict[str, int]) -> str:
-    """``cp zeppelin: 9 seqs 6 local/2 intra/1 inter, 96-160 tok/rank`` (+ re-planned packs)."""
+    """``cp zeppelin: 9 seqs 6 local/2 intra/1 inter, 96-160 tok/rank`` (+ packs leaving a rank empty)."""
     text = (f"cp {engine}: {s['sequences']} seqs {s['local']} local/{s['intra']} intra/{s['inter']} inter, "
             f"{s['min_tokens_per_rank']}-{s['max_tokens_per_rank']} tok/rank")
-    if s["replanned"]:
-        text += f", {s['replanned']} pack(s) re-planned by ring (a rank was left empty)"
+    if s["padded"]:
+        text += f", {s['padded']} pack(s) left a CP rank without tokens (it ran a masked padding row)"
     return text
 
 

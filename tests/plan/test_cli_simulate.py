@@ -115,3 +115,10 @@ def test_a_bad_calibration_file_fails_before_any_work(content, needle, tmp_path,
     captured = capsys.readouterr()
     assert f"--calibration {path}" in captured.err and needle in captured.err
     assert "schedule" not in captured.out
+
+
+def test_seed_without_lengths_is_refused_not_ignored(capsys):
+    """--seed draws --lengths; a pipeline simulation has nothing to draw, so the flag would be dropped."""
+    assert main(["simulate", "--recipe", "tiny-cpu", "--seed", "5"]) == 2
+    captured = capsys.readouterr()
+    assert "--seed 5" in captured.err and "--lengths" in captured.err and not captured.out

@@ -68,6 +68,15 @@ def hardware(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def slow_nic_hardware(tmp_path_factory):
+    """A NIC so slow that Zeppelin keeps even a whole-window document on one node (rank)."""
+    path = tmp_path_factory.mktemp("hw") / "cpu-2-nodes-slow-nic.yaml"
+    path.write_text(HARDWARE.replace("nic_bandwidth: 5.0e9", "nic_bandwidth: 1.5e7")
+                    .replace("nic_latency: 2.0e-6", "nic_latency: 1.0e-4"))
+    return str(path)
+
+
 def _window(lengths, seed):
     """Tokens with an eod closing every document but the last, random labels, a ~85% loss mask."""
     g = torch.Generator().manual_seed(seed)
@@ -82,12 +91,12 @@ def _window(lengths, seed):
             "position_ids": torch.arange(total).unsqueeze(0)}
 
 
-def _recipe(engine, remap, cp, hardware_path):
+def _recipe(engine, remap, cp, hardware_path, windows=len(WINDOWS)):
     from megatron_slim.plan.recipe import recipe_from_dict
 
     return recipe_from_dict({"name": "cp-step", "hardware": hardware_path, "model": MODEL,
                              "parallel": {"cp": cp}, "cp": {"engine": engine, "remap": remap},
-                             "train": {"global_batch_size": len(WINDOWS), "precision": "fp32"}})
+                             "train": {"global_batch_size": windows, "precision": "fp32"}})
 
 
 def _reference(model_cfg, solo, windows, seed):
@@ -110,7 +119,7 @@ def _reference(model_cfg, solo, windows, seed):
     return summed / tokens, global_grads(model)
 
 
-def one_step(rank, world_size, cases, hardware_path, seed=1234):
+def one_step(rank, world_size, cases, hardware_path, seed=1234, window_lengths=tuple(WINDOWS)):
     """Per case ``(engine, remap)``: one forward-backward of the training job's CP plumbing through
     the schedule adapter, gradients averaged as the loop does; on rank 0 also the reference."""
     from megatron_slim.megatron.model import build_rank_chunks, global_grads
@@ -122,10 +131,10 @@ def one_step(rank, world_size, cases, hardware_path, seed=1234):
     groups = init_model_parallel(cp=world_size)
     solo_group = [dist.new_group([r]) for r in range(world_size)][rank]
     solo = ParallelGroups(*([solo_group] * 7), embd=solo_group, pos_embd=solo_group)
-    windows = [_window(lengths, seed + k) for k, lengths in enumerate(WINDOWS)]
+    windows = [_window(lengths, seed + k) for k, lengths in enumerate(window_lengths)]
     results = {}
     for engine, remap in cases:
-        recipe = _recipe(engine, remap, world_size, hardware_path)
+        recipe = _recipe(engine, remap, world_size, hardware_path, len(windows))
         chunks = build_rank_chunks(recipe.model, groups, **cp_layer_classes(recipe), seed=seed)
         step = CPTrainStep(recipe, groups, EOD)
         step.attach(chunks)
@@ -150,7 +159,7 @@ def test_one_cp_training_step_matches_the_per_document_reference(hardware):
     ref_loss, ref_grads = results[0]["reference"]
     zeppelin = results[0]["zeppelin", True]["summary"]
     assert zeppelin["local"] > 0 and zeppelin["inter"] > 0 and zeppelin["remapped_tokens"] > 0
-    assert zeppelin["replanned"] == 0 and zeppelin["sequences"] == sum(len(w) for w in WINDOWS)
+    assert zeppelin["padded"] == 0 and zeppelin["sequences"] == sum(len(w) for w in WINDOWS)
     for case in cases:
         got = results[0][case]
         assert got["grads"].keys() == ref_grads.keys()
@@ -207,21 +216,23 @@ def test_unsupported_cp_training_is_rejected_before_any_work(sets, needle, capsy
     assert needle in capsys.readouterr().err
 
 
-def test_a_pack_that_would_leave_a_cp_rank_empty_is_planned_by_ring():
-    """megatron-core cannot run a rank without tokens; Zeppelin keeps one short sequence local when a
-    node's NIC share is slow, so such a pack goes to the ring engine (exact either way), counted."""
-    import dataclasses
+# every document one token long (ring, allgather and a2a+p2p put them all on CP rank 0), then one
+# 128-token document (Zeppelin keeps it local over a slow NIC: rank 1 is empty)
+EMPTY_RANK_WINDOWS = ((1,) * MODEL["seq_length"], (MODEL["seq_length"],))
 
-    from megatron_slim.megatron.cp_data import plan_runnable_microbatch
-    from megatron_slim.plan.cp.topology import CPTopology
-    from megatron_slim.train.cp import cp_topology
 
-    recipe = _recipe("zeppelin", True, 2, "cpu")
-    _, costs = cp_topology(recipe)
-    slow = dataclasses.replace(CPTopology.from_hardware(recipe.hardware_profile, 2), ranks_per_node=1)
-    plan, _, remap, replanned = plan_runnable_microbatch((128,), slow, costs, engine="zeppelin", remap=True)
-    assert replanned and plan.engine == "ring" and plan.tokens_per_rank() == (64, 64) and remap is None
-    plan, _, _, replanned = plan_runnable_microbatch((100, 28), slow, costs, engine="zeppelin", remap=True)
-    assert not replanned and plan.engine == "zeppelin" and min(plan.tokens_per_rank()) > 0
-    with pytest.raises(ValueError, match="every plan leaves a CP rank without tokens"):
-        plan_runnable_microbatch((1,), slow, costs, engine="zeppelin")
+def test_windows_that_leave_a_cp_rank_without_tokens_train_exactly_under_every_engine(slow_nic_hardware):
+    """Such windows used to stop the run ("every plan leaves a CP rank without tokens"); now the empty
+    rank runs one masked padding row and the step equals the per-document reference."""
+    cases = [("ring", False), ("allgather", False), ("a2a+p2p", False), ("zeppelin", True)]
+    results = run_ranks(one_step, 2, cases, slow_nic_hardware, 1234, EMPTY_RANK_WINDOWS, timeout_s=300)
+    ref_loss, ref_grads = results[0]["reference"]
+    for case in cases:  # ring, allgather, a2a+p2p: the one-token window; zeppelin: the one-document one
+        got = results[0][case]
+        assert got["summary"]["padded"] == 1 and got["summary"]["min_tokens_per_rank"] == 0, case
+        for name, want in ref_grads.items():
+            where = f"{case} {name}"
+            torch.testing.assert_close(got["grads"][name], want, **TOL, msg=lambda m, where=where: f"{where}: {m}")
+        for rank in (0, 1):
+            pair = results[rank][case]["pair"]
+            torch.testing.assert_close(pair[0] / pair[1], ref_loss, **TOL)

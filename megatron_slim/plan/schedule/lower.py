@@ -7,11 +7,19 @@
 """
 from __future__ import annotations
 
+from typing import Optional
+
+from megatron_slim.plan.progress import Progress, report
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 
 
-def add_communication(schedule: Schedule) -> Schedule:
-    """With ``pp=1`` there is no stage boundary between ranks: the schedule comes back unchanged."""
+def _actions(schedule: Schedule) -> int:
+    return sum(len(row) for row in schedule.ranks)
+
+
+def add_communication(schedule: Schedule, progress: Optional[Progress] = None) -> Schedule:
+    """With ``pp=1`` there is no stage boundary between ranks: the schedule comes back unchanged.
+    ``progress("adding communication", actions done, actions)`` after every rank."""
     if schedule.has_communication:
         raise ValueError("add_communication: schedule already has SEND/RECV actions")
     last = schedule.num_stages - 1
@@ -37,6 +45,7 @@ def add_communication(schedule: Schedule) -> Schedule:
             else:
                 row.append(a)
         rows.append(row)
+        report(progress, "adding communication", sum(map(len, schedule.ranks[:rank + 1])), _actions(schedule))
     return schedule.replace_ranks(rows)
 
 
@@ -78,13 +87,14 @@ def merge_backward(schedule: Schedule) -> Schedule:
     return schedule.replace_ranks(rows)
 
 
-def order_receives_by_link(schedule: Schedule) -> Schedule:
+def order_receives_by_link(schedule: Schedule, progress: Optional[Progress] = None) -> Schedule:
     """Move receives earlier so each directed link is received in the order it is sent.
 
     NCCL pairs a link's point-to-point operations in posting order. Where a rank would receive two
     messages of one link in another order than the peer sends them (pp=2 with interleaving: one
     link carries activations and gradients), the later-needed message's RECV moves up to the slot
     of the earlier one. Only receives move, and only earlier; validate the result for deadlocks.
+    ``progress("ordering receives", actions done, actions)`` after every rank.
     """
     if not schedule.is_lowered:
         raise ValueError("order_receives_by_link: lower the schedule with add_communication first")
@@ -117,10 +127,11 @@ def order_receives_by_link(schedule: Schedule) -> Schedule:
                 keys[m] = (w, 0, k)
             row = sorted(row, key=keys.__getitem__)
         rows.append(row)
+        report(progress, "ordering receives", sum(map(len, schedule.ranks[:rank + 1])), _actions(schedule))
     return schedule.replace_ranks(rows)
 
 
-def lower(schedule: Schedule) -> Schedule:
+def lower(schedule: Schedule, progress: Optional[Progress] = None) -> Schedule:
     """The lowering both the simulator and the runtime execute: communication added, receives
     ordered per link (safe for NCCL as well as gloo)."""
-    return order_receives_by_link(add_communication(schedule))
+    return order_receives_by_link(add_communication(schedule, progress), progress)

@@ -8,8 +8,10 @@ actions marked.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Optional
 
 from megatron_slim.plan.schedule.deps import Key, compute_dependencies, key
+from megatron_slim.plan.progress import EVERY, Progress, report
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 
 _SEND_FOR_RECV = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
@@ -58,10 +60,13 @@ def _expected_units(schedule: Schedule) -> Counter:
     return expected
 
 
-def _check_complete(schedule: Schedule) -> None:
+def _check_complete(schedule: Schedule, progress: Optional[Progress] = None) -> None:
     expected = _expected_units(schedule)
     seen: Counter = Counter()
+    total, done = sum(len(row) for row in schedule.ranks), 0
     for rank, row in enumerate(schedule.ranks):
+        report(progress, "checking completeness", done, total)
+        done += len(row)
         for step, a in enumerate(row):
             if a.chunk >= schedule.vpp or a.microbatch >= schedule.num_microbatches or a.slice >= schedule.num_slices:
                 raise ScheduleError(
@@ -160,11 +165,16 @@ def _done_keys(schedule: Schedule, rank: int, a: Action) -> list:
     return [("comm", rank, a.kind, schedule.stage(rank, a.chunk), a.microbatch, a.slice)]
 
 
-def validate(schedule: Schedule) -> Schedule:
-    """Return ``schedule`` unchanged if it is complete and runs to the end; raise otherwise."""
-    _check_complete(schedule)
+def validate(schedule: Schedule, progress: Optional[Progress] = None) -> Schedule:
+    """Return ``schedule`` unchanged if it is complete and runs to the end; raise otherwise.
+    ``progress``: ``("checking completeness", 0, actions)``, then now and then
+    ``("checking dependencies", actions run through, actions)``."""
+    total = sum(len(row) for row in schedule.ranks)
+    _check_complete(schedule, progress)
+    report(progress, "checking dependencies", 0, total)
     done: set = set()
     pos = [0] * schedule.pp
+    steps = 0
     progressed = True
     while progressed:
         progressed = False
@@ -173,6 +183,9 @@ def validate(schedule: Schedule) -> Schedule:
                 done.update(_done_keys(schedule, rank, row[pos[rank]]))
                 pos[rank] += 1
                 progressed = True
+                steps += 1
+                if steps % EVERY == 0:
+                    report(progress, "checking dependencies", steps, total)
     stuck = {r: pos[r] for r in range(schedule.pp) if pos[r] < len(schedule.ranks[r])}
     if stuck:
         reasons = []

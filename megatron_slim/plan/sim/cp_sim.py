@@ -24,6 +24,7 @@ from megatron_slim.plan.cp.remap import plan_remap_for
 from megatron_slim.plan.cp.routing import plan_routing
 from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.cp.zigzag import causal
+from megatron_slim.plan.progress import Progress, report
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schema import fail
 from megatron_slim.plan.sim.cp_events import Span
@@ -113,10 +114,12 @@ def cp_setup(recipe: Recipe, calibration: Calibration | None = None) -> tuple[CP
 
 def simulate_cp(recipe: Recipe, engine: str, packs: tuple[tuple[int, ...], ...], *,
                 remap: bool | None = None, routing: bool = True, hierarchical: bool = True,
-                topo: CPTopology | None = None, costs: CPCosts | None = None, record: bool = False) -> CPSimResult:
+                topo: CPTopology | None = None, costs: CPCosts | None = None, record: bool = False,
+                progress: Progress | None = None) -> CPSimResult:
     """``remap`` defaults to the recipe's ``cp.remap`` (only Zeppelin remaps); ``routing`` and
     ``hierarchical`` switch Zeppelin's routing layer and its a2a+ring inter-node splits off;
-    ``record`` keeps every pack's layer passes (``CPSimResult.passes``) for a trace."""
+    ``record`` keeps every pack's layer passes (``CPSimResult.passes``) for a trace;
+    ``progress("packs", planned and simulated, total)`` is called after every pack."""
     if topo is None or costs is None:
         topo, costs = cp_setup(recipe)
     L = recipe.model.seq_length
@@ -159,6 +162,7 @@ def simulate_cp(recipe: Recipe, engine: str, packs: tuple[tuple[int, ...], ...],
         results.append(PackResult(k, len(pack), max(pack), fwd.time_s, bwd.time_s, time_s, plan.digest(),
                                   plan.summary(), rmp.moved_tokens if rmp else 0,
                                   rmp.inter_node_tokens if rmp else 0))
+        report(progress, "packs", k + 1, len(packs))
     gpus = topo.num_ranks * topo.tp
     peak = recipe.hardware_profile.peak_bf16_flops
     mfu = model_flops / (total * gpus * peak) if total > 0 else 0.0

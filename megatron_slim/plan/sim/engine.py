@@ -15,7 +15,9 @@ Memory per rank, over time:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
+from megatron_slim.plan.progress import EVERY, Progress, report
 from megatron_slim.plan.schedule.deps import compute_dependencies, key
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.lower import lower
@@ -168,8 +170,11 @@ class _Run:
                                      a.microbatch, a.slice))
             self.free[rank] = arrival
 
-    def run(self) -> None:
+    def run(self, progress: Optional[Progress] = None) -> None:
         pos = [0] * self.s.pp
+        total = sum(len(row) for row in self.s.ranks)
+        steps = 0
+        report(progress, "simulating", 0, total)
         progressed = True
         while progressed:
             progressed = False
@@ -187,6 +192,9 @@ class _Run:
                         self._recv(rank, a, ready)
                     pos[rank] += 1
                     progressed = True
+                    steps += 1
+                    if steps % EVERY == 0:
+                        report(progress, "simulating", steps, total)
         if any(pos[r] < len(row) for r, row in enumerate(self.s.ranks)):
             raise RuntimeError("simulation stalled on a schedule the validator accepted")  # invariant
 
@@ -205,12 +213,13 @@ def _memory_peaks(result: RankResult, deltas: list[tuple[float, float, float]]) 
     result.memory = timeline
 
 
-def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
-    """Simulate ``schedule`` (compute-only schedules are lowered first) and summarise it."""
-    lowered = schedule if schedule.is_lowered else lower(schedule)
-    validate(lowered)
+def simulate(schedule: Schedule, costs: PipelineCosts, progress: Optional[Progress] = None) -> SimResult:
+    """Simulate ``schedule`` (compute-only schedules are lowered first) and summarise it.
+    ``progress(phase, done, total)``: the lowering's, the validator's, then ``simulating`` (actions)."""
+    lowered = schedule if schedule.is_lowered else lower(schedule, progress)
+    validate(lowered, progress)
     run = _Run(lowered, costs)
-    run.run()
+    run.run(progress)
     pipeline_time = max(run.free + [e.end for e in run.events] + [0.0])
     ranks = []
     for r in range(schedule.pp):

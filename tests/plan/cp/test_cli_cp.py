@@ -117,3 +117,24 @@ def test_trace_and_plot_show_each_engine_per_rank(tmp_path, monkeypatch, capsys)
     one_layer = sum(p["forward_layer_s"] + p["backward_layer_s"] for p in ring["packs"])
     ring_end = max(e["ts"] + e["dur"] for e in spans if e["pid"] < 1000)
     assert ring_end == pytest.approx(one_layer * 1e6, rel=1e-6)
+
+
+def test_one_engine_writes_both_trace_and_plot(tmp_path, capsys):
+    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "dynamic", "--lengths", SPEC, *SMALL,
+                 "--trace", str(tmp_path / "t.json"), "--plot", str(tmp_path / "p.png"), "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["engine"] == "dynamic" and "wrote plot" in captured.err
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {f"dynamic rank {r}" for r in range(32)} <= names and all(n.startswith("dynamic") for n in names)
+    assert {"attention", "linear"} <= {e["cat"] for e in events if e["ph"] == "X"}
+
+
+def test_seed_defaults_to_zero_with_lengths(capsys):
+    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "ring", "--lengths", SPEC, *SMALL,
+                 "--json", "-"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "ring", "--lengths", SPEC, *SMALL,
+                 "--seed", "0", "--json", "-"]) == 0
+    assert default["seed"] == 0 and json.loads(capsys.readouterr().out)["pack_lengths"] == default["pack_lengths"]

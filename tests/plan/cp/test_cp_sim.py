@@ -50,6 +50,21 @@ def test_every_engine_computes_each_causal_pair_once(engine, name, costs):
             assert res.time_s >= max(sum(b.values()) for b in res.busy.values()) - 1e-12
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("tokens", [3, 257])  # fewer tokens than the 4 ranks; many one-token documents
+def test_every_engine_prices_one_token_only_packs(engine, tokens, costs):
+    """Ranks without tokens still run their groups' collectives: the pass completes and every token
+    and causal pair is priced once."""
+    topo = topology("2x2")
+    lengths = (1,) * tokens
+    plan = plan_pack(engine, lengths, topo, costs)
+    remap = plan_remap_for(plan, topo) if engine == "zeppelin" else None
+    for backward, per_pair in ((False, costs.pair_fwd_s), (True, costs.pair_bwd_s)):
+        res = simulate_pass(plan, topo, costs, backward=backward, remap=remap)
+        assert busy(res, "attention") == pytest.approx(tokens * per_pair, rel=1e-9)
+        assert res.time_s > 0
+
+
 def test_comm_bound_ring_takes_one_hop_per_step(costs):
     free = dataclasses.replace(costs, pair_fwd_s=0.0, pre_fwd_s=0.0, post_fwd_s=0.0, mlp_fwd_s=0.0)
     topo = CPTopology.uniform(1, 4, nvlink_bandwidth=1e9, nvlink_latency=1e-6)

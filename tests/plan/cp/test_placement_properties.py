@@ -148,3 +148,25 @@ def test_ring_neighbours_follow_ring_order_and_node_rails(costs):
     assert hier.kind == "hierarchical" and hier.ring_size == 2 and hier.a2a_size == 2
     assert hier.ring_neighbours(1) == (3, 3)  # local index 1 of node 0 <-> local index 1 of node 1
     assert {g.index for g in plan_pack("ring", (1,), topo, costs).groups_of(3)} == {0}  # holds no token
+
+
+def one_token_packs(num_ranks: int) -> list[tuple[int, ...]]:
+    """Packs made only of one-token documents: fewer tokens than ranks, exactly as many, a few
+    more, and many (the windows a corpus of empty documents gives)."""
+    return [(1,) * n for n in sorted({1, max(1, num_ranks - 1), num_ranks, 2 * num_ranks + 1, 257})]
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("engine", ENGINES)
+def test_one_token_only_packs_are_planned_by_every_engine(engine, name, costs):
+    """Every engine accepts such a pack (none may refuse a window a dataset can produce); ranks left
+    without tokens stay members of their engine's groups, so they take part in its collectives."""
+    topo = topology(name)
+    if engine == "ulysses" and costs.heads % topo.num_ranks:
+        return  # refused before any work on head count (test above), whatever the pack
+    for lengths in one_token_packs(topo.num_ranks):
+        plan = plan_pack(engine, lengths, topo, costs)
+        check_plan(plan, lengths, topo)
+        assert sum(plan.tokens_per_rank()) == len(lengths)
+        if engine in ("ring", "allgather", "a2a+p2p", "ulysses"):  # one group over every rank
+            assert all(len(plan.groups_of(r)) == 1 for r in range(topo.num_ranks))

@@ -14,7 +14,7 @@ import functools
 from megatron_slim.plan.cp.assemble import GroupSpec, assemble
 from megatron_slim.plan.cp.baselines import plan_a2a_p2p, plan_allgather, plan_dynamic, plan_ring, plan_ulysses
 from megatron_slim.plan.cp.costs import CPCosts
-from megatron_slim.plan.cp.engines import plan_pack
+from megatron_slim.plan.cp.engines import ENGINES, plan_pack
 from megatron_slim.plan.cp.remap import plan_remap_for
 from megatron_slim.plan.cp.routing import plan_routing
 from megatron_slim.plan.cp.topology import CPTopology
@@ -26,6 +26,9 @@ SCALE = 150
 ZEPPELIN_PACKS = ((655, 170, 30, 20, 10, 5, 3), (411, 93, 57, 21, 13, 7, 5, 1), (301, 97, 45, 27, 11, 3),
                   (517, 133, 61, 19, 9, 4, 2), (733, 201, 44, 23, 7, 3))
 MIXED = (61, 3, 29, 1, 17, 6, 45)  # for the baselines: short and long, odd, some below 2g
+ONES = (1,) * 6  # one-token documents only: ring, allgather and a2a+p2p put them all on one rank
+FEW = (1, 2)  # fewer tokens than CP ranks: some rank holds nothing under every engine
+EMPTY_RANK_CASES = tuple(f"{pack}-{engine}" for pack in ("ones", "few") for engine in ENGINES)
 ROUTE_BYTES = 1e8  # bytes per K/V row that make routing pay off for every hop (forces it on)
 
 
@@ -109,6 +112,9 @@ def case(name: str):
         return plan_a2a_p2p((2, 1), topo, costs()), None
     if name == "skewed":
         return _skewed_plan(), None
+    if name in EMPTY_RANK_CASES:
+        pack, engine = name.split("-", 1)
+        return plan_pack(engine, ONES if pack == "ones" else FEW, topo, costs()), None
     if name == "relay":
         plan = _relay_plan()
         return plan, forced_routing(plan)
@@ -120,4 +126,4 @@ def remap_for(plan):
 
 
 CASES = ("zeppelin", "zeppelin-routed", "ring", "ring-routed", "hierarchical", "ulysses", "allgather", "dynamic",
-         "relay", "skewed", "tiny", "tiny-a2a")
+         "relay", "skewed", "tiny", "tiny-a2a", *EMPTY_RANK_CASES)

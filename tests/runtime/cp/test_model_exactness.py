@@ -11,11 +11,17 @@ import pytest
 import torch
 
 from megatron_slim.runtime.spawn import run_ranks
-from tests.runtime.cp import _workers
+from tests.runtime.cp import _plans, _workers
 from tests.runtime.cp.conftest import WORLD
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 CASES = [("zeppelin-routed", True), ("zeppelin", False), ("skewed", True)]
+# a CP rank without tokens runs one masked padding row (megatron-core cannot run zero tokens):
+# with remap the padding row stays put while tokens move onto its rank (ones-ring), a rank may run
+# its MLP on zero rows (few-zeppelin); the slow set covers every other engine
+EMPTY_RANK_CASES = [("ones-ring", True), ("few-zeppelin", True), ("few-ulysses", False)]
+SLOW_EMPTY_RANK_CASES = [("ones-allgather", False), ("ones-a2a+p2p", True), ("few-ring", False),
+                         ("few-allgather", True), ("few-a2a+p2p", False), ("few-dynamic", True)]
 SLOW_CASES = [("hierarchical", True), ("ulysses", True), ("allgather", False), ("relay", True), ("dynamic", True)]
 
 
@@ -45,3 +51,18 @@ def test_gpt_with_cp_engine_and_remap_matches_unsharded_reference():
 def test_gpt_with_every_group_kind_matches_unsharded_reference():
     results = run_ranks(_workers.model_cases, WORLD, SLOW_CASES, timeout_s=900)
     _check(results, SLOW_CASES)
+
+
+@pytest.mark.parametrize("cases", [pytest.param(EMPTY_RANK_CASES, id="fast"),
+                                   pytest.param(SLOW_EMPTY_RANK_CASES, id="every-engine", marks=pytest.mark.slow)])
+def test_gpt_runs_packs_that_leave_a_cp_rank_without_tokens(cases):
+    """One-token documents only (ring, allgather and a2a+p2p put every token on one rank) and packs
+    with fewer tokens than CP ranks (some rank is empty under every engine; with remap even in the
+    token-balanced layout): the empty ranks take part in every collective and the result is exact."""
+    for name, remap in cases:
+        plan = _plans.case(name)[0]
+        assert 0 in plan.tokens_per_rank(), name
+        if remap and name == "ones-ring":
+            assert _plans.remap_for(plan).moved_tokens > 0
+    results = run_ranks(_workers.model_cases, WORLD, cases, timeout_s=600)
+    _check(results, cases)

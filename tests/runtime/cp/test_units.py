@@ -98,6 +98,27 @@ def test_cp_batch_cuts_the_pack_in_layout_order():
         cp_batch({"tokens": torch.zeros(3, dtype=torch.long)}, plan, 0)
 
 
+def test_a_rank_without_tokens_gets_one_padding_row_kept_out_of_the_loss():
+    """What both data paths (``megatron-slim train`` and Megatron-LM's get_batch hook) hand the model."""
+    from megatron_slim.megatron.cp_data import cp_batch
+    from megatron_slim.megatron.cp_hooks import local_batch
+
+    plan, _ = _plans.case("ones-ring")
+    empty = [r for r in range(plan.num_ranks) if plan.ranks[r].num_tokens == 0]
+    assert empty
+    pack = _workers.make_pack(plan.lengths, 50, seed=3)
+    for rank in empty:
+        batch = cp_batch(pack, plan, rank)
+        assert [batch[k].shape for k in ("tokens", "labels", "loss_mask", "position_ids")] == [(1, 1)] * 4
+        assert batch["loss_mask"].sum() == 0 and batch["position_ids"].tolist() == [[0]]
+        hooked = local_batch({**pack, "attention_mask": torch.ones(1), "position_ids": torch.arange(6)}, plan, rank)
+        assert hooked["attention_mask"] is None and hooked["loss_mask"].tolist() == [[0.0]]
+        assert hooked["position_ids"].tolist() == [[0]]
+    with pytest.raises(ValueError, match="loss_mask"):
+        cp_batch({"tokens": pack["tokens"], "labels": pack["labels"]}, plan, empty[0])
+    assert cp_batch({"tokens": pack["tokens"]}, plan, empty[0])["tokens"].shape == (1, 1)  # no loss on this stage
+
+
 def test_cp_loss_func_normalisation_without_a_group():
     from megatron_slim.megatron.cp_data import cp_loss_func
 
