@@ -23,6 +23,9 @@ import sys
 import time
 
 from megatron_slim.commands.output import prepare_outputs
+
+# training stopped on a non-finite loss or gradient norm (2 is a bad recipe or flag, 1 a crash)
+STOPPED_EXIT_CODE = 3
 from megatron_slim.plan.recipe import load_recipe, world_size_note
 
 
@@ -122,8 +125,7 @@ def main(args) -> int:
     threads = max(1, (os.cpu_count() or 1) // p.world_size)
     reports = run_ranks(train_rank, p.world_size, recipe.to_dict(), prepared, options,
                         threads_per_rank=threads, timeout_s=None)
-    _report(args, recipe, reports, began)
-    return 0
+    return _report(args, recipe, reports, began)
 
 
 def _run_launched(args, recipe, options, job, began, log) -> int:
@@ -143,11 +145,13 @@ def _run_launched(args, recipe, options, job, began, log) -> int:
         reports = [None] * job.world_size
         dist.all_gather_object(reports, mine)
     if _is_reporter(mine, recipe.parallel.pp):
-        _report(args, recipe, reports, began)
-    return 0
+        return _report(args, recipe, reports, began)
+    return STOPPED_EXIT_CODE if mine.stopped else 0
 
 
-def _report(args, recipe, reports, began) -> None:
+def _report(args, recipe, reports, began) -> int:
+    """Print the summary and write ``--json``; the exit code (``STOPPED_EXIT_CODE`` when training
+    stopped on a non-finite loss or gradient norm)."""
     p, t = recipe.parallel, recipe.train
     reporter = next(r for r in reports if _is_reporter(r, p.pp))
     seconds = sum(reporter.iteration_seconds)
@@ -159,6 +163,7 @@ def _report(args, recipe, reports, began) -> None:
         "tokens_per_s": (t.global_batch_size * recipe.model.seq_length * iterations / seconds) if seconds else 0.0,
         "iteration_time_s": reporter.iteration_seconds, "skipped_steps": reporter.skipped_steps,
         "resumed_from": reporter.resumed_from, "last_iteration": reporter.last_iteration,
+        "skipped_iterations": reporter.skipped_iterations, "stopped": reporter.stopped or None,
         "stages": _stage_entries(reports, p.pp), "wall_time_s": time.perf_counter() - began,
     }
     if p.cp > 1:
@@ -168,11 +173,14 @@ def _report(args, recipe, reports, began) -> None:
     elif args.json:
         with open(args.json, "w") as f:
             f.write(json.dumps(payload, indent=2) + "\n")
-    if args.json != "-":
+    if reporter.stopped:
+        print(f"megatron-slim train: error: {reporter.stopped}", file=sys.stderr, flush=True)
+    if args.json != "-" and payload["losses"]:
         first, last = payload["losses"][0], payload["losses"][-1]
-        print(f"done: loss {first:.4f} -> {last:.4f} over iterations {payload['loss_iterations'][0]}.."
-              f"{payload['loss_iterations'][-1]}, {payload['tokens_per_s']:,.0f} tokens/s, attention backend "
-              f"{reporter.attention_backend}", file=sys.stdout)
+        print(f"{'stopped' if reporter.stopped else 'done'}: loss {first:.4f} -> {last:.4f} over iterations "
+              f"{payload['loss_iterations'][0]}..{payload['loss_iterations'][-1]}, {payload['tokens_per_s']:,.0f} "
+              f"tokens/s, attention backend {reporter.attention_backend}", file=sys.stdout)
         for s in payload["stages"]:
             print(f"  stage {s['stage']}: peak activations {s['peak_activation_bytes'] / 2**20:.2f} MiB, "
                   f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB")
+    return STOPPED_EXIT_CODE if reporter.stopped else 0

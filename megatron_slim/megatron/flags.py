@@ -82,6 +82,10 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
         # Megatron's OptimizerParamScheduler asserts warmup < decay steps (train iterations) at start-up
         raise ConfigError(f"train.warmup_iters: got {t.warmup_iters} with train.iters={t.iters}; Megatron-LM needs "
                           f"fewer warmup than training iterations; allowed: an integer in [0, {t.iters})")
+    if t.skip_nonfinite_steps:
+        raise ConfigError("train.skip_nonfinite_steps: got true; Megatron-LM cannot skip a step whose loss or "
+                          "gradient norm is nan/inf in fp32 or bf16 (its --check-for-nan-in-loss-and-grad stops "
+                          "training, as megatron-slim train does by default); allowed: false")
     out += ["--micro-batch-size", t.micro_batch_size, "--global-batch-size", t.global_batch_size,
             "--train-iters", t.iters, "--lr", _number(t.lr), "--min-lr", _number(t.min_lr),
             "--lr-decay-style", "cosine", "--lr-warmup-iters", t.warmup_iters,

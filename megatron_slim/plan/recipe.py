@@ -99,6 +99,8 @@ class TrainConfig:
     log_interval: int = 1
     eval_interval: int = 0  # 0: evaluate once, at the end of training (when eval_iters > 0)
     eval_iters: int = 0  # microbatch rounds per evaluation; 0: no evaluation
+    # false (Megatron's --check-for-nan-in-loss-and-grad): a nan/inf loss or grad norm stops training
+    skip_nonfinite_steps: bool = False
 
     def __post_init__(self) -> None:
         _require_positive("train", self, ("global_batch_size", "micro_batch_size", "iters", "log_interval"))

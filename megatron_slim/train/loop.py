@@ -21,7 +21,8 @@ from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.recipe import Recipe, recipe_from_dict
 from megatron_slim.plan.sim.costs import slice_lengths
 from megatron_slim.train import checkpoint
-from megatron_slim.train.step import average_data_parallel, clip_and_step, sum_tied_embedding_grads
+from megatron_slim.train.step import (average_data_parallel, clip_and_step, loss_is_finite, nonfinite_reason,
+                                     sum_tied_embedding_grads)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class RankReport:
     attention_backend: str = ""
     schedule_digest: str = ""
     skipped_steps: int = 0
+    skipped_iterations: list = field(default_factory=list)
+    stopped: str = ""  # why training stopped early (a non-finite loss or gradient norm); "" = it did not
     cp_iterations: list = field(default_factory=list)  # per iteration: train.cp.CPTrainStep.summary()
 
 
@@ -158,8 +161,14 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
         cp_summary = reduce_summary(cp_step.summary(), groups.dp, p.dp) if cp_step else None
         if cp_summary is not None and reporter:
             report.cp_iterations.append(cp_summary)
-        stepped, norm = clip_and_step(params, optimizer, scheduler, t.clip_grad, mp_group, groups.tp_rank)
-        report.skipped_steps += not stepped
+        finite = loss_is_finite(reports)
+        stepped, norm = clip_and_step(params, optimizer, scheduler, t.clip_grad, mp_group, groups.tp_rank, finite)
+        if not stepped and not t.skip_nonfinite_steps:
+            report.stopped = nonfinite_reason(it + 1, finite, norm)
+            break
+        if not stepped:
+            report.skipped_steps += 1
+            report.skipped_iterations.append(it + 1)
         elapsed = time.perf_counter() - began
         report.iteration_seconds.append(elapsed)
         report.peak_activation_bytes = max(report.peak_activation_bytes, fb.stats.peak_activation_bytes)
@@ -169,7 +178,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
             total = torch.stack([r["lm loss"] for r in reports]).sum(0)
             loss = _dp_mean(total, grad_group, grad_size)
             report.losses.append((it + 1, loss))
-            if not options.quiet and ((it + 1) % t.log_interval == 0 or it + 1 == t.iters):
+            if not options.quiet and ((it + 1) % t.log_interval == 0 or it + 1 == t.iters or not stepped):
                 tok_s = t.global_batch_size * recipe.model.seq_length / elapsed
                 cp_text = f" | {summary_text(recipe.cp.engine, cp_summary)}" if cp_summary else ""
                 print(f"iter {it + 1:4d}/{t.iters} | loss {loss:.4f} | lr {optimizer.param_groups[0]['lr']:.2e} | "

@@ -70,11 +70,31 @@ def global_grad_norm(params: Sequence[torch.nn.Parameter], model_parallel_group,
     return math.sqrt(total.item())
 
 
-def clip_and_step(params, optimizer, scheduler, clip_grad: float, model_parallel_group, tp_rank: int) -> tuple[bool, float]:
-    """Returns (stepped, grad norm). A non-finite norm (identical on every rank after the
-    all-reduce) skips the update everywhere."""
+def loss_is_finite(reports: Sequence[dict]) -> bool:
+    """Whether every rank's microbatch losses are finite (only the last pipeline stage has any):
+    one all-reduce over the whole job, so every rank takes the same decision."""
+    local = bool(reports) and not all(torch.isfinite(r["lm loss"]).all() for r in reports)
+    bad = torch.tensor([1.0 if local else 0.0])
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0.0
+
+
+def nonfinite_reason(iteration: int, loss_finite: bool, norm: float) -> str:
+    what = " and ".join(w for w, bad in (("the loss", not loss_finite), (f"the gradient norm ({norm})",
+                                                                         not math.isfinite(norm))) if bad)
+    return (f"iteration {iteration}: {what} is not finite; training stopped before the update, so model and "
+            "optimizer state are those after the previous iteration and nothing of this step was saved "
+            "(Megatron's --check-for-nan-in-loss-and-grad); lower train.lr, check the data, or set "
+            "train.skip_nonfinite_steps=true to skip such steps")
+
+
+def clip_and_step(params, optimizer, scheduler, clip_grad: float, model_parallel_group, tp_rank: int,
+                  loss_finite: bool = True) -> tuple[bool, float]:
+    """Returns (stepped, grad norm). A non-finite loss (see ``loss_is_finite``) or norm (identical on
+    every rank after the all-reduce) leaves parameters, optimizer and scheduler untouched everywhere."""
     norm = global_grad_norm(params, model_parallel_group, tp_rank)
-    if not math.isfinite(norm):
+    if not (loss_finite and math.isfinite(norm)):
         optimizer.zero_grad(set_to_none=True)
         return False, norm
     if clip_grad > 0 and norm > clip_grad:
