@@ -15,8 +15,10 @@ def pp2_run(tmp_path_factory, data_cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("split", [["parallel.pp=4", "parallel.dp=1"], ["parallel.pp=2", "parallel.dp=2"]],
-                         ids=["pp4-to-pp2", "pp2dp2-to-pp2dp1"])
+@pytest.mark.parametrize("split", [["parallel.pp=4", "parallel.dp=1"], ["parallel.pp=2", "parallel.dp=2"],
+                                   ["parallel.pp=2", "parallel.vpp=2", "schedule.kind=interleaved",
+                                    "schedule.num_slices=1"]],
+                         ids=["pp4-to-pp2", "pp2dp2-to-pp2dp1", "pp2vpp2-to-pp2"])
 def test_a_checkpoint_resumes_at_another_split_with_the_losses_of_an_uninterrupted_run(
         tmp_path, data_cache, pp2_run, split):
     ckpt = str(tmp_path / "ckpt")
