@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(train, required=False, default="tiny-cpu")
     train.add_argument("--json", metavar="PATH", help="write losses, tokens/s and per-stage memory as JSON ('-': stdout)")
     train.add_argument("--checkpoint-dir", metavar="DIR",
-                       help="save checkpoints here (every train.save_interval iterations and at the end) and "
-                            "resume from the latest one found")
+                       help="save checkpoints here (every train.save_interval iterations and at the end; "
+                            "torch.distributed.checkpoint, checksummed) and resume from the latest intact one, "
+                            "also at another parallel.pp/vpp/dp")
     train.add_argument("--no-resume", action="store_true", help="start from scratch even if DIR has a checkpoint")
     train.add_argument("--exit-interval", type=int, metavar="N",
                        help="stop after iteration N with a checkpoint, as an interrupted run would")

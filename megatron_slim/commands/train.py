@@ -92,6 +92,20 @@ def check_world_size(recipe, job) -> None:
             f"parallel.* with --set)")
 
 
+def _check_checkpoint_dir(args, recipe, say: bool, log):
+    """Before any work: ``--checkpoint-dir`` is a writable directory, and the iteration to resume
+    from (None: start from scratch) is intact and comes from a compatible recipe."""
+    if not args.checkpoint_dir:
+        return None
+    from megatron_slim.train.checkpoint import check_checkpoint_dir, check_resumable
+
+    check_checkpoint_dir(args.checkpoint_dir)
+    if args.no_resume:
+        return None
+    return check_resumable(args.checkpoint_dir, recipe.to_dict(),
+                           say=(lambda line: print(line, file=log, flush=True)) if say else (lambda line: None))
+
+
 def main(args) -> int:
     from megatron_slim.runtime.job import launched_rank
     from megatron_slim.train.loop import TrainOptions, check_trainable
@@ -102,16 +116,13 @@ def main(args) -> int:
     job = launched_rank()
     if job is not None:
         check_world_size(recipe, job)
-    if args.checkpoint_dir and not args.no_resume:
-        from megatron_slim.train.checkpoint import check_resumable
-
-        check_resumable(args.checkpoint_dir, recipe.to_dict())
     prepare_outputs(("--json", args.json))
     log = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
+    resume_from = _check_checkpoint_dir(args, recipe, say=job is None or job.rank == 0, log=log)
     note = world_size_note(args.recipe, args.set, recipe, unit="ranks")
     if note and (job is None or job.rank == 0):
         print(note, file=log, flush=True)
-    options = TrainOptions(checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume,
+    options = TrainOptions(checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume, resume_from=resume_from,
                            exit_interval=args.exit_interval or 0, quiet=args.json == "-")
     if job is not None:
         return _run_launched(args, recipe, options, job, began, log)

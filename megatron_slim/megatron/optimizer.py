@@ -51,5 +51,5 @@ def build_optimizer(chunks: list[torch.nn.Module], train: TrainConfig):
         _SchedulerTarget(optimizer), init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
         lr_warmup_steps=train.warmup_iters, lr_decay_steps=decay_steps, lr_decay_style="cosine",
         start_wd=train.weight_decay, end_wd=train.weight_decay, wd_incr_steps=decay_steps,
-        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False)
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
     return optimizer, scheduler

@@ -29,6 +29,7 @@ from megatron_slim.train.step import (average_data_parallel, clip_and_step, loss
 class TrainOptions:
     checkpoint_dir: Optional[str] = None
     resume: bool = True
+    resume_from: Optional[int] = None  # the iteration checkpoint.check_resumable chose before any work
     exit_interval: int = 0  # stop (with a checkpoint) after this iteration, as if interrupted
     measure_memory: bool = True
     quiet: bool = False
@@ -130,19 +131,14 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     grad_group, grad_size = (groups.dp_cp, p.dp * p.cp) if p.cp > 1 else (groups.dp, p.dp)
 
     start = 0
-    if options.checkpoint_dir and options.resume:
-        found = checkpoint.latest_iteration(options.checkpoint_dir)
-        if found is not None:
-            state = checkpoint.load(options.checkpoint_dir, found, rank, recipe_data)
-            for c, sd in zip(chunks, state["chunks"]):
-                c.load_state_dict(sd)
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            start = report.resumed_from = found
-            report.losses = [tuple(x) for x in state.get("losses", [])]
-            report.cp_iterations = list(state.get("cp_iterations", []))
-            if reporter and not options.quiet:
-                print(f"resumed from {options.checkpoint_dir} at iteration {found}", flush=True)
+    if options.checkpoint_dir and options.resume and options.resume_from is not None:
+        saved = checkpoint.load(options.checkpoint_dir, options.resume_from, rank, chunks, optimizer, scheduler,
+                                recipe_data)
+        start = report.resumed_from = report.last_iteration = options.resume_from
+        report.losses = [tuple(x) for x in saved.get("losses", [])]
+        report.cp_iterations = list(saved.get("cp_iterations", []))
+        if reporter and not options.quiet:
+            print(f"resumed from {options.checkpoint_dir} at iteration {start}", flush=True)
 
     mp_group = groups.mp
     for it in range(start, t.iters):
@@ -189,10 +185,9 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
         report.last_iteration = it + 1
         done = it + 1 == t.iters or (options.exit_interval and it + 1 == options.exit_interval)
         if options.checkpoint_dir and (done or (t.save_interval and (it + 1) % t.save_interval == 0)):
-            state = {"chunks": [c.state_dict() for c in chunks], "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "losses": report.losses,
-                     "cp_iterations": report.cp_iterations}
-            checkpoint.save(options.checkpoint_dir, it + 1, rank, state, recipe_data)
+            saved_report = {"losses": report.losses, "cp_iterations": report.cp_iterations} if reporter else None
+            checkpoint.save(options.checkpoint_dir, it + 1, rank, chunks, optimizer, scheduler, recipe_data,
+                            report=saved_report)
         if options.exit_interval and it + 1 == options.exit_interval:
             break
     return report

@@ -1,0 +1,97 @@
+"""Saving and loading one iteration with ``torch.distributed.checkpoint`` (collective: every rank
+calls it).
+
+A save writes into ``iter_N.partial``; once every rank is done, rank 0 adds ``recipe.json`` and
+the checksum manifest, renames the folder to ``iter_N`` and only then rewrites ``latest``. A run
+that dies at any point leaves the previous ``latest`` and its iteration as they were.
+
+Besides the tensors (``naming``) a checkpoint holds the scheduler state, the reporting rank's
+loss history and CP summaries (``report``), the parallel layout it was written with, and each
+rank's RNG states (``rng/rank<r>``). RNG states are restored only under the same layout: under
+another split rank ``r`` is another part of the model. No training step draws from them (the
+model has no dropout; weights are initialised per parameter from the seed).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+from megatron_slim.train.checkpoint import layout, naming
+
+_LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "dp")
+# keys are flat already; unflattened, a dict value (scheduler, report, rng) is stored as one object
+_SAVE_PLANNER = functools.partial(DefaultSavePlanner, flatten_state_dict=False)
+_LOAD_PLANNER = functools.partial(DefaultLoadPlanner, flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _layout(recipe: dict) -> dict:
+    return {k: recipe["parallel"][k] for k in _LAYOUT_KEYS}
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def save(directory, iteration: int, rank: int, chunks, optimizer, scheduler, recipe: dict,
+         report: Optional[dict] = None) -> None:
+    """Save this rank's part of ``iteration``; ``report`` (losses, cp_iterations) comes from the
+    reporting rank only."""
+    partial, final = layout.partial_dir(directory, iteration), layout.iteration_dir(directory, iteration)
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    state = dict(naming.training_state(chunks, optimizer), scheduler=scheduler.state_dict(),
+                 layout=_layout(recipe), **{f"rng/rank{rank}": _rng_state()})
+    if report is not None:
+        state["report"] = report
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), planner=_SAVE_PLANNER())
+    dist.barrier()
+    if rank == 0:
+        layout.write_atomic(partial / layout.RECIPE, json.dumps(recipe, indent=1))
+        layout.write_manifest(partial, iteration)
+        if final.exists():  # saved before, then resumed from an older iteration
+            stale = final.with_name(final.name + ".stale")
+            shutil.rmtree(stale, ignore_errors=True)
+            final.rename(stale)
+            partial.rename(final)
+            shutil.rmtree(stale)
+        else:
+            partial.rename(final)
+        layout.write_atomic(Path(directory) / layout.LATEST, f"{iteration}\n")
+    dist.barrier()
+
+
+class IncompatibleCheckpoint(RuntimeError):
+    """The checkpoint lacks state this rank needs (checked before any work by ``resume``)."""
+
+
+def load(directory, iteration: int, rank: int, chunks, optimizer, scheduler, recipe: dict) -> dict:
+    """Load ``iteration`` into this rank's chunks, optimizer and scheduler; returns the saved
+    ``report`` (empty when the reporting rank saved none)."""
+    folder = str(layout.iteration_dir(directory, iteration))
+    reader = dcp.FileSystemReader(folder)
+    saved = reader.read_metadata().state_dict_metadata
+    wanted, missing = naming.placeholders(chunks, saved)
+    if missing:
+        raise IncompatibleCheckpoint(f"{folder} has no weights for {', '.join(missing[:5])}"
+                                     f"{' ...' if len(missing) > 5 else ''}")
+    objects = [key for key in ("scheduler", "layout", "report", f"rng/rank{rank}") if key in saved]
+    state = dict(wanted, **dict.fromkeys(objects))
+    dcp.load(state, storage_reader=reader, planner=_LOAD_PLANNER())  # fills the tensors in place and replaces the objects' values
+    naming.apply(chunks, optimizer, wanted)
+    scheduler.load_state_dict(state["scheduler"])
+    rng = state.get(f"rng/rank{rank}")
+    if rng is not None and state["layout"] == _layout(recipe):
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+    return state.get("report") or {}
