@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "torch.distributed.checkpoint, checksummed) and resume from the latest intact one, "
                             "also at another parallel.pp/vpp/dp")
     train.add_argument("--no-resume", action="store_true", help="start from scratch even if DIR has a checkpoint")
-    train.add_argument("--exit-interval", type=int, metavar="N",
+    train.add_argument("--exit-interval", type=_positive_int, metavar="N",
                        help="stop after iteration N with a checkpoint, as an interrupted run would")
     train.set_defaults(run="megatron_slim.commands.train")
 
@@ -101,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     recipes.add_argument("--names", action="store_true", help="print only the recipe names, one per line")
     recipes.set_defaults(run="megatron_slim.commands.recipes")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an integer >= 1")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,7 +89,11 @@ def main(args) -> int:
     if args.seed is not None:
         raise ConfigError(f"--seed {args.seed}: it seeds the sequence lengths drawn for --lengths, and a pipeline "
                           "simulation draws none (allowed: --seed with --lengths/--cp-engine, or no --seed)")
-    kinds = [k for k in (args.compare or "").split(",") if k.strip()]
+    kinds = [k.strip() for k in (args.compare or "").split(",")]
+    if args.compare is not None and not all(kinds):
+        raise ConfigError(f"--compare {args.compare!r}: an empty schedule name (allowed: a comma list of "
+                          "1f1b, interleaved, slimpipe with nothing empty, e.g. 1f1b,slimpipe)")
+    kinds = kinds if args.compare is not None else []
     variants = [schedule_variant(recipe, k) for k in kinds] if kinds else [recipe]
     prepare_outputs(*output_flags(args))
     with ProgressLine("megatron-slim simulate") as line:

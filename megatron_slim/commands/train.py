@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from megatron_slim.commands.output import prepare_outputs
 
@@ -42,6 +43,24 @@ def _cp_entry(recipe, reporter) -> dict:
     return {"size": recipe.parallel.cp, "engine": recipe.cp.engine, "remap": recipe.cp.remap,
             "nodes": topo.num_nodes, "ranks_per_node": topo.ranks_per_node, "document_masking": True,
             "iterations": reporter.cp_iterations}
+
+
+def check_data(recipe) -> None:
+    """Before any work: the corpus exists and the vocabulary a trained tokenizer gets can hold the
+    256 bytes and the end-of-document token (``data.path``/``data.tokenizer`` are checked as they load)."""
+    from megatron_slim.data.corpus import STDLIB
+    from megatron_slim.data.tokenizer import MIN_VOCAB_SIZE
+    from megatron_slim.plan.schema import ConfigError
+
+    d = recipe.data
+    if d.path:
+        return
+    if d.corpus != STDLIB and not Path(d.corpus).expanduser().is_dir():
+        raise ConfigError(f"data.corpus: {d.corpus!r} is not a directory (allowed: {STDLIB!r}, the Python standard "
+                          "library's sources, or a directory of UTF-8 text files)")
+    if not d.tokenizer and recipe.model.vocab_size < MIN_VOCAB_SIZE:
+        raise ConfigError(f"model.vocab_size: got {recipe.model.vocab_size}; the tokenizer trained on the corpus needs "
+                          f"the 256 bytes and the end-of-document token (allowed: an integer >= {MIN_VOCAB_SIZE})")
 
 
 def _prepare(recipe, say: bool, log=sys.stdout):
@@ -113,6 +132,7 @@ def main(args) -> int:
     began = time.perf_counter()
     recipe = load_recipe(args.recipe, args.set)
     check_trainable(recipe)
+    check_data(recipe)
     job = launched_rank()
     if job is not None:
         check_world_size(recipe, job)

@@ -95,6 +95,11 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
         out += ["--bf16"]
     if t.distributed_optimizer:
         out += ["--use-distributed-optimizer"]
+    if t.recompute == "full" and s.kind == "slimpipe":
+        raise ConfigError("train.recompute: got 'full' with schedule.kind=slimpipe; SlimPipe keeps each slice's K/V in "
+                          "a cache that a recomputed forward would fill again, so the launcher refuses "
+                          "--recompute-granularity with --use-slimpipe (allowed: none with slimpipe; full with "
+                          "schedule.kind=1f1b or interleaved, Megatron's own schedules)")
     if t.recompute == "full":
         out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     # Megatron requires --save-interval whenever --save is given, and --eval-interval always
@@ -158,6 +163,10 @@ def check_megatron_args(args: argparse.Namespace) -> None:
                                      "--num-microbatches-with-partial-activation-checkpoints"),
         "reset_attention_mask": (bool, "--use-slimpipe attends causally over the whole sequence (no document "
                                        "masking): drop --reset-attention-mask"),
+        "recompute_granularity": (lambda v: v is not None,
+                                  "--use-slimpipe keeps each slice's K/V in a cache that a recomputed forward "
+                                  "would fill again (activation recomputation is not supported with it yet): drop "
+                                  "--recompute-granularity, or use Megatron's own schedule (no --use-slimpipe)"),
         "num_experts": (lambda v: bool(v), "--use-slimpipe does not support MoE yet: drop --num-experts"),
         "multi_latent_attention": (bool, "--use-slimpipe does not support MLA: drop --multi-latent-attention"),
         "cuda_graph_impl": (lambda v: v not in (None, "none"),

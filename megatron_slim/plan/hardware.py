@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
+from megatron_slim.plan.files import load_yaml_mapping
 from megatron_slim.plan.paths import config_dir
 from megatron_slim.plan.schema import ConfigError, build, fail
 
@@ -83,5 +82,5 @@ def load_hardware(name_or_path: str) -> HardwareProfile:
             f"hardware: unknown profile {name_or_path!r} (allowed: {', '.join(available_profiles()) or 'none found'} "
             f"in {config_dir() / 'hardware'}, or a path to a profile YAML)"
         )
-    data = yaml.safe_load(path.read_text()) or {}
+    data = load_yaml_mapping(path, f"hardware {path}")
     return build(HardwareProfile, data, "hardware")

@@ -11,8 +11,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal, Optional
 
-import yaml
-
+from megatron_slim.plan.files import load_yaml_mapping
 from megatron_slim.plan.hardware import HardwareProfile, load_hardware
 from megatron_slim.plan.paths import config_dir
 from megatron_slim.plan.schema import ConfigError, apply_overrides, build, fail, parse_override, to_dict
@@ -56,6 +55,10 @@ class ModelConfig:
         if self.num_attention_heads % self.num_query_groups:
             raise fail("model.num_query_groups", self.num_query_groups,
                        f"a divisor of model.num_attention_heads={self.num_attention_heads}")
+        if self.rotary_base <= 1:  # RoPE's frequencies are base**(-2i/d): base <= 1 does not rotate
+            raise fail("model.rotary_base", self.rotary_base, "a number > 1 (Llama: 10000 or 500000)")
+        if not 0 < self.norm_epsilon < 1:
+            raise fail("model.norm_epsilon", self.norm_epsilon, "a number in (0, 1) (Llama: 1e-5 or 1e-6)")
 
     @property
     def head_dim(self) -> int:
@@ -114,6 +117,10 @@ class TrainConfig:
 
         if self.clip_grad < 0:
             raise fail("train.clip_grad", self.clip_grad, "a number >= 0 (0 disables clipping)")
+        if self.weight_decay < 0:
+            raise fail("train.weight_decay", self.weight_decay, "a number >= 0")
+        if self.seed < 0:
+            raise fail("train.seed", self.seed, "an integer >= 0 (numpy and torch seeds)")
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,8 @@ class DataConfig:
     tokenizer: str = ""  # a Hugging Face tokenizer dir or tokenizer.json; "" = train one on the corpus
 
     def __post_init__(self) -> None:
+        if self.max_files < 0:
+            raise fail("data.max_files", self.max_files, "an integer >= 0 (0: every file)")
         if self.path and self.corpus != "stdlib":
             raise ConfigError(f"data.corpus: {self.corpus!r} with data.path {list(self.path)!r} (allowed: one "
                               "source: data.path (existing Megatron data) or data.corpus (text to tokenize))")
@@ -264,12 +273,7 @@ def recipe_path(name_or_path: str) -> Path:
 
 def load_recipe(name_or_path: str, overrides: Optional[list[str]] = None) -> Recipe:
     path = recipe_path(name_or_path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--recipe {path}: not valid YAML ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--recipe {path}: expected a mapping at the top level")
+    data = load_yaml_mapping(path, f"--recipe {path}")
     data.setdefault("name", path.stem)
     data = apply_overrides(data, list(overrides or []), Recipe)
     return recipe_from_dict(data)
@@ -288,8 +292,9 @@ def world_size_note(name_or_path: str, overrides: Optional[list[str]], recipe: R
     which ``parallel.dp`` would keep the original count, when one would."""
     if not overrides:
         return None
-    data = yaml.safe_load(recipe_path(name_or_path).read_text()) or {}
-    section = data.get("parallel") if isinstance(data, dict) else None
+    path = recipe_path(name_or_path)
+    data = load_yaml_mapping(path, f"--recipe {path}")
+    section = data.get("parallel")
     section = section if isinstance(section, dict) else {}
     try:
         base = 1

@@ -6,6 +6,7 @@ config error has the same shape: ``<dotted.field>: <problem> (got <value>; allow
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal, Mapping, get_args, get_origin, get_type_hints
@@ -87,16 +88,12 @@ def coerce(tp: Any, value: Any, field: str) -> Any:
             return int(value)
         raise fail(field, value, "an integer")
     if tp is float:
-        if isinstance(value, bool):
+        number = _as_float(value)
+        if number is None:
             raise fail(field, value, "a number")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise fail(field, value, "a number")
+        if not math.isfinite(number):  # nan and inf parse as floats, and then train nothing
+            raise fail(field, value, "a finite number")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -106,6 +103,19 @@ def coerce(tp: Any, value: Any, field: str) -> Any:
     if tp is Any:
         return value
     raise TypeError(f"{field}: unsupported annotation {tp!r}")
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:

@@ -88,8 +88,9 @@ def check_trainable(recipe: Recipe) -> None:
         raise ConfigError("parallel.sequence_parallel: megatron-core's sequence-parallel buffers are CUDA-only; "
                           "allowed on CPU ranks: false")
     if recipe.train.recompute != "none":
-        raise ConfigError("train.recompute: the slice schedule keeps its K/V cache across recomputation only "
-                          "for none; allowed: none")
+        raise ConfigError(f"train.recompute: got {recipe.train.recompute!r}; the CPU training loop does not "
+                          "recompute activations (the models here are small; Megatron-LM does, through "
+                          "megatron-args with schedule.kind=1f1b or interleaved); allowed: none")
     if recipe.train.precision != "fp32":
         raise ConfigError("train.precision: CPU ranks train in fp32; allowed: fp32")
     if recipe.train.eval_iters:

@@ -137,3 +137,14 @@ def test_readme_slurm_commands_run_as_written(slurm_path):
         flags = recipe_to_megatron_args(load_recipe(name))
         nodes = run.stdout.strip().splitlines()
         assert nodes and all(shlex.join(flags) in ln for ln in nodes), line
+
+
+def test_extra_args_keep_quoted_values_with_spaces_whole():
+    run = _dry_run(RECIPE="llama2-7b-64k", EXTRA_ARGS='--wandb-exp-name "my long run" --exit-interval 5',
+                   TOKENIZER_ARGS="--tokenizer-type HuggingFaceTokenizer --tokenizer-model '/data/tok dir'")
+    assert run.returncode == 0, run.stderr
+    first = run.stdout.splitlines()[0]
+    assert r"--wandb-exp-name my\ long\ run --exit-interval 5" in first
+    assert r"--tokenizer-model /data/tok\ dir" in first
+    bad = _dry_run(RECIPE="llama2-7b-64k", EXTRA_ARGS='--wandb-exp-name "unbalanced')
+    assert bad.returncode == 2 and "EXTRA_ARGS: not valid shell words" in bad.stderr

@@ -111,6 +111,8 @@ REJECTED = {
     "slice-alignment": (4, ["--use-slimpipe", "--slimpipe-num-slices", "2", "--context-parallel-size", "2",
                             "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "36",
                             "--max-position-embeddings", "36"], "SlimPipe slice boundaries are multiples of 8 tokens"),
+    "recompute-under-slimpipe": (1, SLIMPIPE + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                                "--recompute-num-layers", "1"], "drop --recompute-granularity"),
     "remap-without-zeppelin": (1, ["--cp-remap"], "--cp-remap: only with --cp-engine zeppelin"),
     "cp-engine-without-cp": (1, ["--cp-engine", "ring"], "needs --context-parallel-size > 1"),
 }

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-import yaml
 
+from megatron_slim.plan.files import parse_yaml, read_text
 from megatron_slim.plan.schema import ConfigError, build, fail
 
 OpClass = Literal["gemm", "attention_forward", "attention_backward", "memory_bound"]
@@ -83,16 +83,11 @@ def load_calibration(path: str | Path, flag: str = "--calibration") -> Calibrati
     if not path.is_file():
         what = "a directory" if path.is_dir() else "not a regular file"
         raise ConfigError(f"{where}: is {what} (allowed: a YAML or JSON file)")
+    text = read_text(path, where)
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else parse_yaml(text, where)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where}: not valid JSON ({exc})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping with hardware, source, measurements")
     return build(Calibration, data, "calibration")

@@ -161,7 +161,9 @@ def _parse_mix(body: str) -> tuple[tuple[float, Distribution], ...]:
 
 def read_lengths_file(path: Path) -> tuple[int, ...]:
     lengths = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    from megatron_slim.plan.files import read_text
+
+    for lineno, line in enumerate(read_text(path, f"--lengths {path}").splitlines(), 1):
         text = line.split("#", 1)[0].strip()
         if not text:
             continue

@@ -1,0 +1,85 @@
+"""Inputs a user can get wrong fail before any work with one line naming the field or flag, the
+value and what is allowed (issue 8's list): non-physical numbers, unreadable or ambiguous files,
+flags that were silently ignored."""
+import pytest
+
+from megatron_slim.cli import main
+
+
+def _error(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(f"megatron-slim {argv[0]}: error: "), err
+    return err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("model.rotary_base=0", "model.rotary_base: invalid value (got 0.0; allowed: a number > 1"),
+    ("model.rotary_base=-5", "model.rotary_base"),
+    ("model.norm_epsilon=-1e-5", "model.norm_epsilon: invalid value (got -1e-05; allowed: a number in (0, 1)"),
+    ("train.lr=inf", "train.lr: invalid value (got 'inf'; allowed: a finite number)"),
+    ("train.clip_grad=nan", "train.clip_grad: invalid value (got 'nan'; allowed: a finite number)"),
+    ("train.min_lr=-inf", "train.min_lr: invalid value (got '-inf'; allowed: a finite number)"),
+    ("train.weight_decay=-0.1", "train.weight_decay: invalid value (got -0.1; allowed: a number >= 0)"),
+    ("train.seed=-1", "train.seed: invalid value (got -1; allowed: an integer >= 0"),
+    ("data.max_files=-1", "data.max_files: invalid value (got -1; allowed: an integer >= 0"),
+])
+def test_non_physical_values_are_refused(capsys, override, expected):
+    assert expected in _error(capsys, "simulate", "--recipe", "tiny-cpu", "--set", override)
+
+
+def test_a_recipe_that_is_not_utf8_or_repeats_a_key_is_refused(tmp_path, capsys):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("description: caf\xe9\n".encode("latin-1"))
+    assert "not UTF-8 text (byte 0xe9 at line 1" in _error(capsys, "simulate", "--recipe", str(latin1))
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("hardware: cpu\nmodel: {num_layers: 2}\nhardware: h100\n")
+    assert "key 'hardware' appears twice (lines 1 and 3)" in _error(capsys, "simulate", "--recipe", str(twice))
+
+
+def test_a_hardware_profile_that_is_malformed_or_not_utf8_is_refused(tmp_path, capsys):
+    for name, content, expected in (("broken.yaml", b"name: [unclosed\n", "not valid YAML"),
+                                    ("latin1.yaml", b"name: x\xff\n", "not UTF-8 text"),
+                                    ("twice.yaml", b"name: a\nname: b\n", "key 'name' appears twice")):
+        path = tmp_path / name
+        path.write_bytes(content)
+        err = _error(capsys, "simulate", "--recipe", "tiny-cpu", "--set", f"hardware={path}")
+        assert f"hardware {path}: " in err and expected in err
+
+
+def test_calibration_and_lengths_files_that_are_not_utf8_or_repeat_keys_are_refused(tmp_path, capsys):
+    calibration = tmp_path / "cal.yaml"
+    calibration.write_text("hardware: cpu\nhardware: h100\n")
+    assert "key 'hardware' appears twice" in _error(capsys, "simulate", "--recipe", "tiny-cpu",
+                                                     "--calibration", str(calibration))
+    calibration.write_bytes(b"hardware: \xff\n")
+    assert "not UTF-8 text" in _error(capsys, "simulate", "--recipe", "tiny-cpu", "--calibration", str(calibration))
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_bytes(b"100\n\xff\n")
+    err = _error(capsys, "simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "ring", "--lengths", str(lengths))
+    assert f"--lengths {lengths}: not UTF-8 text (byte 0xff at line 2" in err
+
+
+def test_flags_that_were_silently_ignored_are_refused(capsys):
+    assert "--compare ',': an empty schedule name" in _error(capsys, "simulate", "--recipe", "tiny-cpu", "--compare", ",")
+    assert "--compare '1f1b,': an empty" in _error(capsys, "simulate", "--recipe", "tiny-cpu", "--compare", "1f1b,")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--exit-interval", "-1"])
+    assert exit_.value.code == 2
+    assert "--exit-interval: got '-1'; allowed: an integer >= 1" in capsys.readouterr().err
+
+
+def test_train_checks_its_data_source_before_any_work(tmp_path, capsys):
+    missing = tmp_path / "no-such-corpus"
+    assert f"data.corpus: '{missing}' is not a directory" in _error(capsys, "train", "--set", f"data.corpus={missing}")
+    assert "model.vocab_size: got 100; the tokenizer trained on the corpus needs" in _error(
+        capsys, "train", "--set", "model.vocab_size=100")
+
+
+def test_megatron_args_emits_no_recompute_the_slimpipe_launcher_would_refuse(capsys):
+    err = _error(capsys, "megatron-args", "--recipe", "tiny-cpu", "--set", "train.recompute=full")
+    assert "train.recompute: got 'full' with schedule.kind=slimpipe" in err
+    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", "train.recompute=full", "schedule.kind=1f1b",
+                 "schedule.num_slices=1"]) == 0
+    assert "--recompute-granularity full" in capsys.readouterr().out
+    assert "CPU training loop does not recompute" in _error(capsys, "train", "--set", "train.recompute=full")
