@@ -20,6 +20,26 @@ def _add_recipe_args(p: argparse.ArgumentParser, required: bool = True, default:
                    help="override recipe keys, e.g. --set parallel.pp=8 schedule.num_slices=16")
 
 
+def _add_observability_args(train: argparse.ArgumentParser) -> None:
+    group = train.add_argument_group("metrics and profiling (written by the ranks; checked before any work)")
+    group.add_argument("--tensorboard-dir", metavar="DIR",
+                       help="log Megatron-LM's TensorBoard tags every iteration (lm loss, learning-rate, grad-norm, "
+                            "batch-size, iteration-time, throughput; also tokens-per-second and "
+                            "mem-peak-{activation,kv}-bytes) from the reporting rank; needs the tensorboard "
+                            "package (pip install 'megatron-slim[metrics]')")
+    group.add_argument("--wandb-project", metavar="NAME", help="also log the same values to this W&B project "
+                                                               "(needs the wandb package)")
+    group.add_argument("--wandb-exp-name", metavar="NAME", help="the W&B run name (with --wandb-project)")
+    group.add_argument("--wandb-save-dir", metavar="DIR", help="W&B's local files (with --wandb-project; default: "
+                                                               "wandb's own, ./wandb)")
+    group.add_argument("--profile", metavar="DIR",
+                       help="write a torch profiler trace of one iteration per rank to "
+                            "DIR/rank_<rank>.trace.json, actions named as in the simulator (F3.2, 1B0.7, "
+                            "SEND_F3.2); `megatron-slim overlay --measured DIR` compares it with the simulation")
+    group.add_argument("--profile-iteration", type=int, metavar="N",
+                       help="the iteration --profile traces (1-based; default: the run's last)")
+
+
 class _EpilogAsWritten(argparse.HelpFormatter):
     """Wraps the description as usual; keeps an epilog's own line breaks (it is a small table)."""
 
@@ -84,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-resume", action="store_true", help="start from scratch even if DIR has a checkpoint")
     train.add_argument("--exit-interval", type=int, metavar="N",
                        help="stop after iteration N with a checkpoint, as an interrupted run would")
+    _add_observability_args(train)
     train.set_defaults(run="megatron_slim.commands.train")
 
     margs = sub.add_parser("megatron-args", help="print the Megatron-LM pretrain_gpt.py flags a recipe stands for",
