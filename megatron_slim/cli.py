@@ -107,6 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_observability_args(train)
     train.set_defaults(run="megatron_slim.commands.train")
 
+    overlay = sub.add_parser("overlay", help="lay a profiled train iteration beside its simulation (PNG, table)",
+                             description="Compare the per-rank timelines of an iteration traced by `megatron-slim "
+                                         "train --profile DIR` with the simulation of the same recipe and "
+                                         "schedule (on the recipe's hardware profile, e.g. cpu): busy time per "
+                                         "pipeline rank, both timelines from zero in one PNG.")
+    overlay.add_argument("--measured", nargs="+", required=True, metavar="PATH",
+                         help="the --profile directory of a train run, or its rank_*.trace.json files")
+    _add_recipe_args(overlay, required=False, default="tiny-cpu")
+    overlay.add_argument("--calibration", metavar="FILE", help="measured kernel rates for the simulation "
+                                                               "(format: docs/calibration.md)")
+    overlay.add_argument("--plot", metavar="PATH", help="write a PNG: measured and simulated timelines, busy time")
+    overlay.add_argument("--json", metavar="PATH", help="write the comparison as JSON to PATH ('-' for stdout)")
+    overlay.set_defaults(run="megatron_slim.commands.overlay")
+
     margs = sub.add_parser("megatron-args", help="print the Megatron-LM pretrain_gpt.py flags a recipe stands for",
                            description="Print the pretrain_gpt.py flags of a recipe (data and output paths "
                                        "excepted), for `python -m megatron_slim.launch pretrain_gpt.py ...`.")
