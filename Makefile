@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test,megatron-lm]"
+	$(BIN)/python -m pip install --quiet -e ".[test,metrics,megatron-lm]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -55,7 +55,7 @@ $(STAMP312): pyproject.toml
 	$(PYTHON312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV312)/bin/python -m pip install --quiet torch==2.14.1 megatron-core==0.19.2
-	$(VENV312)/bin/python -m pip install --quiet ".[test,megatron-lm]"
+	$(VENV312)/bin/python -m pip install --quiet ".[test,metrics,megatron-lm]"
 	$(VENV312)/bin/python -m pip uninstall --quiet --yes megatron-slim
 	$(VENV312)/bin/python -m pip install --quiet --no-deps --target $(VENV312)/mcore-0.17.1 megatron-core==0.17.1
 	$(VENV312)/bin/python -m pip install --quiet --no-deps --target $(VENV312)/mcore-0.18.2 megatron-core==0.18.2

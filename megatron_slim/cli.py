@@ -20,6 +20,26 @@ def _add_recipe_args(p: argparse.ArgumentParser, required: bool = True, default:
                    help="override recipe keys, e.g. --set parallel.pp=8 schedule.num_slices=16")
 
 
+def _add_observability_args(train: argparse.ArgumentParser) -> None:
+    group = train.add_argument_group("metrics and profiling (written by the ranks; checked before any work)")
+    group.add_argument("--tensorboard-dir", metavar="DIR",
+                       help="log Megatron-LM's TensorBoard tags every iteration (lm loss, learning-rate, grad-norm, "
+                            "batch-size, iteration-time, throughput; also tokens-per-second and "
+                            "mem-peak-{activation,kv}-bytes) from the reporting rank; needs the tensorboard "
+                            "package (pip install 'megatron-slim[metrics]')")
+    group.add_argument("--wandb-project", metavar="NAME", help="also log the same values to this W&B project "
+                                                               "(needs the wandb package)")
+    group.add_argument("--wandb-exp-name", metavar="NAME", help="the W&B run name (with --wandb-project)")
+    group.add_argument("--wandb-save-dir", metavar="DIR", help="W&B's local files (with --wandb-project; default: "
+                                                               "wandb's own, ./wandb)")
+    group.add_argument("--profile", metavar="DIR",
+                       help="write a torch profiler trace of one iteration per rank to "
+                            "DIR/rank_<rank>.trace.json, actions named as in the simulator (F3.2, 1B0.7, "
+                            "SEND_F3.2); `megatron-slim overlay --measured DIR` compares it with the simulation")
+    group.add_argument("--profile-iteration", type=int, metavar="N",
+                       help="the iteration --profile traces (1-based; default: the run's last)")
+
+
 class _EpilogAsWritten(argparse.HelpFormatter):
     """Wraps the description as usual; keeps an epilog's own line breaks (it is a small table)."""
 
@@ -85,7 +105,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-resume", action="store_true", help="start from scratch even if DIR has a checkpoint")
     train.add_argument("--exit-interval", type=_positive_int, metavar="N",
                        help="stop after iteration N with a checkpoint, as an interrupted run would")
+    _add_observability_args(train)
     train.set_defaults(run="megatron_slim.commands.train")
+
+    overlay = sub.add_parser("overlay", help="lay a profiled train iteration beside its simulation (PNG, table)",
+                             description="Compare the per-rank timelines of an iteration traced by `megatron-slim "
+                                         "train --profile DIR` with the simulation of the same recipe and "
+                                         "schedule (on the recipe's hardware profile, e.g. cpu): busy time per "
+                                         "pipeline rank, both timelines from zero in one PNG.")
+    overlay.add_argument("--measured", nargs="+", required=True, metavar="PATH",
+                         help="the --profile directory of a train run, or its rank_*.trace.json files")
+    _add_recipe_args(overlay, required=False, default="tiny-cpu")
+    overlay.add_argument("--calibration", metavar="FILE", help="measured kernel rates for the simulation "
+                                                               "(format: docs/calibration.md)")
+    overlay.add_argument("--plot", metavar="PATH", help="write a PNG: measured and simulated timelines, busy time")
+    overlay.add_argument("--json", metavar="PATH", help="write the comparison as JSON to PATH ('-' for stdout)")
+    overlay.set_defaults(run="megatron_slim.commands.overlay")
 
     margs = sub.add_parser("megatron-args", help="print the Megatron-LM pretrain_gpt.py flags a recipe stands for",
                            description="Print the pretrain_gpt.py flags of a recipe (data and output paths "

@@ -78,3 +78,29 @@ def _check_writable(flag: str, target: str, path: Path) -> None:
             os.unlink(probe)
     except OSError as exc:
         raise fail(exc.strerror or str(exc)) from None
+
+
+def prepare_output_dirs(*outputs: tuple[str, Optional[str]]) -> None:
+    """Before any work: every ``(flag, directory)`` given is a directory that exists or can be
+    created (it is, with its parents) and in which files can be created; otherwise a named error."""
+    for flag, target in outputs:
+        if target is None:
+            continue
+        path = Path(target)
+
+        def fail(reason: str) -> ConfigError:
+            return ConfigError(f"{flag} {target}: cannot write ({reason}); allowed: a writable directory "
+                               "(missing directories are created)")
+
+        if target in ("", "-"):
+            raise fail("not a directory path")
+        existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+        if existing.exists() and not existing.is_dir():
+            raise fail(f"{existing} is a file, not a directory")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=path, prefix=".probe.")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise fail(exc.strerror or str(exc)) from None

@@ -137,13 +137,15 @@ def main(args) -> int:
     if job is not None:
         check_world_size(recipe, job)
     prepare_outputs(("--json", args.json))
+    metrics, profile = _observability(args, recipe)
     log = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
     resume_from = _check_checkpoint_dir(args, recipe, say=job is None or job.rank == 0, log=log)
     note = world_size_note(args.recipe, args.set, recipe, unit="ranks")
     if note and (job is None or job.rank == 0):
         print(note, file=log, flush=True)
     options = TrainOptions(checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume, resume_from=resume_from,
-                           exit_interval=args.exit_interval or 0, quiet=args.json == "-")
+                           exit_interval=args.exit_interval or 0, quiet=args.json == "-", metrics=metrics,
+                           profile=profile)
     if job is not None:
         return _run_launched(args, recipe, options, job, began, log)
 
@@ -157,6 +159,18 @@ def main(args) -> int:
     reports = run_ranks(train_rank, p.world_size, recipe.to_dict(), prepared, options,
                         threads_per_rank=threads, timeout_s=None)
     return _report(args, recipe, reports, began)
+
+
+def _observability(args, recipe):
+    """``--tensorboard-dir``/``--wandb-*`` and ``--profile``: checked, their directories created."""
+    from megatron_slim.commands.output import prepare_output_dirs
+    from megatron_slim.train.metrics import metrics_options
+    from megatron_slim.train.profiler import profile_options
+
+    metrics, profile = metrics_options(args), profile_options(args, recipe)
+    prepare_output_dirs(("--tensorboard-dir", args.tensorboard_dir), ("--wandb-save-dir", args.wandb_save_dir),
+                        ("--profile", args.profile))
+    return metrics, profile
 
 
 def _run_launched(args, recipe, options, job, began, log) -> int:

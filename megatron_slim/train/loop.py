@@ -21,6 +21,8 @@ from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.recipe import Recipe, recipe_from_dict
 from megatron_slim.plan.sim.costs import slice_lengths
 from megatron_slim.train import checkpoint
+from megatron_slim.train.metrics import MetricsOptions, open_metrics
+from megatron_slim.train.profiler import IterationProfiler, ProfileOptions
 from megatron_slim.train.step import (average_data_parallel, clip_and_step, loss_is_finite, nonfinite_reason,
                                      sum_tied_embedding_grads)
 
@@ -33,6 +35,8 @@ class TrainOptions:
     exit_interval: int = 0  # stop (with a checkpoint) after this iteration, as if interrupted
     measure_memory: bool = True
     quiet: bool = False
+    metrics: Optional[MetricsOptions] = None  # --tensorboard-dir / --wandb-project
+    profile: Optional[ProfileOptions] = None  # --profile
 
 
 @dataclass
@@ -142,8 +146,11 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
             print(f"resumed from {options.checkpoint_dir} at iteration {start}", flush=True)
 
     mp_group = groups.mp
+    metrics = open_metrics(options.metrics, recipe, reporter)
+    profiler = IterationProfiler(options.profile, rank, recipe, groups)
     for it in range(start, t.iters):
         began = time.perf_counter()
+        profiler.before(it + 1)
         optimizer.zero_grad(set_to_none=True)
         batches = list(_microbatches(dataset, recipe, it, groups.dp_rank))
         step_func = forward_step
@@ -168,6 +175,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
             report.skipped_iterations.append(it + 1)
         elapsed = time.perf_counter() - began
         report.iteration_seconds.append(elapsed)
+        profiler.after(it + 1, fb.stats.schedule_digest)
         report.peak_activation_bytes = max(report.peak_activation_bytes, fb.stats.peak_activation_bytes)
         report.peak_kv_bytes = max(report.peak_kv_bytes, fb.stats.peak_kv_bytes)
         report.schedule_digest = fb.stats.schedule_digest
@@ -175,6 +183,8 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
             total = torch.stack([r["lm loss"] for r in reports]).sum(0)
             loss = _dp_mean(total, grad_group, grad_size)
             report.losses.append((it + 1, loss))
+            if metrics:
+                metrics.log(it + 1, loss, optimizer.param_groups[0]["lr"], norm, elapsed, report)
             if not options.quiet and ((it + 1) % t.log_interval == 0 or it + 1 == t.iters or not stepped):
                 tok_s = t.global_batch_size * recipe.model.seq_length / elapsed
                 cp_text = f" | {summary_text(recipe.cp.engine, cp_summary)}" if cp_summary else ""
@@ -191,6 +201,8 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
                             report=saved_report)
         if options.exit_interval and it + 1 == options.exit_interval:
             break
+    if metrics:
+        metrics.close()
     return report
 
 

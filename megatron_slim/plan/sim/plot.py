@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
-from megatron_slim.plan.sim.engine import SimResult
+from megatron_slim.plan.sim.engine import Event, SimResult
 
 _GIB = 2 ** 30
 _COLORS = {"F": ("#4C78A8", "#9ECAE9"), "B": ("#54A24B", "#88D27A"), "I": ("#54A24B", "#88D27A"),
@@ -16,9 +16,17 @@ def _kind(name: str) -> str:
 
 
 def _timeline(ax, result: SimResult, title: str, t_max: float) -> None:
-    pp = len(result.ranks)
+    draw_compute(ax, result.events, len(result.ranks), t_max)
+    ax.set_title(f"{title}: iteration {result.iteration_time_s:.3g} s, bubble "
+                 f"{100 * result.bubble_ratio:.1f}%, MFU {100 * result.mfu:.1f}%, peak "
+                 f"{max(r.peak_memory_bytes for r in result.ranks) / _GIB:.1f} GiB", fontsize=10, loc="left")
+
+
+def draw_compute(ax, events: Iterable[Event], pp: int, t_max: float) -> None:
+    """One row per pipeline rank: its compute events (forward blue, backward green, alternate
+    microbatches lighter)."""
     bars: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
-    for e in result.events:
+    for e in events:
         if e.stream != "compute":
             continue
         k = _kind(e.name)
@@ -29,9 +37,12 @@ def _timeline(ax, result: SimResult, title: str, t_max: float) -> None:
     ax.set_yticks(range(pp))
     ax.set_yticklabels([f"rank {r}" for r in range(pp)], fontsize=7 if pp > 8 else 9)
     ax.set_xlim(0, t_max)
-    ax.set_title(f"{title}: iteration {result.iteration_time_s:.3g} s, bubble "
-                 f"{100 * result.bubble_ratio:.1f}%, MFU {100 * result.mfu:.1f}%, peak "
-                 f"{max(r.peak_memory_bytes for r in result.ranks) / _GIB:.1f} GiB", fontsize=10, loc="left")
+
+
+def compute_legend() -> list:
+    from matplotlib.patches import Patch
+
+    return [Patch(color=_COLORS[k][0], label=lbl) for k, lbl in (("F", "forward"), ("B", "backward"))]
 
 
 def _memory(ax, result: SimResult, t_max: float) -> None:
@@ -64,7 +75,6 @@ def plot_results(results: Sequence[tuple[str, SimResult]], path: str | Path) -> 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     n = len(results)
     t_max = max(r.pipeline_time_s for _, r in results) * 1.01
@@ -74,8 +84,7 @@ def plot_results(results: Sequence[tuple[str, SimResult]], path: str | Path) -> 
     for ax, (title, res) in zip(axes[:n], results):
         _timeline(ax, res, title, t_max)
     axes[n - 1].set_xlabel("time (s)")
-    handles = [Patch(color=_COLORS[k][0], label=lbl) for k, lbl in (("F", "forward"), ("B", "backward"))]
-    axes[0].legend(handles=handles, fontsize=8, loc="upper right")
+    axes[0].legend(handles=compute_legend(), fontsize=8, loc="upper right")
     if n == 1:
         _memory(axes[n], results[0][1], t_max)
         axes[n].set_xlabel("time (s)")
