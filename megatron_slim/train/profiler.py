@@ -60,9 +60,13 @@ def profile_options(args, recipe) -> Optional[ProfileOptions]:
 def _resumed_from(args) -> int:
     if not args.checkpoint_dir or args.no_resume:
         return 0
-    from megatron_slim.train.checkpoint import latest_iteration
+    from pathlib import Path
 
-    return latest_iteration(args.checkpoint_dir) or 0
+    from megatron_slim.train.checkpoint.layout import choose_iteration
+
+    if not Path(args.checkpoint_dir).is_dir():
+        return 0
+    return choose_iteration(args.checkpoint_dir).iteration or 0
 
 
 class IterationProfiler:

@@ -58,10 +58,14 @@ def test_the_profiled_iteration_must_be_one_the_run_trains(tmp_path, capsys):
 
 
 def test_a_run_that_resumes_past_the_profiled_iteration_is_refused(tmp_path, capsys):
+    from megatron_slim.train.checkpoint.layout import iteration_dir, write_manifest
+
     ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
+    folder = iteration_dir(ckpt, 3)  # an intact (checksummed) iteration 3, weights aside
+    folder.mkdir(parents=True)
+    (folder / "recipe.json").write_text(json.dumps(load_recipe("tiny-cpu").to_dict()))
+    write_manifest(folder, 3)
     (ckpt / "latest").write_text("3\n")
-    (ckpt / "recipe.json").write_text(json.dumps(load_recipe("tiny-cpu").to_dict()))
     _refused(["--checkpoint-dir", str(ckpt), "--profile", str(tmp_path / "p"), "--profile-iteration", "2"], capsys,
              "--profile-iteration 2: this run trains iterations 4..40 (it resumes from the checkpoint at iteration 3)")
 
