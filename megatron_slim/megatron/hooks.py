@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 from megatron_slim.megatron import compat
 from megatron_slim.megatron.cp_hooks import CPHookState, cp_engine_active, with_cp_attention
 from megatron_slim.megatron.flags import add_arguments, check_megatron_args
+from megatron_slim.megatron.rebind import replace_everywhere as _replace_everywhere
 
 SPEC_BUILDERS = ("get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec",
                  "get_gpt_layer_with_transformer_engine_submodules", "get_gpt_layer_local_submodules")
@@ -70,17 +71,6 @@ def _wrap_where_defined(modules: tuple[str, ...], name: str, wrap: Callable[[Cal
         replacement = wrap(original)
         setattr(replacement, _MARK, True)
         _replace_everywhere(original, replacement)
-
-
-def _replace_everywhere(original: Callable, replacement: Callable) -> None:
-    """Rebind every module-level name that refers to ``original`` (imports by name included)."""
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not namespace:
-            continue
-        for name, value in list(namespace.items()):
-            if value is original:
-                setattr(module, name, replacement)
 
 
 # ---- flags and start-up checks -------------------------------------------------------------
@@ -161,18 +151,6 @@ class SlimPipeHookState:
         return self._functions[id(args)]
 
 
-def _check_schedule_groups(schedule_pg_collection: Any) -> None:
-    """0.19 passes ``schedule_pg_collection``; a ``MultiModuleProcessGroupCollection`` (pipelines of
-    several modules, e.g. a vision encoder before the language model) is not something SlimPipe's
-    single-model slice schedule can run."""
-    if schedule_pg_collection is None:
-        return
-    if type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection":
-        raise ValueError("--use-slimpipe: multi-module pipelines (a MultiModuleProcessGroupCollection from "
-                         "get_forward_backward_func(schedule_pg_collection=...)) are not supported; allowed: one "
-                         "GPT model per pipeline rank")
-
-
 def _patch_schedule(slim_state: SlimPipeHookState, cp_state: CPHookState) -> None:
     training = importlib.import_module("megatron.training.training")
     original = training.get_forward_backward_func
@@ -184,7 +162,9 @@ def _patch_schedule(slim_state: SlimPipeHookState, cp_state: CPHookState) -> Non
         if slim_state.active_args() is None:
             chosen = original(*args, **kwargs)
             return cp_state.wrap_forward_backward(chosen) if cp_engine_active(parsed) else chosen
-        _check_schedule_groups(kwargs.get("schedule_pg_collection", args[2] if len(args) > 2 else None))
+        from megatron_slim.megatron.schedule import check_schedule_groups
+
+        check_schedule_groups(*args, **kwargs)
         return slim_state.forward_backward_func(parsed)
 
     setattr(get_forward_backward_func, _MARK, True)
@@ -292,9 +272,12 @@ def _install_all(args_getter: Callable[[], Any]) -> None:
 
 def prepare_launch() -> None:
     """Before Megatron-LM parses anything: hook flags, start-up checks, schedule, specs and the TP
-    and CP batch paths (they read the parsed args when called)."""
+    and CP batch paths (they read the parsed args when called; with megatron-slim flags on the
+    command line and no parsed args, they refuse: ``launch_guard``)."""
+    from megatron_slim.megatron.launch_guard import guarded
+
     _patch_arguments()
-    _install_all(_megatron_args)
+    _install_all(guarded(_megatron_args, sys.argv[1:]))
 
 
 def install(args: Any = None) -> None:

@@ -107,6 +107,17 @@ def _check_slice_alignment(lengths, cp: int, sp_tp: int) -> None:
                          f"that are multiples of {unit} (recipes: slice_alignment)")
 
 
+def check_schedule_groups(*args: Any, **kwargs: Any) -> None:
+    """Refuse what ``get_forward_backward_func(*args, **kwargs)`` asks for that SlimPipe cannot run:
+    0.19's ``schedule_pg_collection`` (third positional) as a ``MultiModuleProcessGroupCollection``
+    (pipelines of several modules, e.g. a vision encoder before the language model)."""
+    groups = kwargs.get("schedule_pg_collection", args[2] if len(args) > 2 else None)
+    if type(groups).__name__ == "MultiModuleProcessGroupCollection":
+        raise ValueError("--use-slimpipe: multi-module pipelines (a MultiModuleProcessGroupCollection from "
+                         "get_forward_backward_func(schedule_pg_collection=...)) are not supported; allowed: one "
+                         "GPT model per pipeline rank")
+
+
 def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[SliceContext] = None) -> Callable:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
     hook reads it); a new one by default."""

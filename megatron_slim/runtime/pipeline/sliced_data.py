@@ -7,7 +7,9 @@ slice and hands out the slices in order. Batches are dicts of ``[b, s, ...]`` te
 ``attention_mask`` ``[b, 1, s, s]`` becomes the slice's own causal block ``[b, 1, n, n]`` (the K/V
 cache attention is causal by construction and ignores it, but Megatron's tensor-parallel batch
 broadcast sends whatever TP rank 0 read, so it must keep its slice shape); any other mask is
-refused rather than silently ignored.
+refused rather than silently ignored. Slices are contiguous copies: loss functions flatten them
+with ``view(-1)`` (Megatron-Bridge's ``masked_next_token_loss``), which a column slice of a
+``[b > 1, s]`` tensor does not allow.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def _causal_rows(mask: torch.Tensor, start: int, length: int) -> bool:
 
 def slice_batch(batch: Any, start: int, length: int) -> Any:
     if torch.is_tensor(batch):
-        return batch[:, start:start + length]
+        return batch[:, start:start + length].contiguous()
     if isinstance(batch, dict):
         out = {}
         for name, value in batch.items():
@@ -36,7 +38,7 @@ def slice_batch(batch: Any, start: int, length: int) -> Any:
                                      "(no --reset-attention-mask / document masking); got a different mask")
                 out[name] = value[..., start:start + length, start:start + length]
             elif torch.is_tensor(value) and value.dim() >= 2:
-                out[name] = value[:, start:start + length]
+                out[name] = value[:, start:start + length].contiguous()
             else:
                 out[name] = value
         return out
