@@ -125,6 +125,18 @@ def _check_checkpoint_dir(args, recipe, say: bool, log):
                            say=(lambda line: print(line, file=log, flush=True)) if say else (lambda line: None))
 
 
+def check_exit_interval(exit_interval, iters: int, resumed_from: int) -> None:
+    """``--exit-interval N`` stops after iteration N: one this run trains, or it would never act."""
+    from megatron_slim.plan.schema import ConfigError
+
+    if exit_interval is None:
+        return
+    where = f" (it resumes from the checkpoint at iteration {resumed_from})" if resumed_from else ""
+    if not resumed_from < exit_interval <= iters:
+        raise ConfigError(f"--exit-interval {exit_interval}: this run trains iterations {resumed_from + 1}..{iters}"
+                          f"{where}; allowed: {resumed_from + 1}..{iters}")
+
+
 def main(args) -> int:
     from megatron_slim.runtime.job import launched_rank
     from megatron_slim.train.loop import TrainOptions, check_trainable
@@ -140,6 +152,7 @@ def main(args) -> int:
     metrics, profile = _observability(args, recipe)
     log = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
     resume_from = _check_checkpoint_dir(args, recipe, say=job is None or job.rank == 0, log=log)
+    check_exit_interval(args.exit_interval, recipe.train.iters, resume_from or 0)
     note = world_size_note(args.recipe, args.set, recipe, unit="ranks")
     if note and (job is None or job.rank == 0):
         print(note, file=log, flush=True)

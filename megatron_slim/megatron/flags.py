@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_slim.plan.recipe import CPEngine, Recipe, SlicePolicy
+from megatron_slim.plan.recipe import MAX_SEED, CPEngine, Recipe, SlicePolicy
 from megatron_slim.plan.schema import ConfigError
 
 SLICE_POLICIES: tuple[str, ...] = SlicePolicy.__args__  # type: ignore[attr-defined]
@@ -82,6 +82,9 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
         # Megatron's OptimizerParamScheduler asserts warmup < decay steps (train iterations) at start-up
         raise ConfigError(f"train.warmup_iters: got {t.warmup_iters} with train.iters={t.iters}; Megatron-LM needs "
                           f"fewer warmup than training iterations; allowed: an integer in [0, {t.iters})")
+    if t.seed == 0:
+        # Megatron-LM's _set_random_seed raises "Seed (0) should be a positive integer" at start-up
+        raise ConfigError(f"train.seed: got 0; Megatron-LM needs a positive seed; allowed: an integer in [1, {MAX_SEED}]")
     if t.skip_nonfinite_steps:
         raise ConfigError("train.skip_nonfinite_steps: got true; Megatron-LM cannot skip a step whose loss or "
                           "gradient norm is nan/inf in fp32 or bf16 (its --check-for-nan-in-loss-and-grad stops "

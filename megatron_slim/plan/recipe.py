@@ -84,6 +84,9 @@ class ParallelConfig:
         return self.tp * self.pp * self.cp * self.dp
 
 
+MAX_SEED = 2**32 - 1
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     global_batch_size: int
@@ -119,8 +122,8 @@ class TrainConfig:
             raise fail("train.clip_grad", self.clip_grad, "a number >= 0 (0 disables clipping)")
         if self.weight_decay < 0:
             raise fail("train.weight_decay", self.weight_decay, "a number >= 0")
-        if self.seed < 0:
-            raise fail("train.seed", self.seed, "an integer >= 0 (numpy and torch seeds)")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise fail("train.seed", self.seed, f"an integer in [0, {MAX_SEED}] (numpy's seed range)")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ def _error(capsys, *argv) -> str:
     ("train.clip_grad=nan", "train.clip_grad: invalid value (got 'nan'; allowed: a finite number)"),
     ("train.min_lr=-inf", "train.min_lr: invalid value (got '-inf'; allowed: a finite number)"),
     ("train.weight_decay=-0.1", "train.weight_decay: invalid value (got -0.1; allowed: a number >= 0)"),
-    ("train.seed=-1", "train.seed: invalid value (got -1; allowed: an integer >= 0"),
+    ("train.seed=-1", "train.seed: invalid value (got -1; allowed: an integer in [0, 4294967295]"),
+    ("train.seed=4294967296", "train.seed: invalid value (got 4294967296; allowed: an integer in [0, 4294967295]"),
     ("data.max_files=-1", "data.max_files: invalid value (got -1; allowed: an integer >= 0"),
 ])
 def test_non_physical_values_are_refused(capsys, override, expected):
@@ -67,6 +68,33 @@ def test_flags_that_were_silently_ignored_are_refused(capsys):
         main(["train", "--exit-interval", "-1"])
     assert exit_.value.code == 2
     assert "--exit-interval: got '-1'; allowed: an integer >= 1" in capsys.readouterr().err
+
+
+def test_an_exit_interval_the_run_never_reaches_is_refused(tmp_path, capsys):
+    err = _error(capsys, "train", "--set", "train.iters=3", "--exit-interval", "4")
+    assert "--exit-interval 4: this run trains iterations 1..3; allowed: 1..3" in err
+
+
+def test_an_exit_interval_before_the_resumed_iteration_is_refused(tmp_path, capsys):
+    import json
+
+    from megatron_slim.plan.recipe import load_recipe
+    from megatron_slim.train.checkpoint.layout import iteration_dir, write_manifest
+
+    ckpt = tmp_path / "ckpt"
+    folder = iteration_dir(ckpt, 3)  # an intact (checksummed) iteration 3, weights aside
+    folder.mkdir(parents=True)
+    (folder / "recipe.json").write_text(json.dumps(load_recipe("tiny-cpu").to_dict()))
+    write_manifest(folder, 3)
+    (ckpt / "latest").write_text("3\n")
+    err = _error(capsys, "train", "--checkpoint-dir", str(ckpt), "--exit-interval", "2")
+    assert ("--exit-interval 2: this run trains iterations 4..40 (it resumes from the checkpoint at iteration 3); "
+            "allowed: 4..40") in err
+
+
+def test_megatron_args_refuses_the_seed_megatron_rejects_at_start_up(capsys):
+    err = _error(capsys, "megatron-args", "--recipe", "tiny-cpu", "--set", "train.seed=0")
+    assert "train.seed: got 0; Megatron-LM needs a positive seed; allowed: an integer in [1, 4294967295]" in err
 
 
 def test_train_checks_its_data_source_before_any_work(tmp_path, capsys):
