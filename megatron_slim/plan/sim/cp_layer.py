@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_slim.plan.cp.costs import CPCosts
+from megatron_slim.plan.cp.program import lower_cp
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.remap import RemapPlan
 from megatron_slim.plan.cp.routing import RoutingPlan
@@ -34,6 +35,7 @@ class PassResult:
     sent: list[dict[str, float]]
     comm_s: list[float]  # seconds each rank's outgoing links were busy
     spans: list[Span] = field(default_factory=list)  # with record=True: every task and link load, for traces
+    walked: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (rank, group) -> steps priced
 
 
 def _remap(net: Network, remap: RemapPlan, per_token: float, ready: dict[int, tuple[int, ...]], name: str) -> dict[
@@ -62,7 +64,7 @@ def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: b
     mlp_tokens = remap.target_tokens if remap else attn_tokens
     c = costs
     linear = lambda r, sec, deps, name: graph.compute(r, sec, deps, _LINEAR, "linear", name)  # noqa: E731
-    attention = AttentionBuilder(plan, costs, net, routing, backward)
+    attention = AttentionBuilder(plan, costs, net, routing, backward, lower_cp(plan, routing))
 
     def attention_pass(ready: dict[int, int]) -> dict[int, list[int]]:
         finals: dict[int, list[int]] = {r: [ready[r]] for r in range(C)}
@@ -99,4 +101,5 @@ def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: b
     for (kind, rank), sec in timeline.resource_busy.items():
         if kind.endswith("_out"):
             comm[rank] += sec
-    return PassResult(timeline.makespan, timeline.busy, net.sent, comm, spans(graph, timeline) if record else [])
+    return PassResult(timeline.makespan, timeline.busy, net.sent, comm, spans(graph, timeline) if record else [],
+                      attention.walked)

@@ -1,0 +1,94 @@
+"""Prices one ring's steps of the CP program (a zigzag group, or one local index of a hierarchical one).
+
+Member ``i`` (see ``plan.cp.program``):
+
+* ``C t`` computes its queries against the block of member ``i - t`` (step 0: its own block, ready
+  once its QKV projection / output gradient exists); it waits for the step's K/V and for step
+  ``t - 1`` (the softmax merge is sequential).
+* ``POST_KV t`` is priced as the hop *into* ``i`` from member ``i - 1``: it starts when the sender
+  holds the block (step 1: its own; later: the one it received at ``t - 1``) and when ``i``'s
+  double buffer is free (its compute of step ``t - 2`` is done).
+* ``POST_DKV t`` (backward) carries the block's gradient accumulated so far into ``i``; it leaves
+  once the sender's step ``t - 1`` kernel is done and its own incoming accumulator has arrived. As
+  in ring flash-attention a kernel does not wait for the incoming dK/dV (only the cheap
+  accumulation does), so that hop overlaps the next kernel. Step ``g`` takes it home. Backward
+  compute is ``CPCosts.pair_bwd_s`` per pair (2.5x the forward FLOPs at the backward efficiency).
+* ``WAIT``/``ROUND`` cost nothing here: the waits are the dependencies above. Routed groups send
+  inter-node hops through the routing plan's parts; a relay rank's steps cost nothing itself (the
+  parts it carries are priced with the receiver's hop).
+"""
+from __future__ import annotations
+
+from megatron_slim.plan.cp.layout import CPGroup
+from megatron_slim.plan.cp.program import Step
+from megatron_slim.plan.cp.zigzag import causal, chunk_bounds
+
+
+def ring_pairs(lengths: list[int], ring: int) -> list[list[int]]:
+    """``pairs[i][j]``: causal pairs member ``i`` computes with the block of member ``j``."""
+    pairs = [[0] * ring for _ in range(ring)]
+    for s in lengths:
+        b = chunk_bounds(s, 2 * ring)
+        n = [b[k + 1] - b[k] for k in range(2 * ring)]
+        for i in range(ring):
+            a, z = n[i], n[2 * ring - 1 - i]
+            row = pairs[i]
+            row[i] += causal(a) + causal(z) + z * a
+            for j in range(i):
+                row[j] += (a + z) * n[j]
+            for j in range(i + 1, ring):
+                row[j] += z * (n[j] + n[2 * ring - 1 - j])
+    return pairs
+
+
+class RingPricer:
+    def __init__(self, builder, group: CPGroup, ranks: list[int], lengths: list[int], ready: dict[int, int],
+                 block_rows: list[float], head_share: float, kv_share: float, sub: int) -> None:
+        self.b, self.group, self.ranks, self.ready = builder, group, ranks, ready
+        self.block_rows, self.head_share, self.sub = block_rows, head_share, sub
+        self.position = {r: i for i, r in enumerate(ranks)}
+        self.pairs = ring_pairs(lengths, len(ranks))
+        self.kvb = builder.costs.kv_bytes * kv_share
+        self.tag = f"{group.kind} g{group.index}" + (f" ring {sub}" if group.kind == "hierarchical" else "")
+        self.comp: dict[tuple[int, int], int] = {}
+        self.kv: dict[tuple[int, int], int] = {}
+        self.dkv: dict[tuple[int, int], int] = {}
+        self.home: dict[int, int] = {}
+
+    def _grad_ready(self, i: int, t: int) -> tuple[int, ...]:
+        """Member i's accumulated dK/dV of the block it computed at step t can leave."""
+        return (self.comp[(i, t)],) + ((self.dkv[(i, t)],) if t >= 1 else ())
+
+    def price(self, rank: int, step: Step) -> None:
+        if rank not in self.position or step.op not in ("C", "POST"):
+            return
+        i, t, g = self.position[rank], step.step, len(self.ranks)
+        prev, hop = (i - 1) % g, self.b.hop
+        if step.op == "C":
+            deps = (self.ready[rank],) if t == 0 else (self.kv[(i, t)], self.comp[(i, t - 1)])
+            self.comp[(i, t)] = self.b.attn(rank, self.pairs[i][(i - t) % g] * self.head_share, deps,
+                                            (self.group.priority, self.group.index, t, self.sub),
+                                            f"{self.tag} step {t}")
+            if g == 1 and self.b.backward:  # a one-member ring hands its dK/dV "home" to itself
+                self.home[i] = hop(self.group, 1, rank, rank, self.block_rows[0], self.kvb,
+                                   self._grad_ready(0, 0), f"{self.tag} dK/dV home")
+        elif step.what == "KV":
+            buffer = (self.comp[(i, t - 2)],) if t >= 2 else ()
+            have = (self.ready[self.ranks[prev]],) if t == 1 else (self.kv[(prev, t - 1)],)
+            self.kv[(i, t)] = hop(self.group, t, self.ranks[prev], rank, self.block_rows[(i - t) % g], self.kvb,
+                                  have + buffer, f"{self.tag} K/V step {t}")
+        elif t < g:
+            self.dkv[(i, t)] = hop(self.group, t, self.ranks[prev], rank, self.block_rows[(i - t) % g], self.kvb,
+                                   self._grad_ready(prev, t - 1), f"{self.tag} dK/dV step {t}")
+        else:
+            self.home[i] = hop(self.group, g, self.ranks[prev], rank, self.block_rows[i], self.kvb,
+                               self._grad_ready(prev, g - 1), f"{self.tag} dK/dV home")
+
+    def final(self, rank: int) -> list[int]:
+        """What ``rank``'s post-attention work waits for: its last kernel (and, backward, its own
+        block's gradient come home)."""
+        i = self.position[rank]
+        return [self.comp[(i, len(self.ranks) - 1)]] + ([self.home[i]] if i in self.home else [])
+
+    def finals(self) -> dict[int, list[int]]:
+        return {r: self.final(r) for r in self.ranks}
