@@ -8,6 +8,8 @@
 * ``baselines`` -- ring, ulysses, a2a+p2p, allgather, dynamic; ``engines`` -- one entry point
 * ``remap``     -- attention layout -> token-balanced layout (``RemapPlan``)
 * ``routing``   -- inter-node hops spread over every NIC of the node (``RoutingPlan``)
+* ``program``   -- the plan lowered to per-rank step programs (``lower_cp``): what the runtime
+                   executes and the simulator prices
 
 The simulator that prices these plans is ``megatron_slim.plan.sim.cp_sim``.
 """

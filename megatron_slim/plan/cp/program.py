@@ -15,7 +15,7 @@ block on, receive the next one), ``WAIT_KV2`` waits for it, ``C2`` computes agai
 ring member ``i - 2`` (``C0``: its own block, the causal one); ``QKV``/``OUT`` are the head
 all-to-alls of the forward, ``DO``/``DQKV`` those of the backward, ``GATHER``/``SCATTER`` the K/V
 all-gather and the dK/dV reduce-scatter, ``DKV`` the ring's dK/dV hand-on (step ``g``: home).
-A task's text is ``G3.zigzag.inter(member)``; a step's id in traces is ``G3:POST_KV2``.
+A task's text is ``G3:zigzag/inter(member)``.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class GroupTask:
         return self.backward if backward else self.forward
 
     def __str__(self) -> str:
-        return f"G{self.group}.{self.kind}.{self.scope}({'member' if self.member else 'relay'})"
+        return f"G{self.group}:{self.kind}/{self.scope}({'member' if self.member else 'relay'})"
 
 
 @dataclass(frozen=True)

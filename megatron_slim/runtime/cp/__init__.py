@@ -10,7 +10,8 @@ else; the process group is passed in. Pieces, smallest first:
   routed hops relayed in dispatch / NIC / combine legs as the ``RoutingPlan`` says.
 * ``ring`` -- zigzag ring steps; ``split_group`` -- local / zigzag / ulysses / hierarchical as
   "all-to-all in the node, ring across nodes"; ``allgather`` -- the Llama-3 style group.
-* ``program`` -- a rank's group tasks in queue order; ``engine`` -- the interpreter and the
+* ``program`` -- a rank's group tasks in queue order, bound from ``plan.cp.program``'s steps (which
+  the simulator prices too); ``engine`` -- the interpreter and the
   autograd function; ``agreement`` -- ranks compare the plan's hash before running it.
 * ``remap`` -- the remapping layer's all-to-all between attention and token-balanced layouts.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_slim.plan.cp.layout import CPGroup, CPPlan
+from megatron_slim.plan.cp.program import GroupTask
 from megatron_slim.runtime.cp.block_attention import Rows, backward_into, forward_into, new_accumulators, pair_calls
 from megatron_slim.runtime.cp.exchange import Exchange, Hop
 from megatron_slim.runtime.cp.run_context import HeadShape, RunContext, pack, unpack
@@ -19,8 +20,9 @@ Tensor = torch.Tensor
 
 
 class AllGatherTask:
-    def __init__(self, plan: CPPlan, group: CPGroup, rank: int, shape: HeadShape) -> None:
+    def __init__(self, plan: CPPlan, group: CPGroup, rank: int, shape: HeadShape, steps: GroupTask) -> None:
         ranks = group.ranks
+        self.steps = steps
         self.group, self.i, g = group, ranks.index(rank), len(ranks)
         self.rows = Rows.of(group_rows(plan, rank, group.index))
         blocks = [member_block(plan, r, group.index) for r in ranks]
@@ -50,40 +52,58 @@ class AllGatherTask:
         k, v = unpack(got[self.index[(j, self.i)]], *self.kv_shapes)
         return k.contiguous(), v.contiguous()
 
+    def _walk(self, rt: RunContext, steps, handlers: dict):
+        """Generator: ``handlers[(op, what)](step)`` for each step, a yield at each ``ROUND``."""
+        walked = rt.record(self.group.index)
+        for step in steps:
+            if walked is not None:
+                walked.append(str(step))
+            if step.op == "ROUND":
+                yield
+            else:
+                handlers[(step.op, step.what)](step)
+
     def forward(self, rt: RunContext, q: Tensor, k: Tensor, v: Tensor):
-        pending = self._gather(rt, k, v)
-        yield
+        st: dict = {}
         acc_out, acc_lse = new_accumulators(q.shape[0], q.shape[1], v.shape[2], q)
-        forward_into(rt.backend, rt.scale, self.calls[self.i], q, k, v, acc_out, acc_lse)
-        yield
-        got = pending.wait()
-        for j in self._others():
-            forward_into(rt.backend, rt.scale, self.calls[j], q, *self._block(got, j), acc_out, acc_lse)
+
+        def compute(step) -> None:
+            j = (self.i - step.step) % len(self.calls)
+            kj, vj = (k, v) if j == self.i else self._block(st["got"], j)
+            forward_into(rt.backend, rt.scale, self.calls[j], q, kj, vj, acc_out, acc_lse)
+        yield from self._walk(rt, self.steps.forward, {
+            ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
+            ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
+            ("C", ""): compute})
         out = acc_out.to(rt.dtype)
         return out, (q, k, v, out, acc_lse)
 
     def backward(self, rt: RunContext, dout: Tensor, saved):
         q, k, v, out, lse = saved
-        pending = self._gather(rt, k, v)
-        yield
         acc = rt.acc_dtype
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-        backward_into(rt.backend, rt.scale, self.calls[self.i], dout, q, k, v, out, lse, dq, dk, dv)
-        yield
-        got = pending.wait()
-        shares = {}
-        for j in self._others():
-            kj, vj = self._block(got, j)
-            dkj, dvj = torch.zeros(kj.shape, dtype=acc, device=kj.device), torch.zeros(vj.shape, dtype=acc,
-                                                                                        device=vj.device)
-            backward_into(rt.backend, rt.scale, self.calls[j], dout, q, kj, vj, out, lse, dq, dkj, dvj)
-            shares[self.index[(self.i, j)]] = pack(dkj, dvj)
-        pending = self.scatter.post(rt.comm, shares, dtype=acc, device=rt.device)
-        yield
-        got = pending.wait()
-        for j in self._others():
-            gk, gv = unpack(got[self.index[(j, self.i)]], *self.kv_shapes)
-            dk += gk
-            dv += gv
-        return dq, dk, dv
+        st: dict = {"shares": {}}
 
+        def compute(step) -> None:
+            j = (self.i - step.step) % len(self.calls)
+            if j == self.i:
+                backward_into(rt.backend, rt.scale, self.calls[j], dout, q, k, v, out, lse, dq, dk, dv)
+                return
+            kj, vj = self._block(st["got"], j)
+            dkj, dvj = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (kj, vj))
+            backward_into(rt.backend, rt.scale, self.calls[j], dout, q, kj, vj, out, lse, dq, dkj, dvj)
+            st["shares"][self.index[(self.i, j)]] = pack(dkj, dvj)
+
+        def gathered(_) -> None:
+            for j in self._others():
+                gk, gv = unpack(st["scattered"][self.index[(j, self.i)]], *self.kv_shapes)
+                dk.add_(gk)
+                dv.add_(gv)
+        yield from self._walk(rt, self.steps.backward, {
+            ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
+            ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
+            ("C", ""): compute,
+            ("POST", "SCATTER"): lambda _: st.update(
+                pending=self.scatter.post(rt.comm, st["shares"], dtype=acc, device=rt.device)),
+            ("WAIT", "SCATTER"): lambda _: st.update(scattered=st["pending"].wait()) or gathered(_)})
+        return dq, dk, dv

@@ -17,6 +17,7 @@ every directed pair post their messages in one order.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ class CPAttentionEngine:
         self.fingerprint: Optional[str] = None
         self._programs: OrderedDict = OrderedDict()
         self._cache_size = cache_size
+        # set to {} to record the program steps each pass runs: trace[direction][group] -> step strings
+        self.trace: Optional[dict] = None
 
     @property
     def rank(self) -> int:
@@ -105,7 +108,7 @@ class CPAttentionEngine:
                              f"the plan gives this rank {program.tokens}")
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         rt = RunContext(self.comm, backend or select_backend(device=q.device, dtype=q.dtype), scale, q.dtype,
-                        q.device)
+                        q.device, self._walked("forward"))
         tasks = [t.forward(rt, *((None,) * 3 if t.rows is None else (t.rows.take(x) for x in (q, k, v))))
                  for t in program.tasks]
         results = run_queues(tasks, _labels(program, "forward"))
@@ -118,7 +121,7 @@ class CPAttentionEngine:
 
     def backward_pass(self, state: _Pass, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         dout = dout.contiguous()
-        rt = state.rt
+        rt = dataclasses.replace(state.rt, walked=self._walked("backward"))
         tasks = [t.backward(rt, None if t.rows is None else t.rows.take(dout), s)
                  for t, s in zip(state.program.tasks, state.saved)]
         results = run_queues(tasks, _labels(state.program, "backward"))
@@ -129,6 +132,9 @@ class CPAttentionEngine:
                 for grad, part in zip(grads, result):
                     t.rows.put(grad, part)
         return tuple(grads)
+
+    def _walked(self, direction: str) -> Optional[dict]:
+        return None if self.trace is None else self.trace.setdefault(direction, {})
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: Optional[float] = None,
                  backend: Optional[AttentionBackend] = None) -> Tensor:

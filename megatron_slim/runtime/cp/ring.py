@@ -11,9 +11,10 @@ passes it on; after ``g - 1`` steps each buffer holds every member's share and o
 (step ``g``) takes it home. Hop ``j`` of every step goes ``members[j-1] -> members[j]``; inter-node
 hops are relayed as the ``RoutingPlan`` says for ``(group, step, destination)``, K/V and dK/dV alike.
 
-The generators yield at round boundaries (see ``engine.run_queues``); a rank that only relays
-for this ring (``me is None``) runs the same code without data or compute, so it posts at exactly
-the same rounds as the members.
+The order of posts, waits, computes and rounds is not decided here: ``Ring.run`` walks the ring's
+steps of the rank's program (``plan.cp.program``), the same steps the simulator prices, and yields
+at each ``ROUND`` (see ``engine.run_queues``); a rank that only relays for this ring
+(``me is None``) has the same steps without the computes, so it posts at exactly the same rounds.
 """
 from __future__ import annotations
 
@@ -84,56 +85,83 @@ class Ring:
         k, v = unpack(message, *self.kv_shapes)
         return k.contiguous(), v.contiguous()
 
-    def forward(self, rt: RunContext, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor]):
-        """Generator; returns ``(out, lse)`` (``None`` on a relay-only rank)."""
-        g, me = self.size, self.me
-        if me is not None:
-            acc_out, acc_lse = new_accumulators(q.shape[0], q.shape[1], v.shape[2], q)
-        pending = self._post(rt, self.kv, 1, None if me is None else pack(k, v), rt.dtype) if g > 1 else None
-        yield  # every group's first transfer is in flight before any group computes
-        if me is not None:
-            forward_into(rt.backend, rt.scale, self.calls[0], q, k, v, acc_out, acc_lse)
-        for s in range(1, g):
-            yield
-            block = pending.wait().get(me)
-            if s + 1 < g:
-                pending = self._post(rt, self.kv, s + 1, block, rt.dtype)
-            if me is not None:
-                forward_into(rt.backend, rt.scale, self.calls[s], q, *self._block(block), acc_out, acc_lse)
-        if me is None:
-            return None
-        return acc_out.to(rt.dtype), acc_lse
+    # ---- step handlers: the ring's steps of ``plan.cp.program`` ------------------------------------
+    def start_forward(self, rt: RunContext, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor]) -> dict:
+        st = {"rt": rt, "q": q, "k": k, "v": v, "pending": {}, "block": {}, "dtype": {"KV": rt.dtype}}
+        if self.me is not None:
+            st["acc"] = new_accumulators(q.shape[0], q.shape[1], v.shape[2], q)
+        return st
 
-    def backward(self, rt: RunContext, dout: Optional[Tensor], saved):
-        """Generator; returns ``(dq, dk, dv)`` in the accumulation dtype (``None`` when relay-only)."""
-        g, me = self.size, self.me
-        acc = rt.acc_dtype
-        if me is not None:
-            q, k, v, out, lse = saved
-            dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-        kv_pending = self._post(rt, self.kv, 1, None if me is None else pack(k, v), rt.dtype) if g > 1 else None
-        yield
-        dkv = None
-        if me is not None:
-            backward_into(rt.backend, rt.scale, self.calls[0], dout, q, k, v, out, lse, dq, dk, dv)
-            if g == 1:
-                return dq, dk, dv
-            dkv = pack(dk, dv)
-        for s in range(1, g):
-            yield
-            block = kv_pending.wait().get(me)
-            if s + 1 < g:
-                kv_pending = self._post(rt, self.kv, s + 1, block, rt.dtype)
-            # The buffer of block i - s, holding the shares of members i - s .. i - 1.
-            dkv = self._post(rt, self.dkv, s, dkv, acc).wait().get(me)
-            if me is not None:
-                dk_b, dv_b = unpack(dkv, *self.kv_shapes)  # views: accumulate in place
-                backward_into(rt.backend, rt.scale, self.calls[s], dout, q, *self._block(block), out, lse,
-                              dq, dk_b, dv_b)
-        if g > 1:
-            yield
-            dkv = self._post(rt, self.dkv, g, dkv, acc).wait().get(me)  # home: every member's share
-        if me is None:
+    def start_backward(self, rt: RunContext, dout: Optional[Tensor], saved) -> dict:
+        st = {"rt": rt, "dout": dout, "pending": {}, "block": {}, "dkv": None,
+              "dtype": {"KV": rt.dtype, "DKV": rt.acc_dtype}}
+        if self.me is not None:
+            st["q"], st["k"], st["v"], st["out"], st["lse"] = saved
+            st["grads"] = [torch.zeros(t.shape, dtype=rt.acc_dtype, device=t.device) for t in saved[:3]]
+        return st
+
+    def _payload(self, st: dict, what: str, s: int) -> Optional[Tensor]:
+        if what == "DKV":
+            return st["dkv"]  # the buffer of block i - s + 1 (step g: every member's share)
+        if s == 1:
+            return None if self.me is None else pack(st["k"], st["v"])
+        return st["block"][s - 1]  # pass on the block received at step s - 1
+
+    def run_step(self, st: dict, step, backward: bool) -> None:
+        """One POST, WAIT or C step of this ring (``ROUND`` is the caller's yield)."""
+        s, rt = step.step, st["rt"]
+        if step.op == "POST":
+            table = self.kv if step.what == "KV" else self.dkv
+            st["pending"][(step.what, s)] = self._post(rt, table, s, self._payload(st, step.what, s),
+                                                       st["dtype"][step.what])
+        elif step.op == "WAIT":
+            got = st["pending"].pop((step.what, s)).wait().get(self.me)
+            if step.what == "KV":
+                st["block"][s] = got
+            else:
+                st["dkv"] = got
+        elif backward:
+            self._compute_backward(st, s)
+        else:
+            k, v = (st["k"], st["v"]) if s == 0 else self._block(st["block"][s])
+            forward_into(rt.backend, rt.scale, self.calls[s], st["q"], k, v, *st["acc"])
+
+    def _compute_backward(self, st: dict, s: int) -> None:
+        rt, dq, dk, dv = st["rt"], *st["grads"]
+        if s == 0:
+            backward_into(rt.backend, rt.scale, self.calls[0], st["dout"], st["q"], st["k"], st["v"], st["out"],
+                          st["lse"], dq, dk, dv)
+            if self.size > 1:
+                st["dkv"] = pack(dk, dv)
+            return
+        dk_b, dv_b = unpack(st["dkv"], *self.kv_shapes)  # views: accumulate in place
+        backward_into(rt.backend, rt.scale, self.calls[s], st["dout"], st["q"], *self._block(st["block"][s]),
+                      st["out"], st["lse"], dq, dk_b, dv_b)
+
+    def finish_forward(self, st: dict):
+        """``(out, lse)`` (``None`` on a relay-only rank)."""
+        if self.me is None:
             return None
-        dk, dv = unpack(dkv, *self.kv_shapes)
-        return dq, dk, dv
+        acc_out, acc_lse = st["acc"]
+        return acc_out.to(st["rt"].dtype), acc_lse
+
+    def finish_backward(self, st: dict):
+        """``(dq, dk, dv)`` in the accumulation dtype (``None`` when relay-only)."""
+        if self.me is None:
+            return None
+        if self.size == 1:
+            return tuple(st["grads"])
+        dk, dv = unpack(st["dkv"], *self.kv_shapes)  # home: every member's share
+        return st["grads"][0], dk, dv
+
+    def run(self, steps, rt: RunContext, *args, backward: bool, walked: Optional[list] = None):
+        """Generator over this ring's steps; returns ``finish_forward`` / ``finish_backward``."""
+        st = self.start_backward(rt, *args) if backward else self.start_forward(rt, *args)
+        for step in steps:
+            if walked is not None:
+                walked.append(str(step))
+            if step.op == "ROUND":
+                yield
+            else:
+                self.run_step(st, step, backward)
+        return self.finish_backward(st) if backward else self.finish_forward(st)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -33,6 +34,10 @@ class RunContext:
     scale: float
     dtype: torch.dtype  # of q/k/v and of the messages carrying them
     device: torch.device
+    walked: Optional[dict] = field(default=None, compare=False)  # group -> step strings run, when recording
+
+    def record(self, group: int) -> Optional[list]:
+        return None if self.walked is None else self.walked.setdefault(group, [])
 
     @property
     def acc_dtype(self) -> torch.dtype:

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from megatron_slim.plan.cp.layout import CPGroup, CPPlan
+from megatron_slim.plan.cp.program import GroupTask
 from megatron_slim.plan.cp.routing import RoutingPlan
 from megatron_slim.runtime.cp.block_attention import Rows
 from megatron_slim.runtime.cp.exchange import Exchange, Hop
@@ -40,10 +41,10 @@ def _a2a(name: str, node: tuple[int, ...], rows: list[int], width, *, to_owner: 
 
 class SplitGroupTask:
     def __init__(self, plan: CPPlan, group: CPGroup, rank: int, shape: HeadShape,
-                 routing: Optional[RoutingPlan]) -> None:
+                 routing: Optional[RoutingPlan], steps: GroupTask) -> None:
         if group.kind not in ("local", "zigzag", "ulysses", "hierarchical"):
             raise ValueError(f"group {group.index}: kind {group.kind!r} is not an all-to-all/ring group")
-        self.group, self.shape = group, shape
+        self.group, self.shape, self.steps = group, shape, steps
         a = group.a2a_size if group.kind in ("ulysses", "hierarchical") else 1
         if len(group.ranks) % a:
             raise ValueError(f"group {group.index}: {len(group.ranks)} ranks are not whole nodes of {a}")
@@ -90,51 +91,67 @@ class SplitGroupTask:
         return [got[m * a + me] for m in range(a)]
 
     # ---- passes -----------------------------------------------------------------------------------
+    def _exchange(self, rt: RunContext, steps, post):
+        """Generator over one all-to-all's POST, ROUND, WAIT steps; returns what arrived, per member."""
+        walked, pending = rt.record(self.group.index), None
+        for step in steps:
+            if walked is not None:
+                walked.append(str(step))
+            if step.op == "POST":
+                pending = post()
+            elif step.op == "ROUND":
+                yield
+            else:
+                return self._from_each(pending.wait())
+
+    def _ring(self, rt: RunContext, steps, *args, backward: bool):
+        return self.ring.run(steps, rt, *args, backward=backward, walked=rt.record(self.group.index))
+
     def forward(self, rt: RunContext, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor]):
-        """Generator; returns ``(out, saved)`` for this rank's tokens of the group."""
+        """Generator over the task's forward steps; returns ``(out, saved)`` for this rank's tokens."""
+        steps = self.steps.forward
         if self.a == 1:
-            result = yield from self.ring.forward(rt, q, k, v)
+            result = yield from self._ring(rt, steps, q, k, v, backward=False)
             if result is None:
                 return None, None
             return result[0], (q, k, v, *result)
         d, dv = q.shape[2], v.shape[2]
-        pending = self._post(rt, self.fwd_in, lambda m: pack(self._heads(q, m, False), self._heads(k, m, True),
-                                                              self._heads(v, m, True)), rt.dtype)
-        yield
+        got = yield from self._exchange(rt, steps[:3], lambda: self._post(
+            rt, self.fwd_in, lambda m: pack(self._heads(q, m, False), self._heads(k, m, True),
+                                            self._heads(v, m, True)), rt.dtype))
         hq, hkv = self.heads.q_count(self.local), self.heads.kv_count(self.local)
-        parts = [unpack(x, (hq, d), (hkv, d), (hkv, dv)) for x in self._from_each(pending.wait())]
+        parts = [unpack(x, (hq, d), (hkv, d), (hkv, dv)) for x in got]
         qh, kh, vh = (torch.cat([p[i] for p in parts]).contiguous() for i in range(3))
-        out_h, lse_h = yield from self.ring.forward(rt, qh, kh, vh)
+        out_h, lse_h = yield from self._ring(rt, steps[3:-3], qh, kh, vh, backward=False)
         o, r = self.offsets, self.node_rows
-        pending = self._post(rt, self.fwd_out, lambda m: flat2d(out_h[o[m]:o[m] + r[m]]).contiguous(),
-                             rt.dtype)
-        yield
+        got = yield from self._exchange(rt, steps[-3:], lambda: self._post(
+            rt, self.fwd_out, lambda m: flat2d(out_h[o[m]:o[m] + r[m]]).contiguous(), rt.dtype))
         n = r[self.local]
-        out = torch.cat([x.view(n, self.heads.q_count(m), dv) for m, x in enumerate(self._from_each(pending.wait()))],
-                        dim=1)
+        out = torch.cat([x.view(n, self.heads.q_count(m), dv) for m, x in enumerate(got)], dim=1)
         return out, (qh, kh, vh, out_h, lse_h)
 
     def backward(self, rt: RunContext, dout: Optional[Tensor], saved):
-        """Generator; returns ``(dq, dk, dv)`` for this rank's tokens (``None`` when relay-only)."""
+        """Generator over the task's backward steps; returns ``(dq, dk, dv)`` (``None`` when relay-only)."""
+        steps = self.steps.backward
         if self.a == 1:
-            return (yield from self.ring.backward(rt, dout, saved))
+            return (yield from self._ring(rt, steps, dout, saved, backward=True))
         qh, kh, vh, _, _ = saved
         d, dv = qh.shape[2], vh.shape[2]
-        pending = self._post(rt, self.bwd_in, lambda m: flat2d(self._heads(dout, m, False)).contiguous(), rt.dtype)
-        yield
+        got = yield from self._exchange(rt, steps[:3], lambda: self._post(
+            rt, self.bwd_in, lambda m: flat2d(self._heads(dout, m, False)).contiguous(), rt.dtype))
         hq = self.heads.q_count(self.local)
-        dout_h = torch.cat([x.view(x.shape[0], hq, dv) for x in self._from_each(pending.wait())]).contiguous()
-        dq_h, dk_h, dv_h = yield from self.ring.backward(rt, dout_h, saved)
+        dout_h = torch.cat([x.view(x.shape[0], hq, dv) for x in got]).contiguous()
+        dq_h, dk_h, dv_h = yield from self._ring(rt, steps[3:-3], dout_h, saved, backward=True)
         o, r = self.offsets, self.node_rows
-        pending = self._post(rt, self.bwd_out, lambda m: pack(*(t[o[m]:o[m] + r[m]].to(rt.dtype)
-                                                               for t in (dq_h, dk_h, dv_h))), rt.dtype)
-        yield
+        got = yield from self._exchange(rt, steps[-3:], lambda: self._post(
+            rt, self.bwd_out, lambda m: pack(*(t[o[m]:o[m] + r[m]].to(rt.dtype) for t in (dq_h, dk_h, dv_h))),
+            rt.dtype))
         n, s, acc = r[self.local], self.heads, rt.acc_dtype
         hq, hkv = self.shape.hq, self.shape.hkv
         dq = torch.zeros(n, hq, d, dtype=acc, device=rt.device)
         dk = torch.zeros(n, hkv, d, dtype=acc, device=rt.device)
         dvv = torch.zeros(n, hkv, dv, dtype=acc, device=rt.device)
-        for m, x in enumerate(self._from_each(pending.wait())):
+        for m, x in enumerate(got):
             gq, gk, gv = unpack(x, (s.q_count(m), d), (s.kv_count(m), d), (s.kv_count(m), dv))
             self._heads(dq, m, False).copy_(gq)
             self._heads(dk, m, True).add_(gk)  # K/V heads replicated over members sum their shares

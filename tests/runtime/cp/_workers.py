@@ -36,6 +36,7 @@ def engine_cases(rank, world_size, names, dtype_name, backend_name, dv, seed=7):
     for name in names:
         plan, routing = _plans.case(name)
         engine.prepare(plan, routing)
+        engine.trace = {}
         q, k, v, dout = pack_tensors(plan.pack_length, dv, dtype, seed)
         idx = layout_index(plan, rank)
         ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
@@ -43,7 +44,7 @@ def engine_cases(rank, world_size, names, dtype_name, backend_name, dv, seed=7):
         out.backward(dout[idx])
         program = engine.program(HeadShape(HQ, HKV, D, dv))
         results[name] = {"index": idx, "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
-                         "program": program.describe(),
+                         "program": program.describe(), "steps": engine.trace,
                          "relay_tasks": sum(t.rows is None for t in program.tasks)}
     return results
 
