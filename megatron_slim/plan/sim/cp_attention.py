@@ -29,9 +29,9 @@ from megatron_slim.plan.cp.program import CPProgram, Step
 from megatron_slim.plan.cp.routing import RoutingPlan
 from megatron_slim.plan.cp.zigzag import causal, member_prefix_pairs
 from megatron_slim.plan.sim.cp_network import Network
-from megatron_slim.plan.sim.cp_ring import RingPricer, ring_pairs
+from megatron_slim.plan.sim.cp_ring import RingPricer
 
-__all__ = ["AttentionBuilder", "ring_pairs", "rounds"]
+__all__ = ["AttentionBuilder", "rounds"]
 Pricer = Callable[[int, Step], None]
 
 
