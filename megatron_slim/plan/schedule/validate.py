@@ -2,8 +2,8 @@
 
 Execution model (the runtime's): each rank runs its actions in order, each once it is ready by
 the rules the simulator shares (``walk.py``): a compute action waits for its dependencies
-(``deps.py``); ``SEND`` never blocks; ``RECV`` blocks until the matching ``SEND`` has been issued. On failure, ``ScheduleError`` carries a rank x step grid with the offending
-actions marked.
+(``deps.py``); ``SEND`` never blocks; ``RECV`` blocks until the matching ``SEND`` has been
+issued. On failure, ``ScheduleError`` carries a rank x step grid with the offending actions marked.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def format_grid(schedule: Schedule, marks: dict[int, int] | None = None, width: 
 def _expected_units(schedule: Schedule) -> Counter:
     expected: Counter = Counter()
     split = schedule.has_split_backward
-    backward_kinds = (Kind.I, Kind.W) if split else (Kind.B,)
+    backward_kinds = () if schedule.forward_only else (Kind.I, Kind.W) if split else (Kind.B,)
     for rank in range(schedule.pp):
         for chunk in range(schedule.vpp):
             for mb in range(schedule.num_microbatches):
@@ -77,8 +77,9 @@ def _check_complete(schedule: Schedule, progress: Optional[Progress] = None) -> 
                     raise ScheduleError(f"rank {rank} step {step}: {a} appears twice",
                                         format_grid(schedule, {rank: step}))
                 if (rank, a) not in expected:
-                    raise ScheduleError(f"rank {rank} step {step}: unexpected action {a} "
-                                        "(mixing B with I/W?)", format_grid(schedule, {rank: step}))
+                    hint = "a forward-only schedule has no backward" if schedule.forward_only else "mixing B with I/W?"
+                    raise ScheduleError(f"rank {rank} step {step}: unexpected action {a} ({hint})",
+                                        format_grid(schedule, {rank: step}))
     missing = sorted((expected - seen).keys(), key=lambda x: (x[0], x[1]))
     if missing:
         rank, a = missing[0]
