@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megatron_slim.megatron import compat
 from megatron_slim.megatron.slicing import attach_slicing
 from megatron_slim.plan.schedule.executable import executable, executable_forward_only
+from megatron_slim.plan.schedule.ir import Schedule
 from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter, StageOps, last_backward_steps
 from megatron_slim.runtime.pipeline.kv_cache import ByteLedger, KVCacheStore
@@ -119,6 +120,11 @@ def check_schedule_groups(*args: Any, **kwargs: Any) -> None:
                          "GPT model per pipeline rank")
 
 
+def planned_schedule(settings: SlimPipeSettings, pp: int, vpp: int, num_microbatches: int) -> Schedule:
+    """The schedule every pipeline rank runs for one call (the simulator times the same one)."""
+    return executable(settings.kind, pp, vpp, num_microbatches, settings.num_slices)
+
+
 def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[SliceContext] = None) -> Callable:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
     hook reads it); a new one by default."""
@@ -144,7 +150,7 @@ def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[Sli
         config = get_model_config(models[0])
         group = _pp_group(pg_collection, p2p_communicator)
         pp, rank, vpp = group.size(), group.rank(), len(models)
-        schedule = executable(settings.kind, pp, vpp, num_microbatches, settings.num_slices)
+        schedule = planned_schedule(settings, pp, vpp, num_microbatches)
         stats.schedule_digest = schedule.digest()
         _agree_on_plan(stats.schedule_digest, group, stats)
 
