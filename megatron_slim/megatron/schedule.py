@@ -3,9 +3,10 @@
 ``make_forward_backward_func(settings)`` returns a function with the keyword contract of
 ``megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_*`` for megatron-core
 0.14 .. 0.19 (unknown keywords are accepted; the ones that change behaviour and are not supported
-raise). It generates the slice schedule for the call's (pp, vpp, microbatches, slices), lowers and
-validates it, checks that every pipeline rank holds the same plan, and runs the interpreter on
-megatron's model chunks with megatron's hooks: ``no_sync_func``, ``grad_sync_func``,
+raise). It builds the slice schedule for the call's (pp, vpp, microbatches, slices) with
+``plan.schedule.executable`` (lowered, validated; ``forward_only``: its validated forward-only
+form), checks that every pipeline rank holds the same plan, and runs the interpreter on megatron's
+model chunks with megatron's hooks: ``no_sync_func``, ``grad_sync_func``,
 ``finalize_model_grads_func``, ``grad_scale_func`` (inside megatron's ``backward_step``),
 ``deallocate_pipeline_outputs``, ``timers``. It returns what megatron's schedules return: one loss
 report per microbatch on the last pipeline stage, an empty list elsewhere.
@@ -31,7 +32,8 @@ import torch.distributed as dist
 
 from megatron_slim.megatron import compat
 from megatron_slim.megatron.slicing import attach_slicing
-from megatron_slim.plan.schedule import check_link_order, generate, lower, validate
+from megatron_slim.plan.schedule.executable import executable, executable_forward_only
+from megatron_slim.plan.schedule.ir import Schedule
 from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter, StageOps, last_backward_steps
 from megatron_slim.runtime.pipeline.kv_cache import ByteLedger, KVCacheStore
@@ -118,6 +120,11 @@ def check_schedule_groups(*args: Any, **kwargs: Any) -> None:
                          "GPT model per pipeline rank")
 
 
+def planned_schedule(settings: SlimPipeSettings, pp: int, vpp: int, num_microbatches: int) -> Schedule:
+    """The schedule every pipeline rank runs for one call (the simulator times the same one)."""
+    return executable(settings.kind, pp, vpp, num_microbatches, settings.num_slices)
+
+
 def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[SliceContext] = None) -> Callable:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
     hook reads it); a new one by default."""
@@ -143,10 +150,7 @@ def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[Sli
         config = get_model_config(models[0])
         group = _pp_group(pg_collection, p2p_communicator)
         pp, rank, vpp = group.size(), group.rank(), len(models)
-        schedule = generate(settings.kind, pp, vpp, num_microbatches, settings.num_slices)
-        schedule = lower(schedule)  # pp=1 (context parallelism alone, or one rank): no messages, unchanged
-        validate(schedule)
-        check_link_order(schedule)
+        schedule = planned_schedule(settings, pp, vpp, num_microbatches)
         stats.schedule_digest = schedule.digest()
         _agree_on_plan(stats.schedule_digest, group, stats)
 
@@ -202,9 +206,9 @@ def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[Sli
         grad_sync = GradSync(config.no_sync_func, config.grad_sync_func, chunk_params,
                              last_backward_steps(schedule.ranks[rank], vpp))
         param_sync = ParamSync(getattr(config, "param_sync_func", None), chunk_params) if not forward_only else None
-        interpreter = PipelineInterpreter(schedule, rank, ops, p2p, settings.slice_lengths, context, stores,
-                                          loss, meter=meter, grad_sync=grad_sync, param_sync=param_sync,
-                                          forward_only=forward_only)
+        executed = executable_forward_only(schedule) if forward_only else schedule
+        interpreter = PipelineInterpreter(executed, rank, ops, p2p, settings.slice_lengths, context, stores,
+                                          loss, meter=meter, grad_sync=grad_sync, param_sync=param_sync)
         timer = config.timers("forward-backward", log_level=1) if getattr(config, "timers", None) else None
         if timer is not None:
             timer.start(barrier=getattr(config, "barrier_with_L1_time", False))

@@ -103,12 +103,21 @@ def check_trainable(recipe: Recipe) -> None:
     check_cp_trainable(recipe)
 
 
+def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
+    """The schedule settings every rank of ``megatron-slim train`` runs under: the recipe's kind and
+    the slice plan the simulator is given (``plan.sim.costs.slice_lengths``)."""
+    from megatron_slim.megatron.schedule import SlimPipeSettings
+
+    lengths = slice_lengths(recipe, CostModel(recipe))
+    return SlimPipeSettings(lengths, measure_memory=measure_memory, kind=recipe.schedule.kind)
+
+
 def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options: TrainOptions) -> RankReport:
     from megatron_slim.data import build_gpt_dataset
     from megatron_slim.megatron.model import build_rank_chunks
     from megatron_slim.megatron.optimizer import build_optimizer
     from megatron_slim.megatron.parallel import init_model_parallel
-    from megatron_slim.megatron.schedule import SlimPipeSettings, make_forward_backward_func
+    from megatron_slim.megatron.schedule import make_forward_backward_func
     from megatron_slim.megatron.slicing import SliceCoreAttention
     from megatron_slim.runtime.attention import choose_backend
     from megatron_slim.train.cp import CPTrainStep, cp_layer_classes, reduce_summary, summary_text
@@ -124,9 +133,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
         cp_step.attach(chunks)
     params = [q for c in chunks for q in c.parameters()]
     optimizer, scheduler = build_optimizer(chunks, t)
-    lengths = slice_lengths(recipe, CostModel(recipe))
-    fb = make_forward_backward_func(SlimPipeSettings(lengths, measure_memory=options.measure_memory,
-                                                     kind=recipe.schedule.kind))
+    fb = make_forward_backward_func(pipeline_settings(recipe, options.measure_memory))
     dataset = build_gpt_dataset(prepared, recipe.model.seq_length, t.global_batch_size * t.iters, seed=t.seed)
     report = RankReport(rank, groups.pp_rank, groups.dp_rank, groups.tp_rank, groups.cp_rank,
                         attention_backend=_backend_text(choose_backend(None, torch.device("cpu"), torch.float32)))

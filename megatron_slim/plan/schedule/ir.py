@@ -79,7 +79,8 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A pipeline schedule: ``ranks[r]`` is the ordered tuple of actions rank ``r`` executes."""
+    """A pipeline schedule: ``ranks[r]`` is the ordered tuple of actions rank ``r`` executes.
+    ``forward_only``: forwards alone (evaluation), as ``lower.forward_only`` derives them."""
 
     kind: str
     pp: int
@@ -87,6 +88,7 @@ class Schedule:
     num_microbatches: int
     num_slices: int
     ranks: tuple[tuple[Action, ...], ...]
+    forward_only: bool = False
 
     def __post_init__(self) -> None:
         if len(self.ranks) != self.pp:
@@ -123,12 +125,13 @@ class Schedule:
 
     def replace_ranks(self, ranks: Iterable[Iterable[Action]]) -> "Schedule":
         return Schedule(self.kind, self.pp, self.vpp, self.num_microbatches, self.num_slices,
-                        tuple(tuple(row) for row in ranks))
+                        tuple(tuple(row) for row in ranks), self.forward_only)
 
     def to_text(self) -> str:
         """One line per rank, actions comma-separated; ``from_text`` reads it back."""
         header = (f"# kind={self.kind} pp={self.pp} vpp={self.vpp} "
-                  f"microbatches={self.num_microbatches} slices={self.num_slices}")
+                  f"microbatches={self.num_microbatches} slices={self.num_slices}"
+                  + (" forward_only=1" if self.forward_only else ""))
         rows = [",".join(str(a) for a in row) for row in self.ranks]
         return "\n".join([header, *rows]) + "\n"
 
@@ -140,7 +143,7 @@ class Schedule:
         meta = dict(tok.split("=", 1) for tok in lines[0][1:].split())
         rows = tuple(tuple(Action.parse(t) for t in ln.split(",") if t.strip()) for ln in lines[1:])
         return cls(meta["kind"], int(meta["pp"]), int(meta["vpp"]), int(meta["microbatches"]),
-                   int(meta["slices"]), rows)
+                   int(meta["slices"]), rows, meta.get("forward_only") == "1")
 
     def digest(self) -> str:
         """Content hash that ranks compare to agree on the plan."""

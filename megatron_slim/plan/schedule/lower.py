@@ -4,9 +4,11 @@
   a ``RECV_*`` right before each compute that needs another rank's result. A RECV marks where the
   rank waits; the runtime may post the receive earlier.
 * ``split_backward`` / ``merge_backward``: ``B`` <-> ``I`` followed by ``W``.
+* ``forward_only``: the forwards and their messages alone (evaluation), in the training order.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from megatron_slim.plan.progress import Progress, report
@@ -51,6 +53,14 @@ def add_communication(schedule: Schedule, progress: Optional[Progress] = None) -
 
 def strip_communication(schedule: Schedule) -> Schedule:
     return schedule.replace_ranks([a for a in row if a.kind.is_compute] for row in schedule.ranks)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """Drop every backward action and gradient message. Applied to a lowered schedule, each link
+    keeps its forward messages in the order it sent them, so the result is as NCCL-safe as its input."""
+    forwards = (Kind.F, Kind.SEND_F, Kind.RECV_F)
+    return dataclasses.replace(schedule.replace_ranks([a for a in row if a.kind in forwards]
+                                                      for row in schedule.ranks), forward_only=True)
 
 
 def split_backward(schedule: Schedule) -> Schedule:

@@ -1,20 +1,18 @@
 """Check a schedule before anything runs it: completeness, dependency order, deadlock freedom.
 
-Execution model (the runtime's): each rank runs its actions in order; a compute action waits for
-its dependencies (``deps.py``); ``SEND`` never blocks; ``RECV`` blocks until the matching ``SEND``
-has been issued. On failure, ``ScheduleError`` carries a rank x step grid with the offending
-actions marked.
+Execution model (the runtime's): each rank runs its actions in order, each once it is ready by
+the rules the simulator shares (``walk.py``): a compute action waits for its dependencies
+(``deps.py``); ``SEND`` never blocks; ``RECV`` blocks until the matching ``SEND`` has been
+issued. On failure, ``ScheduleError`` carries a rank x step grid with the offending actions marked.
 """
 from __future__ import annotations
 
 from collections import Counter
 from typing import Optional
 
-from megatron_slim.plan.schedule.deps import Key, compute_dependencies, key
-from megatron_slim.plan.progress import EVERY, Progress, report
+from megatron_slim.plan.progress import Progress, report
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
-
-_SEND_FOR_RECV = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
+from megatron_slim.plan.schedule.walk import Walker, describe
 
 
 class ScheduleError(ValueError):
@@ -50,7 +48,7 @@ def format_grid(schedule: Schedule, marks: dict[int, int] | None = None, width: 
 def _expected_units(schedule: Schedule) -> Counter:
     expected: Counter = Counter()
     split = schedule.has_split_backward
-    backward_kinds = (Kind.I, Kind.W) if split else (Kind.B,)
+    backward_kinds = () if schedule.forward_only else (Kind.I, Kind.W) if split else (Kind.B,)
     for rank in range(schedule.pp):
         for chunk in range(schedule.vpp):
             for mb in range(schedule.num_microbatches):
@@ -79,8 +77,9 @@ def _check_complete(schedule: Schedule, progress: Optional[Progress] = None) -> 
                     raise ScheduleError(f"rank {rank} step {step}: {a} appears twice",
                                         format_grid(schedule, {rank: step}))
                 if (rank, a) not in expected:
-                    raise ScheduleError(f"rank {rank} step {step}: unexpected action {a} "
-                                        "(mixing B with I/W?)", format_grid(schedule, {rank: step}))
+                    hint = "a forward-only schedule has no backward" if schedule.forward_only else "mixing B with I/W?"
+                    raise ScheduleError(f"rank {rank} step {step}: unexpected action {a} ({hint})",
+                                        format_grid(schedule, {rank: step}))
     missing = sorted((expected - seen).keys(), key=lambda x: (x[0], x[1]))
     if missing:
         rank, a = missing[0]
@@ -128,71 +127,21 @@ def _check_communication_pairs(schedule: Schedule) -> None:
                             format_grid(schedule, {rank: step}))
 
 
-def _runnable(schedule: Schedule, rank: int, a: Action, done: set) -> list[str]:
-    """Unmet requirements of ``a`` on ``rank`` given ``done``; empty when it may run."""
-    unmet: list[str] = []
-    stage = schedule.stage(rank, a.chunk)
-    if a.kind.is_compute:
-        for dep in compute_dependencies(schedule, rank, a):
-            dep_kind, dep_stage = dep[0], dep[1]
-            remote = schedule.placement(dep_stage)[0] != rank
-            if remote and schedule.is_lowered:
-                recv_kind = Kind.RECV_F if dep_kind is Kind.F else Kind.RECV_B
-                need = ("comm", rank, recv_kind, stage, a.microbatch, a.slice)
-                if need not in done:
-                    unmet.append(f"{a.with_kind(recv_kind)} on rank {rank}")
-            elif dep not in done:
-                dep_rank, dep_chunk = schedule.placement(dep_stage)
-                unmet.append(f"{Action(dep_kind, dep_chunk, dep[2], dep[3])} on rank {dep_rank}")
-        return unmet
-    if a.kind in (Kind.SEND_F, Kind.SEND_B):
-        produced = (Kind.F if a.kind is Kind.SEND_F else Kind.B, stage, a.microbatch, a.slice)
-        if produced not in done:
-            unmet.append(f"{a.with_kind(produced[0])} on rank {rank} (what it sends)")
-        return unmet
-    peer_stage = stage - 1 if a.kind is Kind.RECV_F else stage + 1
-    peer_rank, peer_chunk = schedule.placement(peer_stage)
-    send = Action(_SEND_FOR_RECV[a.kind], peer_chunk, a.microbatch, a.slice)
-    if ("comm", peer_rank, send.kind, peer_stage, a.microbatch, a.slice) not in done:
-        unmet.append(f"{send} on rank {peer_rank}")
-    return unmet
-
-
-def _done_keys(schedule: Schedule, rank: int, a: Action) -> list:
-    if a.kind.is_compute:
-        k = key(schedule, rank, a)
-        return [(Kind.W,) + k[1:]] if a.kind is Kind.W else [k]
-    return [("comm", rank, a.kind, schedule.stage(rank, a.chunk), a.microbatch, a.slice)]
+def _waits_for(walker: Walker, rank: int, a: Action) -> str:
+    suffix = " (what it sends)" if a.kind in (Kind.SEND_F, Kind.SEND_B) else ""
+    return "; ".join(describe(walker.schedule, f) + suffix for f in walker.unmet(rank, a))
 
 
 def validate(schedule: Schedule, progress: Optional[Progress] = None) -> Schedule:
     """Return ``schedule`` unchanged if it is complete and runs to the end; raise otherwise.
     ``progress``: ``("checking completeness", 0, actions)``, then now and then
     ``("checking dependencies", actions run through, actions)``."""
-    total = sum(len(row) for row in schedule.ranks)
     _check_complete(schedule, progress)
-    report(progress, "checking dependencies", 0, total)
-    done: set = set()
-    pos = [0] * schedule.pp
-    steps = 0
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, row in enumerate(schedule.ranks):
-            while pos[rank] < len(row) and not _runnable(schedule, rank, row[pos[rank]], done):
-                done.update(_done_keys(schedule, rank, row[pos[rank]]))
-                pos[rank] += 1
-                progressed = True
-                steps += 1
-                if steps % EVERY == 0:
-                    report(progress, "checking dependencies", steps, total)
-    stuck = {r: pos[r] for r in range(schedule.pp) if pos[r] < len(schedule.ranks[r])}
+    walker = Walker(schedule)
+    stuck = walker.run(lambda rank, a, ready: 0.0, progress, "checking dependencies")
     if stuck:
-        reasons = []
-        for r, step in stuck.items():
-            a = schedule.ranks[r][step]
-            reasons.append(f"  rank {r} step {step} {a} waits for: "
-                           + "; ".join(_runnable(schedule, r, a, done)))
+        reasons = [f"  rank {r} step {step} {schedule.ranks[r][step]} waits for: "
+                   + _waits_for(walker, r, schedule.ranks[r][step]) for r, step in stuck.items()]
         raise ScheduleError("schedule deadlocks or breaks a dependency:\n" + "\n".join(reasons),
                             format_grid(schedule, stuck))
     return schedule

@@ -1,7 +1,8 @@
 """Discrete-event simulation of a pipeline schedule under a cost model.
 
 Per rank: one compute stream that runs the rank's compute actions in schedule order, and a send
-stream. A ``SEND`` starts when its data is computed and the directed link is free, occupies the
+stream; an action starts once the readiness rules the validator shares (``schedule/walk.py``)
+allow it, at the latest time among what it waits for. A ``SEND`` starts when its data is computed and the directed link is free, occupies the
 link for ``bytes / bandwidth`` and arrives ``latency`` later; a ``RECV`` holds the rank's compute
 stream until the data has arrived (as the runtime's blocking wait does).
 
@@ -17,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_slim.plan.progress import EVERY, Progress, report
-from megatron_slim.plan.schedule.deps import compute_dependencies, key
+from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schedule.validate import validate
+from megatron_slim.plan.schedule.walk import Walker
 from megatron_slim.plan.sim.costs import PipelineCosts
 
 
@@ -88,31 +89,20 @@ class _Run:
         self.s = schedule
         self.costs = costs
         self.free = [0.0] * schedule.pp  # compute stream
-        self.finished: dict = {}  # compute key -> end time
-        self.arrivals: dict = {}  # (dst rank, RECV kind, stage, mb, slice) -> arrival time
         self.link_free: dict = {}
         self.events: list[Event] = []
         self.mem: list[list[tuple[float, float, float]]] = [[] for _ in range(schedule.pp)]
         self.busy = [0.0] * schedule.pp
 
-    def _ready(self, rank: int, a: Action) -> float | None:
-        """Earliest start allowed by data dependencies, or None while one is still unknown."""
-        t = 0.0
-        stage = self.s.stage(rank, a.chunk)
+    def _step(self, rank: int, a: Action, ready: float) -> float:
+        """Run ``a`` no earlier than ``ready``; the time its result is available (a SEND's: arrival)."""
         if a.kind.is_compute:
-            for dep in compute_dependencies(self.s, rank, a):
-                if self.s.placement(dep[1])[0] != rank:
-                    continue  # arrives through a RECV earlier in this rank's program
-                if dep not in self.finished:
-                    return None
-                t = max(t, self.finished[dep])
-            return t
+            return self._compute(rank, a, ready)
         if a.kind in (Kind.SEND_F, Kind.SEND_B):
-            produced = (Kind.F if a.kind is Kind.SEND_F else Kind.B, stage, a.microbatch, a.slice)
-            return self.finished.get(produced)
-        return self.arrivals.get((rank, a.kind, stage, a.microbatch, a.slice))
+            return self._send(rank, a, ready)
+        return self._recv(rank, a, ready)
 
-    def _compute(self, rank: int, a: Action, ready: float) -> None:
+    def _compute(self, rank: int, a: Action, ready: float) -> float:
         stage = self.s.stage(rank, a.chunk)
         mb, j, c = a.microbatch, a.slice, self.costs
         if a.kind is Kind.F:
@@ -127,10 +117,9 @@ class _Run:
         end = start + dur
         self.free[rank] = end
         self.busy[rank] += dur
-        k = key(self.s, rank, a)
-        self.finished[(Kind.W,) + k[1:] if a.kind is Kind.W else k] = end
         self.events.append(Event(rank, "compute", str(a), start, end, stage, mb, j))
         self._account_memory(rank, a, stage, start, end)
+        return end
 
     def _account_memory(self, rank: int, a: Action, stage: int, start: float, end: float) -> None:
         mb, j, c, n = a.microbatch, a.slice, self.costs, self.s.num_slices
@@ -148,7 +137,7 @@ class _Run:
         elif a.kind is Kind.W:
             mem.append((end, -c.activation_bytes(stage, mb, j), 0.0))
 
-    def _send(self, rank: int, a: Action, ready: float) -> None:
+    def _send(self, rank: int, a: Action, ready: float) -> float:
         stage = self.s.stage(rank, a.chunk)
         forward = a.kind is Kind.SEND_F
         dst_stage = stage + 1 if forward else stage - 1
@@ -159,43 +148,19 @@ class _Run:
         done = start + nbytes / link.bandwidth
         self.link_free[(rank, dst)] = done
         arrival = done + link.latency
-        recv = Kind.RECV_F if forward else Kind.RECV_B
-        self.arrivals[(dst, recv, dst_stage, a.microbatch, a.slice)] = arrival
         self.events.append(Event(rank, "send", str(a), start, arrival, stage, a.microbatch, a.slice))
+        return arrival
 
-    def _recv(self, rank: int, a: Action, arrival: float) -> None:
+    def _recv(self, rank: int, a: Action, arrival: float) -> float:
         if arrival > self.free[rank]:
             stage = self.s.stage(rank, a.chunk)
             self.events.append(Event(rank, "recv", str(a), self.free[rank], arrival, stage,
                                      a.microbatch, a.slice))
             self.free[rank] = arrival
+        return self.free[rank]
 
     def run(self, progress: Optional[Progress] = None) -> None:
-        pos = [0] * self.s.pp
-        total = sum(len(row) for row in self.s.ranks)
-        steps = 0
-        report(progress, "simulating", 0, total)
-        progressed = True
-        while progressed:
-            progressed = False
-            for rank, row in enumerate(self.s.ranks):
-                while pos[rank] < len(row):
-                    a = row[pos[rank]]
-                    ready = self._ready(rank, a)
-                    if ready is None:
-                        break
-                    if a.kind.is_compute:
-                        self._compute(rank, a, ready)
-                    elif a.kind in (Kind.SEND_F, Kind.SEND_B):
-                        self._send(rank, a, ready)
-                    else:
-                        self._recv(rank, a, ready)
-                    pos[rank] += 1
-                    progressed = True
-                    steps += 1
-                    if steps % EVERY == 0:
-                        report(progress, "simulating", steps, total)
-        if any(pos[r] < len(row) for r, row in enumerate(self.s.ranks)):
+        if Walker(self.s).run(self._step, progress, "simulating"):
             raise RuntimeError("simulation stalled on a schedule the validator accepted")  # invariant
 
 

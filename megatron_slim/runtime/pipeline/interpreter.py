@@ -5,7 +5,8 @@ received output gradients, input gradients waiting to be sent) and checks it: no
 its receive, nothing left over at the end. Under torch's profiler every action runs in
 ``record_function("<action>")``, named by the IR string the simulator's traces use (``F3.2``,
 ``1B0.7``, ``SEND_F3.2``), so a measured trace lines up with a simulated one; without a profiler
-no label is entered.
+no label is entered. An evaluation step runs a forward-only schedule
+(``plan.schedule.executable_forward_only``): no autograd graph is kept.
 """
 from __future__ import annotations
 
@@ -58,16 +59,11 @@ class RunState:
     to_send: dict = field(default_factory=dict)  # unit -> input gradient awaiting SEND_B
 
 
-def forward_only_row(row: Sequence[Action]) -> list[Action]:
-    return [a for a in row if a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F)]
-
-
 class PipelineInterpreter:
     def __init__(self, schedule: Schedule, rank: int, ops: StageOps, p2p: Optional[P2P],
                  slice_lengths: Sequence[int], context: SliceContext, kv_stores: Sequence[KVCacheStore],
                  loss: SlicedLoss, meter: Optional[ActivationMeter] = None,
-                 grad_sync: Optional[GradSync] = None, param_sync: Optional[ParamSync] = None,
-                 forward_only: bool = False) -> None:
+                 grad_sync: Optional[GradSync] = None, param_sync: Optional[ParamSync] = None) -> None:
         if not schedule.is_lowered:
             raise ValueError("the interpreter runs lowered schedules (plan.schedule.add_communication)")
         if schedule.has_split_backward:
@@ -79,9 +75,8 @@ class PipelineInterpreter:
         self.lengths = list(slice_lengths)
         self.starts = [sum(self.lengths[:j]) for j in range(len(self.lengths))]
         self.ctx, self.kv, self.loss, self.meter = context, kv_stores, loss, meter
-        self.grad_sync, self.param_sync, self.forward_only = grad_sync, param_sync, forward_only
-        row = schedule.ranks[rank]
-        self.row = forward_only_row(row) if forward_only else list(row)
+        self.grad_sync, self.param_sync, self.forward_only = grad_sync, param_sync, schedule.forward_only
+        self.row = list(schedule.ranks[rank])
         self.state = RunState()
         self._step = 0
         self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.SEND_F: self._send_forward,
@@ -97,9 +92,7 @@ class PipelineInterpreter:
 
     def _fail(self, message: str) -> PipelineStateError:
         return PipelineStateError(f"rank {self.rank} step {self._step} {self.row[self._step]}: {message}\n"
-                                  + format_grid(self.s.replace_ranks(
-                                      [self.row if r == self.rank else self.s.ranks[r] for r in range(self.s.pp)]),
-                                      {self.rank: self._step}))
+                                  + format_grid(self.s, {self.rank: self._step}))
 
     def _slice_info(self, a: Action) -> SliceInfo:
         return SliceInfo(a.microbatch, a.slice, self.s.num_slices, self.starts[a.slice],
@@ -128,7 +121,7 @@ class PipelineInterpreter:
             self.state.inputs[(next_chunk, a.microbatch, a.slice)] = handed.requires_grad_(not self.forward_only)
         if not self.forward_only:
             self.state.outputs[unit] = (inp, output)
-        elif stage < self.s.num_stages - 1:
+        elif stage < self.s.num_stages - 1 and not self._local(stage + 1):
             self.state.outputs[unit] = (None, output)  # kept only until SEND_F
 
     def _send_forward(self, a: Action) -> None:

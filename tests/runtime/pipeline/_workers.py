@@ -72,3 +72,32 @@ def run_slimpipe(rank, world_size, configs, seed=1234):
         results.append(([r["lm loss"] for r in reports], grads, ref,
                         (fb.stats.peak_activation_bytes, fb.stats.peak_kv_bytes)))
     return results
+
+
+def run_forward_only(rank, world_size, configs, seed=1234):
+    """Each config: (vpp, num_microbatches, slice_lengths). Returns per config the losses of a
+    forward-only call and of a training call on the same batches, and how many parameters had a
+    gradient after each."""
+    global _GROUPS
+    from megatron_slim.megatron.model import build_rank_chunks
+    from megatron_slim.megatron.parallel import init_model_parallel
+    from megatron_slim.megatron.schedule import SlimPipeSettings, make_forward_backward_func
+    from megatron_slim.megatron.slicing import SliceCoreAttention
+
+    _GROUPS = init_model_parallel(pp=world_size)
+    model = ModelConfig(**TINY)
+    results = []
+    for vpp, m, lengths in configs:
+        batches = make_batches(model, m, micro_batch=2, seed=seed + m)
+        chunks = build_rank_chunks(model, dataclasses.replace(_GROUPS, vpp=vpp),
+                                   core_attention=SliceCoreAttention, seed=seed)
+        fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths)))
+        losses, with_grads = [], []
+        for forward_only in (True, False):
+            reports = fb(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
+                         model=chunks, num_microbatches=m, seq_length=model.seq_length, micro_batch_size=2,
+                         forward_only=forward_only)
+            losses.append([r["lm loss"] for r in reports])
+            with_grads.append(sum(p.grad is not None for c in chunks for p in c.parameters()))
+        results.append((losses, with_grads))
+    return results

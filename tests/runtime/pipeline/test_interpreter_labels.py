@@ -50,3 +50,22 @@ def test_actions_run_unlabelled_without_a_profiler(monkeypatch):
     schedule = lower(generate("1f1b", 1, 1, 2, 1))
     _interpreter(schedule, torch.ones(1, requires_grad=True)).run()
     assert entered == []
+
+
+def test_labels_equal_the_simulated_trace_names_of_the_same_recipe():
+    """The runtime's profiler labels, in order, are the names of the simulator's Chrome trace events
+    (``plan.sim.trace``) for the same recipe: ``F3.2``, never a prefixed form like ``PP:F3.2``."""
+    from megatron_slim.commands.simulate import run_one
+    from megatron_slim.plan.recipe import load_recipe
+    from megatron_slim.plan.sim.trace import chrome_trace
+
+    result = run_one(load_recipe("tiny-cpu", ["parallel.pp=1", "train.global_batch_size=3"])).result
+    trace = [e for e in chrome_trace(result)["traceEvents"] if e["ph"] == "X" and e["pid"] == 0]
+    simulated = [e["name"] for e in sorted(trace, key=lambda e: e["ts"])]
+    weight = torch.ones(1, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _interpreter(result.schedule, weight).run()
+    names = set(simulated)
+    recorded = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name in names]
+    assert recorded == simulated and len(simulated) == 2 * 3 * 4
+    assert not any(":" in e.name and e.name.split(":")[-1] in names for e in prof.events())

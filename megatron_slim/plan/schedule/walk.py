@@ -1,0 +1,118 @@
+"""Readiness: which action of a schedule may run, given what has run so far.
+
+One set of rules, read by the validator (does every rank reach its end?) and the simulator (when
+does each action start?). Each action, once run, makes one *fact* available:
+
+* a compute action: its dependency key (``deps.key``: ``(kind, stage, microbatch, slice)``);
+* a ``SEND``/``RECV``: ``("comm", rank, kind, stage, microbatch, slice)``, the stage being the
+  acting rank's own.
+
+An action may run when every fact it requires is available:
+
+* compute: its ``deps.compute_dependencies``; in a lowered schedule a dependency held by another
+  rank arrives through this rank's ``RECV`` of the same unit, so that ``RECV`` is required instead;
+* ``SEND``: the compute whose result it sends;
+* ``RECV``: the matching ``SEND`` on the peer rank (a ``SEND`` never blocks).
+
+``Walker.run`` advances every rank as far as the rules allow, in one fixed order, and records
+each fact with the time the caller's ``step`` says it became available (the validator has no
+clock and records 0).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from megatron_slim.plan.progress import EVERY, Progress, report
+from megatron_slim.plan.schedule.deps import compute_dependencies, key
+from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
+
+Fact = tuple
+Step = Callable[[int, Action, float], float]  # (rank, action, ready time) -> time its fact is available
+
+_RECV_FOR = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}
+_SEND_FOR_RECV = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
+_SENT_BY = {Kind.SEND_F: Kind.F, Kind.SEND_B: Kind.B}
+
+
+def _comm(rank: int, kind: Kind, stage: int, a: Action) -> Fact:
+    return ("comm", rank, kind, stage, a.microbatch, a.slice)
+
+
+def produced(schedule: Schedule, rank: int, a: Action) -> Fact:
+    """The fact ``a`` makes available once it has run on ``rank``."""
+    if a.kind.is_compute:
+        return key(schedule, rank, a)
+    return _comm(rank, a.kind, schedule.stage(rank, a.chunk), a)
+
+
+def required(schedule: Schedule, rank: int, a: Action) -> list[Fact]:
+    """The facts ``a`` on ``rank`` waits for, in the order the validator reports them."""
+    stage = schedule.stage(rank, a.chunk)
+    if a.kind.is_compute:
+        facts = []
+        for dep in compute_dependencies(schedule, rank, a):
+            if schedule.is_lowered and schedule.placement(dep[1])[0] != rank:
+                facts.append(_comm(rank, _RECV_FOR[dep[0]], stage, a))
+            else:
+                facts.append(dep)
+        return facts
+    if a.kind in _SENT_BY:
+        return [(_SENT_BY[a.kind], stage, a.microbatch, a.slice)]
+    peer_stage = stage - 1 if a.kind is Kind.RECV_F else stage + 1
+    return [_comm(schedule.placement(peer_stage)[0], _SEND_FOR_RECV[a.kind], peer_stage, a)]
+
+
+def describe(schedule: Schedule, fact: Fact) -> str:
+    """The action behind ``fact`` and where it runs, e.g. ``SEND_F1.0 on rank 0``."""
+    if fact[0] == "comm":
+        _, rank, kind, stage, mb, j = fact
+        return f"{Action(kind, schedule.placement(stage)[1], mb, j)} on rank {rank}"
+    kind, stage, mb, j = fact
+    rank, chunk = schedule.placement(stage)
+    return f"{Action(kind, chunk, mb, j)} on rank {rank}"
+
+
+class Walker:
+    """Runs a schedule's ranks as far as readiness allows; ``done`` maps each fact to its time."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.done: dict[Fact, float] = {}
+        self.pos = [0] * schedule.pp
+
+    def unmet(self, rank: int, a: Action) -> list[Fact]:
+        return [f for f in required(self.schedule, rank, a) if f not in self.done]
+
+    def ready_time(self, rank: int, a: Action) -> Optional[float]:
+        """Latest time among the facts ``a`` needs, or None while one is missing."""
+        t = 0.0
+        for f in required(self.schedule, rank, a):
+            at = self.done.get(f)
+            if at is None:
+                return None
+            t = max(t, at)
+        return t
+
+    def run(self, step: Step, progress: Optional[Progress] = None, phase: str = "walking") -> dict[int, int]:
+        """Run ``step`` on each action once it is ready; return ``{rank: step}`` where ranks stuck.
+        ``progress(phase, actions run, actions)`` at the start and every ``EVERY`` actions."""
+        rows = self.schedule.ranks
+        total = sum(len(row) for row in rows)
+        report(progress, phase, 0, total)
+        steps = 0
+        progressed = True
+        while progressed:
+            progressed = False
+            for rank, row in enumerate(rows):
+                while self.pos[rank] < len(row):
+                    a = row[self.pos[rank]]
+                    ready = self.ready_time(rank, a)
+                    if ready is None:
+                        break
+                    self.done[produced(self.schedule, rank, a)] = step(rank, a, ready)
+                    self.pos[rank] += 1
+                    progressed = True
+                    steps += 1
+                    if steps % EVERY == 0:
+                        report(progress, phase, steps, total)
+        return {r: self.pos[r] for r, row in enumerate(rows) if self.pos[r] < len(row)}

@@ -1,0 +1,38 @@
+"""The schedule a ``megatron-slim train`` rank runs is the one ``megatron-slim simulate`` times:
+the runtime's planning calls (``train.loop.pipeline_settings``, ``megatron.schedule.planned_schedule``)
+give the simulator's schedule digest for the same recipe, without spawning ranks."""
+import pytest
+
+from megatron_slim.commands.simulate import run_one
+from megatron_slim.megatron.schedule import planned_schedule
+from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.plan.variants import schedule_variant
+from megatron_slim.train.loop import pipeline_settings
+
+CASES = [
+    ("tiny-cpu", [], None),
+    ("tiny-cpu", [], "1f1b"),
+    ("tiny-cpu", [], "interleaved"),
+    ("tiny-cpu", ["parallel.pp=2", "train.global_batch_size=4", "model.seq_length=128", "schedule.num_slices=2"],
+     None),
+    ("tiny-cpu", ["parallel.pp=2", "parallel.vpp=2", "schedule.num_slices=3", "schedule.slice_policy=balanced"],
+     None),
+    ("tiny-cpu", ["schedule.slice_policy=uniform"], None),
+    ("llama2-7b-64k", [], None),
+    ("llama3-8b-256k", [], None),
+    ("zeppelin-7b-h800", [], None),
+]
+
+
+@pytest.mark.parametrize("name,sets,kind", CASES)
+def test_runtime_plan_digest_equals_the_simulators(name, sets, kind):
+    recipe = load_recipe(name, sets)
+    if kind is not None:
+        recipe = schedule_variant(recipe, kind)
+    settings = pipeline_settings(recipe)
+    p = recipe.parallel
+    runtime = planned_schedule(settings, p.pp, p.vpp, recipe.num_microbatches)
+    simulated = run_one(recipe)
+    assert settings.slice_lengths == tuple(simulated.costs.lengths)
+    assert runtime.digest() == simulated.result.schedule.digest()
+    assert runtime == simulated.result.schedule
