@@ -76,7 +76,7 @@ def check_cp_args(args: argparse.Namespace) -> None:
 def _check_engine_fits(args: argparse.Namespace, engine: str) -> None:
     """Head counts the engine needs (ulysses: heads per TP rank divisible by cp; a2a+p2p: by the CP
     ranks of a node), on the topology of the hardware profile."""
-    from megatron_slim.megatron.flags import recipe_from_megatron_args
+    from megatron_slim.megatron.args import recipe_from_megatron_args
     from megatron_slim.plan.cp.costs import CPCosts
     from megatron_slim.plan.cp.engines import check_supported
     from megatron_slim.plan.cp.topology import CPTopology

@@ -136,7 +136,7 @@ class CPHookState:
 
     def plan_inputs(self, args):
         if self._setup is None:
-            from megatron_slim.megatron.flags import recipe_from_megatron_args
+            from megatron_slim.megatron.args import recipe_from_megatron_args
             from megatron_slim.plan.cp.costs import CPCosts
             from megatron_slim.plan.cp.topology import CPTopology
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from megatron_slim.megatron.cp_checks import check_cp_args
 from megatron_slim.plan.recipe import MAX_SEED, CPEngine, Recipe, SlicePolicy
 from megatron_slim.plan.schema import ConfigError
 
@@ -142,8 +143,6 @@ def check_megatron_args(args: argparse.Namespace) -> None:
                           "(or drop --cp-engine)")
     if args.cp_remap and args.cp_engine != "zeppelin":
         raise ConfigError("--cp-remap: only with --cp-engine zeppelin")
-    from megatron_slim.megatron.cp_checks import check_cp_args
-
     check_cp_args(args)
     if not args.use_slimpipe:
         if args.slimpipe_num_slices != 1:
@@ -200,32 +199,3 @@ def check_megatron_args(args: argparse.Namespace) -> None:
             f"multiples of {unit} tokens; allowed: a divisor of {seq // unit} (or --slimpipe-slice-policy balanced)")
     if seq < n * unit:
         raise ConfigError(f"--slimpipe-num-slices {n}: at most {seq // unit} slices of --seq-length {seq}")
-
-
-def recipe_from_megatron_args(args: argparse.Namespace) -> Recipe:
-    """The recipe a parsed Megatron-LM argument namespace stands for (what the cost model needs for
-    balanced slices and what the simulator would be given for the same run)."""
-    from megatron_slim.plan.recipe import recipe_from_dict
-
-    heads = args.num_attention_heads
-    groups = args.num_query_groups if getattr(args, "group_query_attention", False) and args.num_query_groups else heads
-    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 32000
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    dp = getattr(args, "data_parallel_size", None) or 1
-    data = {
-        "name": "megatron-args", "hardware": args.slimpipe_hardware,
-        "model": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-                  "ffn_hidden_size": args.ffn_hidden_size or 4 * args.hidden_size, "num_attention_heads": heads,
-                  "num_query_groups": groups, "vocab_size": vocab, "seq_length": args.seq_length,
-                  "rotary_base": float(getattr(args, "rotary_base", 10000) or 10000)},
-        "parallel": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size, "vpp": vpp,
-                     "cp": args.context_parallel_size or 1, "dp": dp,
-                     "sequence_parallel": bool(getattr(args, "sequence_parallel", False)) and args.tensor_model_parallel_size > 1},
-        "train": {"global_batch_size": args.global_batch_size or args.micro_batch_size * dp,
-                  "micro_batch_size": args.micro_batch_size,
-                  "precision": "bf16" if getattr(args, "bf16", False) or getattr(args, "fp16", False) else "fp32",
-                  "recompute": "full" if getattr(args, "recompute_granularity", None) == "full" else "none"},
-        "schedule": {"kind": "slimpipe", "num_slices": args.slimpipe_num_slices,
-                     "slice_policy": args.slimpipe_slice_policy},
-    }
-    return recipe_from_dict(data)

@@ -110,7 +110,7 @@ def _patch_arguments() -> None:
 # ---- schedule --------------------------------------------------------------------------------
 def slimpipe_settings(args) -> "SlimPipeSettings":
     """The slice plan a Megatron run uses, from its flags (balanced slices need the cost model)."""
-    from megatron_slim.megatron.flags import recipe_from_megatron_args
+    from megatron_slim.megatron.args import recipe_from_megatron_args
     from megatron_slim.megatron.schedule import SlimPipeSettings
     from megatron_slim.plan.cost.calibration import load_calibration
     from megatron_slim.plan.cost.model import CostModel
