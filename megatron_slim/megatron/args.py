@@ -1,4 +1,5 @@
-"""The recipe a parsed Megatron-LM argument namespace stands for.
+"""What a parsed Megatron-LM argument namespace stands for: a recipe (for the cost model and the
+CP engines' topology) and the start-up rules' ``Settings`` view.
 
 Both the launcher's flag checks (``flags``) and the CP engine checks (``cp_checks``) read it; it
 imports neither, so neither imports the other through it. Imports no megatron and no torch.
@@ -6,8 +7,10 @@ imports neither, so neither imports the other through it. Imports no megatron an
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from megatron_slim.plan.recipe import Recipe, recipe_from_dict
+from megatron_slim.plan.startup.settings import NO_CP_ENGINE, Settings
 
 
 def recipe_from_megatron_args(args: argparse.Namespace) -> Recipe:
@@ -35,3 +38,26 @@ def recipe_from_megatron_args(args: argparse.Namespace) -> Recipe:
                      "slice_policy": args.slimpipe_slice_policy},
     }
     return recipe_from_dict(data)
+
+
+def settings_from_megatron_args(args: argparse.Namespace) -> Settings:
+    """The start-up rules' view of a parsed Megatron-LM namespace (a flag it lacks keeps its default)."""
+    def flag(name: str, default: Any = None) -> Any:
+        value = getattr(args, name, default)
+        return default if value is None else value
+
+    return Settings(
+        cp=flag("context_parallel_size", 1), tp=flag("tensor_model_parallel_size", 1),
+        pp=flag("pipeline_model_parallel_size", 1), micro_batch_size=flag("micro_batch_size", 1),
+        sequence_parallel=bool(flag("sequence_parallel")), cp_engine=flag("cp_engine", NO_CP_ENGINE),
+        cp_remap=bool(flag("cp_remap")), slimpipe=bool(flag("use_slimpipe")), num_slices=flag("slimpipe_num_slices", 1),
+        slice_policy=flag("slimpipe_slice_policy", "uniform"), seq_length=flag("seq_length", 0),
+        recompute=flag("recompute_granularity"), hierarchical_cp_sizes=flag("hierarchical_context_parallel_sizes"),
+        cp_comm_type=flag("cp_comm_type"), hybrid_cp=bool(flag("hybrid_context_parallel")),
+        partial_checkpoints=flag("num_microbatches_with_partial_activation_checkpoints"),
+        reset_attention_mask=bool(flag("reset_attention_mask")), reset_position_ids=bool(flag("reset_position_ids")),
+        num_experts=flag("num_experts"), multi_latent_attention=bool(flag("multi_latent_attention")),
+        cuda_graph_impl=flag("cuda_graph_impl"), enable_cuda_graph=bool(flag("enable_cuda_graph")),
+        external_cuda_graph=bool(flag("external_cuda_graph")), mtp_num_layers=flag("mtp_num_layers"),
+        sequence_packing=bool(flag("sequence_packing")), position_embedding=flag("position_embedding_type"),
+        attention_dropout=float(flag("attention_dropout", 0.0)))

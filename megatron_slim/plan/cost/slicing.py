@@ -14,6 +14,12 @@ import math
 from megatron_slim.plan.schema import fail
 
 
+def slice_alignment(cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Every slice boundary is a multiple of this many tokens: each slice is cut into ``2*cp``
+    zigzag chunks and, under sequence parallelism, each CP shard into ``tp``."""
+    return (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
+
+
 def uniform_slices(seq_length: int, num_slices: int, alignment: int = 1) -> tuple[int, ...]:
     if seq_length % (num_slices * alignment):
         raise fail("schedule.num_slices", num_slices,
