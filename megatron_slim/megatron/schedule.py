@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_slim.megatron import compat
 from megatron_slim.megatron.slicing import attach_slicing
+from megatron_slim.plan.cost.slicing import is_aligned, slice_alignment
 from megatron_slim.plan.schedule import check_link_order, generate, lower, validate
 from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter, StageOps, last_backward_steps
@@ -98,9 +99,9 @@ def _agree_on_plan(digest: str, group, stats: RunStats) -> None:
 
 
 def _check_slice_alignment(lengths, cp: int, sp_tp: int) -> None:
-    """Each slice is cut into 2*cp zigzag chunks, and (sequence parallel) each CP shard into tp."""
-    unit = (2 * cp if cp > 1 else 1) * sp_tp
-    bad = sorted({n for n in lengths if n % unit})
+    """Each slice is cut into 2*cp zigzag chunks, and (sequence parallel) each CP shard into ``sp_tp``."""
+    unit = slice_alignment(cp, sp_tp, sequence_parallel=True)
+    bad = sorted({n for n in lengths if not is_aligned(n, unit)})
     if bad:
         raise ValueError(f"SlimPipe slice lengths {tuple(lengths)}: {bad} are not multiples of {unit} tokens "
                          f"(context parallel size {cp}, sequence-parallel tp {sp_tp}); allowed: slice lengths "

@@ -78,3 +78,20 @@ def test_a_shared_rule_fires_from_every_caller_with_the_same_wording(name):
 
 def test_recipe_field_names_and_flags_cover_the_same_settings():
     assert set(INPUTS[TRAIN].names) == set(INPUTS[LAUNCHER].names) | {"precision", "eval_iters"}
+
+
+@pytest.mark.parametrize("policy", ["uniform", "balanced"])
+def test_the_launcher_and_recipes_accept_the_same_slice_counts(policy):
+    """One slice-alignment rule (``plan.cost.slicing``): the launcher's flags and a recipe agree."""
+    from megatron_slim.plan.startup import Settings
+
+    for seq, n, cp in [(s, n, c) for s in (48, 64, 96) for n in (1, 2, 3, 4, 8, 32) for c in (1, 2)]:
+        flags = Settings(cp=cp, slimpipe=True, num_slices=n, slice_policy=policy, seq_length=seq)
+        launcher_accepts = broken_rule(flags, LAUNCHER) is None
+        try:
+            load_recipe("tiny-cpu", [f"model.seq_length={seq}", f"schedule.num_slices={n}", f"parallel.cp={cp}",
+                                     f"schedule.slice_policy={policy}", "parallel.pp=1"])
+            recipe_accepts = True
+        except ConfigError:
+            recipe_accepts = False
+        assert launcher_accepts == recipe_accepts, (seq, n, cp, policy)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megatron_slim.plan.cost.slicing import slice_alignment
+from megatron_slim.plan.cost.slicing import is_aligned, max_slices, slice_alignment, splits_uniformly
 from megatron_slim.plan.schema import ConfigError, fail
 from megatron_slim.plan.startup.settings import INPUTS, LAUNCHER, MEGATRON_ARGS, NO_CP_ENGINE, TRAIN, Inputs, Settings
 
@@ -155,16 +155,16 @@ SLIMPIPE_RULES = [
     Rule("slimpipe-with-cp-engine", (LAUNCHER,), lambda s: s.slimpipe and s.cp > 1 and s.cp_engine != NO_CP_ENGINE,
          lambda s, i: (f"{_engine(s, i)}: --use-slimpipe brings its own context-parallel attention (query-out over "
                        "the K/V-cached slices): drop --cp-engine and --cp-remap")),
-    Rule("slice-alignment", (LAUNCHER,), lambda s: s.slimpipe and s.seq_length % _unit(s) != 0, lambda s, i: (
+    Rule("slice-alignment", (LAUNCHER,), lambda s: s.slimpipe and not is_aligned(s.seq_length, _unit(s)), lambda s, i: (
         f"--seq-length {s.seq_length}: SlimPipe slice boundaries are multiples of {_unit(s)} tokens (2*cp zigzag "
         f"chunks, times tp under --sequence-parallel); allowed: a multiple of {_unit(s)}")),
     Rule("uniform-slices", (LAUNCHER,), lambda s: (s.slimpipe and s.slice_policy == "uniform"
-                                                   and s.seq_length % (s.num_slices * _unit(s)) != 0),
+                                                   and not splits_uniformly(s.seq_length, s.num_slices, _unit(s))),
          lambda s, i: (f"--slimpipe-num-slices {s.num_slices}: --seq-length {s.seq_length} does not split into "
                        f"{s.num_slices} equal slices that are multiples of {_unit(s)} tokens; allowed: a divisor of "
-                       f"{s.seq_length // _unit(s)} (or --slimpipe-slice-policy balanced)")),
-    Rule("slices-fit", (LAUNCHER,), lambda s: s.slimpipe and s.seq_length < s.num_slices * _unit(s), lambda s, i: (
-        f"--slimpipe-num-slices {s.num_slices}: at most {s.seq_length // _unit(s)} slices of --seq-length "
+                       f"{max_slices(s.seq_length, _unit(s))} (or --slimpipe-slice-policy balanced)")),
+    Rule("slices-fit", (LAUNCHER,), lambda s: s.slimpipe and s.num_slices > max_slices(s.seq_length, _unit(s)),
+         lambda s, i: (f"--slimpipe-num-slices {s.num_slices}: at most {max_slices(s.seq_length, _unit(s))} slices of --seq-length "
         f"{s.seq_length}")),
 ]
 RULES: list[Rule] = TRAIN_RULES + CP_ENGINE_RULES + SLIMPIPE_RULES
