@@ -33,6 +33,7 @@ from megatron_slim.megatron import compat
 from megatron_slim.megatron.slicing import attach_slicing
 from megatron_slim.plan.cost.slicing import is_aligned, slice_alignment
 from megatron_slim.plan.schedule import check_link_order, generate, lower, validate
+from megatron_slim.runtime.agreement import check_agreement
 from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter, StageOps, last_backward_steps
 from megatron_slim.runtime.pipeline.kv_cache import ByteLedger, KVCacheStore
@@ -88,13 +89,11 @@ def _pp_group(pg_collection, p2p_communicator):
     return parallel_state.get_pipeline_model_parallel_group()
 
 
-def _agree_on_plan(digest: str, group, stats: RunStats) -> None:
+def _agree_on_plan(digest: str, group, stats: RunStats, device: torch.device) -> None:
     if digest in stats.agreed_digests or group.size() == 1:
         return
-    gathered = [None] * group.size()
-    dist.all_gather_object(gathered, digest, group=group)
-    if len(set(gathered)) != 1:
-        raise RuntimeError(f"pipeline ranks hold different SlimPipe schedules: digests {gathered}")
+    check_agreement(digest, group, device=device, ranks="pipeline ranks", what="SlimPipe schedule",
+                    remedy="every rank must generate it from the same schedule settings")
     stats.agreed_digests.add(digest)
 
 
@@ -149,7 +148,7 @@ def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[Sli
         validate(schedule)
         check_link_order(schedule)
         stats.schedule_digest = schedule.digest()
-        _agree_on_plan(stats.schedule_digest, group, stats)
+        _agree_on_plan(stats.schedule_digest, group, stats, next(models[0].parameters()).device)
 
         ledger = ByteLedger()
         stores = [KVCacheStore(ledger) for _ in models]
