@@ -35,10 +35,11 @@ is refused.
 """
 from __future__ import annotations
 
-import copy
 import functools
 from collections import Counter
 from typing import Any, Callable, Optional
+
+from megatron_slim.megatron.layer_specs import LayerSwap, with_core_attention
 
 THD_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "packed_seq_params")
 
@@ -57,21 +58,8 @@ def with_cp_attention(spec: Any, *, remap: bool) -> Any:
     from megatron_slim.megatron.cp_attention import CPCoreAttention
     from megatron_slim.megatron.remap_layer import RemapTransformerLayer
 
-    spec = copy.deepcopy(spec)
-    for layer in getattr(spec, "layer_specs", None) or [spec]:
-        sub = getattr(layer, "submodules", layer)
-        attention_sub = getattr(getattr(sub, "self_attention", None), "submodules", None)
-        if attention_sub is None or not hasattr(attention_sub, "core_attention"):
-            raise ValueError("--cp-engine: this layer spec has no self_attention.core_attention slot to put "
-                             f"CPCoreAttention in ({type(layer).__name__})")
-        attention_sub.core_attention = CPCoreAttention
-        if remap and hasattr(layer, "module") and hasattr(layer, "submodules"):
-            if layer.module not in (TransformerLayer, RemapTransformerLayer):
-                built = getattr(layer.module, "__name__", layer.module)
-                raise ValueError(f"--cp-remap: the layer spec builds {built}; allowed: megatron-core's "
-                                 "TransformerLayer (the remap layer subclasses it)")
-            layer.module = RemapTransformerLayer
-    return spec
+    swap = LayerSwap(RemapTransformerLayer, (TransformerLayer,), "--cp-remap") if remap else None
+    return with_core_attention(spec, CPCoreAttention, flag="--cp-engine", swap=swap)
 
 
 def local_batch(batch: dict, plan, rank: int) -> dict:
@@ -136,7 +124,7 @@ class CPHookState:
 
     def plan_inputs(self, args):
         if self._setup is None:
-            from megatron_slim.megatron.flags import recipe_from_megatron_args
+            from megatron_slim.megatron.args import recipe_from_megatron_args
             from megatron_slim.plan.cp.costs import CPCosts
             from megatron_slim.plan.cp.topology import CPTopology
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from megatron_slim.megatron.args import settings_from_megatron_args
+from megatron_slim.megatron.cp_checks import check_engine_fits
 from megatron_slim.plan.recipe import MAX_SEED, CPEngine, Recipe, SlicePolicy
 from megatron_slim.plan.schema import ConfigError
+from megatron_slim.plan.startup import LAUNCHER, MEGATRON_ARGS, check
+from megatron_slim.plan.startup.from_recipe import megatron_args_settings
 
 SLICE_POLICIES: tuple[str, ...] = SlicePolicy.__args__  # type: ignore[attr-defined]
 CP_ENGINES: tuple[str, ...] = ("te",) + CPEngine.__args__  # type: ignore[attr-defined]
@@ -98,11 +102,7 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
         out += ["--bf16"]
     if t.distributed_optimizer:
         out += ["--use-distributed-optimizer"]
-    if t.recompute == "full" and s.kind == "slimpipe":
-        raise ConfigError("train.recompute: got 'full' with schedule.kind=slimpipe; SlimPipe keeps each slice's K/V in "
-                          "a cache that a recomputed forward would fill again, so the launcher refuses "
-                          "--recompute-granularity with --use-slimpipe (allowed: none with slimpipe; full with "
-                          "schedule.kind=1f1b or interleaved, Megatron's own schedules)")
+    check(megatron_args_settings(recipe), MEGATRON_ARGS)
     if t.recompute == "full":
         out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     # Megatron requires --save-interval whenever --save is given, and --eval-interval always
@@ -131,101 +131,14 @@ def _number(x: float) -> str:
 def check_megatron_args(args: argparse.Namespace) -> None:
     """Reject flag combinations megatron-slim cannot run, saying what to change. Runs at start-up,
     right after Megatron's own ``validate_args`` (which settles defaults such as
-    ``overlap_p2p_comm``), before any model is built.
+    ``overlap_p2p_comm``), before any model is built. The rules are ``plan.startup.rules``'s,
+    shared with ``megatron-slim train``.
 
     ``--overlap-p2p-communication`` (on by default for interleaved schedules) configures
     megatron-core's ``P2PCommunicator``, which SlimPipe does not use: its own sends and receives are
     asynchronous point-to-point operations ordered per link, so the flag is accepted and has no
     effect under ``--use-slimpipe``."""
-    if args.cp_engine not in ("te",) and getattr(args, "context_parallel_size", 1) == 1:
-        raise ConfigError(f"--cp-engine {args.cp_engine}: needs --context-parallel-size > 1 "
-                          "(or drop --cp-engine)")
-    if args.cp_remap and args.cp_engine != "zeppelin":
-        raise ConfigError("--cp-remap: only with --cp-engine zeppelin")
-    from megatron_slim.megatron.cp_checks import check_cp_args
-
-    check_cp_args(args)
-    if not args.use_slimpipe:
-        if args.slimpipe_num_slices != 1:
-            raise ConfigError("--slimpipe-num-slices: needs --use-slimpipe")
-        return
-    n = args.slimpipe_num_slices
-    if n < 1:
-        raise ConfigError(f"--slimpipe-num-slices: got {n}; allowed: an integer >= 1")
-    problems = {
-        "hierarchical_context_parallel_sizes": (bool, "--use-slimpipe runs context parallelism as query-out "
-                                                "attention on the flat CP group: drop "
-                                                "--hierarchical-context-parallel-sizes"),
-        "cp_comm_type": (lambda v: any(t not in (None, "p2p") for t in (v if isinstance(v, (list, tuple)) else [v])),
-                         "--use-slimpipe runs context parallelism as query-out attention (all-gather Q, "
-                         "all-to-all of partial outputs): drop --cp-comm-type"),
-        "hybrid_context_parallel": (bool, "--use-slimpipe does not support hybrid context parallelism: "
-                                          "drop --hybrid-context-parallel"),
-        "num_microbatches_with_partial_activation_checkpoints": (
-            lambda v: v is not None, "--use-slimpipe does not support partial activation checkpointing: drop "
-                                     "--num-microbatches-with-partial-activation-checkpoints"),
-        "reset_attention_mask": (bool, "--use-slimpipe attends causally over the whole sequence (no document "
-                                       "masking): drop --reset-attention-mask"),
-        "recompute_granularity": (lambda v: v is not None,
-                                  "--use-slimpipe keeps each slice's K/V in a cache that a recomputed forward "
-                                  "would fill again (activation recomputation is not supported with it yet): drop "
-                                  "--recompute-granularity, or use Megatron's own schedule (no --use-slimpipe)"),
-        "num_experts": (lambda v: bool(v), "--use-slimpipe does not support MoE yet: drop --num-experts"),
-        "multi_latent_attention": (bool, "--use-slimpipe does not support MLA: drop --multi-latent-attention"),
-        "cuda_graph_impl": (lambda v: v not in (None, "none"),
-                            "--use-slimpipe cannot run under CUDA graphs: set --cuda-graph-impl none"),
-        "enable_cuda_graph": (bool, "--use-slimpipe cannot run under CUDA graphs: drop --enable-cuda-graph"),
-        "mtp_num_layers": (lambda v: bool(v), "--use-slimpipe does not support multi-token prediction"),
-        "sequence_packing": (bool, "--use-slimpipe does not support packed (THD) sequences yet"),
-        "position_embedding_type": (lambda v: v not in (None, "rope", "none"),
-                                    "--use-slimpipe needs --position-embedding-type rope (or none)"),
-    }
-    for name, (bad, message) in problems.items():
-        if name in vars(args) and bad(getattr(args, name)):
-            raise ConfigError(message)
-    cp = getattr(args, "context_parallel_size", 1) or 1
-    if cp > 1 and args.cp_engine != "te":
-        raise ConfigError(f"--cp-engine {args.cp_engine}: --use-slimpipe brings its own context-parallel attention "
-                          "(query-out over the K/V-cached slices): drop --cp-engine and --cp-remap")
-    seq = args.seq_length
-    unit = (2 * cp if cp > 1 else 1) * (
-        getattr(args, "tensor_model_parallel_size", 1) if getattr(args, "sequence_parallel", False) else 1)
-    if seq % unit:
-        raise ConfigError(f"--seq-length {seq}: SlimPipe slice boundaries are multiples of {unit} tokens "
-                          "(2*cp zigzag chunks, times tp under --sequence-parallel); allowed: a multiple of "
-                          f"{unit}")
-    if args.slimpipe_slice_policy == "uniform" and seq % (n * unit):
-        raise ConfigError(
-            f"--slimpipe-num-slices {n}: --seq-length {seq} does not split into {n} equal slices that are "
-            f"multiples of {unit} tokens; allowed: a divisor of {seq // unit} (or --slimpipe-slice-policy balanced)")
-    if seq < n * unit:
-        raise ConfigError(f"--slimpipe-num-slices {n}: at most {seq // unit} slices of --seq-length {seq}")
-
-
-def recipe_from_megatron_args(args: argparse.Namespace) -> Recipe:
-    """The recipe a parsed Megatron-LM argument namespace stands for (what the cost model needs for
-    balanced slices and what the simulator would be given for the same run)."""
-    from megatron_slim.plan.recipe import recipe_from_dict
-
-    heads = args.num_attention_heads
-    groups = args.num_query_groups if getattr(args, "group_query_attention", False) and args.num_query_groups else heads
-    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 32000
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    dp = getattr(args, "data_parallel_size", None) or 1
-    data = {
-        "name": "megatron-args", "hardware": args.slimpipe_hardware,
-        "model": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-                  "ffn_hidden_size": args.ffn_hidden_size or 4 * args.hidden_size, "num_attention_heads": heads,
-                  "num_query_groups": groups, "vocab_size": vocab, "seq_length": args.seq_length,
-                  "rotary_base": float(getattr(args, "rotary_base", 10000) or 10000)},
-        "parallel": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size, "vpp": vpp,
-                     "cp": args.context_parallel_size or 1, "dp": dp,
-                     "sequence_parallel": bool(getattr(args, "sequence_parallel", False)) and args.tensor_model_parallel_size > 1},
-        "train": {"global_batch_size": args.global_batch_size or args.micro_batch_size * dp,
-                  "micro_batch_size": args.micro_batch_size,
-                  "precision": "bf16" if getattr(args, "bf16", False) or getattr(args, "fp16", False) else "fp32",
-                  "recompute": "full" if getattr(args, "recompute_granularity", None) == "full" else "none"},
-        "schedule": {"kind": "slimpipe", "num_slices": args.slimpipe_num_slices,
-                     "slice_policy": args.slimpipe_slice_policy},
-    }
-    return recipe_from_dict(data)
+    settings = settings_from_megatron_args(args)
+    check(settings, LAUNCHER)
+    if settings.cp_engine_runs:
+        check_engine_fits(args, settings.cp_engine)

@@ -31,7 +31,6 @@ engine's context and normalise the loss CP-wide, and ``get_batch_on_this_cp_rank
 """
 from __future__ import annotations
 
-import copy
 import functools
 import importlib
 import importlib.util
@@ -42,6 +41,7 @@ from typing import Any, Callable, Optional
 from megatron_slim.megatron import compat
 from megatron_slim.megatron.cp_hooks import CPHookState, cp_engine_active, with_cp_attention
 from megatron_slim.megatron.flags import add_arguments, check_megatron_args
+from megatron_slim.megatron.layer_specs import with_core_attention
 from megatron_slim.megatron.rebind import replace_everywhere as _replace_everywhere
 
 SPEC_BUILDERS = ("get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec",
@@ -110,7 +110,7 @@ def _patch_arguments() -> None:
 # ---- schedule --------------------------------------------------------------------------------
 def slimpipe_settings(args) -> "SlimPipeSettings":
     """The slice plan a Megatron run uses, from its flags (balanced slices need the cost model)."""
-    from megatron_slim.megatron.flags import recipe_from_megatron_args
+    from megatron_slim.megatron.args import recipe_from_megatron_args
     from megatron_slim.megatron.schedule import SlimPipeSettings
     from megatron_slim.plan.cost.calibration import load_calibration
     from megatron_slim.plan.cost.model import CostModel
@@ -216,16 +216,7 @@ def with_slice_attention(spec: Any) -> Any:
     """A copy of a layer spec / submodules / block spec with SliceCoreAttention as core attention."""
     from megatron_slim.megatron.slicing import SliceCoreAttention
 
-    spec = copy.deepcopy(spec)
-    for layer in getattr(spec, "layer_specs", None) or [spec]:
-        sub = getattr(layer, "submodules", layer)
-        attention = getattr(sub, "self_attention", None)
-        attention_sub = getattr(attention, "submodules", None)
-        if attention_sub is None or not hasattr(attention_sub, "core_attention"):
-            raise ValueError("--use-slimpipe: this layer spec has no self_attention.core_attention slot "
-                             f"to put SliceCoreAttention in ({type(layer).__name__})")
-        attention_sub.core_attention = SliceCoreAttention
-    return spec
+    return with_core_attention(spec, SliceCoreAttention, flag="--use-slimpipe")
 
 
 def _patch_layer_specs(args_getter: Callable[[], Any]) -> None:

@@ -16,7 +16,6 @@ models (``weight.data.cuda()`` plus an all-reduce) out of CPU runs.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -31,6 +30,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_slim.megatron import compat
 from megatron_slim.megatron.core_attention import SlimCoreAttention
+from megatron_slim.megatron.layer_specs import with_core_attention
 from megatron_slim.megatron.parallel import ParallelGroups
 from megatron_slim.megatron.rotary import make_cpu_rotary_embedding
 from megatron_slim.megatron.weights import init_chunk_weights
@@ -137,13 +137,9 @@ def layer_spec(core_attention: type = SlimCoreAttention,
     if not (isinstance(layer_cls, type) and issubclass(layer_cls, TransformerLayer)):
         raise ValueError(f"transformer_layer={layer_cls!r}: allowed values are subclasses of "
                          "megatron.core.transformer.transformer_layer.TransformerLayer")
-    submodules = compat.local_layer_submodules("RMSNorm")
-    attention = submodules.self_attention
-    attention_subs = dataclasses.replace(attention.submodules, core_attention=core_attention)
-    submodules = dataclasses.replace(
-        submodules, self_attention=dataclasses.replace(attention, submodules=attention_subs))
-    return ModuleSpec(module=_globally_numbered(layer_cls), submodules=submodules,
+    spec = ModuleSpec(module=_globally_numbered(layer_cls), submodules=compat.local_layer_submodules("RMSNorm"),
                       params={"layer_offset": layer_offset})
+    return with_core_attention(spec, core_attention, flag="layer_spec(core_attention=...)")
 
 
 def _check_layers(layers: range, num_layers: int) -> None:

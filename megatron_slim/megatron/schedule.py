@@ -32,8 +32,10 @@ import torch.distributed as dist
 
 from megatron_slim.megatron import compat
 from megatron_slim.megatron.slicing import attach_slicing
+from megatron_slim.plan.cost.slicing import is_aligned, slice_alignment
 from megatron_slim.plan.schedule.executable import executable, executable_forward_only
 from megatron_slim.plan.schedule.ir import Schedule
+from megatron_slim.runtime.agreement import check_agreement
 from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter, StageOps, last_backward_steps
 from megatron_slim.runtime.pipeline.kv_cache import ByteLedger, KVCacheStore
@@ -89,20 +91,18 @@ def _pp_group(pg_collection, p2p_communicator):
     return parallel_state.get_pipeline_model_parallel_group()
 
 
-def _agree_on_plan(digest: str, group, stats: RunStats) -> None:
+def _agree_on_plan(digest: str, group, stats: RunStats, device: torch.device) -> None:
     if digest in stats.agreed_digests or group.size() == 1:
         return
-    gathered = [None] * group.size()
-    dist.all_gather_object(gathered, digest, group=group)
-    if len(set(gathered)) != 1:
-        raise RuntimeError(f"pipeline ranks hold different SlimPipe schedules: digests {gathered}")
+    check_agreement(digest, group, device=device, ranks="pipeline ranks", what="SlimPipe schedule",
+                    remedy="every rank must generate it from the same schedule settings")
     stats.agreed_digests.add(digest)
 
 
 def _check_slice_alignment(lengths, cp: int, sp_tp: int) -> None:
-    """Each slice is cut into 2*cp zigzag chunks, and (sequence parallel) each CP shard into tp."""
-    unit = (2 * cp if cp > 1 else 1) * sp_tp
-    bad = sorted({n for n in lengths if n % unit})
+    """Each slice is cut into 2*cp zigzag chunks, and (sequence parallel) each CP shard into ``sp_tp``."""
+    unit = slice_alignment(cp, sp_tp, sequence_parallel=True)
+    bad = sorted({n for n in lengths if not is_aligned(n, unit)})
     if bad:
         raise ValueError(f"SlimPipe slice lengths {tuple(lengths)}: {bad} are not multiples of {unit} tokens "
                          f"(context parallel size {cp}, sequence-parallel tp {sp_tp}); allowed: slice lengths "
@@ -152,7 +152,7 @@ def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[Sli
         pp, rank, vpp = group.size(), group.rank(), len(models)
         schedule = planned_schedule(settings, pp, vpp, num_microbatches)
         stats.schedule_digest = schedule.digest()
-        _agree_on_plan(stats.schedule_digest, group, stats)
+        _agree_on_plan(stats.schedule_digest, group, stats, next(models[0].parameters()).device)
 
         ledger = ByteLedger()
         stores = [KVCacheStore(ledger) for _ in models]

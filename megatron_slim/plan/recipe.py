@@ -11,6 +11,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal, Optional
 
+from megatron_slim.plan.cost.slicing import max_slices, slice_alignment, splits_aligned, splits_uniformly
 from megatron_slim.plan.files import load_yaml_mapping
 from megatron_slim.plan.hardware import HardwareProfile, load_hardware
 from megatron_slim.plan.paths import config_dir
@@ -225,23 +226,20 @@ class Recipe:
                        "engine for 1f1b/interleaved runs")
         unit = self.slice_alignment
         if s.slice_policy == "uniform":
-            if m.seq_length % (s.num_slices * unit):
+            if not splits_uniformly(m.seq_length, s.num_slices, unit):
                 raise fail("schedule.num_slices", s.num_slices,
                            f"a count whose slices divide model.seq_length={m.seq_length} into equal parts "
                            f"that are multiples of {unit} tokens (or use schedule.slice_policy=balanced)")
-        elif m.seq_length < s.num_slices * unit or m.seq_length % unit:
+        elif not splits_aligned(m.seq_length, s.num_slices, unit):
             raise fail("schedule.num_slices", s.num_slices,
-                       f"at most model.seq_length/{unit}={m.seq_length // unit} slices, with "
+                       f"at most model.seq_length/{unit}={max_slices(m.seq_length, unit)} slices, with "
                        f"model.seq_length a multiple of {unit}")
 
     @property
     def slice_alignment(self) -> int:
         """Every slice boundary is a multiple of this many tokens (zigzag CP chunks, SP shards)."""
         p = self.parallel
-        unit = 2 * p.cp if p.cp > 1 else 1
-        if p.sequence_parallel:
-            unit *= p.tp
-        return unit
+        return slice_alignment(p.cp, p.tp, p.sequence_parallel)
 
     @property
     def num_microbatches(self) -> int:

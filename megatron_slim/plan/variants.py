@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_slim.plan.cost.slicing import splits_uniformly
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schedule.generators import GENERATORS
 from megatron_slim.plan.schema import ConfigError
@@ -22,7 +23,7 @@ def _default_slices(recipe: Recipe) -> int:
     n = 1
     while n < recipe.parallel.pp:
         n *= 2
-    while recipe.model.seq_length % (n * recipe.slice_alignment) and n > 1:
+    while not splits_uniformly(recipe.model.seq_length, n, recipe.slice_alignment) and n > 1:
         n //= 2
     return n
 

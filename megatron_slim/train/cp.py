@@ -32,27 +32,14 @@ MICROBATCH_KEY = "cp_microbatch"  # carried through the schedule's data iterator
 
 
 def check_cp_trainable(recipe: Recipe) -> None:
-    """Reject, before any work, what ``megatron-slim train`` cannot run under a CP engine."""
-    p, s, engine = recipe.parallel, recipe.schedule, recipe.cp.engine
-    if p.cp == 1:
+    """Reject, before any work, a CP engine that cannot run on this model and topology (the other
+    rules are ``plan.startup.rules``'s, which ``loop.check_trainable`` applies first)."""
+    if recipe.parallel.cp == 1:
         return
-    if p.pp > 1:
-        raise fail("parallel.pp", p.pp, "1 with parallel.cp > 1", "pipeline stages with a CP engine are not wired "
-                   "yet (the schedule adapter's stage-to-stage shapes do not follow per-microbatch CP plans)")
-    if s.kind == "slimpipe" and s.num_slices > 1:
-        detail = ("SlimPipe slices are not supported with this CP engine" if engine != "ring" else
-                  "megatron-slim train does not wire SlimPipe x CP slices (query-out attention over the whole "
-                  "window, no document masking) yet; here cp.engine=ring runs whole packs of documents")
-        raise fail("schedule.num_slices", s.num_slices, f"1 with parallel.cp > 1 and cp.engine={engine}", detail)
-    if recipe.train.micro_batch_size != 1:
-        raise fail("train.micro_batch_size", recipe.train.micro_batch_size, "1 with parallel.cp > 1",
-                   "a CP plan describes one pack per microbatch")
-    if recipe.cp.remap and engine != "zeppelin":
-        raise fail("cp.remap", True, f"false with cp.engine={engine}", "only Zeppelin has a remapping layer")
     topo, costs = cp_topology(recipe)
     from megatron_slim.plan.cp.engines import check_supported
 
-    check_supported(engine, topo, costs)
+    check_supported(recipe.cp.engine, topo, costs)
 
 
 def cp_topology(recipe: Recipe):

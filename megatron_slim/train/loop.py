@@ -84,22 +84,12 @@ def _microbatches(dataset, recipe: Recipe, iteration: int, dp_rank: int):
 
 
 def check_trainable(recipe: Recipe) -> None:
-    from megatron_slim.plan.schema import ConfigError
+    """Reject, before any work, what ``megatron-slim train`` cannot run (``plan.startup.rules``)."""
+    from megatron_slim.plan.startup import TRAIN, check
+    from megatron_slim.plan.startup.from_recipe import train_settings
     from megatron_slim.train.cp import check_cp_trainable
 
-    p = recipe.parallel
-    if p.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel: megatron-core's sequence-parallel buffers are CUDA-only; "
-                          "allowed on CPU ranks: false")
-    if recipe.train.recompute != "none":
-        raise ConfigError(f"train.recompute: got {recipe.train.recompute!r}; the CPU training loop does not "
-                          "recompute activations (the models here are small; Megatron-LM does, through "
-                          "megatron-args with schedule.kind=1f1b or interleaved); allowed: none")
-    if recipe.train.precision != "fp32":
-        raise ConfigError("train.precision: CPU ranks train in fp32; allowed: fp32")
-    if recipe.train.eval_iters:
-        raise ConfigError(f"train.eval_iters: got {recipe.train.eval_iters}; megatron-slim train does not evaluate "
-                          "(Megatron-LM's loop does, see megatron-args); allowed here: 0")
+    check(train_settings(recipe), TRAIN)
     check_cp_trainable(recipe)
 
 

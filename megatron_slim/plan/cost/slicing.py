@@ -14,8 +14,33 @@ import math
 from megatron_slim.plan.schema import fail
 
 
+def slice_alignment(cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Every slice boundary is a multiple of this many tokens: each slice is cut into ``2*cp``
+    zigzag chunks and, under sequence parallelism, each CP shard into ``tp``."""
+    return (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
+
+
+def is_aligned(length: int, alignment: int) -> bool:
+    return length % alignment == 0
+
+
+def splits_uniformly(seq_length: int, num_slices: int, alignment: int) -> bool:
+    """``num_slices`` equal slices of ``seq_length``, each a multiple of ``alignment`` tokens."""
+    return is_aligned(seq_length, num_slices * alignment)
+
+
+def max_slices(seq_length: int, alignment: int) -> int:
+    """The most slices of at least one ``alignment`` unit each."""
+    return seq_length // alignment
+
+
+def splits_aligned(seq_length: int, num_slices: int, alignment: int) -> bool:
+    """``num_slices`` slices (not necessarily equal) of whole ``alignment`` units: what balanced slices need."""
+    return is_aligned(seq_length, alignment) and num_slices <= max_slices(seq_length, alignment)
+
+
 def uniform_slices(seq_length: int, num_slices: int, alignment: int = 1) -> tuple[int, ...]:
-    if seq_length % (num_slices * alignment):
+    if not splits_uniformly(seq_length, num_slices, alignment):
         raise fail("schedule.num_slices", num_slices,
                    f"a count that splits {seq_length} tokens into equal multiples of {alignment}")
     return (seq_length // num_slices,) * num_slices
@@ -23,9 +48,9 @@ def uniform_slices(seq_length: int, num_slices: int, alignment: int = 1) -> tupl
 
 def balanced_slices(seq_length: int, num_slices: int, per_token: float, per_pair: float,
                     alignment: int = 1) -> tuple[int, ...]:
-    if seq_length % alignment or seq_length < num_slices * alignment:
+    if not splits_aligned(seq_length, num_slices, alignment):
         raise fail("schedule.num_slices", num_slices,
-                   f"at most {seq_length // alignment} slices of {alignment}-token units")
+                   f"at most {max_slices(seq_length, alignment)} slices of {alignment}-token units")
     if per_token < 0 or per_pair < 0 or per_token + per_pair <= 0:
         raise ValueError(f"balanced_slices: costs must be non-negative and not both zero "
                          f"(got per_token={per_token}, per_pair={per_pair})")

@@ -15,7 +15,8 @@ else; the process group is passed in. Pieces, smallest first:
   autograd function; ``agreement`` -- ranks compare the plan's hash before running it.
 * ``remap`` -- the remapping layer's all-to-all between attention and token-balanced layouts.
 """
-from megatron_slim.runtime.cp.agreement import check_agreement, fingerprint
+from megatron_slim.runtime.agreement import check_agreement
+from megatron_slim.runtime.cp.agreement import fingerprint
 from megatron_slim.runtime.cp.comm import Comm
 from megatron_slim.runtime.cp.engine import CPAttentionEngine, run_queues
 from megatron_slim.runtime.cp.heads import HeadSplit, split_heads

@@ -29,7 +29,8 @@ from torch.profiler import record_function
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.routing import RoutingPlan
 from megatron_slim.runtime.attention import AttentionBackend, select_backend
-from megatron_slim.runtime.cp.agreement import check_agreement, fingerprint
+from megatron_slim.runtime.agreement import check_agreement
+from megatron_slim.runtime.cp.agreement import fingerprint
 from megatron_slim.runtime.cp.comm import Comm
 from megatron_slim.runtime.cp.program import RankProgram, compile_rank
 from megatron_slim.runtime.cp.run_context import HeadShape, RunContext
@@ -83,7 +84,7 @@ class CPAttentionEngine:
         if plan.num_ranks != self.comm.size:
             raise ValueError(f"plan for {plan.num_ranks} CP ranks, but the CP group has {self.comm.size}")
         digest = fingerprint(plan, routing, extra)
-        check_agreement(digest, self.comm, device)
+        check_agreement(digest, self.comm.group, device=device)
         self.plan, self.routing, self.fingerprint = plan, routing, digest
         return digest
 

@@ -1,0 +1,110 @@
+"""What the start-up rules read, whoever asks: a neutral view of a run's settings, and each
+caller's names for them.
+
+The launcher builds a ``Settings`` from Megatron-LM's parsed flags (``megatron.args``),
+``megatron-slim train`` and ``megatron-args`` from a recipe (``plan.startup.from_recipe``). A rule
+names the inputs through ``Inputs``, so one message reads ``--micro-batch-size 1`` to the launcher
+and ``train.micro_batch_size=1`` to a recipe. Imports no torch and no megatron.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+NO_CP_ENGINE = "te"  # Megatron's own context parallelism: no megatron-slim engine runs
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings the start-up rules read; what a caller cannot express keeps its default."""
+
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batch_size: int = 1
+    sequence_parallel: bool = False
+    cp_engine: str = NO_CP_ENGINE
+    cp_remap: bool = False
+    slimpipe: bool = False
+    num_slices: int = 1
+    slice_policy: str = "uniform"
+    seq_length: int = 0
+    recompute: Optional[str] = None  # the recomputation granularity ("full", "selective"); None: none
+    precision: str = "fp32"
+    eval_iters: int = 0
+    # Megatron-LM flags a recipe has no field for
+    hierarchical_cp_sizes: Any = None
+    cp_comm_type: Any = None
+    hybrid_cp: bool = False
+    partial_checkpoints: Optional[int] = None
+    reset_attention_mask: bool = False
+    reset_position_ids: bool = False
+    num_experts: Optional[int] = None
+    multi_latent_attention: bool = False
+    cuda_graph_impl: Optional[str] = None
+    enable_cuda_graph: bool = False
+    external_cuda_graph: bool = False
+    mtp_num_layers: Optional[int] = None
+    sequence_packing: bool = False
+    position_embedding: Optional[str] = None
+    attention_dropout: float = 0.0
+
+    @property
+    def cp_engine_runs(self) -> bool:
+        """A megatron-slim CP engine runs the attention (SlimPipe brings its own CP attention)."""
+        return self.cp_engine not in (None, NO_CP_ENGINE) and self.cp > 1 and not self.slimpipe
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.cuda_graph_impl not in (None, "none") or self.enable_cuda_graph or self.external_cuda_graph
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """How one caller names the inputs behind ``Settings`` fields: Megatron-LM flags or recipe fields."""
+
+    caller: str
+    names: dict
+
+    @property
+    def flags(self) -> bool:
+        return self.caller == LAUNCHER
+
+    def name(self, key: str) -> str:
+        return self.names[key]
+
+    def setting(self, key: str, value: Any) -> str:
+        """``--cp-engine zeppelin`` / ``--cp-remap`` for flags; ``cp.engine=zeppelin`` for a recipe."""
+        name = self.names[key]
+        if self.flags:
+            return name if value is True else f"{name} {value}"
+        if "=" in name:  # a field whose value says it (schedule.kind=slimpipe)
+            return name
+        return f"{name}={str(value).lower() if isinstance(value, bool) else value}"
+
+    def unset(self, key: str, off: str) -> str:
+        """What turns ``key`` off: drop the flag, or set the recipe field to ``off``."""
+        return f"drop {self.names[key]}" if self.flags else f"{self.names[key]}={off}"
+
+
+LAUNCHER = "launcher"  # Megatron-LM's flags, checked inside validate_args
+TRAIN = "train"  # megatron-slim train, on a recipe
+MEGATRON_ARGS = "megatron-args"  # a recipe turned into Megatron-LM flags
+
+_RECIPE_NAMES = {
+    "cp": "parallel.cp", "tp": "parallel.tp", "pp": "parallel.pp", "micro_batch_size": "train.micro_batch_size",
+    "sequence_parallel": "parallel.sequence_parallel", "cp_engine": "cp.engine", "cp_remap": "cp.remap",
+    "slimpipe": "schedule.kind=slimpipe", "num_slices": "schedule.num_slices",
+    "slice_policy": "schedule.slice_policy", "seq_length": "model.seq_length", "recompute": "train.recompute",
+    "precision": "train.precision", "eval_iters": "train.eval_iters",
+    "megatron_schedule": "schedule.kind=1f1b or interleaved",
+}
+_FLAG_NAMES = {
+    "cp": "--context-parallel-size", "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+    "micro_batch_size": "--micro-batch-size", "sequence_parallel": "--sequence-parallel",
+    "cp_engine": "--cp-engine", "cp_remap": "--cp-remap", "slimpipe": "--use-slimpipe",
+    "num_slices": "--slimpipe-num-slices", "slice_policy": "--slimpipe-slice-policy", "seq_length": "--seq-length",
+    "recompute": "--recompute-granularity", "megatron_schedule": "no --use-slimpipe",
+}
+INPUTS = {LAUNCHER: Inputs(LAUNCHER, _FLAG_NAMES), TRAIN: Inputs(TRAIN, _RECIPE_NAMES),
+          MEGATRON_ARGS: Inputs(MEGATRON_ARGS, _RECIPE_NAMES)}

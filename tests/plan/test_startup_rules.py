@@ -1,0 +1,97 @@
+"""The start-up rules are written once (``plan.startup.rules``): a rule that binds several callers
+fires from each caller's own entry point -- the launcher on Megatron-LM's flags, ``train`` and
+``megatron-args`` on a recipe -- with the same wording, each in its own input names."""
+import argparse
+
+import pytest
+
+from megatron_slim.megatron.args import settings_from_megatron_args
+from megatron_slim.megatron.flags import check_megatron_args, recipe_to_megatron_args
+from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.plan.schema import ConfigError
+from megatron_slim.plan.startup import INPUTS, LAUNCHER, MEGATRON_ARGS, RULES, TRAIN, Inputs, broken_rule
+from megatron_slim.plan.startup.from_recipe import megatron_args_settings, train_settings
+from megatron_slim.train.loop import check_trainable
+
+FLAGS = dict(cp_engine="zeppelin", cp_remap=False, context_parallel_size=2, use_slimpipe=False, micro_batch_size=1,
+             pipeline_model_parallel_size=1, tensor_model_parallel_size=1, sequence_parallel=False,
+             position_embedding_type="rope", attention_dropout=0.0, reset_position_ids=True,
+             reset_attention_mask=True, num_layers=2, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
+             num_query_groups=2, group_query_attention=True, seq_length=64, padded_vocab_size=128,
+             data_parallel_size=1, global_batch_size=2, slimpipe_hardware="cpu", slimpipe_num_slices=1,
+             slimpipe_slice_policy="uniform", rotary_base=10000.0)
+CP_RECIPE = ["parallel.pp=1", "parallel.cp=2", "schedule.kind=1f1b", "schedule.num_slices=1", "cp.engine=zeppelin"]
+SLIMPIPE_FLAGS = dict(use_slimpipe=True, slimpipe_num_slices=2, cp_engine="te", context_parallel_size=1,
+                      reset_position_ids=False, reset_attention_mask=False)
+
+# rule -> (flags that break it, {caller: recipe overrides that break it})
+SHARED = {
+    "remap-needs-zeppelin": (dict(cp_engine="ring", cp_remap=True),
+                             {TRAIN: CP_RECIPE + ["cp.engine=ring", "cp.remap=true"]}),
+    "one-pack-per-microbatch": (dict(micro_batch_size=2),
+                                {TRAIN: CP_RECIPE + ["train.micro_batch_size=2", "train.global_batch_size=4"]}),
+    "cp-engine-without-pipeline": (dict(pipeline_model_parallel_size=2), {TRAIN: CP_RECIPE + ["parallel.pp=2"]}),
+    "slimpipe-recompute": ({**SLIMPIPE_FLAGS, "recompute_granularity": "full"},
+                           {MEGATRON_ARGS: ["schedule.num_slices=2", "train.recompute=full"]}),
+}
+RECIPE_ENTRY = {TRAIN: (check_trainable, train_settings), MEGATRON_ARGS: (recipe_to_megatron_args,
+                                                                         megatron_args_settings)}
+NEUTRAL = Inputs("neutral", {key: f"<{key}>" for key in {**INPUTS[LAUNCHER].names, **INPUTS[TRAIN].names}})
+
+
+def _refusal(entry, value) -> str:
+    with pytest.raises(ConfigError) as caught:
+        entry(value)
+    return str(caught.value)
+
+
+def test_every_rule_two_callers_share_has_a_case_here():
+    shared = {r.name for r in RULES if len(r.callers) > 1}
+    assert shared == set(SHARED)
+    for rule in RULES:
+        assert set(rule.callers) <= {LAUNCHER, TRAIN, MEGATRON_ARGS}, rule.name
+
+
+@pytest.mark.parametrize("name", sorted(SHARED))
+def test_a_shared_rule_fires_from_every_caller_with_the_same_wording(name):
+    rule = next(r for r in RULES if r.name == name)
+    flags, recipes = SHARED[name]
+    assert set(recipes) | {LAUNCHER} == set(rule.callers)
+    args = argparse.Namespace(**{**FLAGS, **flags})
+    launcher_settings = settings_from_megatron_args(args)
+    assert broken_rule(launcher_settings, LAUNCHER) is rule
+    launcher = _refusal(check_megatron_args, args)
+    assert launcher == rule.message(launcher_settings, INPUTS[LAUNCHER])
+    for caller, overrides in recipes.items():
+        entry, view = RECIPE_ENTRY[caller]
+        recipe = load_recipe("tiny-cpu", overrides)
+        settings = view(recipe)
+        assert broken_rule(settings, caller) is rule
+        refused = _refusal(entry, recipe)
+        assert refused == rule.message(settings, INPUTS[caller])
+        # one wording: rendered with neutral names, both callers' refusals read the same
+        assert rule.message(settings, NEUTRAL) == rule.message(launcher_settings, NEUTRAL)
+        named = [key for key in NEUTRAL.names if f"<{key}>" in rule.message(settings, NEUTRAL)]
+        assert named and all(INPUTS[caller].name(key) in refused for key in named)  # each in its own names
+        assert all(INPUTS[LAUNCHER].name(key) in launcher for key in named)
+
+
+def test_recipe_field_names_and_flags_cover_the_same_settings():
+    assert set(INPUTS[TRAIN].names) == set(INPUTS[LAUNCHER].names) | {"precision", "eval_iters"}
+
+
+@pytest.mark.parametrize("policy", ["uniform", "balanced"])
+def test_the_launcher_and_recipes_accept_the_same_slice_counts(policy):
+    """One slice-alignment rule (``plan.cost.slicing``): the launcher's flags and a recipe agree."""
+    from megatron_slim.plan.startup import Settings
+
+    for seq, n, cp in [(s, n, c) for s in (48, 64, 96) for n in (1, 2, 3, 4, 8, 32) for c in (1, 2)]:
+        flags = Settings(cp=cp, slimpipe=True, num_slices=n, slice_policy=policy, seq_length=seq)
+        launcher_accepts = broken_rule(flags, LAUNCHER) is None
+        try:
+            load_recipe("tiny-cpu", [f"model.seq_length={seq}", f"schedule.num_slices={n}", f"parallel.cp={cp}",
+                                     f"schedule.slice_policy={policy}", "parallel.pp=1"])
+            recipe_accepts = True
+        except ConfigError:
+            recipe_accepts = False
+        assert launcher_accepts == recipe_accepts, (seq, n, cp, policy)
