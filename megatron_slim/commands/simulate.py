@@ -9,8 +9,8 @@ from megatron_slim.plan.cost.calibration import Calibration, load_calibration
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.recipe import Recipe, load_recipe, world_size_note
-from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.schedule.generators import generate
+from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.sim.costs import RecipeCosts
 from megatron_slim.plan.sim.engine import SimResult, simulate
 from megatron_slim.plan.variants import schedule_variant

@@ -263,7 +263,7 @@ def forward_mlp(layer: Any, hidden_states, *, inference_context=None, padding_ma
     return fn(hidden_states, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def transformer_config_fields() -> frozenset[str]:
     from megatron.core.transformer import TransformerConfig
 

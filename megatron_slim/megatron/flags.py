@@ -84,7 +84,8 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
                           f"fewer warmup than training iterations; allowed: an integer in [0, {t.iters})")
     if t.seed == 0:
         # Megatron-LM's _set_random_seed raises "Seed (0) should be a positive integer" at start-up
-        raise ConfigError(f"train.seed: got 0; Megatron-LM needs a positive seed; allowed: an integer in [1, {MAX_SEED}]")
+        raise ConfigError("train.seed: got 0; Megatron-LM needs a positive seed; "
+                          f"allowed: an integer in [1, {MAX_SEED}]")
     if t.skip_nonfinite_steps:
         raise ConfigError("train.skip_nonfinite_steps: got true; Megatron-LM cannot skip a step whose loss or "
                           "gradient norm is nan/inf in fp32 or bf16 (its --check-for-nan-in-loss-and-grad stops "
@@ -220,7 +221,8 @@ def recipe_from_megatron_args(args: argparse.Namespace) -> Recipe:
                   "rotary_base": float(getattr(args, "rotary_base", 10000) or 10000)},
         "parallel": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size, "vpp": vpp,
                      "cp": args.context_parallel_size or 1, "dp": dp,
-                     "sequence_parallel": bool(getattr(args, "sequence_parallel", False)) and args.tensor_model_parallel_size > 1},
+                     "sequence_parallel": bool(getattr(args, "sequence_parallel", False))
+                     and args.tensor_model_parallel_size > 1},
         "train": {"global_batch_size": args.global_batch_size or args.micro_batch_size * dp,
                   "micro_batch_size": args.micro_batch_size,
                   "precision": "bf16" if getattr(args, "bf16", False) or getattr(args, "fp16", False) else "fp32",

@@ -123,7 +123,7 @@ class _GlobalLayerNumber:
         super().__init__(*args, layer_number=layer_number + layer_offset, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _globally_numbered(layer_cls: type) -> type:
     return type(layer_cls.__name__, (_GlobalLayerNumber, layer_cls),
                 {"__module__": layer_cls.__module__, "__qualname__": layer_cls.__qualname__})

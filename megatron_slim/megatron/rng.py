@@ -41,7 +41,7 @@ def _tracker_names() -> dict[str, str]:
     }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_tracker_class():
     base = _random_module().CudaRNGStatesTracker
 

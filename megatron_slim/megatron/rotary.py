@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from megatron_slim.megatron import compat

@@ -179,7 +179,7 @@ class Recipe:
         self._check_parallel_fits_model()
         self._check_batch()
         self._check_schedule()
-        self.hardware_profile  # an unknown profile fails here, before any work
+        _ = self.hardware_profile  # an unknown profile fails here, before any work
 
     def _check_parallel_fits_model(self) -> None:
         m, p = self.model, self.parallel

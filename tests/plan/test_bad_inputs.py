@@ -62,7 +62,8 @@ def test_calibration_and_lengths_files_that_are_not_utf8_or_repeat_keys_are_refu
 
 
 def test_flags_that_were_silently_ignored_are_refused(capsys):
-    assert "--compare ',': an empty schedule name" in _error(capsys, "simulate", "--recipe", "tiny-cpu", "--compare", ",")
+    error = _error(capsys, "simulate", "--recipe", "tiny-cpu", "--compare", ",")
+    assert "--compare ',': an empty schedule name" in error
     assert "--compare '1f1b,': an empty" in _error(capsys, "simulate", "--recipe", "tiny-cpu", "--compare", "1f1b,")
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--exit-interval", "-1"])

@@ -5,8 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from megatron_slim.plan.cost.calibration import OP_CLASSES, load_calibration
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.recipe import load_recipe

@@ -82,7 +82,7 @@ def _alive(pid: int) -> bool:
 def _start_training(tmp_path, data_cache):
     """`python -m megatron_slim train` on 2 ranks, long enough to be stopped; returns it and its rank
     PIDs once both ranks train (an iteration line is printed)."""
-    out, err = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
+    out, err = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")  # noqa: SIM115 (outlive this call)
     proc = subprocess.Popen([sys.executable, "-m", "megatron_slim", "train", "--set", f"data.cache_dir={data_cache}",
                              *SMALL_DATA, *TINY, "model.seq_length=64", "train.iters=100000", "train.log_interval=1"],
                             env=_env(), cwd=tmp_path, stdout=out, stderr=err, start_new_session=True)

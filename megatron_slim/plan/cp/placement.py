@@ -136,7 +136,7 @@ def partition(lengths: tuple[int, ...], splits: list[SplitOption], topo: CPTopol
             rank_load[r] += splits[i].est_s
     for i in (i for i in by_total if splits[i].nodes == 1):
         def after(k: int) -> float:
-            return node_load[k] + overflow_s * max(0.0, node_tokens[k] + lengths[i] - cap)
+            return node_load[k] + overflow_s * max(0.0, node_tokens[k] + lengths[i] - cap)  # noqa: B023 (used now)
 
         node = min(range(n), key=lambda k: (after(k), k))
         node_load[node] += splits[i].est_s * splits[i].span

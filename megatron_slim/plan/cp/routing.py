@@ -90,7 +90,7 @@ def route_transfer(topo: CPTopology, src: int, dst: int, size: int, bytes_per_ro
     dst_ranks = topo.ranks_of_node(topo.node_of(dst))
     ways = min(len(src_ranks), len(dst_ranks))
     b = chunk_bounds(size, ways)
-    parts = tuple(RoutePart(src_ranks[l], dst_ranks[l], b[l], b[l + 1]) for l in range(ways) if b[l + 1] > b[l])
+    parts = tuple(RoutePart(src_ranks[w], dst_ranks[w], b[w], b[w + 1]) for w in range(ways) if b[w + 1] > b[w])
     return Route(src, dst, size, parts)
 
 

@@ -110,7 +110,7 @@ def order_receives_by_link(schedule: Schedule, progress: Optional[Progress] = No
     rows = []
     for rank, row in enumerate(schedule.ranks):
         row = list(row)
-        for (src, dst), messages in send_order.items():
+        for (_src, dst), messages in send_order.items():
             if dst != rank:
                 continue
             incoming = set(messages)  # once per link: building it per action made the pass quadratic

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
-from megatron_slim.plan.schedule.deps import Key, compute_dependencies, key
 from megatron_slim.plan.progress import EVERY, Progress, report
+from megatron_slim.plan.schedule.deps import compute_dependencies, key
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 
 _SEND_FOR_RECV = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}

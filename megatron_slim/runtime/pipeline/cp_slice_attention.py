@@ -109,9 +109,9 @@ def _partial_forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, prefix) -> tupl
         merge_(out, lse, *s.backend.forward(q, k_i, v_i, causal=False, softmax_scale=s.scale))
     c = s.layout.chunk
     for t, first, n, causal in s.layout.key_blocks(s.rank):
-        o, l = s.backend.forward(_rows(q, first, n).contiguous(), _rows(k, t * c, c).contiguous(),
-                                 _rows(v, t * c, c).contiguous(), causal=causal, softmax_scale=s.scale)
-        merge_(_rows(out, first, n), _rows(lse, first, n, dim=2), o, l)
+        o, o_lse = s.backend.forward(_rows(q, first, n).contiguous(), _rows(k, t * c, c).contiguous(),
+                                     _rows(v, t * c, c).contiguous(), causal=causal, softmax_scale=s.scale)
+        merge_(_rows(out, first, n), _rows(lse, first, n, dim=2), o, o_lse)
     return out, lse
 
 

@@ -197,7 +197,8 @@ class PipelineInterpreter:
             self.grad_sync.start()
         if self.param_sync is not None:
             self.param_sync.start()
-        for self._step, a in enumerate(self.row):
+        for step, a in enumerate(self.row):
+            self._step = step
             with record_function(str(a)) if torch.autograd._profiler_enabled() else nullcontext():
                 self._handlers[a.kind](a)
         if self.p2p is not None:

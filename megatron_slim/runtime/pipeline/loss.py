@@ -76,7 +76,8 @@ class SlicedLoss:
         if keep_graph:
             mb.losses[slice_] = loss
         if mb.slices_seen == self.num_slices:
-            self.total_num_tokens = mb.num_tokens if self.total_num_tokens is None else self.total_num_tokens + mb.num_tokens
+            so_far = self.total_num_tokens
+            self.total_num_tokens = mb.num_tokens if so_far is None else so_far + mb.num_tokens
             self.reports.append(_combine_reports(mb.reports))
             mb.reports = []
             if not keep_graph:

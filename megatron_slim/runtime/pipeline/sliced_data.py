@@ -72,8 +72,8 @@ class SlicedIterator:
 
 
 def _check_length(batch: Any, expected: int) -> None:
-    tensors = [batch] if torch.is_tensor(batch) else [v for k, v in batch.items()
-                                                        if torch.is_tensor(v) and v.dim() >= 2 and k != "attention_mask"]
+    tensors = [batch] if torch.is_tensor(batch) else [
+        v for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and k != "attention_mask"]
     for t in tensors:
         if t.shape[1] != expected:
             raise ValueError(f"batch sequence length {t.shape[1]} differs from the slice plan's {expected} tokens "

@@ -87,7 +87,8 @@ def load(directory, iteration: int, rank: int, chunks, optimizer, scheduler, rec
                                      f"{' ...' if len(missing) > 5 else ''}")
     objects = [key for key in ("scheduler", "layout", "report", f"rng/rank{rank}") if key in saved]
     state = dict(wanted, **dict.fromkeys(objects))
-    dcp.load(state, storage_reader=reader, planner=_LOAD_PLANNER())  # fills the tensors in place and replaces the objects' values
+    # fills the tensors in place and replaces the objects' values
+    dcp.load(state, storage_reader=reader, planner=_LOAD_PLANNER())
     naming.apply(chunks, optimizer, wanted)
     scheduler.load_state_dict(state["scheduler"])
     rng = state.get(f"rng/rank{rank}")
