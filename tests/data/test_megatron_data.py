@@ -53,8 +53,8 @@ def test_bad_data_is_named_before_any_work(tmp_path, two_prefixes, case):
         shutil.copy(two_prefixes / f"low{suffix}", tmp_path / f"low{suffix}")
     expected = {"missing-idx": r"data.path\[0\]: .* has no .*low.idx", "foreign-idx": "not a megatron-core indexed",
                 "no-tokenizer": "data.tokenizer: required", "tokenizer-missing": "data.tokenizer: no tokenizer",
-                "id-too-large": rf"model.vocab_size: .* holds token id 400, past the embedding table \(got {TINY_VOCAB}",
-                }[case]
+                "id-too-large": rf"model.vocab_size: .* holds token id 400, past the embedding table "
+                                rf"\(got {TINY_VOCAB}"}[case]
     if case == "missing-idx":
         (tmp_path / "low.idx").unlink()
     elif case == "foreign-idx":
