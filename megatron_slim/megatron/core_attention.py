@@ -95,21 +95,3 @@ class SlimCoreAttention(MegatronModule):
         return attention(q, k, v, causal=True, softmax_scale=self.softmax_scale,
                          backend=self.attention_backend(q))
 
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     softmax_scale: float) -> torch.Tensor:
-    """Reference-math grouped-query causal attention (see :meth:`SlimCoreAttention.attend`)."""
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} must be a multiple of key/value heads {hkv}")
-    if sk < sq:
-        raise ValueError(f"key length {sk} must be >= query length {sq}")
-    group = hq // hkv
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * softmax_scale
-    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v)

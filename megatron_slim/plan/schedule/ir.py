@@ -42,7 +42,6 @@ class Kind(str, Enum):
         return self in (Kind.B, Kind.I, Kind.W)
 
 
-COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
 _ACTION_RE = re.compile(r"^(\d*)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)\.(\d+)$")
 
 

@@ -113,7 +113,7 @@ class PipelineInterpreter:
             if unit not in self.state.inputs:
                 raise self._fail("forward before its input was received")
             inp = self.state.inputs.pop(unit)
-        meter = self.meter.track(unit) if self.meter is not None and not self.forward_only else _null()
+        meter = self.meter.track(unit) if self.meter is not None and not self.forward_only else nullcontext()
         if self.param_sync is not None:
             self.param_sync.before_forward(a.chunk)
         with self.ctx.enter(self._slice_info(a)), meter:
@@ -224,11 +224,3 @@ def last_backward_steps(row: Sequence[Action], vpp: int) -> dict[int, int]:
         if a.kind is Kind.B:
             last[a.chunk] = step
     return last
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
