@@ -5,10 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_slim.plan.cost.calibration import OP_CLASSES, load_calibration
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.recipe import load_recipe
 
+pytestmark = pytest.mark.single  # the scripts run torch
 ROOT = Path(__file__).resolve().parents[2]
 
 

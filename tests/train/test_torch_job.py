@@ -23,6 +23,7 @@ def _env():
     return env
 
 
+@pytest.mark.multi
 def test_torchrun_trains_the_same_losses_as_the_spawned_ranks(tmp_path):
     """torchrun first, on an empty corpus cache: local rank 0 prepares it while rank 1 waits, then reads it;
     the spawned run then finds it cached."""
@@ -105,6 +106,7 @@ def _wait_gone(pids, seconds: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+@pytest.mark.multi
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, id="SIGTERM"),
                                  pytest.param(signal.SIGINT, id="ctrl-c", marks=pytest.mark.slow)])
@@ -123,6 +125,7 @@ def test_terminated_train_stops_its_ranks_and_says_so(tmp_path, data_cache, sig)
     assert "Traceback" not in stderr
 
 
+@pytest.mark.multi
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_killed_train_leaves_no_rank_behind(tmp_path, data_cache):
     proc, ranks = _start_training(tmp_path, data_cache)

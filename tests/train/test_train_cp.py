@@ -184,6 +184,7 @@ def _train(tmp_path, name, data_cache, corpus, *sets):
     return json.loads(out.read_text())
 
 
+@pytest.mark.multi
 def test_cli_trains_with_zeppelin_and_ring_with_falling_equal_losses(tmp_path, data_cache, short_documents, hardware,
                                                                     capfd):
     zeppelin = _train(tmp_path, "zeppelin", data_cache, short_documents, "parallel.cp=2", "cp.engine=zeppelin",
