@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from megatron_slim.plan.files import load_yaml_mapping
 from megatron_slim.plan.hardware import HardwareProfile, load_hardware
@@ -251,8 +251,9 @@ class Recipe:
     def hardware_profile(self) -> HardwareProfile:
         return load_hardware(self.hardware)
 
-    def to_dict(self) -> dict:
-        return to_dict(self)
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = to_dict(self)
+        return data
 
 
 def available_recipes() -> list[str]:
@@ -282,7 +283,7 @@ def load_recipe(name_or_path: str, overrides: Optional[list[str]] = None) -> Rec
     return recipe_from_dict(data)
 
 
-def recipe_from_dict(data: dict) -> Recipe:
+def recipe_from_dict(data: dict[str, Any]) -> Recipe:
     return build(Recipe, data)
 
 

@@ -67,8 +67,8 @@ class RoutingPlan:
     def route_for(self, group: int, step: int, dst: int) -> Route | None:
         return self._index().get((group, step, dst))
 
-    def _index(self) -> dict:
-        cache = self.__dict__.get("_cache")
+    def _index(self) -> dict[tuple[int, int, int], Route]:
+        cache: dict[tuple[int, int, int], Route] | None = self.__dict__.get("_cache")
         if cache is None:
             cache = {(h.group, h.step, h.route.dst): h.route for h in self.hops}
             object.__setattr__(self, "_cache", cache)

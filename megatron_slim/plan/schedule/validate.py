@@ -14,6 +14,10 @@ from megatron_slim.plan.progress import EVERY, Progress, report
 from megatron_slim.plan.schedule.deps import compute_dependencies, key
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 
+# (direction, receiving stage, microbatch, slice) of one message; (rank, action) of one unit of work
+CommKey = tuple[str, int, int, int]
+Unit = tuple[int, Action]
+
 _SEND_FOR_RECV = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
 
 
@@ -47,8 +51,8 @@ def format_grid(schedule: Schedule, marks: dict[int, int] | None = None, width: 
     return "\n".join([header + more, *body])
 
 
-def _expected_units(schedule: Schedule) -> Counter:
-    expected: Counter = Counter()
+def _expected_units(schedule: Schedule) -> Counter[Unit]:
+    expected: Counter[Unit] = Counter()
     split = schedule.has_split_backward
     backward_kinds = (Kind.I, Kind.W) if split else (Kind.B,)
     for rank in range(schedule.pp):
@@ -62,7 +66,7 @@ def _expected_units(schedule: Schedule) -> Counter:
 
 def _check_complete(schedule: Schedule, progress: Optional[Progress] = None) -> None:
     expected = _expected_units(schedule)
-    seen: Counter = Counter()
+    seen: Counter[Unit] = Counter()
     total, done = sum(len(row) for row in schedule.ranks), 0
     for rank, row in enumerate(schedule.ranks):
         report(progress, "checking completeness", done, total)
@@ -90,7 +94,7 @@ def _check_complete(schedule: Schedule, progress: Optional[Progress] = None) -> 
         _check_communication_pairs(schedule)
 
 
-def _comm_key(schedule: Schedule, rank: int, a: Action) -> tuple:
+def _comm_key(schedule: Schedule, rank: int, a: Action) -> CommKey:
     stage = schedule.stage(rank, a.chunk)
     if a.kind is Kind.SEND_F:
         return ("F", stage + 1, a.microbatch, a.slice)
@@ -102,8 +106,8 @@ def _comm_key(schedule: Schedule, rank: int, a: Action) -> tuple:
 
 
 def _check_communication_pairs(schedule: Schedule) -> None:
-    sends: Counter = Counter()
-    recvs: Counter = Counter()
+    sends: Counter[CommKey] = Counter()
+    recvs: Counter[CommKey] = Counter()
     where = {}
     for rank, row in enumerate(schedule.ranks):
         for step, a in enumerate(row):
@@ -128,7 +132,7 @@ def _check_communication_pairs(schedule: Schedule) -> None:
                             format_grid(schedule, {rank: step}))
 
 
-def _runnable(schedule: Schedule, rank: int, a: Action, done: set) -> list[str]:
+def _runnable(schedule: Schedule, rank: int, a: Action, done: set[tuple[object, ...]]) -> list[str]:
     """Unmet requirements of ``a`` on ``rank`` given ``done``; empty when it may run."""
     unmet: list[str] = []
     stage = schedule.stage(rank, a.chunk)
@@ -158,7 +162,7 @@ def _runnable(schedule: Schedule, rank: int, a: Action, done: set) -> list[str]:
     return unmet
 
 
-def _done_keys(schedule: Schedule, rank: int, a: Action) -> list:
+def _done_keys(schedule: Schedule, rank: int, a: Action) -> list[tuple[object, ...]]:
     if a.kind.is_compute:
         k = key(schedule, rank, a)
         return [(Kind.W,) + k[1:]] if a.kind is Kind.W else [k]
@@ -172,7 +176,7 @@ def validate(schedule: Schedule, progress: Optional[Progress] = None) -> Schedul
     total = sum(len(row) for row in schedule.ranks)
     _check_complete(schedule, progress)
     report(progress, "checking dependencies", 0, total)
-    done: set = set()
+    done: set[tuple[object, ...]] = set()
     pos = [0] * schedule.pp
     steps = 0
     progressed = True
@@ -206,9 +210,9 @@ def check_link_order(schedule: Schedule) -> Schedule:
     """
     if not schedule.is_lowered:
         raise ScheduleError("check_link_order needs a lowered schedule (add_communication)")
-    sent: dict[tuple[int, int], list] = {}
-    received: dict[tuple[int, int], list] = {}
-    where: dict = {}
+    sent: dict[tuple[int, int], list[CommKey]] = {}
+    received: dict[tuple[int, int], list[CommKey]] = {}
+    where: dict[tuple[int, CommKey], int] = {}
     for rank, row in enumerate(schedule.ranks):
         for step, a in enumerate(row):
             if a.kind in (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B):
