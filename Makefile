@@ -42,9 +42,10 @@ simulate-demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"
 
-# The pure planning tier (tests/conftest.py assigns the plan / single / multi markers): no torch, no ranks.
+# The pure planning tier (tests/conftest.py assigns the plan / single / multi markers): no torch, no
+# ranks. Collected from tests/plan only, where the tier lives: collecting the other folders imports torch.
 test-plan: $(STAMP)
-	$(BIN)/python -m pytest -q -m "plan and not slow"
+	$(BIN)/python -m pytest -q -m "plan and not slow" tests/plan
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow and not gpu"

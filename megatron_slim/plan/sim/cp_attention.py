@@ -23,10 +23,13 @@ reduce-scatter of dK/dV). ``local``: one task per sequence.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.layout import CPGroup, CPPlan
 from megatron_slim.plan.cp.routing import RoutingPlan
 from megatron_slim.plan.cp.zigzag import causal, chunk_bounds, member_prefix_pairs
+from megatron_slim.plan.sim.cp_events import Deps, Priority
 from megatron_slim.plan.sim.cp_network import Network
 
 
@@ -53,7 +56,7 @@ class AttentionBuilder:
         self.plan, self.costs, self.net, self.routing, self.backward = plan, costs, net, routing, backward
         self.graph = net.graph
 
-    def _attn(self, rank: int, pairs: float, deps, priority: tuple, name: str) -> int:
+    def _attn(self, rank: int, pairs: float, deps: Deps, priority: Priority, name: str) -> int:
         return self.graph.compute(rank, self.costs.attention_s(pairs, self.backward), deps, priority, name=name)
 
     def build(self, group: CPGroup, ready: dict[int, int]) -> dict[int, list[int]]:
@@ -78,7 +81,7 @@ class AttentionBuilder:
                                   f"local seq {i} ({self.plan.lengths[i]} tokens)")
                        for k, i in enumerate(group.seqs)]}
 
-    def _hop(self, group: CPGroup, step: int, src: int, dst: int, rows: int, per_row: float, deps,
+    def _hop(self, group: CPGroup, step: int, src: int, dst: int, rows: float, per_row: float, deps: Deps,
              name: str = "") -> int:
         route = self.routing.route_for(group.index, step, dst) if (self.routing and group.routed) else None
         if route is not None and route.routed:
@@ -123,7 +126,7 @@ class AttentionBuilder:
                               f"{tag} dK/dV home"))
         return finals
 
-    def _node_a2a(self, ranks: list[int], rows: list[int], per_row: float, deps, gather: bool, name: str) -> int:
+    def _node_a2a(self, ranks: list[int], rows: list[int], per_row: float, deps: Deps, gather: bool, name: str) -> int:
         """All-to-all inside one node: a member's rows split evenly over the heads of the others
         (``gather=False``: members send their own rows' heads out; ``True``: return outputs)."""
         a = len(ranks)
@@ -165,9 +168,10 @@ class AttentionBuilder:
         p = len(ranks)
         rows = [self.plan.group_tokens(group.index, r) for r in ranks]
         kv_share = max(1.0 / p, 1.0 / c.kv_heads)  # K/V heads replicate when fewer than ranks
-        in_bytes = (lambda s, d: rows[s] * c.q_bytes / p) if self.backward else \
+        in_bytes: Callable[[int, int], float] = (lambda s, d: rows[s] * c.q_bytes / p) if self.backward else \
             (lambda s, d: rows[s] * (c.q_bytes / p + c.kv_bytes * kv_share))
-        out_bytes = (lambda s, d: rows[d] * (c.q_bytes / p + c.kv_bytes * kv_share)) if self.backward else \
+        out_bytes: Callable[[int, int], float] = (
+            lambda s, d: rows[d] * (c.q_bytes / p + c.kv_bytes * kv_share)) if self.backward else \
             (lambda s, d: rows[d] * c.q_bytes / p)
         flows = [(ranks[s], ranks[d], in_bytes(s, d)) for s in range(p) for d in range(p) if s != d]
         first = self.net.all_to_all(flows, [ready[r] for r in ranks], f"ulysses g{group.index} a2a in")

@@ -14,6 +14,7 @@ layer, and rings and collectives couple the ranks anyway.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
 
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.layout import CPPlan
@@ -61,7 +62,9 @@ def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: b
     attn_tokens = plan.tokens_per_rank()
     mlp_tokens = remap.target_tokens if remap else attn_tokens
     c = costs
-    linear = lambda r, sec, deps, name: graph.compute(r, sec, deps, _LINEAR, "linear", name)  # noqa: E731
+    def linear(r: int, sec: float, deps: Iterable[int], name: str) -> int:
+        return graph.compute(r, sec, deps, _LINEAR, "linear", name)
+
     attention = AttentionBuilder(plan, costs, net, routing, backward)
 
     def attention_pass(ready: dict[int, int]) -> dict[int, list[int]]:
@@ -74,7 +77,7 @@ def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: b
     if not backward:
         pre = {r: linear(r, c.pre_fwd_s * attn_tokens[r], (), "pre (norm, QKV, RoPE)") for r in range(C)}
         finals = attention_pass(pre)
-        post = [linear(r, c.post_fwd_s * attn_tokens[r], finals[r], "post (output projection)") for r in range(C)]
+        post = {r: linear(r, c.post_fwd_s * attn_tokens[r], finals[r], "post (output projection)") for r in range(C)}
         if remap:
             moved = _remap(net, remap, c.hidden_bytes, {r: (post[r],) for r in range(C)}, "remap")
             mlp = [linear(r, c.mlp_fwd_s * mlp_tokens[r], moved[r], "mlp") for r in range(C)]
@@ -86,7 +89,8 @@ def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: b
         if remap:
             moved = _remap(net, remap, c.hidden_bytes, {r: () for r in range(C)}, "remap")
             mlp = [linear(r, c.mlp_bwd_s * mlp_tokens[r], moved[r], "mlp") for r in range(C)]
-            post_deps = _remap(net, remap.inverse(), c.hidden_bytes, {r: (mlp[r],) for r in range(C)}, "remap back")
+            post_deps: Mapping[int, Sequence[int]] = _remap(net, remap.inverse(), c.hidden_bytes,
+                                                            {r: (mlp[r],) for r in range(C)}, "remap back")
         else:
             post_deps = {r: (linear(r, c.mlp_bwd_s * mlp_tokens[r], (), "mlp"),) for r in range(C)}
         post = {r: linear(r, c.post_bwd_s * attn_tokens[r], post_deps[r], "post (output projection)")

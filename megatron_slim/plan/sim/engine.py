@@ -15,7 +15,7 @@ Memory per rank, over time:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_slim.plan.progress import EVERY, Progress, report
 from megatron_slim.plan.schedule.deps import compute_dependencies, key
@@ -48,7 +48,7 @@ class RankResult:
     peak_kv_bytes: float = 0.0
     memory: list[tuple[float, float, float]] = field(default_factory=list)  # (time, activation, kv)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "rank": self.rank, "stage": self.rank, "stages": list(self.stages),
             "peak_memory_bytes": int(self.peak_memory_bytes),
@@ -69,7 +69,7 @@ class SimResult:
     ranks: list[RankResult]
     events: list[Event]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         peak = max(r.peak_memory_bytes for r in self.ranks)
         return {
             "schedule": self.schedule.kind, "pp": self.schedule.pp, "vpp": self.schedule.vpp,
@@ -88,9 +88,9 @@ class _Run:
         self.s = schedule
         self.costs = costs
         self.free = [0.0] * schedule.pp  # compute stream
-        self.finished: dict = {}  # compute key -> end time
-        self.arrivals: dict = {}  # (dst rank, RECV kind, stage, mb, slice) -> arrival time
-        self.link_free: dict = {}
+        self.finished: dict[tuple[Any, ...], float] = {}  # compute key -> end time
+        self.arrivals: dict[tuple[int, Kind, int, int, int], float] = {}  # (dst rank, RECV kind, stage, mb, slice)
+        self.link_free: dict[tuple[int, int], float] = {}
         self.events: list[Event] = []
         self.mem: list[list[tuple[float, float, float]]] = [[] for _ in range(schedule.pp)]
         self.busy = [0.0] * schedule.pp
