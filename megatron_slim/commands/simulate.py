@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_slim.commands.output import emit_json, format_table, prepare_outputs
 from megatron_slim.commands.progress import ProgressLine
@@ -29,7 +30,7 @@ class Simulated:
         return schedule_label(self.recipe)
 
     def to_json(self) -> dict:
-        out = {"recipe": self.recipe.name, "hardware": self.recipe.hardware, "label": self.label}
+        out: dict[str, Any] = {"recipe": self.recipe.name, "hardware": self.recipe.hardware, "label": self.label}
         out.update(self.result.to_json())
         out["slice_policy"] = self.recipe.schedule.slice_policy
         out["slice_lengths"] = list(self.costs.lengths)

@@ -61,6 +61,7 @@ class _Cached:
             self.store.append(self.microbatch, self.layer, self.slice, k, v)
 
     def accumulate(self, i: int, dk: Tensor, dv: Tensor) -> None:
+        assert self.store is not None  # backward of a slice that kept its K/V
         self.store.accumulate(self.microbatch, self.layer, i, dk, dv)
 
     def take_gradient(self):

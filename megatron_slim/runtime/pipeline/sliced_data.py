@@ -61,6 +61,7 @@ class SlicedIterator:
 
     def __next__(self) -> Any:
         if self._next_slice == 0:
+            assert self.source is not None, "a SlicedIterator without a source has no slices"
             self._batch = next(self.source)
             _check_length(self._batch, sum(self.lengths))
         j = self._next_slice
