@@ -155,7 +155,7 @@ class SlimPipeHookState:
 
 
 def _patch_schedule(slim_state: SlimPipeHookState, cp_state: CPHookState) -> None:
-    training = importlib.import_module("megatron.training.training")
+    training: Any = importlib.import_module("megatron.training.training")
     original = training.get_forward_backward_func
     if getattr(original, _MARK, False):
         return

@@ -120,7 +120,7 @@ class _GlobalLayerNumber:
     """Mixin: shift the (local, 1-based) ``layer_number`` megatron passes by ``layer_offset``."""
 
     def __init__(self, *args, layer_offset: int = 0, layer_number: int = 1, **kwargs):
-        super().__init__(*args, layer_number=layer_number + layer_offset, **kwargs)
+        super().__init__(*args, layer_number=layer_number + layer_offset, **kwargs)  # type: ignore[call-arg]  # mixin
 
 
 @functools.cache

@@ -44,7 +44,7 @@ class CpuRotaryEmbedding(RotaryEmbedding):
         return rope_table(self, positions)
 
 
-def rope_table(rotary: torch.nn.Module, positions: torch.Tensor) -> torch.Tensor:
+def rope_table(rotary: Any, positions: torch.Tensor) -> torch.Tensor:
     """megatron's RoPE table ``[s, 1, 1, dim]`` at explicit ``positions`` (the formula of
     ``RotaryEmbedding.get_emb``), for any rotary module with ``inv_freq``."""
     inv_freq = rotary.inv_freq

@@ -95,6 +95,7 @@ class IterationProfiler:
         prof.add_metadata_json(METADATA_KEY, json.dumps(
             {**self.identity, "iteration": iteration, "schedule_digest": schedule_digest}))
         prof.stop()
+        assert self.options is not None  # a trace was started for it
         path = trace_path(self.options.directory, self.rank)
         partial = path.with_name(path.name + f".tmp{os.getpid()}")
         prof.export_chrome_trace(str(partial))

@@ -132,6 +132,7 @@ class PipelineInterpreter:
             self.state.outputs[unit] = (None, output)  # kept only until SEND_F
 
     def _send_forward(self, a: Action) -> None:
+        assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
         unit, stage = a.unit, self._stage(a)
         if unit not in self.state.outputs:
             raise self._fail("sending an output that was not computed")
@@ -144,6 +145,7 @@ class PipelineInterpreter:
             self.ops.release_output(output)
 
     def _recv_forward(self, a: Action) -> None:
+        assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
         stage = self._stage(a)
         src = self.s.placement(stage - 1)[0]
         t = self.p2p.recv(self.ops.tensor_shape(a.microbatch, a.slice), self.ops.dtype, src,
@@ -179,6 +181,7 @@ class PipelineInterpreter:
                 self.state.to_send[unit] = input_grad
 
     def _send_backward(self, a: Action) -> None:
+        assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
         stage = self._stage(a)
         if a.unit not in self.state.to_send:
             raise self._fail("sending an input gradient that was not computed")
@@ -186,6 +189,7 @@ class PipelineInterpreter:
         self.p2p.send(self.state.to_send.pop(a.unit), dst, self.p2p.tag(True, stage - 1, a.microbatch, a.slice))
 
     def _recv_backward(self, a: Action) -> None:
+        assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
         stage = self._stage(a)
         src = self.s.placement(stage + 1)[0]
         self.state.grads[a.unit] = self.p2p.recv(self.ops.tensor_shape(a.microbatch, a.slice), self.ops.dtype, src,
