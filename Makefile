@@ -15,14 +15,14 @@ STAMP312 := $(VENV312)/.installed-stamp
 # parsing only; each is installed beside the venv's 0.19 and put first on PYTHONPATH by the tests.
 EXTRA_MCORE := core_v0.17.1=$(VENV312)/mcore-0.17.1,core_v0.18.2=$(VENV312)/mcore-0.18.2
 
-.PHONY: install demo train-demo simulate-demo test test-slow test-all test-megatron-py312 check-wheel clean
+.PHONY: install demo train-demo simulate-demo test test-plan test-slow test-all test-megatron-py312 lint check-wheel clean
 
 # torch is pinned: the local CPU wheel; any other spec pulls several GB of CUDA packages.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test,metrics,megatron-lm]"
+	$(BIN)/python -m pip install --quiet -e ".[test,lint,metrics,megatron-lm]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -41,6 +41,11 @@ simulate-demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+
+# The pure planning tier (tests/conftest.py assigns the plan / single / multi markers): no torch, no
+# ranks. Collected from tests/plan only, where the tier lives: collecting the other folders imports torch.
+test-plan: $(STAMP)
+	$(BIN)/python -m pytest -q -m "plan and not slow" tests/plan
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow and not gpu"
@@ -63,6 +68,12 @@ $(STAMP312): pyproject.toml
 
 test-megatron-py312: $(STAMP312)
 	PYTHONPATH=$(CURDIR) MEGATRON_SLIM_EXTRA_MCORE=$(EXTRA_MCORE) $(VENV312)/bin/python -m pytest -q -m real_megatron
+
+# ruff (lint, then formatting) and mypy (strict on megatron_slim.plan), configured in pyproject.toml.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # A normal install works: build a wheel, install it (not editable) into a fresh venv and run
 # recipes, simulate and a 2-iteration train from outside the checkout (scripts/ci/check_wheel.sh).

@@ -44,8 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.real_megatron.harness import (  # noqa: E402
-    megatron_args, relative_difference, run_pretrain, write_corpus)
+from tests.real_megatron.harness import megatron_args, relative_difference, run_pretrain, write_corpus  # noqa: E402
 
 MIB = 2 ** 20
 LOSS_TOLERANCE = 1e-5
@@ -206,7 +205,8 @@ def write_markdown(report: dict, path: Path) -> None:
              f"Model: {report['setup']['model']}; fp32, micro-batch 1, {report['setup']['microbatches']} "
              f"microbatches per iteration, peak lr {report['setup']['lr']}, pp={report['setup']['pp']} on "
              f"{nproc} gloo ranks (one rank per stage; with vpp 2 a rank holds two chunks), "
-             f"{report['setup']['iters']} iterations, `OMP_NUM_THREADS=1` per rank. Runs one after another in one invocation; same data "
+             f"{report['setup']['iters']} iterations, `OMP_NUM_THREADS=1` per rank. Runs one after another in one "
+             "invocation; same data "
              "(synthetic corpus in Megatron's indexed format), same seed.", "",
              "## Time and memory", "",
              "s/iter: median over iterations 2..N of the last rank's iteration wall time (Megatron's own "

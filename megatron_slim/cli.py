@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
       writes --json. The same recipe and seed give the same losses as a
       spawned run.""")
     _add_recipe_args(train, required=False, default="tiny-cpu")
-    train.add_argument("--json", metavar="PATH", help="write losses, tokens/s and per-stage memory as JSON ('-': stdout)")
+    train.add_argument("--json", metavar="PATH",
+                       help="write losses, tokens/s and per-stage memory as JSON ('-': stdout)")
     train.add_argument("--checkpoint-dir", metavar="DIR",
                        help="save checkpoints here (every train.save_interval iterations and at the end; "
                             "torch.distributed.checkpoint, checksummed) and resume from the latest intact one, "

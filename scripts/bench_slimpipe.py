@@ -103,14 +103,15 @@ def main() -> None:
     ap.add_argument("--skip-measured", action="store_true", help="only the simulated parts")
     ap.add_argument("--out", default="benchmarks/results/slimpipe")
     a = ap.parse_args()
-    data = {"command": " ".join(["python", *sys.argv]), "date": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{platform.platform()}; {platform.processor() or platform.machine()}; Python {platform.python_version()}",
+    machine = f"{platform.platform()}; {platform.processor() or platform.machine()}; Python {platform.python_version()}"
+    data = {"command": " ".join(["python", *sys.argv]),
+            "date": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"), "machine": machine,
             "schedules": schedules(), "slice_balance": slice_balance()}
     if not a.skip_measured:
         with tempfile.TemporaryDirectory() as tmp:
             data["measured_cpu"] = measured(Path(tmp))
     Path(a.out + ".json").write_text(json.dumps(data, indent=2) + "\n")
-    md = [f"# SlimPipe: simulated schedules, slice balance, measured memory\n",
+    md = ["# SlimPipe: simulated schedules, slice balance, measured memory\n",
           f"- command: `{data['command']}`\n- date: {data['date']}\n- machine: {data['machine']}\n",
           "- parts 1 and 2 come from the simulator (cost model + hardware profile of each recipe, no "
           "calibration file); part 3 is measured on CPU ranks.\n",

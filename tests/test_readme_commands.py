@@ -85,12 +85,14 @@ def test_readme_command_runs_as_written(command, tmp_path, monkeypatch, capsys):
                 assert (tmp_path / argv[argv.index(flag) + 1]).stat().st_size > 0, flag
 
 
+@pytest.mark.multi
 @pytest.mark.parametrize("command", TRAIN, ids=_id)
 def test_readme_train_command_runs_for_one_iteration(command, tmp_path, monkeypatch, capsys):
     """Default tier: the README's train line with ``--set train.iters=1`` appended."""
     _run(_argv(command) + FAST_TRAIN, tmp_path, monkeypatch, capsys, command)
 
 
+@pytest.mark.multi
 @pytest.mark.slow
 @pytest.mark.parametrize("command", TRAIN, ids=_id)
 def test_readme_train_command_runs_as_written(command, tmp_path, monkeypatch, capsys):

@@ -88,8 +88,8 @@ def prepare_output_dirs(*outputs: tuple[str, Optional[str]]) -> None:
             continue
         path = Path(target)
 
-        def fail(reason: str) -> ConfigError:
-            return ConfigError(f"{flag} {target}: cannot write ({reason}); allowed: a writable directory "
+        def fail(reason: str) -> ConfigError:  # raised within this iteration, so never late-bound
+            return ConfigError(f"{flag} {target}: cannot write ({reason}); allowed: a writable directory "  # noqa: B023
                                "(missing directories are created)")
 
         if target in ("", "-"):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_slim.commands.output import emit_json, format_table, prepare_outputs
 from megatron_slim.commands.progress import ProgressLine
@@ -9,8 +10,8 @@ from megatron_slim.plan.cost.calibration import Calibration, load_calibration
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.recipe import Recipe, load_recipe, world_size_note
-from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.schedule.generators import generate
+from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.sim.costs import RecipeCosts
 from megatron_slim.plan.sim.engine import SimResult, simulate
 from megatron_slim.plan.variants import schedule_variant
@@ -29,7 +30,7 @@ class Simulated:
         return schedule_label(self.recipe)
 
     def to_json(self) -> dict:
-        out = {"recipe": self.recipe.name, "hardware": self.recipe.hardware, "label": self.label}
+        out: dict[str, Any] = {"recipe": self.recipe.name, "hardware": self.recipe.hardware, "label": self.label}
         out.update(self.result.to_json())
         out["slice_policy"] = self.recipe.schedule.slice_policy
         out["slice_lengths"] = list(self.costs.lengths)

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 from megatron_slim.commands.output import prepare_outputs
+from megatron_slim.plan.recipe import load_recipe, world_size_note
 
 # training stopped on a non-finite loss or gradient norm (2 is a bad recipe or flag, 1 a crash)
 STOPPED_EXIT_CODE = 3
-from megatron_slim.plan.recipe import load_recipe, world_size_note
 
 
 def _stage_entries(reports, pp: int) -> list[dict]:

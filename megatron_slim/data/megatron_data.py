@@ -74,7 +74,8 @@ def _read_prefix(prefix: str, index: int, vocab_size: int):
         dataset = IndexedDataset(str(Path(prefix).expanduser()))
     except Exception as exc:  # megatron-core asserts on a foreign header
         raise ConfigError(f"{field}: {prefix!r} is not a megatron-core indexed dataset ({type(exc).__name__}: "
-                          f"{exc}; allowed: <prefix>.bin/.idx written by megatron-core's IndexedDatasetBuilder)") from None
+                          f"{exc}; allowed: <prefix>.bin/.idx written by megatron-core's "
+                          "IndexedDatasetBuilder)") from None
     tokens = numpy.memmap(Path(prefix + ".bin").expanduser(), dtype=dataset.index.dtype, mode="r")
     largest = max((int(tokens[i:i + _SCAN_CHUNK].max()) for i in range(0, tokens.size, _SCAN_CHUNK)), default=-1)
     if largest >= vocab_size:

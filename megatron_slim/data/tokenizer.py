@@ -90,7 +90,7 @@ class CorpusTokenizer:
         return {"json": self.hf.to_str(), "eod_token": self.eod_token, "source": self.source}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(Tokenizer.from_str(state["json"]), state["eod_token"], state["source"])
+        type(self).__init__(self, Tokenizer.from_str(state["json"]), state["eod_token"], state["source"])
 
     def __repr__(self) -> str:
         return f"CorpusTokenizer(vocab_size={self.vocab_size}, eod={self.eod}, source={self.source!r})"

@@ -29,7 +29,8 @@ def recipe_from_megatron_args(args: argparse.Namespace) -> Recipe:
                   "rotary_base": float(getattr(args, "rotary_base", 10000) or 10000)},
         "parallel": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size, "vpp": vpp,
                      "cp": args.context_parallel_size or 1, "dp": dp,
-                     "sequence_parallel": bool(getattr(args, "sequence_parallel", False)) and args.tensor_model_parallel_size > 1},
+                     "sequence_parallel": bool(getattr(args, "sequence_parallel", False))
+                     and args.tensor_model_parallel_size > 1},
         "train": {"global_batch_size": args.global_batch_size or args.micro_batch_size * dp,
                   "micro_batch_size": args.micro_batch_size,
                   "precision": "bf16" if getattr(args, "bf16", False) or getattr(args, "fp16", False) else "fp32",

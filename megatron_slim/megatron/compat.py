@@ -26,10 +26,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import warnings
 from typing import Any, Callable, Mapping, Optional
-
-TESTED_RANGE = ((0, 14), (0, 19))
 
 # Keywords naming the model-level process-group object, newest first.
 MODEL_GROUPS_KEYWORDS = ("pg_collection", "model_comm_pgs")
@@ -84,14 +81,6 @@ def mcore_version() -> tuple[int, int, int]:
 
     major, minor, patch = (int(str(x).split("rc")[0]) for x in package_info.VERSION[:3])
     return major, minor, patch
-
-
-def warn_if_untested() -> None:
-    low, high = TESTED_RANGE
-    version = mcore_version()
-    if not low <= version[:2] <= high:
-        warnings.warn(f"megatron-core {'.'.join(map(str, version))} is outside the tested range "
-                      f"{low[0]}.{low[1]}..{high[0]}.{high[1]}", RuntimeWarning, stacklevel=2)
 
 
 # --------------------------------------------------------------------------- pipeline steps
@@ -263,7 +252,7 @@ def forward_mlp(layer: Any, hidden_states, *, inference_context=None, padding_ma
     return fn(hidden_states, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def transformer_config_fields() -> frozenset[str]:
     from megatron.core.transformer import TransformerConfig
 

@@ -14,17 +14,22 @@ attention_type=, cp_comm_type=, softmax_scale=, pg_collection=)`` (0.15+; 0.14 p
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+if TYPE_CHECKING:
+    from megatron_slim.runtime.attention.backend import AttentionBackend
 
 SUPPORTED_MASK_TYPES = (AttnMaskType.causal,)
 
 
 class SlimCoreAttention(MegatronModule):
     """Causal (grouped-query) core attention with a single math seam, :meth:`attend`."""
+
+    _backend: Optional[AttentionBackend]  # chosen on first use (attention_backend)
 
     def __init__(self, config, layer_number: int, attn_mask_type=AttnMaskType.causal,
                  attention_type: str = "self", attention_dropout: Optional[float] = None,
@@ -33,7 +38,8 @@ class SlimCoreAttention(MegatronModule):
         super().__init__(config=config)
         if attention_type != "self":
             raise ValueError(f"attention_type={attention_type!r}: allowed values are 'self'")
-        if attention_dropout not in (None, 0, 0.0) or getattr(config, "attention_dropout", 0.0):
+        config_dropout = getattr(config, "attention_dropout", 0.0)
+        if attention_dropout not in (None, 0, 0.0) or config_dropout:
             raise ValueError(f"attention_dropout={attention_dropout or config.attention_dropout!r}: "
                              "allowed value is 0 (this core attention has no dropout)")
         self.layer_number = layer_number
@@ -92,24 +98,6 @@ class SlimCoreAttention(MegatronModule):
         """
         from megatron_slim.runtime.attention import attention
 
-        return attention(q, k, v, causal=True, softmax_scale=self.softmax_scale,
-                         backend=self.attention_backend(q))
+        out = attention(q, k, v, causal=True, softmax_scale=self.softmax_scale, backend=self.attention_backend(q))
+        return cast(torch.Tensor, out)  # without return_lse: the output alone
 
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     softmax_scale: float) -> torch.Tensor:
-    """Reference-math grouped-query causal attention (see :meth:`SlimCoreAttention.attend`)."""
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} must be a multiple of key/value heads {hkv}")
-    if sk < sq:
-        raise ValueError(f"key length {sk} must be >= query length {sq}")
-    group = hq // hkv
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * softmax_scale
-    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v)

@@ -88,7 +88,8 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
                           f"fewer warmup than training iterations; allowed: an integer in [0, {t.iters})")
     if t.seed == 0:
         # Megatron-LM's _set_random_seed raises "Seed (0) should be a positive integer" at start-up
-        raise ConfigError(f"train.seed: got 0; Megatron-LM needs a positive seed; allowed: an integer in [1, {MAX_SEED}]")
+        raise ConfigError("train.seed: got 0; Megatron-LM needs a positive seed; "
+                          f"allowed: an integer in [1, {MAX_SEED}]")
     if t.skip_nonfinite_steps:
         raise ConfigError("train.skip_nonfinite_steps: got true; Megatron-LM cannot skip a step whose loss or "
                           "gradient norm is nan/inf in fp32 or bf16 (its --check-for-nan-in-loss-and-grad stops "

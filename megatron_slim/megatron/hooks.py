@@ -36,13 +36,16 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_slim.megatron import compat
 from megatron_slim.megatron.cp_hooks import CPHookState, cp_engine_active, with_cp_attention
 from megatron_slim.megatron.flags import add_arguments, check_megatron_args
 from megatron_slim.megatron.layer_specs import with_core_attention
 from megatron_slim.megatron.rebind import replace_everywhere as _replace_everywhere
+
+if TYPE_CHECKING:
+    from megatron_slim.megatron.schedule import SlimPipeSettings
 
 SPEC_BUILDERS = ("get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec",
                  "get_gpt_layer_with_transformer_engine_submodules", "get_gpt_layer_local_submodules")
@@ -108,7 +111,7 @@ def _patch_arguments() -> None:
 
 
 # ---- schedule --------------------------------------------------------------------------------
-def slimpipe_settings(args) -> "SlimPipeSettings":
+def slimpipe_settings(args) -> SlimPipeSettings:
     """The slice plan a Megatron run uses, from its flags (balanced slices need the cost model)."""
     from megatron_slim.megatron.args import recipe_from_megatron_args
     from megatron_slim.megatron.schedule import SlimPipeSettings
@@ -152,7 +155,7 @@ class SlimPipeHookState:
 
 
 def _patch_schedule(slim_state: SlimPipeHookState, cp_state: CPHookState) -> None:
-    training = importlib.import_module("megatron.training.training")
+    training: Any = importlib.import_module("megatron.training.training")
     original = training.get_forward_backward_func
     if getattr(original, _MARK, False):
         return

@@ -120,10 +120,10 @@ class _GlobalLayerNumber:
     """Mixin: shift the (local, 1-based) ``layer_number`` megatron passes by ``layer_offset``."""
 
     def __init__(self, *args, layer_offset: int = 0, layer_number: int = 1, **kwargs):
-        super().__init__(*args, layer_number=layer_number + layer_offset, **kwargs)
+        super().__init__(*args, layer_number=layer_number + layer_offset, **kwargs)  # type: ignore[call-arg]  # mixin
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _globally_numbered(layer_cls: type) -> type:
     return type(layer_cls.__name__, (_GlobalLayerNumber, layer_cls),
                 {"__module__": layer_cls.__module__, "__qualname__": layer_cls.__qualname__})

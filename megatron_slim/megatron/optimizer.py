@@ -16,7 +16,8 @@ from megatron_slim.plan.recipe import TrainConfig
 
 
 def param_groups(chunks: Iterable[torch.nn.Module], weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             if not p.requires_grad:

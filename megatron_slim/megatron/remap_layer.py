@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron.core.transformer.transformer_layer import TransformerLayer
-
 import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_slim.megatron import compat
 from megatron_slim.megatron.cp_padding import split_padding

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -41,9 +41,9 @@ def _tracker_names() -> dict[str, str]:
     }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_tracker_class():
-    base = _random_module().CudaRNGStatesTracker
+    base: Any = _random_module().CudaRNGStatesTracker
 
     class CpuRNGStatesTracker(base):
         """megatron's RNG tracker with CPU generator states (same interface, same names)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from megatron_slim.megatron import compat
@@ -45,7 +44,7 @@ class CpuRotaryEmbedding(RotaryEmbedding):
         return rope_table(self, positions)
 
 
-def rope_table(rotary: torch.nn.Module, positions: torch.Tensor) -> torch.Tensor:
+def rope_table(rotary: Any, positions: torch.Tensor) -> torch.Tensor:
     """megatron's RoPE table ``[s, 1, 1, dim]`` at explicit ``positions`` (the formula of
     ``RotaryEmbedding.get_emb``), for any rotary module with ``inv_freq``."""
     inv_freq = rotary.inv_freq

@@ -196,7 +196,8 @@ def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[Sli
                                                config.hidden_size))
         p2p = P2P(group, dist.get_process_group_ranks(group), params.device, schedule.num_stages,
                   num_microbatches, settings.num_slices) if pp > 1 else None
-        loss = (_NonLossData() if collect_non_loss_data and forward_only else
+        # _NonLossData stands in for SlicedLoss (its interface) when a forward-only run collects other data
+        loss: Any = (_NonLossData() if collect_non_loss_data and forward_only else
                 SlicedLoss(num_microbatches, settings.num_slices, getattr(config, "calculate_per_token_loss", False),
                            cp_size=cp))
         meter = ActivationMeter([p for m in models for p in m.parameters()],
@@ -229,6 +230,7 @@ def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[Sli
         last_stage = rank == pp - 1
         return list(loss.reports) if last_stage else []
 
-    forward_backward_slimpipe.stats = stats
-    forward_backward_slimpipe.settings = settings
-    return forward_backward_slimpipe
+    function: Any = forward_backward_slimpipe  # carries the run's stats and settings for its callers
+    function.stats = stats
+    function.settings = settings
+    return function

@@ -62,7 +62,7 @@ def global_state_dict(chunk) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in global_named_parameters(chunk).items()}
 
 
-def global_grads(chunk) -> dict[str, torch.Tensor]:
+def global_grads(chunk) -> dict[str, torch.Tensor | None]:
     """``{whole-model name: grad}`` (``None`` for parameters without a gradient)."""
     return {name: (None if p.grad is None else p.grad.detach().clone())
             for name, p in global_named_parameters(chunk).items()}
@@ -73,7 +73,7 @@ def tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_siz
     ``partition_dim``); replicated parameters get ``full`` itself."""
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return full
-    dim = param.partition_dim
+    dim = param.partition_dim  # type: ignore[attr-defined]  # set by megatron on TP parameters
     stride = getattr(param, "partition_stride", 1)
     pieces = torch.chunk(full, stride * tp_size, dim=dim)
     return torch.cat(pieces[tp_rank::tp_size], dim=dim)
@@ -82,7 +82,7 @@ def tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_siz
 def full_shape(param: torch.nn.Parameter, tp_size: int) -> tuple[int, ...]:
     shape = list(param.shape)
     if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp_size
+        shape[param.partition_dim] *= tp_size  # type: ignore[attr-defined]  # set by megatron on TP parameters
     return tuple(shape)
 
 

@@ -29,7 +29,7 @@ class RotaryWrapper(torch.nn.Module):
             return getattr(super().__getattr__("inner"), name)
 
 
-def wrap_rotary(chunk: torch.nn.Module, wrapper: type, context: Any) -> None:
+def wrap_rotary(chunk: torch.nn.Module, wrapper: type[Any], context: Any) -> None:
     """Give ``chunk``'s rotary embedding a ``wrapper`` (a RotaryWrapper subclass) reading
     ``context``; a chunk wrapped before is only pointed at the new context."""
     inner = unwrap(chunk)

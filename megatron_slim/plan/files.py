@@ -29,7 +29,7 @@ def read_text(path: Path, where: str) -> str:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
@@ -50,7 +50,7 @@ def parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: not valid YAML ({' '.join(str(exc).split())})") from None
 
 
-def load_yaml_mapping(path: Path, where: str) -> dict:
+def load_yaml_mapping(path: Path, where: str) -> dict[str, Any]:
     """A YAML file whose top level is a mapping (an empty file is an empty mapping)."""
     data = parse_yaml(read_text(path, where), where)
     if data is None:

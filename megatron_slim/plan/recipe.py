@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from megatron_slim.plan.cost.slicing import max_slices, slice_alignment, splits_aligned, splits_uniformly
 from megatron_slim.plan.files import load_yaml_mapping
@@ -180,7 +180,7 @@ class Recipe:
         self._check_parallel_fits_model()
         self._check_batch()
         self._check_schedule()
-        self.hardware_profile  # an unknown profile fails here, before any work
+        _ = self.hardware_profile  # an unknown profile fails here, before any work
 
     def _check_parallel_fits_model(self) -> None:
         m, p = self.model, self.parallel
@@ -249,8 +249,9 @@ class Recipe:
     def hardware_profile(self) -> HardwareProfile:
         return load_hardware(self.hardware)
 
-    def to_dict(self) -> dict:
-        return to_dict(self)
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = to_dict(self)
+        return data
 
 
 def available_recipes() -> list[str]:
@@ -280,7 +281,7 @@ def load_recipe(name_or_path: str, overrides: Optional[list[str]] = None) -> Rec
     return recipe_from_dict(data)
 
 
-def recipe_from_dict(data: dict) -> Recipe:
+def recipe_from_dict(data: dict[str, Any]) -> Recipe:
     return build(Recipe, data)
 
 

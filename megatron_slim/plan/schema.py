@@ -9,11 +9,16 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, Literal, Mapping, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, Mapping, TypeVar, get_args, get_origin, get_type_hints
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 class ConfigError(ValueError):
     """A recipe, override or argument names a field, value or combination that is not allowed."""
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def fail(field: str, value: Any, allowed: str, problem: str = "invalid value") -> ConfigError:
@@ -62,7 +67,7 @@ def coerce(tp: Any, value: Any, field: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise fail(field, value, _describe(tp))
         return tuple(coerce(item_tp, v, f"{field}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):
@@ -118,7 +123,7 @@ def _as_float(value: Any) -> float | None:
     return None
 
 
-def build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+def build(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     """Instantiate dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -164,7 +169,7 @@ def parse_override(text: str) -> tuple[list[str], str]:
     return path, value.strip()
 
 
-def apply_overrides(data: dict, overrides: list[str], root_cls: type) -> dict:
+def apply_overrides(data: dict[str, Any], overrides: list[str], root_cls: type) -> dict[str, Any]:
     """Apply ``a.b=value`` overrides to nested plain data, checking each key exists in the schema."""
     data = _deepcopy(data)
     for text in overrides:

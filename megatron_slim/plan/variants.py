@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 from megatron_slim.plan.cost.slicing import splits_uniformly
-from megatron_slim.plan.recipe import Recipe
+from megatron_slim.plan.recipe import Recipe, ScheduleKind
 from megatron_slim.plan.schedule.generators import GENERATORS
 from megatron_slim.plan.schema import ConfigError
 
@@ -33,9 +34,10 @@ def schedule_variant(recipe: Recipe, kind: str) -> Recipe:
     1f1b uses one chunk and no slices; interleaved keeps the recipe's vpp if > 1, else the
     smallest that divides the layers; slimpipe keeps the recipe's slices if it is a slimpipe
     recipe, else the smallest power of two >= pp."""
-    kind = kind.strip().lower()
-    if kind not in GENERATORS:
-        raise ConfigError(f"--compare: unknown schedule {kind!r} (allowed: {', '.join(GENERATORS)})")
+    name = kind.strip().lower()
+    if name not in GENERATORS:
+        raise ConfigError(f"--compare: unknown schedule {name!r} (allowed: {', '.join(GENERATORS)})")
+    kind = cast(ScheduleKind, name)
     p, s = recipe.parallel, recipe.schedule
     if kind == "1f1b":
         parallel, schedule = dataclasses.replace(p, vpp=1), dataclasses.replace(s, kind=kind, num_slices=1)

@@ -15,7 +15,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterator, Mapping, Optional, TypeVar
+from typing import Callable, Iterator, Mapping, Optional, TypeVar, cast
 
 from megatron_slim.plan.schema import ConfigError
 
@@ -58,9 +58,10 @@ def launched_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[Launc
         text = env.get(name)
         if text is None and default is not None:
             return default
+        value: Optional[int]
         try:
-            value = int(text)
-        except (TypeError, ValueError):
+            value = int(text) if text is not None else None
+        except ValueError:
             value = None
         if value is None or value < low:
             raise ConfigError(f"{name}: not an integer >= {low} (got {text!r}); allowed: what torchrun sets")
@@ -118,4 +119,4 @@ def local_first(job: LaunchedRank, make: Callable[[], T], wait_s: float = 3600.0
         dist.barrier(group=patient)
     finally:
         dist.destroy_process_group(patient)
-    return make() if job.local_rank != 0 else result
+    return make() if job.local_rank != 0 else cast(T, result)

@@ -9,7 +9,6 @@ With ``parallel.cp > 1`` every microbatch is a pack of documents run by the reci
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -23,8 +22,13 @@ from megatron_slim.plan.sim.costs import slice_lengths
 from megatron_slim.train import checkpoint
 from megatron_slim.train.metrics import MetricsOptions, open_metrics
 from megatron_slim.train.profiler import IterationProfiler, ProfileOptions
-from megatron_slim.train.step import (average_data_parallel, clip_and_step, loss_is_finite, nonfinite_reason,
-                                     sum_tied_embedding_grads)
+from megatron_slim.train.step import (
+    average_data_parallel,
+    clip_and_step,
+    loss_is_finite,
+    nonfinite_reason,
+    sum_tied_embedding_grads,
+)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_slim.plan.schema import ConfigError
 
@@ -73,7 +73,8 @@ class IterationProfiler:
     """``before(i)``/``after(i)`` around each iteration; profiles only the chosen one."""
 
     def __init__(self, options: Optional[ProfileOptions], rank: int, recipe, groups) -> None:
-        self.options, self.rank, self._prof = options, rank, None
+        self.options, self.rank = options, rank
+        self._prof: Any = None  # a torch.profiler.profile while one iteration is traced
         p = recipe.parallel
         self.identity = {"rank": rank, "world_size": p.world_size, "pp_rank": groups.pp_rank,
                          "tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank, "dp_rank": groups.dp_rank,
@@ -94,6 +95,7 @@ class IterationProfiler:
         prof.add_metadata_json(METADATA_KEY, json.dumps(
             {**self.identity, "iteration": iteration, "schedule_digest": schedule_digest}))
         prof.stop()
+        assert self.options is not None  # a trace was started for it
         path = trace_path(self.options.directory, self.rank)
         partial = path.with_name(path.name + f".tmp{os.getpid()}")
         prof.export_chrome_trace(str(partial))

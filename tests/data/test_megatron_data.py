@@ -31,7 +31,8 @@ def test_parse_blend_normalises_weights_and_names_bad_items():
     assert parse_blend(("/d/a",)) == ((1.0, "/d/a"),)
     assert parse_blend(("1", "/d/a", "3", "/d/b")) == ((0.25, "/d/a"), (0.75, "/d/b"))
     for bad, field in ((("1", "/d/a", "/d/b"), "data.path: 3 item"), (("x", "/d/a", "1", "/d/b"), r"data.path\[0\]"),
-                       (("0", "/d/a", "1", "/d/b"), r"data.path\[0\]: weight"), (("1", "/d/a", "nan", "/d/b"), r"\[2\]")):
+                       (("0", "/d/a", "1", "/d/b"), r"data.path\[0\]: weight"),
+                       (("1", "/d/a", "nan", "/d/b"), r"\[2\]")):
         with pytest.raises(ConfigError, match=field):
             parse_blend(bad)
 
@@ -52,7 +53,8 @@ def test_bad_data_is_named_before_any_work(tmp_path, two_prefixes, case):
         shutil.copy(two_prefixes / f"low{suffix}", tmp_path / f"low{suffix}")
     expected = {"missing-idx": r"data.path\[0\]: .* has no .*low.idx", "foreign-idx": "not a megatron-core indexed",
                 "no-tokenizer": "data.tokenizer: required", "tokenizer-missing": "data.tokenizer: no tokenizer",
-                "id-too-large": rf"model.vocab_size: .* holds token id 400, past the embedding table \(got {TINY_VOCAB}"}[case]
+                "id-too-large": rf"model.vocab_size: .* holds token id 400, past the embedding table "
+                                rf"\(got {TINY_VOCAB}"}[case]
     if case == "missing-idx":
         (tmp_path / "low.idx").unlink()
     elif case == "foreign-idx":

@@ -209,8 +209,13 @@ def _full_model_reference(cfg, groups, full_seed, ids, labels):
 
 
 def _pipeline_case(cfg, groups, chunk_seed, full_seed):
-    from megatron_slim.megatron.model import (build_rank_chunks, global_grads, global_state_dict,
-                                              load_global_state_dict, stage_layers)
+    from megatron_slim.megatron.model import (
+        build_rank_chunks,
+        global_grads,
+        global_state_dict,
+        load_global_state_dict,
+        stage_layers,
+    )
 
     ids, labels = tiny_batch(cfg)
     ref = _full_model_reference(cfg, groups, full_seed, ids, labels)
@@ -255,8 +260,7 @@ def two_ranks(rank, world_size, seed):
 
 def _tensor_parallel_case(seed):
     """tp=2: a sharded whole model loaded from unsharded weights; its loss and sharded grads."""
-    from megatron_slim.megatron.model import (build_chunk, global_grads, global_state_dict,
-                                              load_global_state_dict)
+    from megatron_slim.megatron.model import build_chunk, global_grads, global_state_dict, load_global_state_dict
     from megatron_slim.megatron.parallel import model_parallel
 
     cfg = tiny_config()

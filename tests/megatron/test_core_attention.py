@@ -8,7 +8,13 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_slim.megatron.core_attention import SlimCoreAttention, causal_attention
+from megatron_slim.megatron.core_attention import SlimCoreAttention
+from tests.runtime.attention._naive import naive_attention
+
+
+def causal_attention(q, k, v, softmax_scale):
+    """The float64 reference (query ``i`` of ``sq`` sees keys ``j <= i + sk - sq``), in q's dtype."""
+    return naive_attention(q, k, v, True, softmax_scale)[0].to(q.dtype)
 
 
 def config(**overrides):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_slim.runtime.spawn import run_ranks
-from tests.megatron import _workers, reference_llama as ref
+from tests.megatron import _workers
+from tests.megatron import reference_llama as ref
 
 SEED = 11
 EMBEDDING = "embedding.word_embeddings.weight"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_slim.runtime.spawn import run_ranks
-from tests.megatron import _workers, reference_llama as ref
+from tests.megatron import _workers
+from tests.megatron import reference_llama as ref
 
 SEED = 7
 REL_TOL = 1e-5

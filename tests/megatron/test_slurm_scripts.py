@@ -41,7 +41,7 @@ def test_dry_run_prints_one_launch_per_node_with_the_recipe_flags(recipe, nodes)
         assert words[start - 1] == "-m" and words[start + 1] == "/opt/Megatron-LM/pretrain_gpt.py"
         rest = words[start + 2:]
         assert rest[:len(expected_flags)] == expected_flags
-        assert ["--data-path", "/data/corpus_text_document"] == rest[len(expected_flags):len(expected_flags) + 2]
+        assert rest[len(expected_flags):len(expected_flags) + 2] == ["--data-path", "/data/corpus_text_document"]
         assert "--save" in rest and "--load" in rest
         assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in words
 

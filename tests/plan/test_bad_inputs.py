@@ -62,7 +62,8 @@ def test_calibration_and_lengths_files_that_are_not_utf8_or_repeat_keys_are_refu
 
 
 def test_flags_that_were_silently_ignored_are_refused(capsys):
-    assert "--compare ',': an empty schedule name" in _error(capsys, "simulate", "--recipe", "tiny-cpu", "--compare", ",")
+    error = _error(capsys, "simulate", "--recipe", "tiny-cpu", "--compare", ",")
+    assert "--compare ',': an empty schedule name" in error
     assert "--compare '1f1b,': an empty" in _error(capsys, "simulate", "--recipe", "tiny-cpu", "--compare", "1f1b,")
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--exit-interval", "-1"])
@@ -70,11 +71,13 @@ def test_flags_that_were_silently_ignored_are_refused(capsys):
     assert "--exit-interval: got '-1'; allowed: an integer >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.single
 def test_an_exit_interval_the_run_never_reaches_is_refused(tmp_path, capsys):
     err = _error(capsys, "train", "--set", "train.iters=3", "--exit-interval", "4")
     assert "--exit-interval 4: this run trains iterations 1..3; allowed: 1..3" in err
 
 
+@pytest.mark.single
 def test_an_exit_interval_before_the_resumed_iteration_is_refused(tmp_path, capsys):
     import json
 
@@ -97,6 +100,7 @@ def test_megatron_args_refuses_the_seed_megatron_rejects_at_start_up(capsys):
     assert "train.seed: got 0; Megatron-LM needs a positive seed; allowed: an integer in [1, 4294967295]" in err
 
 
+@pytest.mark.single
 def test_train_checks_its_data_source_before_any_work(tmp_path, capsys):
     missing = tmp_path / "no-such-corpus"
     assert f"data.corpus: '{missing}' is not a directory" in _error(capsys, "train", "--set", f"data.corpus={missing}")
@@ -104,6 +108,7 @@ def test_train_checks_its_data_source_before_any_work(tmp_path, capsys):
         capsys, "train", "--set", "model.vocab_size=100")
 
 
+@pytest.mark.single
 def test_megatron_args_emits_no_recompute_the_slimpipe_launcher_would_refuse(capsys):
     err = _error(capsys, "megatron-args", "--recipe", "tiny-cpu", "--set", "train.recompute=full")
     assert "train.recompute: got 'full' with schedule.kind=slimpipe" in err

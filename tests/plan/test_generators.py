@@ -3,8 +3,16 @@ import itertools
 
 import pytest
 
-from megatron_slim.plan.schedule import (Kind, add_communication, generate, interleaved, one_f_one_b,
-                                         slimpipe, split_backward, validate)
+from megatron_slim.plan.schedule import (
+    Kind,
+    add_communication,
+    generate,
+    interleaved,
+    one_f_one_b,
+    slimpipe,
+    split_backward,
+    validate,
+)
 
 GRID = list(itertools.product([1, 2, 3, 4, 5, 8], [1, 2, 3], [1, 2, 3, 5, 8, 9], [1, 2, 3, 4, 6, 8]))
 

@@ -11,6 +11,7 @@ from megatron_slim.plan.cost.calibration import OP_CLASSES, load_calibration
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.recipe import load_recipe
 
+pytestmark = pytest.mark.single  # the scripts run torch
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -13,7 +13,8 @@ def _run(profile, kind, pp, vpp, m, n):
     recipe = recipe_from_dict({
         "hardware": profile,
         "model": {"num_layers": 8 * pp * vpp, "hidden_size": 8192, "ffn_hidden_size": 28672,
-                  "num_attention_heads": 64, "num_query_groups": 8, "vocab_size": 8, "seq_length": 8 * n * max(1, 8 // n)},
+                  "num_attention_heads": 64, "num_query_groups": 8, "vocab_size": 8,
+                  "seq_length": 8 * n * max(1, 8 // n)},
         "parallel": {"pp": pp, "vpp": vpp},
         "schedule": {"kind": kind, "num_slices": n},
         "train": {"global_batch_size": m},

@@ -1,7 +1,15 @@
 import pytest
 
-from megatron_slim.plan.schedule import (Action, ScheduleError, add_communication, generate, merge_backward,
-                                         split_backward, strip_communication, validate)
+from megatron_slim.plan.schedule import (
+    Action,
+    ScheduleError,
+    add_communication,
+    generate,
+    merge_backward,
+    split_backward,
+    strip_communication,
+    validate,
+)
 
 
 def _edit(schedule, rank, fn):
@@ -81,7 +89,8 @@ def test_every_cross_rank_dependency_is_sent_after_production_and_received_befor
                 stage = s.stage(rank, a.chunk)
                 needs_recv = (a.kind.value == "F" and stage > 0 and s.placement(stage - 1)[0] != rank) or \
                              (a.kind.value == "B" and stage < s.num_stages - 1 and s.placement(stage + 1)[0] != rank)
-                recv = ("RECV_F" if a.kind.value == "F" else "RECV_B") + str(a)[len(str(a.chunk)) if a.chunk else 0:][1:]
+                unit = str(a)[len(str(a.chunk)) if a.chunk else 0:][1:]
+                recv = ("RECV_F" if a.kind.value == "F" else "RECV_B") + unit
                 recv = (str(a.chunk) if a.chunk else "") + recv
                 assert (names[i - 1] == recv) == needs_recv
 
@@ -140,7 +149,7 @@ def _reference_order_receives_by_link(schedule):
     rows = []
     for rank, row in enumerate(schedule.ranks):
         row = list(row)
-        for (src, dst), messages in send_order.items():
+        for (_src, dst), messages in send_order.items():
             if dst != rank:
                 continue
             position = {a: i for i, a in enumerate(row) if a in set(messages)}

@@ -30,7 +30,8 @@ def config_container(provider):
     from megatron.bridge.training.config import RerunStateMachineConfig, TrainingConfig
 
     return SimpleNamespace(model=provider, train=TrainingConfig(micro_batch_size=2, global_batch_size=4, train_iters=1),
-                           dataset=SimpleNamespace(dataloader_type="single", skip_getting_attention_mask_from_dataset=True),
+                           dataset=SimpleNamespace(dataloader_type="single",
+                                                   skip_getting_attention_mask_from_dataset=True),
                            rerun_state_machine=RerunStateMachineConfig())
 
 

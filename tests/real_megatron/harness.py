@@ -166,7 +166,7 @@ def run_pretrain(nproc: int, flags: list[str], workdir: Path, *, launcher: bool,
     try:
         done = subprocess.run(cmd, env=run_env, cwd=workdir, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{shlex.join(cmd)}: no result within {timeout_s}s\n{(exc.stdout or '')[-4000:]}")
+        raise AssertionError(f"{shlex.join(cmd)}: no result within {timeout_s}s\n{(exc.stdout or '')[-4000:]}") from exc
     log = done.stdout + done.stderr
     if done.returncode != 0:
         raise AssertionError(f"{shlex.join(cmd)} exited {done.returncode}:\n{log[-6000:]}")

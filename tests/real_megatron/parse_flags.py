@@ -19,7 +19,9 @@ def main(path: str) -> None:
     prepare_launch()
     from megatron.training import arguments
 
-    for flag_set in json.load(open(path)):
+    with open(path) as f:
+        flag_sets = json.load(f)
+    for flag_set in flag_sets:
         os.environ.update(WORLD_SIZE=str(flag_set["world_size"]), RANK="0", LOCAL_RANK="0")
         sys.argv = ["pretrain_gpt.py", *flag_set["argv"]]
         try:

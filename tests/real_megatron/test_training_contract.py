@@ -12,8 +12,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.real_megatron.harness import (TINY, installed_tag, megatron_args, relative_difference, run_pretrain,
-                                         write_corpus)
+from tests.real_megatron.harness import (
+    TINY,
+    installed_tag,
+    megatron_args,
+    relative_difference,
+    run_pretrain,
+    write_corpus,
+)
 
 pytestmark = pytest.mark.real_megatron
 TOLERANCE = 1e-5

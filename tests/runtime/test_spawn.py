@@ -33,7 +33,7 @@ def test_rendezvous_port_is_held_by_the_parent_from_the_moment_it_is_chosen():
     """No choose-close-rebind window (the old free_port() race): a second server on the port fails."""
     store = spawn.host_rendezvous(timeout_s=5)
     assert store.port > 0
-    with pytest.raises(Exception):
+    with pytest.raises(dist.DistNetworkError, match="address already in use"):
         dist.TCPStore(spawn.HOST, store.port, is_master=True, wait_for_workers=False)
     client = dist.TCPStore(spawn.HOST, store.port, is_master=False)
     client.set("k", "v")

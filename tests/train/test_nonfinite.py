@@ -52,6 +52,7 @@ def _run(tmp_path, capfd, *sets):
     return code, json.loads(out.read_text()), capfd.readouterr()
 
 
+@pytest.mark.multi
 def test_a_nan_gradient_norm_stops_training_with_a_named_error(tmp_path, capfd):
     code, payload, captured = _run(tmp_path, capfd)
     assert code == STOPPED_EXIT_CODE == 3
@@ -60,6 +61,7 @@ def test_a_nan_gradient_norm_stops_training_with_a_named_error(tmp_path, capfd):
     assert payload["stopped"].startswith("iteration 2:") and payload["loss_iterations"] == [1]
 
 
+@pytest.mark.multi
 def test_skipping_nonfinite_steps_is_opt_in_and_says_so_every_time(tmp_path, capfd):
     code, payload, captured = _run(tmp_path, capfd, "train.skip_nonfinite_steps=true")
     assert code == 0 and payload["stopped"] is None

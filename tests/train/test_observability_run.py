@@ -10,6 +10,8 @@ from megatron_slim.commands.simulate import run_one
 from megatron_slim.plan.recipe import load_recipe
 from tests.train.conftest import SMALL_DATA
 
+pytestmark = pytest.mark.multi  # a train run on its ranks
+
 SETS = ["train.iters=2", "parallel.pp=2", "train.global_batch_size=4", "model.seq_length=128",
         "schedule.num_slices=2", "train.warmup_iters=1"]
 

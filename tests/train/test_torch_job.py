@@ -23,6 +23,7 @@ def _env():
     return env
 
 
+@pytest.mark.multi
 def test_torchrun_trains_the_same_losses_as_the_spawned_ranks(tmp_path):
     """torchrun first, on an empty corpus cache: local rank 0 prepares it while rank 1 waits, then reads it;
     the spawned run then finds it cached."""
@@ -82,7 +83,7 @@ def _alive(pid: int) -> bool:
 def _start_training(tmp_path, data_cache):
     """`python -m megatron_slim train` on 2 ranks, long enough to be stopped; returns it and its rank
     PIDs once both ranks train (an iteration line is printed)."""
-    out, err = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
+    out, err = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")  # noqa: SIM115 (outlive this call)
     proc = subprocess.Popen([sys.executable, "-m", "megatron_slim", "train", "--set", f"data.cache_dir={data_cache}",
                              *SMALL_DATA, *TINY, "model.seq_length=64", "train.iters=100000", "train.log_interval=1"],
                             env=_env(), cwd=tmp_path, stdout=out, stderr=err, start_new_session=True)
@@ -105,6 +106,7 @@ def _wait_gone(pids, seconds: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+@pytest.mark.multi
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, id="SIGTERM"),
                                  pytest.param(signal.SIGINT, id="ctrl-c", marks=pytest.mark.slow)])
@@ -123,6 +125,7 @@ def test_terminated_train_stops_its_ranks_and_says_so(tmp_path, data_cache, sig)
     assert "Traceback" not in stderr
 
 
+@pytest.mark.multi
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_killed_train_leaves_no_rank_behind(tmp_path, data_cache):
     proc, ranks = _start_training(tmp_path, data_cache)

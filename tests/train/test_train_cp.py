@@ -30,6 +30,7 @@ EOD = 1
 # two microbatch windows; the first ends inside a document (no eod), the second is one long
 # document followed by short ones (Zeppelin splits the long one across nodes, keeps short ones local)
 WINDOWS = [(7, 45, 20, 56), (100, 9, 13, 6)]
+ALL_WINDOWS = len(WINDOWS)
 HARDWARE = """name: cpu-2-nodes
 peak_bf16_flops: 1.9e11
 hbm_bytes: 25769803776
@@ -91,7 +92,7 @@ def _window(lengths, seed):
             "position_ids": torch.arange(total).unsqueeze(0)}
 
 
-def _recipe(engine, remap, cp, hardware_path, windows=len(WINDOWS)):
+def _recipe(engine, remap, cp, hardware_path, windows=ALL_WINDOWS):
     from megatron_slim.plan.recipe import recipe_from_dict
 
     return recipe_from_dict({"name": "cp-step", "hardware": hardware_path, "model": MODEL,
@@ -183,6 +184,7 @@ def _train(tmp_path, name, data_cache, corpus, *sets):
     return json.loads(out.read_text())
 
 
+@pytest.mark.multi
 def test_cli_trains_with_zeppelin_and_ring_with_falling_equal_losses(tmp_path, data_cache, short_documents, hardware,
                                                                     capfd):
     zeppelin = _train(tmp_path, "zeppelin", data_cache, short_documents, "parallel.cp=2", "cp.engine=zeppelin",

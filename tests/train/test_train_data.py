@@ -1,8 +1,12 @@
 """``megatron-slim train`` on existing Megatron data: ``data.path`` + ``data.tokenizer`` pointing at
 the very files a corpus run prepares trains exactly the same losses, and so does the corpus
 tokenized with that tokenizer given as ``data.tokenizer``; a blend trains too."""
+import pytest
+
 from megatron_slim.data import prepare_corpus
 from tests.train.test_train_job import _train
+
+pytestmark = pytest.mark.multi  # train runs on their ranks
 
 FAST = ["parallel.pp=1", "schedule.kind=1f1b", "schedule.num_slices=1", "train.iters=2",
         "train.global_batch_size=2", "model.seq_length=128", "train.warmup_iters=1"]

@@ -5,6 +5,8 @@ import pytest
 
 from tests.train.test_train_job import _train
 
+pytestmark = pytest.mark.multi  # train runs on their ranks
+
 SETS = ["train.global_batch_size=4", "model.seq_length=128", "train.warmup_iters=1"]
 PP2 = ["parallel.pp=2", "parallel.dp=1"]
 

@@ -6,6 +6,8 @@ import pytest
 
 from tests.train.test_train_job import _train
 
+pytestmark = pytest.mark.multi  # train runs on their ranks
+
 TIED = ["model.untie_embeddings_and_output_weights=false", "train.iters=4", "train.global_batch_size=4",
         "model.seq_length=128", "train.warmup_iters=1", "train.lr=1e-2"]
 UNPIPELINED = ["parallel.pp=1", "schedule.kind=1f1b", "schedule.num_slices=1"]

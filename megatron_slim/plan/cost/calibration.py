@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-
 from megatron_slim.plan.files import parse_yaml, read_text
 from megatron_slim.plan.schema import ConfigError, build, fail
 

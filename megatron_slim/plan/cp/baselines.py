@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from megatron_slim.plan.cp.assemble import GroupSpec, assemble
 from megatron_slim.plan.cp.costs import CPCosts
-from megatron_slim.plan.cp.layout import CPPlan
+from megatron_slim.plan.cp.layout import CPPlan, GroupKind
 from megatron_slim.plan.cp.placement import check_lengths
 from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.schema import ConfigError
@@ -35,7 +35,7 @@ def _all(topo: CPTopology) -> tuple[int, ...]:
 
 def plan_ring(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
     check_lengths(lengths)
-    kind = "zigzag" if topo.num_ranks > 1 else "local"
+    kind: GroupKind = "zigzag" if topo.num_ranks > 1 else "local"
     return assemble("ring", lengths, topo, [GroupSpec(kind, _all(topo), tuple(range(len(lengths))))])
 
 
@@ -50,7 +50,7 @@ def plan_ulysses(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> 
     check_lengths(lengths)
     if topo.num_ranks > 1:
         check_heads("ulysses", costs.heads, topo.num_ranks, "parallel.cp")
-    kind = "ulysses" if topo.num_ranks > 1 else "local"
+    kind: GroupKind = "ulysses" if topo.num_ranks > 1 else "local"
     return assemble("ulysses", lengths, topo, [GroupSpec(kind, _all(topo), tuple(range(len(lengths))))])
 
 
@@ -73,7 +73,7 @@ def plan_a2a_p2p(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> 
 
 def plan_allgather(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
     check_lengths(lengths)
-    kind = "allgather" if topo.num_ranks > 1 else "local"
+    kind: GroupKind = "allgather" if topo.num_ranks > 1 else "local"
     return assemble("allgather", lengths, topo, [GroupSpec(kind, _all(topo), tuple(range(len(lengths))))])
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_slim.plan.cost.layer import OpWork
+from megatron_slim.plan.cost.layer import LayerShape, OpWork
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.recipe import Recipe
 
@@ -92,7 +92,7 @@ class CPCosts:
         return self.pair_fwd_s + self.pair_bwd_s
 
 
-def _tp_collective_time(cost: CostModel, shape, tokens: float) -> float:
+def _tp_collective_time(cost: CostModel, shape: LayerShape, tokens: float) -> float:
     """One of the four TP collectives of a layer pass (0 without TP), on NVLink."""
     tp = shape.tp
     if tp == 1:

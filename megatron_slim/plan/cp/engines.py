@@ -1,8 +1,14 @@
 """One entry point for every CP engine's placement of a pack."""
 from __future__ import annotations
 
-from megatron_slim.plan.cp.baselines import (check_heads, plan_a2a_p2p, plan_allgather, plan_dynamic, plan_ring,
-                                             plan_ulysses)
+from megatron_slim.plan.cp.baselines import (
+    check_heads,
+    plan_a2a_p2p,
+    plan_allgather,
+    plan_dynamic,
+    plan_ring,
+    plan_ulysses,
+)
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.placement import plan_zeppelin

@@ -22,12 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_slim.plan.cp.costs import CPCosts
+from megatron_slim.plan.cp.layout import GroupKind
 from megatron_slim.plan.cp.topology import CPTopology
 
 
 @dataclass(frozen=True)
 class SplitOption:
-    kind: str  # "local" | "zigzag" | "hierarchical"
+    kind: GroupKind  # "local" | "zigzag" | "hierarchical"
     span: int  # ranks the sequence occupies
     nodes: int  # nodes it spans (1 unless inter-node)
     est_s: float  # forward + backward seconds per member of one layer for this sequence

@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
 
 GroupKind = Literal["local", "zigzag", "hierarchical", "ulysses", "allgather"]
 Scope = Literal["local", "intra", "inter"]
@@ -159,7 +159,7 @@ class CPPlan:
         """sha256 of ``canonical_text()``: ranks compare it to agree on the plan."""
         return hashlib.sha256(self.canonical_text().encode()).hexdigest()
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         by_kind: dict[str, int] = {}
         for g in self.groups:
             key = g.kind if g.kind != "zigzag" else f"zigzag-{g.scope}"

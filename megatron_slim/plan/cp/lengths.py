@@ -130,7 +130,9 @@ _COMPONENT = re.compile(r"^([0-9.eE+-]+)\*([a-z]+)\((.*)\)$")
 
 
 def _split_top_level(text: str, sep: str) -> list[str]:
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    depth = 0
+    cur: list[str] = []
     for ch in text:
         depth += (ch == "(") - (ch == ")")
         if ch == sep and depth == 0:
@@ -222,9 +224,8 @@ def make_packs(source: LengthSource, pack_length: int, num_packs: int, seed: int
     fillers = iter(aside)
     for p in range(num_packs):
         while gaps[p]:
-            s = next(fillers, None)
-            if s is None:
-                s = min(next(stream), pack_length)
+            filler = next(fillers, None)
+            s = min(next(stream), pack_length) if filler is None else filler
             piece = min(s, gaps[p])  # a longer sequence contributes its head, truncated to the gap
             packs[p].append(piece)
             gaps[p] -= piece

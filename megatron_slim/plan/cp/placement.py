@@ -39,7 +39,7 @@ import bisect
 from megatron_slim.plan.cp.assemble import GroupSpec, assemble
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import SplitOption, choose_split, local_time, split_options
-from megatron_slim.plan.cp.layout import CPPlan
+from megatron_slim.plan.cp.layout import CPPlan, GroupKind
 from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.schema import fail
 
@@ -136,7 +136,7 @@ def partition(lengths: tuple[int, ...], splits: list[SplitOption], topo: CPTopol
             rank_load[r] += splits[i].est_s
     for i in (i for i in by_total if splits[i].nodes == 1):
         def after(k: int) -> float:
-            return node_load[k] + overflow_s * max(0.0, node_tokens[k] + lengths[i] - cap)
+            return node_load[k] + overflow_s * max(0.0, node_tokens[k] + lengths[i] - cap)  # noqa: B023 (used now)
 
         node = min(range(n), key=lambda k: (after(k), k))
         node_load[node] += splits[i].est_s * splits[i].span
@@ -181,14 +181,14 @@ def _polish(ranks: tuple[int, ...], items: list[int], splits: list[SplitOption],
                     best, best_delta = (i, j), e
         if best is None or best_delta < 1e-12:
             return
-        for i, src, dst in ((best[0], hi, lo), (best[1], lo, hi)):
-            if i is None:
+        for moved, src, dst in ((best[0], hi, lo), (best[1], lo, hi)):
+            if moved is None:
                 continue
-            members[i] = tuple(sorted(dst if r == src else r for r in members[i]))
-            held[src].discard(i)
-            held[dst].add(i)
-            load[src] -= splits[i].est_s
-            load[dst] += splits[i].est_s
+            members[moved] = tuple(sorted(dst if r == src else r for r in members[moved]))
+            held[src].discard(moved)
+            held[dst].add(moved)
+            load[src] -= splits[moved].est_s
+            load[dst] += splits[moved].est_s
 
 
 def plan_zeppelin(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *, remap: bool = True,
@@ -197,9 +197,9 @@ def plan_zeppelin(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *,
     check_lengths(lengths)
     splits, members, _ = partition_pack(lengths, topo, costs, remap=remap, routing=routing,
                                         hierarchical=hierarchical)
-    groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    groups: dict[tuple[GroupKind, tuple[int, ...]], list[int]] = {}
     for i, ranks in enumerate(members):
-        kind = "local" if len(ranks) == 1 else splits[i].kind
+        kind: GroupKind = "local" if len(ranks) == 1 else splits[i].kind
         groups.setdefault((kind, ranks), []).append(i)
     specs = []
     for (kind, ranks), seqs in groups.items():

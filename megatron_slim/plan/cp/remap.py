@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Iterable
 
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.topology import CPTopology
@@ -107,10 +108,10 @@ def plan_remap(tokens: tuple[int, ...], topo: CPTopology) -> RemapPlan:
                     surplus[s][0] += n
                     filled[d] += n
 
-    def open_srcs(ranks) -> list[int]:
+    def open_srcs(ranks: Iterable[int]) -> list[int]:
         return [r for r in ranks if r in surplus and surplus[r][0] < surplus[r][1]]
 
-    def open_dsts(ranks) -> list[int]:
+    def open_dsts(ranks: Iterable[int]) -> list[int]:
         return [r for r in ranks if filled[r] < target[r]]
 
     for node in range(topo.num_nodes):

@@ -67,8 +67,8 @@ class RoutingPlan:
     def route_for(self, group: int, step: int, dst: int) -> Route | None:
         return self._index().get((group, step, dst))
 
-    def _index(self) -> dict:
-        cache = self.__dict__.get("_cache")
+    def _index(self) -> dict[tuple[int, int, int], Route]:
+        cache: dict[tuple[int, int, int], Route] | None = self.__dict__.get("_cache")
         if cache is None:
             cache = {(h.group, h.step, h.route.dst): h.route for h in self.hops}
             object.__setattr__(self, "_cache", cache)
@@ -90,7 +90,7 @@ def route_transfer(topo: CPTopology, src: int, dst: int, size: int, bytes_per_ro
     dst_ranks = topo.ranks_of_node(topo.node_of(dst))
     ways = min(len(src_ranks), len(dst_ranks))
     b = chunk_bounds(size, ways)
-    parts = tuple(RoutePart(src_ranks[l], dst_ranks[l], b[l], b[l + 1]) for l in range(ways) if b[l + 1] > b[l])
+    parts = tuple(RoutePart(src_ranks[w], dst_ranks[w], b[w], b[w + 1]) for w in range(ways) if b[w + 1] > b[w])
     return Route(src, dst, size, parts)
 
 

@@ -1,8 +1,15 @@
 """Pipeline schedule IR, generators, lowering passes and validator (pure, no torch)."""
 from megatron_slim.plan.schedule.generators import GENERATORS, generate, interleaved, one_f_one_b, slimpipe
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
-from megatron_slim.plan.schedule.lower import (add_communication, forward_only, lower, merge_backward,
-                                              order_receives_by_link, split_backward, strip_communication)
+from megatron_slim.plan.schedule.lower import (
+                                              add_communication,
+                                              forward_only,
+                                              lower,
+                                              merge_backward,
+                                              order_receives_by_link,
+                                              split_backward,
+                                              strip_communication,
+)
 from megatron_slim.plan.schedule.validate import ScheduleError, check_link_order, format_grid, validate
 
 __all__ = [

@@ -54,7 +54,3 @@ def peer_rank(schedule: Schedule, rank: int, action: Action) -> int:
     if action.kind in (Kind.RECV_F, Kind.SEND_B):
         return schedule.placement(stage - 1)[0]
     raise ValueError(f"{action} is not a communication action")
-
-
-def is_cross_rank(schedule: Schedule, stage_a: int, stage_b: int) -> bool:
-    return schedule.placement(stage_a)[0] != schedule.placement(stage_b)[0]

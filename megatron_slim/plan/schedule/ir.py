@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from functools import cached_property
 from enum import Enum
+from functools import cached_property
 from typing import Iterable, Iterator
 
 
@@ -42,7 +42,6 @@ class Kind(str, Enum):
         return self in (Kind.B, Kind.I, Kind.W)
 
 
-COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
 _ACTION_RE = re.compile(r"^(\d*)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)\.(\d+)$")
 
 

@@ -108,9 +108,9 @@ def order_receives_by_link(schedule: Schedule, progress: Optional[Progress] = No
     """
     if not schedule.is_lowered:
         raise ValueError("order_receives_by_link: lower the schedule with add_communication first")
-    send_order: dict[tuple[int, int], list] = {}
-    for rank, row in enumerate(schedule.ranks):
-        for a in row:
+    send_order: dict[tuple[int, int], list[Action]] = {}
+    for rank, actions in enumerate(schedule.ranks):
+        for a in actions:
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
                 stage = schedule.stage(rank, a.chunk)
                 dst_stage = stage + 1 if a.kind is Kind.SEND_F else stage - 1
@@ -118,9 +118,9 @@ def order_receives_by_link(schedule: Schedule, progress: Optional[Progress] = No
                 recv = Action(Kind.RECV_F if a.kind is Kind.SEND_F else Kind.RECV_B, dst_chunk, a.microbatch, a.slice)
                 send_order.setdefault((rank, dst), []).append(recv)
     rows = []
-    for rank, row in enumerate(schedule.ranks):
-        row = list(row)
-        for (src, dst), messages in send_order.items():
+    for rank, row_actions in enumerate(schedule.ranks):
+        row: list[Action] = list(row_actions)
+        for (_src, dst), messages in send_order.items():
             if dst != rank:
                 continue
             incoming = set(messages)  # once per link: building it per action made the pass quadratic

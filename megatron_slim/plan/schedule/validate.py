@@ -14,6 +14,10 @@ from megatron_slim.plan.progress import Progress, report
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.walk import Walker, describe
 
+# (direction, receiving stage, microbatch, slice) of one message; (rank, action) of one unit of work
+CommKey = tuple[str, int, int, int]
+Unit = tuple[int, Action]
+
 
 class ScheduleError(ValueError):
     def __init__(self, message: str, grid: str = "") -> None:
@@ -45,8 +49,8 @@ def format_grid(schedule: Schedule, marks: dict[int, int] | None = None, width: 
     return "\n".join([header + more, *body])
 
 
-def _expected_units(schedule: Schedule) -> Counter:
-    expected: Counter = Counter()
+def _expected_units(schedule: Schedule) -> Counter[Unit]:
+    expected: Counter[Unit] = Counter()
     split = schedule.has_split_backward
     backward_kinds = () if schedule.forward_only else (Kind.I, Kind.W) if split else (Kind.B,)
     for rank in range(schedule.pp):
@@ -60,7 +64,7 @@ def _expected_units(schedule: Schedule) -> Counter:
 
 def _check_complete(schedule: Schedule, progress: Optional[Progress] = None) -> None:
     expected = _expected_units(schedule)
-    seen: Counter = Counter()
+    seen: Counter[Unit] = Counter()
     total, done = sum(len(row) for row in schedule.ranks), 0
     for rank, row in enumerate(schedule.ranks):
         report(progress, "checking completeness", done, total)
@@ -89,7 +93,7 @@ def _check_complete(schedule: Schedule, progress: Optional[Progress] = None) -> 
         _check_communication_pairs(schedule)
 
 
-def _comm_key(schedule: Schedule, rank: int, a: Action) -> tuple:
+def _comm_key(schedule: Schedule, rank: int, a: Action) -> CommKey:
     stage = schedule.stage(rank, a.chunk)
     if a.kind is Kind.SEND_F:
         return ("F", stage + 1, a.microbatch, a.slice)
@@ -101,8 +105,8 @@ def _comm_key(schedule: Schedule, rank: int, a: Action) -> tuple:
 
 
 def _check_communication_pairs(schedule: Schedule) -> None:
-    sends: Counter = Counter()
-    recvs: Counter = Counter()
+    sends: Counter[CommKey] = Counter()
+    recvs: Counter[CommKey] = Counter()
     where = {}
     for rank, row in enumerate(schedule.ranks):
         for step, a in enumerate(row):
@@ -155,9 +159,9 @@ def check_link_order(schedule: Schedule) -> Schedule:
     """
     if not schedule.is_lowered:
         raise ScheduleError("check_link_order needs a lowered schedule (add_communication)")
-    sent: dict[tuple[int, int], list] = {}
-    received: dict[tuple[int, int], list] = {}
-    where: dict = {}
+    sent: dict[tuple[int, int], list[CommKey]] = {}
+    received: dict[tuple[int, int], list[CommKey]] = {}
+    where: dict[tuple[int, CommKey], int] = {}
     for rank, row in enumerate(schedule.ranks):
         for step, a in enumerate(row):
             if a.kind in (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B):

@@ -28,6 +28,7 @@ from megatron_slim.plan.cp.layout import CPGroup, CPPlan
 from megatron_slim.plan.cp.program import CPProgram, Step
 from megatron_slim.plan.cp.routing import RoutingPlan
 from megatron_slim.plan.cp.zigzag import causal, member_prefix_pairs
+from megatron_slim.plan.sim.cp_events import Deps
 from megatron_slim.plan.sim.cp_network import Network
 from megatron_slim.plan.sim.cp_ring import RingPricer
 
@@ -94,7 +95,7 @@ class AttentionBuilder:
                           [self.plan.group_tokens(group.index, r) for r in group.ranks], 1.0, 1.0, 0)
         return ring.price, ring.finals
 
-    def _node_a2a(self, ranks: list[int], rows: list[int], per_row: float, deps, gather: bool, name: str) -> int:
+    def _node_a2a(self, ranks: list[int], rows: list[int], per_row: float, deps: Deps, gather: bool, name: str) -> int:
         """All-to-all inside one node: a member's rows split evenly over the heads of the others
         (``gather=False``: members send their own rows' heads out; ``True``: return outputs)."""
         a = len(ranks)
@@ -143,9 +144,10 @@ class AttentionBuilder:
         p = len(ranks)
         rows = [self.plan.group_tokens(group.index, r) for r in ranks]
         kv_share = max(1.0 / p, 1.0 / c.kv_heads)  # K/V heads replicate when fewer than ranks
-        in_bytes = (lambda s, d: rows[s] * c.q_bytes / p) if self.backward else \
+        in_bytes: Callable[[int, int], float] = (lambda s, d: rows[s] * c.q_bytes / p) if self.backward else \
             (lambda s, d: rows[s] * (c.q_bytes / p + c.kv_bytes * kv_share))
-        out_bytes = (lambda s, d: rows[d] * (c.q_bytes / p + c.kv_bytes * kv_share)) if self.backward else \
+        out_bytes: Callable[[int, int], float] = (
+            lambda s, d: rows[d] * (c.q_bytes / p + c.kv_bytes * kv_share)) if self.backward else \
             (lambda s, d: rows[d] * c.q_bytes / p)
         pairs = sum(causal(self.plan.lengths[i]) for i in group.seqs) / p
         tids: dict[str, int] = {}

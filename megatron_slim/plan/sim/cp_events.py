@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Iterable
 
 Resource = tuple[str, int]  # ("nvl_out" | "nvl_in" | "nic_out" | "nic_in", rank)
+Priority = tuple[float, ...]  # lower runs first among a rank's ready tasks
+Deps = Iterable[int]  # ids of the tasks a task waits for
 
 _DONE, _READY, _DISPATCH = 0, 1, 2
 
@@ -33,7 +36,7 @@ class Task:
     loads: tuple[tuple[Resource, float], ...]
     latency: float
     deps: tuple[int, ...]
-    priority: tuple
+    priority: Priority
     category: str  # "attention" | "linear" | "comm"
     name: str = ""  # what the task is, for traces: "mlp", "zigzag g3 step 2", "K/V g3 step 2", ...
 
@@ -43,12 +46,13 @@ class TaskGraph:
     num_ranks: int
     tasks: list[Task] = field(default_factory=list)
 
-    def compute(self, rank: int, duration: float, deps, priority: tuple, category: str = "attention",
+    def compute(self, rank: int, duration: float, deps: Deps, priority: Priority, category: str = "attention",
                 name: str = "") -> int:
         self.tasks.append(Task(rank, max(0.0, duration), (), 0.0, tuple(deps), priority, category, name))
         return len(self.tasks) - 1
 
-    def comm(self, loads: dict[Resource, float] | tuple, latency: float, deps, name: str = "") -> int:
+    def comm(self, loads: dict[Resource, float] | tuple[tuple[Resource, float], ...], latency: float, deps: Deps,
+             name: str = "") -> int:
         items = tuple(sorted(loads.items())) if isinstance(loads, dict) else tuple(loads)
         self.tasks.append(Task(-1, 0.0, tuple((r, s) for r, s in items if s > 0), latency, tuple(deps), (), "comm",
                                name))
@@ -80,10 +84,10 @@ def run(graph: TaskGraph) -> Timeline:
     free_at: dict[Resource, float] = {}
     resource_busy: dict[Resource, float] = {}
     occupancy: list[tuple[int, Resource, float, float]] = []
-    pools: list[list] = [[] for _ in range(graph.num_ranks)]
+    pools: list[list[tuple[Priority, int]]] = [[] for _ in range(graph.num_ranks)]
     idle = [True] * graph.num_ranks
     busy: dict[int, dict[str, float]] = {r: {} for r in range(graph.num_ranks)}
-    heap: list = []
+    heap: list[tuple[float, int, int, int]] = []
     counter = 0
 
     def push(time: float, kind: int, item: int) -> None:

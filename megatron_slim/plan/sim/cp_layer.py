@@ -14,10 +14,11 @@ layer, and rings and collectives couple the ranks anyway.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 from megatron_slim.plan.cp.costs import CPCosts
-from megatron_slim.plan.cp.program import lower_cp
 from megatron_slim.plan.cp.layout import CPPlan
+from megatron_slim.plan.cp.program import lower_cp
 from megatron_slim.plan.cp.remap import RemapPlan
 from megatron_slim.plan.cp.routing import RoutingPlan
 from megatron_slim.plan.cp.topology import CPTopology
@@ -76,7 +77,7 @@ def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: b
     if not backward:
         pre = {r: linear(r, c.pre_fwd_s * attn_tokens[r], (), "pre (norm, QKV, RoPE)") for r in range(C)}
         finals = attention_pass(pre)
-        post = [linear(r, c.post_fwd_s * attn_tokens[r], finals[r], "post (output projection)") for r in range(C)]
+        post = {r: linear(r, c.post_fwd_s * attn_tokens[r], finals[r], "post (output projection)") for r in range(C)}
         if remap:
             moved = _remap(net, remap, c.hidden_bytes, {r: (post[r],) for r in range(C)}, "remap")
             mlp = [linear(r, c.mlp_fwd_s * mlp_tokens[r], moved[r], "mlp") for r in range(C)]
@@ -88,7 +89,8 @@ def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: b
         if remap:
             moved = _remap(net, remap, c.hidden_bytes, {r: () for r in range(C)}, "remap")
             mlp = [linear(r, c.mlp_bwd_s * mlp_tokens[r], moved[r], "mlp") for r in range(C)]
-            post_deps = _remap(net, remap.inverse(), c.hidden_bytes, {r: (mlp[r],) for r in range(C)}, "remap back")
+            post_deps: Mapping[int, Sequence[int]] = _remap(net, remap.inverse(), c.hidden_bytes,
+                                                            {r: (mlp[r],) for r in range(C)}, "remap back")
         else:
             post_deps = {r: (linear(r, c.mlp_bwd_s * mlp_tokens[r], (), "mlp"),) for r in range(C)}
         post = {r: linear(r, c.post_bwd_s * attn_tokens[r], post_deps[r], "post (output projection)")

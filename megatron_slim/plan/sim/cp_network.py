@@ -12,9 +12,11 @@
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 from megatron_slim.plan.cp.routing import Route
 from megatron_slim.plan.cp.topology import CPTopology
-from megatron_slim.plan.sim.cp_events import Resource, TaskGraph
+from megatron_slim.plan.sim.cp_events import Deps, Resource, TaskGraph
 
 
 class Network:
@@ -39,13 +41,13 @@ class Network:
         self.sent[src][cls] += nbytes
         return lat
 
-    def transfer(self, src: int, dst: int, nbytes: float, deps, name: str = "") -> int:
+    def transfer(self, src: int, dst: int, nbytes: float, deps: Deps, name: str = "") -> int:
         loads: dict[Resource, float] = {}
         lat = self._flow(loads, src, dst, nbytes)
         return self.graph.comm(loads, lat, deps, name)
 
-    def routed(self, route: Route, bytes_per_row: float, deps, name: str = "") -> int:
-        ends = []
+    def routed(self, route: Route, bytes_per_row: float, deps: Deps, name: str = "") -> int:
+        ends: list[int] = []
         for k, part in enumerate(route.parts):
             nbytes = part.size * bytes_per_row
             prev = tuple(deps)
@@ -58,10 +60,10 @@ class Network:
             ends.extend(prev)
         return self.join(ends or deps)
 
-    def join(self, deps) -> int:
+    def join(self, deps: Deps) -> int:
         return self.graph.comm({}, 0.0, deps)
 
-    def all_to_all(self, flows, deps, name: str = "") -> int:
+    def all_to_all(self, flows: Iterable[tuple[int, int, float]], deps: Deps, name: str = "") -> int:
         """``flows``: (src, dst, bytes) triples of one collective."""
         loads: dict[Resource, float] = {}
         lat = 0.0
@@ -69,7 +71,7 @@ class Network:
             lat = max(lat, self._flow(loads, src, dst, nbytes))
         return self.graph.comm(loads, lat, deps, name)
 
-    def all_gather(self, members: tuple[int, ...], block_bytes: list[float], deps, name: str = "") -> int:
+    def all_gather(self, members: tuple[int, ...], block_bytes: list[float], deps: Deps, name: str = "") -> int:
         """Every member ends with every member's block (also the cost of the mirror-image
         reduce-scatter)."""
         topo = self.topo

@@ -50,7 +50,7 @@ def plot_cp_results(results: Sequence[CPSimResult], path: str | Path) -> None:
     for ax, res in zip(axes[1:], results):
         ranks = [r.rank for r in res.ranks]
         bottom = [0.0] * len(ranks)
-        for name, attr, color in _PARTS[:2]:
+        for _name, attr, color in _PARTS[:2]:
             values = [getattr(r, attr) for r in res.ranks]
             ax.bar(ranks, values, 0.8, bottom=bottom, color=color)
             bottom = [b + v for b, v in zip(bottom, values)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from megatron_slim.plan.cost.calibration import Calibration
 from megatron_slim.plan.cost.model import CostModel
@@ -55,7 +56,7 @@ class PackResult:
     backward_layer_s: float
     time_s: float
     digest: str
-    plan: dict
+    plan: dict[str, Any]
     remapped_tokens: int = 0
     remapped_inter_node_tokens: int = 0
 
@@ -89,7 +90,7 @@ class CPSimResult:
     ranks: list[RankStats] = field(default_factory=list)
     passes: list[LayerPass] = field(default_factory=list)  # simulate_cp(record=True) only; not in JSON
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         out = asdict(dataclasses.replace(self, passes=[]))
         del out["passes"]
         out["num_packs"] = len(self.packs)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from megatron_slim.plan.sim.cp_sim import CPSimResult
 
@@ -22,10 +22,10 @@ _THREADS = {"compute": (0, "compute"), "nvl_out": (1, "NVLink out"), "nvl_in": (
             "nic_out": (3, "NIC out"), "nic_in": (4, "NIC in")}
 
 
-def cp_chrome_trace(results: Sequence[CPSimResult]) -> dict:
+def cp_chrome_trace(results: Sequence[CPSimResult]) -> dict[str, Any]:
     """One trace of every engine in ``results`` (each simulated with ``record=True``)."""
-    events: list[dict] = []
-    other: dict = {"layout": "one decoder layer per pack, forward then backward, packs back to back"}
+    events: list[dict[str, Any]] = []
+    other: dict[str, Any] = {"layout": "one decoder layer per pack, forward then backward, packs back to back"}
     for i, res in enumerate(results):
         if res.packs and not res.passes:
             raise ValueError(f"engine {res.engine}: simulated without record=True, nothing to trace")

@@ -2,9 +2,9 @@
 
 Per rank: one compute stream that runs the rank's compute actions in schedule order, and a send
 stream; an action starts once the readiness rules the validator shares (``schedule/walk.py``)
-allow it, at the latest time among what it waits for. A ``SEND`` starts when its data is computed and the directed link is free, occupies the
-link for ``bytes / bandwidth`` and arrives ``latency`` later; a ``RECV`` holds the rank's compute
-stream until the data has arrived (as the runtime's blocking wait does).
+allow it, at the latest time among what it waits for. A ``SEND`` starts when its data is computed
+and the directed link is free, occupies the link for ``bytes / bandwidth`` and arrives ``latency``
+later; a ``RECV`` holds the rank's compute stream until the data has arrived (as the runtime's blocking wait does).
 
 Memory per rank, over time:
 * activations: saved by ``F`` when it ends, released when the matching ``B`` (or ``W``) ends;
@@ -16,7 +16,7 @@ Memory per rank, over time:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
@@ -49,7 +49,7 @@ class RankResult:
     peak_kv_bytes: float = 0.0
     memory: list[tuple[float, float, float]] = field(default_factory=list)  # (time, activation, kv)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "rank": self.rank, "stage": self.rank, "stages": list(self.stages),
             "peak_memory_bytes": int(self.peak_memory_bytes),
@@ -70,7 +70,7 @@ class SimResult:
     ranks: list[RankResult]
     events: list[Event]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         peak = max(r.peak_memory_bytes for r in self.ranks)
         return {
             "schedule": self.schedule.kind, "pp": self.schedule.pp, "vpp": self.schedule.vpp,

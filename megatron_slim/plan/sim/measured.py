@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from megatron_slim.plan.schedule.ir import Action, Kind
 from megatron_slim.plan.schema import ConfigError
@@ -31,7 +31,7 @@ COMPARED = {"model": None, "parallel": None, "schedule": None, "cp": None,
 
 @dataclass(frozen=True)
 class MeasuredRun:
-    recipe: dict  # the recipe the traced run trained
+    recipe: dict[str, Any]  # the recipe the traced run trained
     iteration: int
     run_id: str
     schedule_digest: str
@@ -65,7 +65,7 @@ def trace_files(paths: Sequence[str]) -> list[Path]:
     return files
 
 
-def _load(path: Path) -> dict:
+def _load(path: Path) -> dict[str, Any]:
     try:
         trace = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -78,10 +78,11 @@ def _load(path: Path) -> dict:
     if missing or not isinstance(meta.get("recipe"), dict):
         raise ConfigError(f"--measured {path}: its '{METADATA_KEY}' entry lacks {', '.join(missing) or 'a recipe'} "
                           f"(written by another megatron-slim version?); allowed: {_ALLOWED}")
-    return trace
+    checked: dict[str, Any] = trace
+    return checked
 
 
-def _pipeline_column(traces: dict[Path, dict]) -> list[tuple[Path, dict]]:
+def _pipeline_column(traces: dict[Path, dict[str, Any]]) -> list[tuple[Path, dict[str, Any]]]:
     """The trace of each pipeline rank at tp = cp = dp = 0, every pipeline rank present."""
     runs = sorted({t[METADATA_KEY]["run_id"] for t in traces.values()})
     if len(runs) > 1:
@@ -106,7 +107,7 @@ def _stream(kind: Kind) -> str:
     return "send" if kind in (Kind.SEND_F, Kind.SEND_B) else "recv"
 
 
-def _actions(trace: dict, reference_ns: int) -> list[tuple[float, float, Action]]:
+def _actions(trace: dict[str, Any], reference_ns: int) -> list[tuple[float, float, Action]]:
     """(start, duration) in µs of every action event, on the profiler's wall clock counted from
     ``reference_ns`` (integer nanoseconds first: the absolute clock in µs loses sub-µs digits)."""
     base_us = (int(trace.get("baseTimeNanoseconds", 0)) - reference_ns) / 1e3
@@ -146,7 +147,7 @@ def read_measured(paths: Sequence[str]) -> MeasuredRun:
                        tuple(sorted(events, key=lambda e: (e.rank, e.start))), tuple(busy), end)
 
 
-def check_same_recipe(measured: MeasuredRun, recipe: dict) -> None:
+def check_same_recipe(measured: MeasuredRun, recipe: dict[str, Any]) -> None:
     """The recipe simulated must be the one traced, up to what leaves the iteration unchanged
     (``train.iters``, data, hardware, ...)."""
     diff = []

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_slim.plan.sim.engine import SimResult
 from megatron_slim.plan.sim.measured import MeasuredRun
 from megatron_slim.plan.sim.plot import compute_legend, draw_compute
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ def plot_overlay(measured: MeasuredRun, simulated: SimResult, hardware: str, pat
     plt.close(fig)
 
 
-def _busy_bars(ax, rows: list[RankComparison]) -> None:
+def _busy_bars(ax: Axes, rows: list[RankComparison]) -> None:
     xs = [r.rank for r in rows]
     ax.bar([x - 0.2 for x in xs], [r.measured_busy_s for r in rows], 0.4, color="#4C78A8", label="measured")
     ax.bar([x + 0.2 for x in xs], [r.simulated_busy_s for r in rows], 0.4, color="#F58518", label="simulated")

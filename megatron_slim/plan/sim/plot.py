@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from megatron_slim.plan.sim.engine import Event, SimResult
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.patches import Patch
 
 _GIB = 2 ** 30
 _COLORS = {"F": ("#4C78A8", "#9ECAE9"), "B": ("#54A24B", "#88D27A"), "I": ("#54A24B", "#88D27A"),
@@ -15,14 +19,14 @@ def _kind(name: str) -> str:
     return name.lstrip("0123456789")[0]
 
 
-def _timeline(ax, result: SimResult, title: str, t_max: float) -> None:
+def _timeline(ax: Axes, result: SimResult, title: str, t_max: float) -> None:
     draw_compute(ax, result.events, len(result.ranks), t_max)
     ax.set_title(f"{title}: iteration {result.iteration_time_s:.3g} s, bubble "
                  f"{100 * result.bubble_ratio:.1f}%, MFU {100 * result.mfu:.1f}%, peak "
                  f"{max(r.peak_memory_bytes for r in result.ranks) / _GIB:.1f} GiB", fontsize=10, loc="left")
 
 
-def draw_compute(ax, events: Iterable[Event], pp: int, t_max: float) -> None:
+def draw_compute(ax: Axes, events: Iterable[Event], pp: int, t_max: float) -> None:
     """One row per pipeline rank: its compute events (forward blue, backward green, alternate
     microbatches lighter)."""
     bars: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
@@ -39,19 +43,20 @@ def draw_compute(ax, events: Iterable[Event], pp: int, t_max: float) -> None:
     ax.set_xlim(0, t_max)
 
 
-def compute_legend() -> list:
+def compute_legend() -> list[Patch]:
     from matplotlib.patches import Patch
 
     return [Patch(color=_COLORS[k][0], label=lbl) for k, lbl in (("F", "forward"), ("B", "backward"))]
 
 
-def _memory(ax, result: SimResult, t_max: float) -> None:
+def _memory(ax: Axes, result: SimResult, t_max: float) -> None:
     import matplotlib.pyplot as plt
 
     cmap = plt.get_cmap("viridis")
     pp = len(result.ranks)
     for r in result.ranks:
-        xs, ys = [], []
+        xs: list[float] = []
+        ys: list[float] = []
         for t, act, kv in r.memory:
             if xs:
                 xs.append(t)
@@ -95,7 +100,7 @@ def plot_results(results: Sequence[tuple[str, SimResult]], path: str | Path) -> 
     plt.close(fig)
 
 
-def _peak_bars(ax, results: Sequence[tuple[str, SimResult]]) -> None:
+def _peak_bars(ax: Axes, results: Sequence[tuple[str, SimResult]]) -> None:
     width = 0.8 / len(results)
     hatches = ["", "//", "..", "xx"]
     for i, (title, res) in enumerate(results):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from megatron_slim.plan.sim.engine import SimResult
 
@@ -15,9 +16,9 @@ _THREADS = {"compute": 0, "send": 1, "recv": 2}
 _GIB = 2 ** 30
 
 
-def chrome_trace(result: SimResult, label: str = "", pid_offset: int = 0) -> dict:
+def chrome_trace(result: SimResult, label: str = "", pid_offset: int = 0) -> dict[str, Any]:
     """Trace of one result; ``pid_offset`` keeps several schedules apart in one file."""
-    events: list[dict] = []
+    events: list[dict[str, Any]] = []
     for rank in result.ranks:
         events.append({"ph": "M", "name": "process_name", "pid": pid_offset + rank.rank,
                        "args": {"name": f"{label + ' ' if label else ''}rank {rank.rank} "
@@ -44,7 +45,7 @@ def chrome_trace(result: SimResult, label: str = "", pid_offset: int = 0) -> dic
 
 def write_chrome_trace_many(results: list[tuple[str, SimResult]], path: str | Path) -> None:
     """One file; each labelled result gets its own block of process ids."""
-    merged: dict = {"traceEvents": [], "displayTimeUnit": "ms", "otherData": {}}
+    merged: dict[str, Any] = {"traceEvents": [], "displayTimeUnit": "ms", "otherData": {}}
     for i, (label, result) in enumerate(results):
         trace = chrome_trace(result, label if len(results) > 1 else "", pid_offset=1000 * i)
         merged["traceEvents"] += trace["traceEvents"]

@@ -164,8 +164,8 @@ SLIMPIPE_RULES = [
                        f"{s.num_slices} equal slices that are multiples of {_unit(s)} tokens; allowed: a divisor of "
                        f"{max_slices(s.seq_length, _unit(s))} (or --slimpipe-slice-policy balanced)")),
     Rule("slices-fit", (LAUNCHER,), lambda s: s.slimpipe and s.num_slices > max_slices(s.seq_length, _unit(s)),
-         lambda s, i: (f"--slimpipe-num-slices {s.num_slices}: at most {max_slices(s.seq_length, _unit(s))} slices of --seq-length "
-        f"{s.seq_length}")),
+         lambda s, i: (f"--slimpipe-num-slices {s.num_slices}: at most {max_slices(s.seq_length, _unit(s))} "
+                       f"slices of --seq-length {s.seq_length}")),
 ]
 RULES: list[Rule] = TRAIN_RULES + CP_ENGINE_RULES + SLIMPIPE_RULES
 

@@ -17,7 +17,12 @@ import torch.nn.functional as F
 
 from megatron_slim.runtime.attention import flash_api
 from megatron_slim.runtime.attention.backend import AttentionBackend
-from megatron_slim.runtime.attention.checks import cuda_half_precision_reason, check_dense, check_varlen, resolve_softmax_scale
+from megatron_slim.runtime.attention.checks import (
+    check_dense,
+    check_varlen,
+    cuda_half_precision_reason,
+    resolve_softmax_scale,
+)
 
 Tensor = torch.Tensor
 MAX_HEAD_DIM = 256

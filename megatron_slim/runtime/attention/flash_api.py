@@ -115,7 +115,7 @@ def _load_fa2() -> FlashApi:
                     mod._flash_attn_backward, mod._flash_attn_varlen_forward, mod._flash_attn_varlen_backward)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load(prefer_fa3: bool) -> tuple[FlashApi | None, str]:
     """(api, why): FA3 first when ``prefer_fa3`` (Hopper), else FA2; api None if neither loads."""
     reasons = []

@@ -72,6 +72,12 @@ def _from_cuda_layout(x: Tensor, head_dim: int, groups: int = 1) -> Tensor:
 class _CudaKernels:
     """Shared plumbing; subclasses call one torch op pair on the prepared tensors."""
 
+    def _fwd(self, q, k, v, causal, scale):
+        raise NotImplementedError
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        raise NotImplementedError
+
     def forward(self, q, k, v, causal, scale):
         g = q.shape[2] // k.shape[2]
         out, lse = self._fwd(_to_cuda_layout(q), _to_cuda_layout(k, g), _to_cuda_layout(v, g), causal, scale)

@@ -80,7 +80,7 @@ def _choose(preferred: str | None, source: str, device: torch.device, dtype: tor
                 f"attention backend {name!r} ({source}) is unavailable on {on}: {why}; available: {available}"
             )
         return BackendChoice(name, f"{source}; {why}", backend)
-    skipped = []
+    skipped: list[str] = []
     for name in BACKEND_NAMES:
         backend, why = _candidate(name, device, dtype)
         if backend is not None:

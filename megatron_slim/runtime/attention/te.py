@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron_slim.runtime.attention.backend import AttentionBackend
-from megatron_slim.runtime.attention.checks import cuda_half_precision_reason, check_dense, check_varlen, resolve_softmax_scale
+from megatron_slim.runtime.attention.checks import (
+    check_dense,
+    check_varlen,
+    cuda_half_precision_reason,
+    resolve_softmax_scale,
+)
 
 Tensor = torch.Tensor
 

@@ -28,8 +28,8 @@ from torch.profiler import record_function
 
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.routing import RoutingPlan
-from megatron_slim.runtime.attention import AttentionBackend, select_backend
 from megatron_slim.runtime.agreement import check_agreement
+from megatron_slim.runtime.attention import AttentionBackend, select_backend
 from megatron_slim.runtime.cp.agreement import fingerprint
 from megatron_slim.runtime.cp.comm import Comm
 from megatron_slim.runtime.cp.program import RankProgram, compile_rank

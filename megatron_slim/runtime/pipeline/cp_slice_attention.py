@@ -61,6 +61,7 @@ class _Cached:
             self.store.append(self.microbatch, self.layer, self.slice, k, v)
 
     def accumulate(self, i: int, dk: Tensor, dv: Tensor) -> None:
+        assert self.store is not None  # backward of a slice that kept its K/V
         self.store.accumulate(self.microbatch, self.layer, i, dk, dv)
 
     def take_gradient(self):
@@ -109,9 +110,9 @@ def _partial_forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, prefix) -> tupl
         merge_(out, lse, *s.backend.forward(q, k_i, v_i, causal=False, softmax_scale=s.scale))
     c = s.layout.chunk
     for t, first, n, causal in s.layout.key_blocks(s.rank):
-        o, l = s.backend.forward(_rows(q, first, n).contiguous(), _rows(k, t * c, c).contiguous(),
-                                 _rows(v, t * c, c).contiguous(), causal=causal, softmax_scale=s.scale)
-        merge_(_rows(out, first, n), _rows(lse, first, n, dim=2), o, l)
+        o, o_lse = s.backend.forward(_rows(q, first, n).contiguous(), _rows(k, t * c, c).contiguous(),
+                                     _rows(v, t * c, c).contiguous(), causal=causal, softmax_scale=s.scale)
+        merge_(_rows(out, first, n), _rows(lse, first, n, dim=2), o, o_lse)
     return out, lse
 
 

@@ -48,10 +48,9 @@ class GradSync:
     def _enable(self, chunk: int | None) -> None:
         if chunk is not None and chunk in self._stacks:
             self._stacks.pop(chunk).close()
-        if chunk is None or not self._stacks:
-            if self._single is not None:
-                self._single.close()
-                self._single = None
+        if (chunk is None or not self._stacks) and self._single is not None:
+            self._single.close()
+            self._single = None
 
     def before_backward(self, chunk: int, step: int) -> None:
         if step == self.last_step[chunk] and self._grad_sync_list is None and self._grad_sync_single is None:

@@ -106,7 +106,7 @@ class PipelineInterpreter:
             if unit not in self.state.inputs:
                 raise self._fail("forward before its input was received")
             inp = self.state.inputs.pop(unit)
-        meter = self.meter.track(unit) if self.meter is not None and not self.forward_only else _null()
+        meter = self.meter.track(unit) if self.meter is not None and not self.forward_only else nullcontext()
         if self.param_sync is not None:
             self.param_sync.before_forward(a.chunk)
         with self.ctx.enter(self._slice_info(a)), meter:
@@ -125,6 +125,7 @@ class PipelineInterpreter:
             self.state.outputs[unit] = (None, output)  # kept only until SEND_F
 
     def _send_forward(self, a: Action) -> None:
+        assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
         unit, stage = a.unit, self._stage(a)
         if unit not in self.state.outputs:
             raise self._fail("sending an output that was not computed")
@@ -137,6 +138,7 @@ class PipelineInterpreter:
             self.ops.release_output(output)
 
     def _recv_forward(self, a: Action) -> None:
+        assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
         stage = self._stage(a)
         src = self.s.placement(stage - 1)[0]
         t = self.p2p.recv(self.ops.tensor_shape(a.microbatch, a.slice), self.ops.dtype, src,
@@ -172,6 +174,7 @@ class PipelineInterpreter:
                 self.state.to_send[unit] = input_grad
 
     def _send_backward(self, a: Action) -> None:
+        assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
         stage = self._stage(a)
         if a.unit not in self.state.to_send:
             raise self._fail("sending an input gradient that was not computed")
@@ -179,6 +182,7 @@ class PipelineInterpreter:
         self.p2p.send(self.state.to_send.pop(a.unit), dst, self.p2p.tag(True, stage - 1, a.microbatch, a.slice))
 
     def _recv_backward(self, a: Action) -> None:
+        assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
         stage = self._stage(a)
         src = self.s.placement(stage + 1)[0]
         self.state.grads[a.unit] = self.p2p.recv(self.ops.tensor_shape(a.microbatch, a.slice), self.ops.dtype, src,
@@ -190,7 +194,8 @@ class PipelineInterpreter:
             self.grad_sync.start()
         if self.param_sync is not None:
             self.param_sync.start()
-        for self._step, a in enumerate(self.row):
+        for step, a in enumerate(self.row):
+            self._step = step
             with record_function(str(a)) if torch.autograd._profiler_enabled() else nullcontext():
                 self._handlers[a.kind](a)
         if self.p2p is not None:
@@ -216,11 +221,3 @@ def last_backward_steps(row: Sequence[Action], vpp: int) -> dict[int, int]:
         if a.kind is Kind.B:
             last[a.chunk] = step
     return last
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None

@@ -31,6 +31,7 @@ per-slice zigzag differs from megatron's whole-sequence zigzag).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -76,7 +77,8 @@ class SlicedLoss:
         if keep_graph:
             mb.losses[slice_] = loss
         if mb.slices_seen == self.num_slices:
-            self.total_num_tokens = mb.num_tokens if self.total_num_tokens is None else self.total_num_tokens + mb.num_tokens
+            so_far = self.total_num_tokens
+            self.total_num_tokens = mb.num_tokens if so_far is None else so_far + mb.num_tokens
             self.reports.append(_combine_reports(mb.reports))
             mb.reports = []
             if not keep_graph:
@@ -94,20 +96,21 @@ class SlicedLoss:
             return loss * self.cp_size / self.num_microbatches
         if self.per_token_loss:
             return loss
+        assert mb.num_tokens is not None  # set by the slice's loss
         return loss / (torch.clamp(mb.num_tokens, min=1) * self.num_microbatches)
 
     def is_drained(self) -> bool:
         return not self._mbs
 
 
-def _combine_reports(parts: list) -> dict:
+def _combine_reports(parts: list) -> Any:
     """Per-slice report dicts -> one per microbatch: 2-element [sum, count] values add up; other
     values are averaged weighted by the slice's token count."""
     reports = [r for _, r in parts]
     if not reports or not isinstance(reports[0], dict):
         return reports[0] if len(reports) == 1 else reports
     total = sum(float(c) for c, _ in parts) or 1.0
-    out = {}
+    out: dict[str, Any] = {}
     for name in reports[0]:
         values = [r[name] for r in reports]
         if torch.is_tensor(values[0]) and values[0].numel() == 2:

@@ -28,11 +28,15 @@ class P2P:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
-        self._pending.append(dist.isend(tensor, dst=self.pp_ranks[dst], group=self.group, tag=tag))
+        work = dist.isend(tensor, dst=self.pp_ranks[dst], group=self.group, tag=tag)
+        assert work is not None  # None only for a rank outside the group
+        self._pending.append(work)
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        dist.irecv(buffer, src=self.pp_ranks[src], group=self.group, tag=tag).wait()
+        work = dist.irecv(buffer, src=self.pp_ranks[src], group=self.group, tag=tag)
+        assert work is not None  # None only for a rank outside the group
+        work.wait()
         return buffer
 
     def wait_all(self) -> None:

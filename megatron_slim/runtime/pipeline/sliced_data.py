@@ -61,6 +61,7 @@ class SlicedIterator:
 
     def __next__(self) -> Any:
         if self._next_slice == 0:
+            assert self.source is not None, "a SlicedIterator without a source has no slices"
             self._batch = next(self.source)
             _check_length(self._batch, sum(self.lengths))
         j = self._next_slice
@@ -72,8 +73,8 @@ class SlicedIterator:
 
 
 def _check_length(batch: Any, expected: int) -> None:
-    tensors = [batch] if torch.is_tensor(batch) else [v for k, v in batch.items()
-                                                        if torch.is_tensor(v) and v.dim() >= 2 and k != "attention_mask"]
+    tensors = [batch] if torch.is_tensor(batch) else [
+        v for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and k != "attention_mask"]
     for t in tensors:
         if t.shape[1] != expected:
             raise ValueError(f"batch sequence length {t.shape[1]} differs from the slice plan's {expected} tokens "

@@ -75,7 +75,8 @@ def _read_manifest(folder: Path) -> dict:
         manifest = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise DamagedIteration(f"{folder.name}/{MANIFEST} is not valid JSON") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
+            or not isinstance(manifest.get("files"), dict)):
         raise DamagedIteration(f"{folder.name}/{MANIFEST} is not a {FORMAT} manifest")
     return manifest
 

@@ -77,6 +77,7 @@ def check_resumable(directory: str, recipe: dict, say: Callable[[str], None] = p
     if choice.skipped:
         say(f"checkpoint: skipped {'; '.join(choice.skipped)}; resuming from iteration {choice.iteration}, "
             "the newest intact one")
+    assert choice.recipe is not None, "an intact iteration carries its recipe"
     diff = differing_keys(choice.recipe, recipe)
     if diff:
         raise ConfigError(f"--checkpoint-dir {directory}: its checkpoint (iteration {choice.iteration}) was written "

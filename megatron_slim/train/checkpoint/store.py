@@ -18,7 +18,7 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -86,8 +86,9 @@ def load(directory, iteration: int, rank: int, chunks, optimizer, scheduler, rec
         raise IncompatibleCheckpoint(f"{folder} has no weights for {', '.join(missing[:5])}"
                                      f"{' ...' if len(missing) > 5 else ''}")
     objects = [key for key in ("scheduler", "layout", "report", f"rng/rank{rank}") if key in saved]
-    state = dict(wanted, **dict.fromkeys(objects))
-    dcp.load(state, storage_reader=reader, planner=_LOAD_PLANNER())  # fills the tensors in place and replaces the objects' values
+    state: dict[str, Any] = dict(wanted, **dict.fromkeys(objects))
+    # fills the tensors in place and replaces the objects' values
+    dcp.load(state, storage_reader=reader, planner=_LOAD_PLANNER())
     naming.apply(chunks, optimizer, wanted)
     scheduler.load_state_dict(state["scheduler"])
     rng = state.get(f"rng/rank{rank}")

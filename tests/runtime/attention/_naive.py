@@ -48,11 +48,11 @@ def naive_varlen(q, k, v, q_lens, k_lens, causal: bool, scale: float | None = No
             outs.append(torch.zeros(lq, q.shape[1], v.shape[-1], dtype=torch.float64))
             lses.append(torch.full((q.shape[1], lq), float("-inf"), dtype=torch.float64))
         else:
-            o, l = naive_attention(
+            o, o_lse = naive_attention(
                 q[qs : qs + lq].unsqueeze(0), k[ks : ks + lk].unsqueeze(0), v[ks : ks + lk].unsqueeze(0), causal, scale
             )
             outs.append(o[0])
-            lses.append(l[0])
+            lses.append(o_lse[0])
         qs, ks = qs + lq, ks + lk
     return torch.cat(outs), torch.cat(lses, dim=1)
 

@@ -71,8 +71,8 @@ def test_in_place_accumulate_over_many_chunks_equals_whole_attention_varlen_layo
     out_acc = torch.zeros(9, 4, 8, dtype=torch.float64)
     lse_acc = torch.full((4, 9), float("-inf"), dtype=torch.float32)
     for start in range(0, 23, 5):
-        o, l = backend.forward(q, k[:, start : start + 5], v[:, start : start + 5], causal=False)
-        returned = merge_(out_acc, lse_acc, o[0], l[0])
+        o, o_lse = backend.forward(q, k[:, start : start + 5], v[:, start : start + 5], causal=False)
+        returned = merge_(out_acc, lse_acc, o[0], o_lse[0])
         assert returned[0] is out_acc and returned[1] is lse_acc
     assert_close(out_acc, out_whole[0], 1e-6, 1e-6, "accumulated out", seed)
     assert_close(lse_acc, lse_whole[0], 1e-5, 0, "accumulated lse", seed)

@@ -5,8 +5,7 @@ import logging
 import pytest
 import torch
 
-from megatron_slim.runtime.attention import ENV_VAR, choose_backend, select_backend
-from megatron_slim.runtime.attention import selection
+from megatron_slim.runtime.attention import ENV_VAR, choose_backend, select_backend, selection
 
 
 @pytest.fixture(autouse=True)

@@ -36,7 +36,7 @@ def topology() -> CPTopology:
     return CPTopology.uniform(NODES, PER_NODE, nvlink_latency=3e-6 / SCALE, nic_latency=8e-6 / SCALE)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def costs() -> CPCosts:
     base = CPCosts.from_recipe(load_recipe("zeppelin-7b-h800"))
     return dataclasses.replace(base, pair_fwd_s=base.pair_fwd_s * SCALE, pair_bwd_s=base.pair_bwd_s * SCALE)
@@ -46,7 +46,7 @@ def scopes(plan) -> set[str]:
     return {g.scope for g in plan.groups}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def zeppelin_plan():
     for lengths in ZEPPELIN_PACKS:
         plan = plan_pack("zeppelin", lengths, topology(), costs())

@@ -17,7 +17,7 @@ def engine_results():
     return run_ranks(_workers.engine_suite, WORLD, timeout_s=300)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(lengths: tuple[int, ...], dv: int, dtype_name: str):
     """Single-rank varlen causal attention over the whole pack, in float64: out, dq, dk, dv."""
     q, k, v, dout = _workers.pack_tensors(sum(lengths), dv, getattr(torch, dtype_name), seed=7)

@@ -15,9 +15,7 @@ TOL = dict(atol=2e-5, rtol=1e-4)
 
 
 def _check(results):
-    for reports, grads, ref, _ in results[0]:  # pipeline rank 0 holds the reference
-        pass
-    for cfg_index, (_, _, ref, _) in enumerate(results[0]):
+    for cfg_index, (_, _, ref, _) in enumerate(results[0]):  # pipeline rank 0 holds the reference
         ref_reports, ref_grads = ref
         merged = {}
         for rank_results in results:
