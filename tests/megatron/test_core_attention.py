@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_slim.megatron.core_attention import SlimCoreAttention, causal_attention
+from megatron_slim.megatron.model.core_attention import SlimCoreAttention, causal_attention
 
 
 def config(**overrides):

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_slim.megatron import compat
-from megatron_slim.megatron.slicing import attach_slicing
+from megatron_slim.megatron.slimpipe.slicing import attach_slicing
 from megatron_slim.plan.cost.slicing import is_aligned, slice_alignment
 from megatron_slim.plan.schedule.executable import executable, executable_forward_only
 from megatron_slim.plan.schedule.ir import Schedule

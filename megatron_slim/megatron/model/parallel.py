@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional
 import torch.distributed as dist
 
 from megatron_slim.megatron import compat
-from megatron_slim.megatron.rng import reset_rng_tracker, seed_model_parallel_rng
+from megatron_slim.megatron.model.rng import reset_rng_tracker, seed_model_parallel_rng
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,7 +119,7 @@ def init_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int = 1,
 
     Must run on every rank of an initialised default process group. ``dp`` is implied by the world
     size and only checked when given. With ``seed``, also seeds the model-parallel RNGs (see
-    :func:`megatron_slim.megatron.rng.seed_model_parallel_rng`). Undo with :func:`teardown`.
+    :func:`megatron_slim.megatron.model.rng.seed_model_parallel_rng`). Undo with :func:`teardown`.
     """
     if not dist.is_initialized():
         raise RuntimeError("init_model_parallel needs torch.distributed initialised first "

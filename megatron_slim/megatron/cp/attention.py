@@ -1,6 +1,6 @@
 """Zeppelin's context parallelism inside megatron-core model chunks.
 
-Three pieces, wired after the model is built (like ``slicing.py``), so the layer spec stays static
+Three pieces, wired after the model is built (like ``slimpipe/slicing.py``), so the layer spec stays static
 while the plan changes every microbatch:
 
 * ``CPContext`` -- one per model replica and CP group: the attention engine, the current
@@ -22,11 +22,11 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_slim.megatron.core_attention import SlimCoreAttention
-from megatron_slim.megatron.cp_padding import padding_rows, split_padding
-from megatron_slim.megatron.remap_layer import RemapTransformerLayer
-from megatron_slim.megatron.rotary import rope_table
-from megatron_slim.megatron.wrapping import RotaryWrapper, wrap_rotary
+from megatron_slim.megatron.model.core_attention import SlimCoreAttention
+from megatron_slim.megatron.cp.padding import padding_rows, split_padding
+from megatron_slim.megatron.cp.remap_layer import RemapTransformerLayer
+from megatron_slim.megatron.model.rotary import rope_table
+from megatron_slim.megatron.model.wrapping import RotaryWrapper, wrap_rotary
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.remap import RemapPlan
 from megatron_slim.plan.cp.routing import RoutingPlan
@@ -44,7 +44,7 @@ class CPContext:
         self.remap: Optional[RemapPlan] = None
         self.remap_back: Optional[RemapPlan] = None
         self._positions: Optional[torch.Tensor] = None
-        self.padding = 0  # rows this rank runs beyond the plan's tokens (``cp_padding``)
+        self.padding = 0  # rows this rank runs beyond the plan's tokens (``cp.padding``)
 
     @property
     def comm(self):
@@ -136,13 +136,13 @@ def attach_context_parallel(chunk: torch.nn.Module, context: CPContext) -> int:
 
 
 def cp_layer_classes(*, remap: bool) -> dict[str, type]:
-    """Keyword arguments for ``model.build_chunk`` / ``model.layer_spec``: the CP core attention and,
+    """Keyword arguments for ``model.gpt.build_chunk`` / ``model.gpt.layer_spec``: the CP core attention and,
     with ``remap`` (``--cp-remap`` / recipe ``cp.remap``), the remapping transformer layer."""
     return {"core_attention": CPCoreAttention, "transformer_layer": RemapTransformerLayer if remap else None}
 
 
 def cp_layer_spec(*, remap: bool, layer_offset: int = 0):
-    """A Llama layer spec (``model.layer_spec``) with Zeppelin's attention and optional remap layer."""
-    from megatron_slim.megatron.model import layer_spec
+    """A Llama layer spec (``model.gpt.layer_spec``) with Zeppelin's attention and optional remap layer."""
+    from megatron_slim.megatron.model.gpt import layer_spec
 
     return layer_spec(**cp_layer_classes(remap=remap), layer_offset=layer_offset)

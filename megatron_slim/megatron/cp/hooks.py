@@ -6,7 +6,7 @@
 * **Batch split**: ``pretrain_gpt.py``'s ``get_batch`` calls ``get_batch_on_this_cp_rank(batch)``,
   bound by name from ``megatron.core.utils`` (megatron-core 0.16: defined there) or
   ``megatron.training.utils`` (Megatron-LM main). Its replacement derives the pack's sequence
-  lengths (``cp_lengths.pack_lengths``: ``cu_seqlens`` / ``packed_seq_params``, else
+  lengths (``cp.lengths.pack_lengths``: ``cu_seqlens`` / ``packed_seq_params``, else
   ``position_ids`` resets, else the whole row), plans the pack with the engine, sets the plan on
   the model's ``CPContext`` (collective over the CP group) and returns this rank's tokens with the
   batch's keys in their order: ``position_ids`` from the plan, ``attention_mask`` and the THD
@@ -24,7 +24,7 @@ its DDP then scales gradients by ``1 / (dp * cp)`` and sums them over data x con
 ranks. With TE's zigzag split every CP rank holds ``L / cp`` tokens, so per-rank means average
 to the pack's mean when masks are uniform; a CP engine gives ranks different token counts (and
 masks are rarely uniform), so the average of per-rank means is not the pack's mean. The wrapper
-returns ``(cp * loss, CP-wide num_tokens, report)`` instead (``cp_data.cp_normalised``): then
+returns ``(cp * loss, CP-wide num_tokens, report)`` instead (``cp.data.cp_normalised``): then
 ``(1 / cp) * sum over ranks of cp * loss_r / N = sum(loss_r) / N``, the reference. Under
 ``--calculate-per-token-loss`` megatron divides nothing per microbatch, sums ``num_tokens`` over
 data x context parallel ranks in ``finalize_model_grads`` and scales the summed gradients by its
@@ -39,7 +39,7 @@ import functools
 from collections import Counter
 from typing import Any, Callable, Optional
 
-from megatron_slim.megatron.layer_specs import LayerSwap, with_core_attention
+from megatron_slim.megatron.model.layer_specs import LayerSwap, with_core_attention
 
 THD_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "packed_seq_params")
 
@@ -55,8 +55,8 @@ def with_cp_attention(spec: Any, *, remap: bool) -> Any:
     and, with ``remap``, ``RemapTransformerLayer`` as the layer module (where the spec names one)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_slim.megatron.cp_attention import CPCoreAttention
-    from megatron_slim.megatron.remap_layer import RemapTransformerLayer
+    from megatron_slim.megatron.cp.attention import CPCoreAttention
+    from megatron_slim.megatron.cp.remap_layer import RemapTransformerLayer
 
     swap = LayerSwap(RemapTransformerLayer, (TransformerLayer,), "--cp-remap") if remap else None
     return with_core_attention(spec, CPCoreAttention, flag="--cp-engine", swap=swap)
@@ -66,7 +66,7 @@ def local_batch(batch: dict, plan, rank: int) -> dict:
     """``batch`` (keys in their order) cut to CP rank ``rank``'s tokens of ``plan``."""
     import torch
 
-    from megatron_slim.megatron.cp_data import cp_batch
+    from megatron_slim.megatron.cp.data import cp_batch
 
     drop = ("attention_mask", "position_ids") + THD_KEYS
     cut = cp_batch({k: v for k, v in batch.items() if k not in drop and torch.is_tensor(v)}, plan, rank)
@@ -83,7 +83,7 @@ def local_batch(batch: dict, plan, rank: int) -> dict:
 
 def cp_wide_loss(loss_func: Callable, cp_group, per_token_loss: bool, output_tensor, **kwargs):
     """``loss_func``'s local ``(loss_sum, num_tokens, report)`` normalised CP-wide (module docstring)."""
-    from megatron_slim.megatron.cp_data import cp_normalised
+    from megatron_slim.megatron.cp.data import cp_normalised
 
     outputs = loss_func(output_tensor, **kwargs)
     if kwargs.get("non_loss_data"):
@@ -117,14 +117,14 @@ class CPHookState:
         if self.context is None:
             from megatron.core import parallel_state
 
-            from megatron_slim.megatron.cp_attention import CPContext
+            from megatron_slim.megatron.cp.attention import CPContext
 
             self.context = CPContext(parallel_state.get_context_parallel_group())
         return self.context
 
     def plan_inputs(self, args):
         if self._setup is None:
-            from megatron_slim.megatron.args import recipe_from_megatron_args
+            from megatron_slim.megatron.launch.args import recipe_from_megatron_args
             from megatron_slim.plan.cp.costs import CPCosts
             from megatron_slim.plan.cp.topology import CPTopology
 
@@ -135,8 +135,8 @@ class CPHookState:
 
     # ---- batch split ----------------------------------------------------------------------------
     def split(self, args, batch: dict, cp_group=None) -> dict:
-        from megatron_slim.megatron.cp_data import plan_microbatch
-        from megatron_slim.megatron.cp_lengths import pack_lengths
+        from megatron_slim.megatron.cp.data import plan_microbatch
+        from megatron_slim.megatron.cp.lengths import pack_lengths
 
         context = self.cp_context()
         if cp_group is not None and cp_group.size() != context.comm.size:
@@ -167,7 +167,7 @@ class CPHookState:
     def attach(self, chunks: list) -> None:
         import torch
 
-        from megatron_slim.megatron.cp_attention import attach_context_parallel
+        from megatron_slim.megatron.cp.attention import attach_context_parallel
 
         context = self.cp_context()
         for chunk in chunks:
@@ -177,7 +177,7 @@ class CPHookState:
             if found == 0:
                 raise ValueError("--cp-engine: the model has no CPCoreAttention; its layer spec did not come from "
                                  "megatron-core's GPT layer-spec builders (with --spec, build it with "
-                                 "megatron_slim.megatron.cp_attention.cp_layer_spec)")
+                                 "megatron_slim.megatron.cp.attention.cp_layer_spec)")
             if not self.attached and torch.distributed.get_rank() == 0:
                 args = self.args_getter()
                 print(f"megatron-slim: --cp-engine {args.cp_engine}{' --cp-remap' if args.cp_remap else ''}: CP "

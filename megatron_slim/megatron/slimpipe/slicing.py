@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_slim.megatron.core_attention import SlimCoreAttention
-from megatron_slim.megatron.wrapping import RotaryWrapper, wrap_rotary
+from megatron_slim.megatron.model.core_attention import SlimCoreAttention
+from megatron_slim.megatron.model.wrapping import RotaryWrapper, wrap_rotary
 from megatron_slim.runtime.pipeline.cp_slice_attention import cp_sliced_attention
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_attention import sliced_attention
@@ -42,7 +42,7 @@ class SliceCoreAttention(SlimCoreAttention):
             return super().attend(q, k, v)
         if self.store is None:
             raise RuntimeError(f"layer {self.layer_number}: slice attention has no K/V cache store attached "
-                               "(call megatron_slim.megatron.slicing.attach_slicing)")
+                               "(call megatron_slim.megatron.slimpipe.slicing.attach_slicing)")
         if under_cp:
             return cp_sliced_attention(q, k, v, backend=self.attention_backend(q), softmax_scale=self.softmax_scale,
                                        group=cp_group, store=self.store, info=info, layer=self.layer_number)

@@ -6,10 +6,10 @@ megatron-core has no slot between attention and MLP: ``_forward_mlp`` takes its 
 two moves: hidden states ``[s, b, h]`` go from the attention layout to the token-balanced layout
 (the ``RemapPlan``'s all-to-all) before the MLP block -- norm, MLP and residual add all run
 balanced -- and back after it. Both moves are differentiable (backward: the inverse move). The
-padding row of a rank the plan leaves empty (``cp_padding``) is not moved and skips the MLP.
+padding row of a rank the plan leaves empty (``cp.padding``) is not moved and skips the MLP.
 
 Without a remap plan in its context the layer is exactly ``TransformerLayer``. The context is
-attached after the build by ``cp_attention.attach_context_parallel``. CUDA graphs must be off:
+attached after the build by ``cp.attention.attach_context_parallel``. CUDA graphs must be off:
 their ``__call__`` paths bypass ``forward``.
 """
 from __future__ import annotations
@@ -21,12 +21,12 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 import torch
 
 from megatron_slim.megatron import compat
-from megatron_slim.megatron.cp_padding import split_padding
+from megatron_slim.megatron.cp.padding import split_padding
 from megatron_slim.runtime.cp.remap import remap_rows
 
 
 class RemapTransformerLayer(TransformerLayer):
-    cp_context: Any = None  # a megatron_slim.megatron.cp_attention.CPContext
+    cp_context: Any = None  # a megatron_slim.megatron.cp.attention.CPContext
 
     def forward(self, *args: Any, **kwargs: Any):
         kwargs.pop("dynamic_inference_decode_only", None)

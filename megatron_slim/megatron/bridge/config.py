@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-from megatron_slim.megatron.flags import ATTENTION_BACKENDS, SLICE_POLICIES, check_megatron_args
+from megatron_slim.megatron.launch.flags import ATTENTION_BACKENDS, SLICE_POLICIES, check_megatron_args
 from megatron_slim.plan.schema import ConfigError
 
 GPT_MODEL_TYPES = ("GPTModelProvider", "GPTModelConfig")

@@ -31,7 +31,7 @@ _RESIDUAL_OUTPUTS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight
 def _chunk_info(chunk):
     info = getattr(chunk, "slim_chunk_info", None)
     if info is None:
-        raise ValueError("chunk: expected a model built by megatron_slim.megatron.model.build_chunk")
+        raise ValueError("chunk: expected a model built by megatron_slim.megatron.model.gpt.build_chunk")
     return info
 
 

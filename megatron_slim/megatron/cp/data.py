@@ -3,8 +3,8 @@
 **Plans.** ``plan_microbatch(lengths, topo, costs, engine=, remap=)`` gives the ``CPPlan``,
 ``RoutingPlan`` and ``RemapPlan`` of one pack, the same values the CP simulator prices; hand them
 to ``CPContext.set_plan`` on every CP rank before the microbatch's forward. Every plan runs, also
-one that leaves a CP rank without tokens (that rank runs one masked padding row, ``cp_padding``);
-``cp_lengths`` says where a pack's sequence lengths come from.
+one that leaves a CP rank without tokens (that rank runs one masked padding row, ``cp.padding``);
+``cp.lengths`` says where a pack's sequence lengths come from.
 
 **Batch.** A microbatch is one pack of ``L`` tokens made of whole sequences (``plan.lengths``).
 ``cp_batch`` keeps this rank's tokens in the plan's attention-layout order (``RankLayout``) as a
@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_slim.megatron.cp_padding import padding_rows
+from megatron_slim.megatron.cp.padding import padding_rows
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.engines import plan_pack, uses_remap
 from megatron_slim.plan.cp.layout import CPPlan
@@ -68,7 +68,7 @@ def cp_batch(batch: Mapping[str, Any], plan: CPPlan, rank: int) -> dict[str, Any
     """``batch``'s per-token tensors (``[L]`` or ``[1, L]``) cut to this rank's ``[1, T]`` tokens, plus
     ``position_ids`` from the plan. ``attention_mask`` is dropped (the engine attends causally within
     each of the plan's sequences); any other per-token tensor is gathered, anything else passed on.
-    A rank the plan leaves without tokens gets one padding row with ``loss_mask`` 0 (``cp_padding``)."""
+    A rank the plan leaves without tokens gets one padding row with ``loss_mask`` 0 (``cp.padding``)."""
     L = plan.pack_length
     padded = padding_rows(plan, rank)
     if padded and torch.is_tensor(batch.get("labels")) and not torch.is_tensor(batch.get("loss_mask")):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_slim.megatron.args import settings_from_megatron_args
-from megatron_slim.megatron.cp_checks import check_engine_fits
+from megatron_slim.megatron.launch.args import settings_from_megatron_args
+from megatron_slim.megatron.launch.cp_checks import check_engine_fits
 from megatron_slim.plan.recipe import MAX_SEED, CPEngine, Recipe, SlicePolicy
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.startup import LAUNCHER, MEGATRON_ARGS, check

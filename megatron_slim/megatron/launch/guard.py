@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_slim.megatron.flags import add_arguments
+from megatron_slim.megatron.launch.flags import add_arguments
 from megatron_slim.plan.schema import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""The CP engine's core attention for models run by megatron-slim's schedule adapter (``schedule.py``).
+"""The CP engine's core attention for models run by megatron-slim's schedule adapter (``slimpipe/schedule.py``).
 
 The adapter runs every schedule kind (1F1B, interleaved, SlimPipe) through the slice interpreter
 and refuses a model in which ``attach_slicing`` finds no ``SliceCoreAttention``. Under a CP engine
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from megatron_slim.megatron.cp_attention import CPCoreAttention
-from megatron_slim.megatron.slicing import SliceCoreAttention
+from megatron_slim.megatron.cp.attention import CPCoreAttention
+from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 from megatron_slim.runtime.pipeline.slice_context import SliceContext
 
 

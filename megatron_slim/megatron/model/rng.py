@@ -9,7 +9,7 @@ generator states and whose ``fork`` swaps the CPU default generator.
 Seeds follow megatron's scheme, so a CPU run and a GPU run draw from comparably seeded streams:
 data-parallel state ``seed``, tensor-parallel state ``seed + 2718 + tp_rank``, expert state
 ``seed + 1024 + 100 * ep_rank + etp_rank``. Weight initialisation in
-:mod:`megatron_slim.megatron.weights` does not use these streams at all (it seeds per parameter).
+:mod:`megatron_slim.megatron.model.weights` does not use these streams at all (it seeds per parameter).
 """
 from __future__ import annotations
 

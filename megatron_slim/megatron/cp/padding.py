@@ -7,7 +7,7 @@ takes part in every ring step, all-gather and all-to-all with empty blocks), but
 cannot run a layer on zero tokens (its attention reshapes ``[0, b, -1, d]``). So the rank's model
 input is one padding row, which changes no result:
 
-* ``cp_data.cp_batch`` gives it the pack's first token at position 0 with ``loss_mask`` 0;
+* ``cp.data.cp_batch`` gives it the pack's first token at position 0 with ``loss_mask`` 0;
 * ``CPCoreAttention`` gives it an attention output of zeros (it attends to nothing and no token of
   the pack attends to it); the engine runs on the rank's planned rows only;
 * ``RemapTransformerLayer`` keeps it out of the move; its MLP contribution is zero too (the hidden

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_slim.megatron.args import recipe_from_megatron_args, settings_from_megatron_args
+from megatron_slim.megatron.launch.args import recipe_from_megatron_args, settings_from_megatron_args
 from megatron_slim.plan.startup import LAUNCHER, check
 from megatron_slim.plan.startup.rules import CP_ENGINE_RULES
 

@@ -1,6 +1,6 @@
 """The one rewriter of megatron-core layer specs: plug a core attention (and optionally a layer
 class) into every layer of a spec, as SlimPipe (``SliceCoreAttention``), the CP engines
-(``CPCoreAttention``, ``RemapTransformerLayer``) and ``model.layer_spec`` need."""
+(``CPCoreAttention``, ``RemapTransformerLayer``) and ``model.gpt.layer_spec`` need."""
 from __future__ import annotations
 
 import copy

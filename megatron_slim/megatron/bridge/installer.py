@@ -7,7 +7,7 @@ before ``pretrain(config, forward_step)``::
     from megatron_slim.megatron import bridge
     bridge.install(config, num_slices=8, slice_policy="balanced", hardware="h100")
 
-* **checks** (``bridge_config.check_config``): ``ConfigError`` naming the config field or argument,
+* **checks** (``bridge.config.check_config``): ``ConfigError`` naming the config field or argument,
   raised before anything is patched;
 * **layer spec**: ``config.model.transformer_layer_spec`` (a ``ModuleSpec``, a callable of the
   model config with or without ``vp_stage``, or ``None``: ``GPTModelConfig``'s default) becomes a
@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megatron_slim.megatron.bridge_config import check_config
+from megatron_slim.megatron.bridge.config import check_config
 from megatron_slim.megatron.rebind import replace_everywhere
 
 SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
@@ -54,7 +54,7 @@ def _resolve_spec(spec: Any, model_config: Any, vp_stage: Optional[int]) -> Any:
 
 def slice_attention_spec(original: Any) -> Callable:
     """A ``transformer_layer_spec`` callable: ``original`` resolved, with SliceCoreAttention."""
-    from megatron_slim.megatron.hooks import with_slice_attention
+    from megatron_slim.megatron.slimpipe.hooks import with_slice_attention
 
     def transformer_layer_spec(model_config: Any, vp_stage: Optional[int] = None) -> Any:
         return with_slice_attention(_resolve_spec(original, model_config, vp_stage))
@@ -64,7 +64,7 @@ def slice_attention_spec(original: Any) -> Callable:
 
 
 def _schedule_getter(function: Callable) -> Callable:
-    from megatron_slim.megatron.schedule import check_schedule_groups
+    from megatron_slim.megatron.slimpipe.schedule import check_schedule_groups
 
     def get_forward_backward_func(*args: Any, **kwargs: Any) -> Callable:
         check_schedule_groups(*args, **kwargs)
@@ -95,8 +95,8 @@ def install(config: Any, *, num_slices: int, slice_policy: str = "uniform", hard
     (``slice_policy`` ``uniform`` or ``balanced``: equal work under the causal mask, from the cost
     model of ``hardware`` / measured ``calibration``). Raises ``ConfigError`` before changing
     anything when the config cannot run under SlimPipe."""
-    from megatron_slim.megatron.hooks import slimpipe_settings
-    from megatron_slim.megatron.schedule import make_forward_backward_func
+    from megatron_slim.megatron.slimpipe.hooks import slimpipe_settings
+    from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
 
     args = check_config(config, num_slices=num_slices, slice_policy=slice_policy, hardware=hardware,
                         calibration=calibration, attention_backend=attention_backend)

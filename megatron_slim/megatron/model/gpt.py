@@ -29,11 +29,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_slim.megatron import compat
-from megatron_slim.megatron.core_attention import SlimCoreAttention
-from megatron_slim.megatron.layer_specs import with_core_attention
-from megatron_slim.megatron.parallel import ParallelGroups
-from megatron_slim.megatron.rotary import make_cpu_rotary_embedding
-from megatron_slim.megatron.weights import init_chunk_weights
+from megatron_slim.megatron.model.core_attention import SlimCoreAttention
+from megatron_slim.megatron.model.layer_specs import with_core_attention
+from megatron_slim.megatron.model.parallel import ParallelGroups
+from megatron_slim.megatron.model.rotary import make_cpu_rotary_embedding
+from megatron_slim.megatron.model.weights import init_chunk_weights
 from megatron_slim.plan.recipe import ModelConfig
 
 INIT_STD = 0.02
@@ -207,7 +207,7 @@ def build_rank_chunks(model: ModelConfig, groups: ParallelGroups, **kwargs) -> l
 
 
 # Whole-model naming lives in weights.py; re-exported here because callers think in chunks.
-from megatron_slim.megatron.weights import (  # noqa: E402
+from megatron_slim.megatron.model.weights import (  # noqa: E402
     global_grads,
     global_named_parameters,
     global_state_dict,
