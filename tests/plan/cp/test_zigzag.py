@@ -2,7 +2,7 @@ import pytest
 
 from megatron_slim.plan.cp.zigzag import (causal, chunk_bounds, hierarchical_ranges, member_prefix_pairs,
                                           member_ranges, step_pairs)
-from megatron_slim.plan.sim.cp_ring import ring_pairs
+from megatron_slim.plan.sim.cp.ring import ring_pairs
 
 LENGTHS = [1, 2, 3, 7, 8, 15, 16, 63, 64, 100, 1001, 4097]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from megatron_slim.plan.sim.cp_sim import CPSimResult
+from megatron_slim.plan.sim.cp.sim import CPSimResult
 
 _PARTS = (("attention", "attention_s", "#4C78A8"), ("linear", "linear_s", "#54A24B"), ("idle", "idle_s", "#BAB0AC"))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from megatron_slim.plan.cp.routing import Route
 from megatron_slim.plan.cp.topology import CPTopology
-from megatron_slim.plan.sim.cp_events import Resource, TaskGraph
+from megatron_slim.plan.sim.cp.events import Resource, TaskGraph
 
 
 class Network:

@@ -5,7 +5,7 @@ every participant's step list round by round (``ROUND`` ends a round), as the ru
 interpreter does, and turns each step into tasks of the event graph. A collective is priced when
 its last participant (in group order) posts it, so every participant's earlier steps exist.
 
-* ring groups (``zigzag``, and the per-local-index rings of ``hierarchical``): ``cp_ring``.
+* ring groups (``zigzag``, and the per-local-index rings of ``hierarchical``): ``ring``.
 * ``hierarchical``: ``POST_QKV`` (``DO``) of the node's last member is the node's all-to-all in,
   then ``a2a_size`` rings over the nodes (one per local index, each on its members' own NIC
   shares, computing ``1 / a2a_size`` of the heads), ``POST_OUT`` (``DQKV``) the all-to-all back.
@@ -28,8 +28,8 @@ from megatron_slim.plan.cp.layout import CPGroup, CPPlan
 from megatron_slim.plan.cp.program import CPProgram, Step
 from megatron_slim.plan.cp.routing import RoutingPlan
 from megatron_slim.plan.cp.zigzag import causal, member_prefix_pairs
-from megatron_slim.plan.sim.cp_network import Network
-from megatron_slim.plan.sim.cp_ring import RingPricer
+from megatron_slim.plan.sim.cp.network import Network
+from megatron_slim.plan.sim.cp.ring import RingPricer
 
 __all__ = ["AttentionBuilder", "rounds"]
 Pricer = Callable[[int, Step], None]

@@ -3,7 +3,7 @@
 Semantics: the CP domain has ``C = parallel.cp`` ranks (``dp = pp = 1``); a microbatch is one pack
 of ``model.seq_length`` tokens; an iteration runs ``train.global_batch_size`` packs one after the
 other. A pack costs ``num_layers x (forward + backward of one layer)``, each pass simulated on the
-network model (``cp_layer.py``); the embedding, output layer, loss, gradient reduction and
+network model (``layer.py``); the embedding, output layer, loss, gradient reduction and
 optimizer step are left out (they cost every engine the same). MFU counts the model FLOPs of the
 decoder layers (GEMMs plus causal attention within each sequence, backward = 2x forward) against
 ``C * tp`` GPUs at peak.
@@ -27,8 +27,8 @@ from megatron_slim.plan.cp.zigzag import causal
 from megatron_slim.plan.progress import Progress, report
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schema import fail
-from megatron_slim.plan.sim.cp_events import Span
-from megatron_slim.plan.sim.cp_layer import simulate_pass
+from megatron_slim.plan.sim.cp.events import Span
+from megatron_slim.plan.sim.cp.layer import simulate_pass
 
 
 @dataclass

@@ -21,9 +21,9 @@ from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.remap import RemapPlan
 from megatron_slim.plan.cp.routing import RoutingPlan
 from megatron_slim.plan.cp.topology import CPTopology
-from megatron_slim.plan.sim.cp_attention import AttentionBuilder
-from megatron_slim.plan.sim.cp_events import Span, TaskGraph, Timeline, run, spans
-from megatron_slim.plan.sim.cp_network import Network
+from megatron_slim.plan.sim.cp.attention import AttentionBuilder
+from megatron_slim.plan.sim.cp.events import Span, TaskGraph, Timeline, run, spans
+from megatron_slim.plan.sim.cp.network import Network
 
 _LINEAR = (-1, 0, 0, 0)  # linear work outranks attention pieces when both are ready
 

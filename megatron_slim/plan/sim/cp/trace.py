@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from megatron_slim.plan.sim.cp_sim import CPSimResult
+from megatron_slim.plan.sim.cp.sim import CPSimResult
 
 _THREADS = {"compute": (0, "compute"), "nvl_out": (1, "NVLink out"), "nvl_in": (2, "NVLink in"),
             "nic_out": (3, "NIC out"), "nic_in": (4, "NIC in")}
