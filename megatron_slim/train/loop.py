@@ -103,7 +103,7 @@ def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
 
 
 def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options: TrainOptions) -> RankReport:
-    from megatron_slim.data import build_gpt_dataset
+    from megatron_slim.megatron.data import build_gpt_dataset
     from megatron_slim.megatron.model.gpt import build_rank_chunks
     from megatron_slim.megatron.model.optimizer import build_optimizer
     from megatron_slim.megatron.model.parallel import init_model_parallel

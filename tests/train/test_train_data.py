@@ -1,7 +1,7 @@
 """``megatron-slim train`` on existing Megatron data: ``data.path`` + ``data.tokenizer`` pointing at
 the very files a corpus run prepares trains exactly the same losses, and so does the corpus
 tokenized with that tokenizer given as ``data.tokenizer``; a blend trains too."""
-from megatron_slim.data import prepare_corpus
+from megatron_slim.megatron.data import prepare_corpus
 from tests.train.test_train_job import _train
 
 FAST = ["parallel.pp=1", "schedule.kind=1f1b", "schedule.num_slices=1", "train.iters=2",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy
 
-from megatron_slim.data.dataset import PreparedCorpus
+from megatron_slim.megatron.data.dataset import PreparedCorpus
 from megatron_slim.data.tokenizer import CorpusTokenizer
 from megatron_slim.plan.schema import ConfigError
 

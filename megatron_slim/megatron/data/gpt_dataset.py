@@ -24,7 +24,7 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import Split
 
-from megatron_slim.data.dataset import PreparedCorpus
+from megatron_slim.megatron.data.dataset import PreparedCorpus
 
 
 def build_gpt_dataset(prepared: PreparedCorpus, seq_length: int, num_samples: int | None,

@@ -19,7 +19,7 @@ import tokenizers
 
 from megatron_slim.data.cache import build_once, default_cache_dir
 from megatron_slim.data.corpus import STDLIB, Corpus, list_corpus
-from megatron_slim.data.indexed import write_tokenized_corpus
+from megatron_slim.megatron.data.indexed import write_tokenized_corpus
 from megatron_slim.data.tokenizer import CorpusTokenizer, check_vocab_size, train_tokenizer
 
 # Bump when the layout or content of a cache entry changes for the same inputs.
