@@ -4,7 +4,7 @@ all-gather (Llama-3) and Megatron dynamic CP, plus Zeppelin ablations (no routin
 
 Every engine runs the same 4M-token batches (the recipe's packs) drawn from each length
 distribution with several seeds. Writes ``<out>/cp_engines.md`` and ``<out>/cp_engines.json``
-with the exact command, machine and date at the top. Numbers are simulated (plan/sim/cp_sim.py),
+with the exact command, machine and date at the top. Numbers are simulated (plan/sim/cp/sim.py),
 not measured.
 
     python scripts/bench_cp_engines.py [--recipe zeppelin-7b-h800] [--seeds 0,1,2] [--out benchmarks/results]
@@ -25,7 +25,7 @@ from pathlib import Path
 from megatron_slim.plan.cp.engines import ENGINES
 from megatron_slim.plan.cp.lengths import make_packs, parse_lengths
 from megatron_slim.plan.recipe import load_recipe
-from megatron_slim.plan.sim.cp_sim import cp_setup, simulate_cp
+from megatron_slim.plan.sim.cp.sim import cp_setup, simulate_cp
 
 DISTRIBUTIONS = {
     "short-skewed (lognormal mean 4K)": "lognormal:mean=4096,sigma=1.2,min=256,max=65536",
@@ -125,7 +125,7 @@ def markdown(data: dict, summary: list[dict], header: dict) -> str:
              f"({data['cp'] // data['ranks_per_node']} nodes x {data['ranks_per_node']}), "
              f"{data['packs_per_iteration']} packs x {data['pack_length']} tokens = "
              f"{data['tokens_per_iteration']:,} tokens per iteration; seeds {data['seeds']}",
-             "- numbers come from the simulator (`megatron_slim/plan/sim/cp_sim.py`), not from GPUs; "
+             "- numbers come from the simulator (`megatron_slim/plan/sim/cp/sim.py`), not from GPUs; "
              "speedup = ring time / engine time per (distribution, seed), averaged", ""]
     for dist, spec in data["distributions"].items():
         lines += [f"## {dist}", "", f"`--lengths {spec}`", "",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-from megatron_slim.megatron.flags import recipe_to_megatron_args
+from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
 from megatron_slim.plan.recipe import load_recipe, world_size_note
 from megatron_slim.plan.schema import ConfigError
 

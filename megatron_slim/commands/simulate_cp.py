@@ -7,8 +7,8 @@
 The batch (``train.global_batch_size`` packs of ``model.seq_length`` tokens) is drawn once and
 every engine runs the same packs. Without ``--cp-engine`` the recipe's ``cp.engine`` is used.
 ``--trace``: per rank, compute and each link's transfers of one decoder layer per pack
-(``plan/sim/cp_trace.py``); ``--plot``: per engine and per rank, attention / linear / idle time
-(``plan/sim/cp_plot.py``); ``--calibration``: measured kernel rates, as for pipeline simulation.
+(``plan/sim/cp/trace.py``); ``--plot``: per engine and per rank, attention / linear / idle time
+(``plan/sim/cp/plot.py``); ``--calibration``: measured kernel rates, as for pipeline simulation.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from megatron_slim.plan.cp.lengths import SPEC_FORMS, make_packs, parse_lengths
 from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schema import ConfigError
-from megatron_slim.plan.sim.cp_sim import CPSimResult, cp_setup, simulate_cp
+from megatron_slim.plan.sim.cp.sim import CPSimResult, cp_setup, simulate_cp
 
 
 def check_inputs(recipe: Recipe, engines: tuple[str, ...], lengths: str, calibration: Calibration | None):
@@ -92,11 +92,11 @@ def run(args, recipe: Recipe, calibration: Calibration | None, note: str | None 
     if args.json and args.json != "-":
         print(f"wrote {args.json}", file=out)
     if args.trace:
-        from megatron_slim.plan.sim.cp_trace import write_cp_trace
+        from megatron_slim.plan.sim.cp.trace import write_cp_trace
         write_cp_trace(results, args.trace)
         print(f"wrote trace {args.trace} (one decoder layer per pack; open in https://ui.perfetto.dev)", file=out)
     if args.plot:
-        from megatron_slim.plan.sim.cp_plot import plot_cp_results
+        from megatron_slim.plan.sim.cp.plot import plot_cp_results
         plot_cp_results(results, args.plot)
         print(f"wrote plot {args.plot}", file=out)
     return 0

@@ -64,8 +64,8 @@ def check_data(recipe) -> None:
 
 
 def _prepare(recipe, say: bool, log=sys.stdout):
-    from megatron_slim.data import prepare_corpus
-    from megatron_slim.data.megatron_data import load_tokenizer, prepare_megatron_data
+    from megatron_slim.megatron.data import prepare_corpus
+    from megatron_slim.megatron.data.existing import load_tokenizer, prepare_megatron_data
 
     d, vocab_size = recipe.data, recipe.model.vocab_size
     began = time.perf_counter()

@@ -4,7 +4,7 @@
 ``install(args)`` hooks the schedule and layer specs into ``megatron.training``. Importing this
 package imports neither megatron nor torch; the submodules that need them import them.
 """
-from megatron_slim.megatron.flags import add_arguments
+from megatron_slim.megatron.launch.flags import add_arguments
 
 
 def install(args=None) -> None:

@@ -120,7 +120,7 @@ def finalize_model_grads_kwargs(fn: Callable, groups: Any = None,
                                 force_all_reduce: Optional[bool] = None) -> dict[str, Any]:
     """Keyword arguments for ``fn`` (a ``finalize_model_grads``-like callable).
 
-    ``groups`` may be our :class:`~megatron_slim.megatron.parallel.ParallelGroups` (converted to
+    ``groups`` may be our :class:`~megatron_slim.megatron.model.parallel.ParallelGroups` (converted to
     the class the keyword expects) or an already-built megatron object (passed through).
     """
     kwargs: dict[str, Any] = {}

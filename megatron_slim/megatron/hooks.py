@@ -20,7 +20,7 @@ Each hook is a no-op unless the parsed args ask for megatron-slim:
   allocate slice-sized receive buffers for what TP rank 0 broadcasts.
 
 With ``--cp-engine`` other than ``te`` (and ``--context-parallel-size > 1``) the same hooks serve
-megatron-slim's CP engines instead (``cp_hooks.py``): the spec gets ``CPCoreAttention`` (and
+megatron-slim's CP engines instead (``cp/hooks.py``): the spec gets ``CPCoreAttention`` (and
 ``RemapTransformerLayer`` for ``--cp-remap``), the schedule Megatron picked is wrapped to attach the
 engine's context and normalise the loss CP-wide, and ``get_batch_on_this_cp_rank`` -- the name
 ``pretrain_gpt.get_batch`` calls -- plans each pack and returns this rank's part of it.
@@ -34,18 +34,13 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import inspect
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
-from megatron_slim.megatron import compat
-from megatron_slim.megatron.cp_hooks import CPHookState, cp_engine_active, with_cp_attention
-from megatron_slim.megatron.flags import add_arguments, check_megatron_args
-from megatron_slim.megatron.layer_specs import with_core_attention
+from megatron_slim.megatron.cp.hooks import CPHookState, cp_engine_active, with_cp_attention
+from megatron_slim.megatron.launch.flags import add_arguments, check_megatron_args
 from megatron_slim.megatron.rebind import replace_everywhere as _replace_everywhere
-
-if TYPE_CHECKING:
-    from megatron_slim.megatron.schedule import SlimPipeSettings
+from megatron_slim.megatron.slimpipe.hooks import SlimPipeHookState, with_slice_attention, with_slice_length
 
 SPEC_BUILDERS = ("get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec",
                  "get_gpt_layer_with_transformer_engine_submodules", "get_gpt_layer_local_submodules")
@@ -111,49 +106,6 @@ def _patch_arguments() -> None:
 
 
 # ---- schedule --------------------------------------------------------------------------------
-def slimpipe_settings(args) -> SlimPipeSettings:
-    """The slice plan a Megatron run uses, from its flags (balanced slices need the cost model)."""
-    from megatron_slim.megatron.args import recipe_from_megatron_args
-    from megatron_slim.megatron.schedule import SlimPipeSettings
-    from megatron_slim.plan.cost.calibration import load_calibration
-    from megatron_slim.plan.cost.model import CostModel
-    from megatron_slim.plan.sim.costs import slice_lengths
-
-    recipe = recipe_from_megatron_args(args)
-    calibration = (load_calibration(args.slimpipe_calibration, "--slimpipe-calibration")
-                   if args.slimpipe_calibration else None)
-    lengths = slice_lengths(recipe, CostModel(recipe, calibration=calibration))
-    backend = None if args.megatron_slim_attention_backend == "auto" else args.megatron_slim_attention_backend
-    return SlimPipeSettings(lengths, attention_backend=backend)
-
-
-class SlimPipeHookState:
-    """What the SlimPipe hooks share in one process: the schedule function per parsed args, and the
-    ``SliceContext`` it runs under (the TP batch hook reads the current slice from it)."""
-
-    def __init__(self, args_getter: Callable[[], Any]) -> None:
-        from megatron_slim.runtime.pipeline.slice_context import SliceContext
-
-        self.args_getter = args_getter
-        self.context = SliceContext()
-        self._functions: dict[int, Callable] = {}
-
-    def active_args(self) -> Optional[Any]:
-        args = self.args_getter()
-        return args if args is not None and getattr(args, "use_slimpipe", False) else None
-
-    def forward_backward_func(self, args) -> Callable:
-        if id(args) not in self._functions:
-            from megatron_slim.megatron.schedule import make_forward_backward_func
-
-            settings = slimpipe_settings(args)
-            self._functions[id(args)] = make_forward_backward_func(settings, context=self.context)
-            if int(getattr(args, "rank", 0) or 0) == 0:
-                print(f"megatron-slim: SlimPipe schedule, {settings.num_slices} {args.slimpipe_slice_policy} slice(s) "
-                      f"per microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}", flush=True)
-        return self._functions[id(args)]
-
-
 def _patch_schedule(slim_state: SlimPipeHookState, cp_state: CPHookState) -> None:
     training: Any = importlib.import_module("megatron.training.training")
     original = training.get_forward_backward_func
@@ -165,7 +117,7 @@ def _patch_schedule(slim_state: SlimPipeHookState, cp_state: CPHookState) -> Non
         if slim_state.active_args() is None:
             chosen = original(*args, **kwargs)
             return cp_state.wrap_forward_backward(chosen) if cp_engine_active(parsed) else chosen
-        from megatron_slim.megatron.schedule import check_schedule_groups
+        from megatron_slim.megatron.slimpipe.schedule import check_schedule_groups
 
         check_schedule_groups(*args, **kwargs)
         return slim_state.forward_backward_func(parsed)
@@ -179,49 +131,12 @@ def _patch_schedule(slim_state: SlimPipeHookState, cp_state: CPHookState) -> Non
 TP_BATCH_MODULES = ("megatron.training.utils", "megatron.core.utils")
 
 
-def _with_slice_length(original: Callable, slim_state: SlimPipeHookState) -> Callable:
-    """``get_batch_on_this_tp_rank`` that, while a SlimPipe slice is current, sizes the other TP
-    ranks' receive buffers for the slice TP rank 0 read from the slicing data iterator.
-
-    0.18+ take ``seq_length`` as an argument; 0.14-0.17 read ``get_args().seq_length``, which is
-    set to the slice's length for the duration of the call.
-    """
-    takes_length = compat.has_parameter(original, "seq_length")
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def get_batch_on_this_tp_rank(*args, **kwargs):
-        info = slim_state.context.current if slim_state.active_args() is not None else None
-        if info is None:
-            return original(*args, **kwargs)
-        if takes_length:
-            bound = signature.bind(*args, **kwargs)
-            bound.arguments["seq_length"] = info.length
-            return original(*bound.args, **bound.kwargs)
-        megatron_args = slim_state.args_getter()
-        full_length = megatron_args.seq_length
-        megatron_args.seq_length = info.length
-        try:
-            return original(*args, **kwargs)
-        finally:
-            megatron_args.seq_length = full_length
-
-    return get_batch_on_this_tp_rank
-
-
 def _patch_tp_batch(slim_state: SlimPipeHookState) -> None:
     _wrap_where_defined(TP_BATCH_MODULES, "get_batch_on_this_tp_rank",
-                        lambda original: _with_slice_length(original, slim_state))
+                        lambda original: with_slice_length(original, slim_state))
 
 
 # ---- layer specs -----------------------------------------------------------------------------
-def with_slice_attention(spec: Any) -> Any:
-    """A copy of a layer spec / submodules / block spec with SliceCoreAttention as core attention."""
-    from megatron_slim.megatron.slicing import SliceCoreAttention
-
-    return with_core_attention(spec, SliceCoreAttention, flag="--use-slimpipe")
-
-
 def _patch_layer_specs(args_getter: Callable[[], Any]) -> None:
     specs = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
     for name in SPEC_BUILDERS:
@@ -267,8 +182,8 @@ def _install_all(args_getter: Callable[[], Any]) -> None:
 def prepare_launch() -> None:
     """Before Megatron-LM parses anything: hook flags, start-up checks, schedule, specs and the TP
     and CP batch paths (they read the parsed args when called; with megatron-slim flags on the
-    command line and no parsed args, they refuse: ``launch_guard``)."""
-    from megatron_slim.megatron.launch_guard import guarded
+    command line and no parsed args, they refuse: ``launch.guard``)."""
+    from megatron_slim.megatron.launch.guard import guarded
 
     _patch_arguments()
     _install_all(guarded(_megatron_args, sys.argv[1:]))

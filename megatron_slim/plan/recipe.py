@@ -2,7 +2,7 @@
 
 A recipe is YAML in ``megatron_slim/configs/<name>.yaml`` (``paths.config_dir()``); ``load_recipe``
 builds it, applies ``--set`` overrides and checks every cross-field rule before any work starts.
-Megatron-LM flags are derived from a recipe (``megatron_slim.megatron.args``), never written twice.
+Megatron-LM flags are derived from a recipe (``megatron_slim.megatron.launch.args``), never written twice.
 """
 from __future__ import annotations
 

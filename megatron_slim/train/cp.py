@@ -1,18 +1,18 @@
 """Context parallelism in ``megatron-slim train``: ``cp.engine`` runs every microbatch as a planned pack.
 
 With ``parallel.cp > 1`` each microbatch window of ``model.seq_length`` tokens is a *pack* whose
-sequences are the documents between the tokenizer's ``eod`` tokens (``cp_lengths.document_lengths``;
+sequences are the documents between the tokenizer's ``eod`` tokens (``megatron.cp.lengths.document_lengths``;
 a document includes its ``eod``): attention stays inside each document and positions restart at
 0 in each, the THD semantics every CP engine needs -- not the plain causal window of ``cp=1``.
 
 Per iteration, every rank of a CP group derives the same lengths from the same windows and plans
-each microbatch (``cp_data.plan_microbatch``: placement, routing and, with ``cp.remap``, the remap
+each microbatch (``megatron.cp.data.plan_microbatch``: placement, routing and, with ``cp.remap``, the remap
 plan, exactly what the CP simulator prices). Every window runs under every engine: a CP rank that
 a plan leaves without tokens (one-token documents under ring / allgather / a2a+p2p) takes part in
-every collective and runs one masked padding row (``cp_padding``). The forward step then, before every
+every collective and runs one masked padding row (``megatron.cp.padding``). The forward step then, before every
 microbatch's forward, makes that plan current on the chunk's ``CPContext`` (collective: the CP
-ranks compare plan hashes), cuts the window to this rank's tokens (``cp_data.cp_batch``) and
-returns ``cp_data.cp_loss_func``: the loss is ``cp * local_sum`` over the CP-wide masked-token
+ranks compare plan hashes), cuts the window to this rank's tokens (``megatron.cp.data.cp_batch``) and
+returns ``megatron.cp.data.cp_loss_func``: the loss is ``cp * local_sum`` over the CP-wide masked-token
 count, so the schedule's per-microbatch normalisation and the loop's gradient *average* over data
 x context parallel ranks give the single-process reference's gradients (mean over each pack's loss
 tokens, averaged over microbatches and data-parallel ranks).
@@ -58,8 +58,8 @@ def cp_topology(recipe: Recipe):
 def cp_layer_classes(recipe: Recipe) -> dict[str, Optional[type]]:
     """``build_chunk`` keywords: the CP engine's core attention (schedule-adapter form) and, with
     ``cp.remap``, the remapping transformer layer."""
-    from megatron_slim.megatron.cp_schedule import CPScheduledCoreAttention
-    from megatron_slim.megatron.remap_layer import RemapTransformerLayer
+    from megatron_slim.megatron.cp.remap_layer import RemapTransformerLayer
+    from megatron_slim.megatron.cp.schedule import CPScheduledCoreAttention
 
     return {"core_attention": CPScheduledCoreAttention,
             "transformer_layer": RemapTransformerLayer if recipe.cp.remap else None}
@@ -69,7 +69,7 @@ class CPTrainStep:
     """One rank's CP plumbing: the iteration's plans, the forward step, the plan summary."""
 
     def __init__(self, recipe: Recipe, groups, eod: int) -> None:
-        from megatron_slim.megatron.cp_attention import CPContext
+        from megatron_slim.megatron.cp.attention import CPContext
 
         self.engine, self.remap = recipe.cp.engine, recipe.cp.remap
         self.topo, self.costs = cp_topology(recipe)
@@ -79,7 +79,7 @@ class CPTrainStep:
         self.plans: list[tuple] = []
 
     def attach(self, chunks) -> None:
-        from megatron_slim.megatron.cp_attention import attach_context_parallel
+        from megatron_slim.megatron.cp.attention import attach_context_parallel
 
         for c in chunks:
             if attach_context_parallel(c, self.context) == 0:
@@ -88,15 +88,15 @@ class CPTrainStep:
 
     def plan_iteration(self, microbatches: list[dict]) -> list[dict]:
         """Plan every microbatch window of this iteration; returns the windows tagged with their index."""
-        from megatron_slim.megatron.cp_data import plan_microbatch
-        from megatron_slim.megatron.cp_lengths import document_lengths
+        from megatron_slim.megatron.cp.data import plan_microbatch
+        from megatron_slim.megatron.cp.lengths import document_lengths
 
         self.plans = [plan_microbatch(document_lengths(b["tokens"], self.eod), self.topo, self.costs,
                                       engine=self.engine, remap=self.remap) for b in microbatches]
         return [{**b, MICROBATCH_KEY: k} for k, b in enumerate(microbatches)]
 
     def forward_step(self, data_iterator, model):
-        from megatron_slim.megatron.cp_data import cp_batch, cp_loss_func
+        from megatron_slim.megatron.cp.data import cp_batch, cp_loss_func
 
         batch = dict(next(data_iterator))
         k = batch.pop(MICROBATCH_KEY)

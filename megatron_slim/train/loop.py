@@ -100,19 +100,19 @@ def check_trainable(recipe: Recipe) -> None:
 def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
     """The schedule settings every rank of ``megatron-slim train`` runs under: the recipe's kind and
     the slice plan the simulator is given (``plan.sim.costs.slice_lengths``)."""
-    from megatron_slim.megatron.schedule import SlimPipeSettings
+    from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings
 
     lengths = slice_lengths(recipe, CostModel(recipe))
     return SlimPipeSettings(lengths, measure_memory=measure_memory, kind=recipe.schedule.kind)
 
 
 def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options: TrainOptions) -> RankReport:
-    from megatron_slim.data import build_gpt_dataset
-    from megatron_slim.megatron.model import build_rank_chunks
-    from megatron_slim.megatron.optimizer import build_optimizer
-    from megatron_slim.megatron.parallel import init_model_parallel
-    from megatron_slim.megatron.schedule import make_forward_backward_func
-    from megatron_slim.megatron.slicing import SliceCoreAttention
+    from megatron_slim.megatron.data import build_gpt_dataset
+    from megatron_slim.megatron.model.gpt import build_rank_chunks
+    from megatron_slim.megatron.model.optimizer import build_optimizer
+    from megatron_slim.megatron.model.parallel import init_model_parallel
+    from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
     from megatron_slim.runtime.attention import choose_backend
     from megatron_slim.train.cp import CPTrainStep, cp_layer_classes, reduce_summary, summary_text
 

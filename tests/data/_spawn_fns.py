@@ -1,7 +1,7 @@
 """Functions run on spawned gloo ranks by the data tests (must be importable)."""
 import torch.distributed as dist
 
-from megatron_slim.data import build_gpt_dataset, prepare_corpus
+from megatron_slim.megatron.data import build_gpt_dataset, prepare_corpus
 
 
 def prepare_and_sample(rank, world_size, cache_dir, vocab_size, max_files, seq_length):

@@ -1,6 +1,6 @@
 import pytest
 
-from megatron_slim.data import prepare_corpus
+from megatron_slim.megatron.data import prepare_corpus
 
 TINY_VOCAB = 300
 TINY_FILES = 20

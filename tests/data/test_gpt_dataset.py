@@ -4,7 +4,7 @@ import numpy
 import pytest
 import torch
 
-from megatron_slim.data import build_gpt_dataset, prepare_corpus, read_token_documents
+from megatron_slim.megatron.data import build_gpt_dataset, prepare_corpus, read_token_documents
 from megatron_slim.runtime.spawn import run_ranks
 from tests.data import _spawn_fns
 

@@ -2,8 +2,8 @@ import numpy
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_slim.data import read_token_documents, write_token_documents, write_tokenized_corpus
-from megatron_slim.data.indexed import token_dtype
+from megatron_slim.megatron.data import read_token_documents, write_token_documents, write_tokenized_corpus
+from megatron_slim.megatron.data.indexed import token_dtype
 
 
 def test_documents_read_back_unchanged(tmp_path):

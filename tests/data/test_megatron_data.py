@@ -6,9 +6,9 @@ import shutil
 import numpy
 import pytest
 
-from megatron_slim.data import build_gpt_dataset, write_token_documents
-from megatron_slim.data.megatron_data import load_tokenizer, parse_blend, prepare_megatron_data
-from megatron_slim.megatron.flags import recipe_to_megatron_args
+from megatron_slim.megatron.data import build_gpt_dataset, write_token_documents
+from megatron_slim.megatron.data.existing import load_tokenizer, parse_blend, prepare_megatron_data
+from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schema import ConfigError
 from tests.data.conftest import TINY_VOCAB

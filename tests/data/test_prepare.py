@@ -3,8 +3,9 @@ import shutil
 
 import pytest
 
-from megatron_slim.data import dataset as dataset_module
-from megatron_slim.data import list_corpus, prepare_corpus, read_token_documents
+from megatron_slim.data import list_corpus
+from megatron_slim.megatron.data import dataset as dataset_module
+from megatron_slim.megatron.data import prepare_corpus, read_token_documents
 from tests.data.conftest import TINY_FILES, TINY_VOCAB
 
 

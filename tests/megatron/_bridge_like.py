@@ -51,7 +51,7 @@ class GPTModelProvider(TransformerConfig):
 
 
 def tiny_provider(**overrides: Any) -> GPTModelProvider:
-    from megatron_slim.megatron.model import transformer_config
+    from megatron_slim.megatron.model.gpt import transformer_config
     from megatron_slim.plan.recipe import ModelConfig
 
     model = ModelConfig(**TINY)

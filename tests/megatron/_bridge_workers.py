@@ -27,7 +27,7 @@ def _build_model(provider, groups):
     from megatron.core.models.gpt import GPTModel
 
     from megatron_slim.megatron import compat
-    from megatron_slim.megatron.rotary import make_cpu_rotary_embedding
+    from megatron_slim.megatron.model.rotary import make_cpu_rotary_embedding
 
     model = GPTModel(config=provider, transformer_layer_spec=provider.layer_spec(vp_stage=None),
                      vocab_size=provider.vocab_size, max_sequence_length=provider.seq_length, pre_process=True,
@@ -56,8 +56,8 @@ def bridge_step(rank, world_size, num_slices, seed=5):
     the function from ``get_forward_backward_func`` bound by name after install, called with
     train.py's keywords. Returns (reports, grads, reference reports, reference grads, facts)."""
     from megatron_slim.megatron import bridge
-    from megatron_slim.megatron.parallel import model_parallel
-    from megatron_slim.megatron.slicing import SliceCoreAttention
+    from megatron_slim.megatron.model.parallel import model_parallel
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 
     config = _bridge_like.config_container()
     handle = bridge.install(config, num_slices=num_slices)

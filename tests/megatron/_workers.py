@@ -36,7 +36,7 @@ def _layer_output_hooks(chunk, store: dict):
 def single_process(rank, world_size, seed):
     """A whole model on one rank (untied and tied embeddings), plus megatron's own step functions
     and helpers called through the compat shims, plus the CPU RNG tracker."""
-    from megatron_slim.megatron.parallel import model_parallel
+    from megatron_slim.megatron.model.parallel import model_parallel
 
     out = {"models": {}}
     with model_parallel(seed=seed) as groups:
@@ -49,7 +49,7 @@ def single_process(rank, world_size, seed):
 
 
 def _whole_model_step(cfg, groups, seed):
-    from megatron_slim.megatron.model import build_chunk, global_grads, global_state_dict
+    from megatron_slim.megatron.model.gpt import build_chunk, global_grads, global_state_dict
 
     ids, labels = tiny_batch(cfg)
     chunk = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True,
@@ -71,8 +71,8 @@ def _installed_shims(cfg, groups, seed):
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from megatron_slim.megatron import compat
-    from megatron_slim.megatron.core_attention import SlimCoreAttention
-    from megatron_slim.megatron.model import build_chunk, global_grads
+    from megatron_slim.megatron.model.core_attention import SlimCoreAttention
+    from megatron_slim.megatron.model.gpt import build_chunk, global_grads
 
     ids, labels = tiny_batch(cfg)
     chunk = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True,
@@ -128,7 +128,7 @@ def _rng_streams(seed):
     """Draws inside the tensor-parallel fork for two tp ranks, and the default stream around it."""
     from megatron.core import tensor_parallel
 
-    from megatron_slim.megatron.rng import reset_rng_tracker, seed_model_parallel_rng
+    from megatron_slim.megatron.model.rng import reset_rng_tracker, seed_model_parallel_rng
 
     draws = {}
     for tp_rank in (0, 1, 0):
@@ -194,7 +194,7 @@ def _run_stages_by_hand(cfg, chunks_by_stage, my_rank, pp, ids, labels):
 
 def _full_model_reference(cfg, groups, full_seed, ids, labels):
     """An unpipelined model on this rank (chunk building ignores the pp group)."""
-    from megatron_slim.megatron.model import build_chunk, global_grads, global_state_dict
+    from megatron_slim.megatron.model.gpt import build_chunk, global_grads, global_state_dict
 
     full = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True,
                        post_process=True, seed=full_seed)
@@ -209,7 +209,7 @@ def _full_model_reference(cfg, groups, full_seed, ids, labels):
 
 
 def _pipeline_case(cfg, groups, chunk_seed, full_seed):
-    from megatron_slim.megatron.model import (
+    from megatron_slim.megatron.model.gpt import (
         build_rank_chunks,
         global_grads,
         global_state_dict,
@@ -238,7 +238,7 @@ def _pipeline_case(cfg, groups, chunk_seed, full_seed):
 
 
 def two_ranks(rank, world_size, seed):
-    from megatron_slim.megatron.parallel import model_parallel
+    from megatron_slim.megatron.model.parallel import model_parallel
 
     out = {}
     cfg = tiny_config()
@@ -260,8 +260,8 @@ def two_ranks(rank, world_size, seed):
 
 def _tensor_parallel_case(seed):
     """tp=2: a sharded whole model loaded from unsharded weights; its loss and sharded grads."""
-    from megatron_slim.megatron.model import build_chunk, global_grads, global_state_dict, load_global_state_dict
-    from megatron_slim.megatron.parallel import model_parallel
+    from megatron_slim.megatron.model.gpt import build_chunk, global_grads, global_state_dict, load_global_state_dict
+    from megatron_slim.megatron.model.parallel import model_parallel
 
     cfg = tiny_config()
     ids, labels = tiny_batch(cfg)
@@ -279,7 +279,7 @@ def _tensor_parallel_case(seed):
 
 def _unsharded_state(cfg, seed):
     """The whole model's initial weights, computed without building it (init is by name)."""
-    from megatron_slim.megatron.weights import init_full_tensor
+    from megatron_slim.megatron.model.weights import init_full_tensor
 
     h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
     qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim

@@ -69,7 +69,7 @@ def test_a_second_install_is_refused_until_the_first_is_removed(installed):
 
 @pytest.mark.parametrize("form", ["callable", "callable_with_vp_stage", "module_spec"])
 def test_the_spec_bridge_resolves_has_slice_attention_in_every_form(installed, form):
-    from megatron_slim.megatron.slicing import SliceCoreAttention
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 
     seen = []
 

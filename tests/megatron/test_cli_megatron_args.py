@@ -4,7 +4,7 @@ import shlex
 import pytest
 
 from megatron_slim.cli import main
-from megatron_slim.megatron.flags import recipe_to_megatron_args
+from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
 from megatron_slim.plan.recipe import load_recipe
 
 

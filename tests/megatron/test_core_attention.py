@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_slim.megatron.core_attention import SlimCoreAttention
+from megatron_slim.megatron.model.core_attention import SlimCoreAttention
 from tests.runtime.attention._naive import naive_attention
 
 

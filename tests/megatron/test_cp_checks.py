@@ -31,7 +31,7 @@ def test_cp_engine_flag_combinations_are_checked_before_any_model():
 
     import pytest
 
-    from megatron_slim.megatron.cp_checks import check_cp_args
+    from megatron_slim.megatron.launch.cp_checks import check_cp_args
     from megatron_slim.plan.schema import ConfigError
 
     check_cp_args(argparse.Namespace(**GOOD))
@@ -44,7 +44,7 @@ def test_cp_engine_flag_combinations_are_checked_before_any_model():
 def test_pack_lengths_come_from_cu_seqlens_then_position_resets_then_the_row():
     import pytest
 
-    from megatron_slim.megatron.cp_lengths import document_lengths, pack_lengths
+    from megatron_slim.megatron.cp.lengths import document_lengths, pack_lengths
 
     tokens = torch.zeros(1, 16, dtype=torch.long)
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7]])

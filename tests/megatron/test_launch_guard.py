@@ -2,7 +2,7 @@
 parses Megatron-LM's args (Megatron-Bridge) raise the first time a hook needs the args."""
 import pytest
 
-from megatron_slim.megatron.launch_guard import guarded, megatron_slim_flags
+from megatron_slim.megatron.launch.guard import guarded, megatron_slim_flags
 from megatron_slim.plan.schema import ConfigError
 
 

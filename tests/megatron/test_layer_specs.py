@@ -6,12 +6,12 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_slim.megatron import compat
-from megatron_slim.megatron.cp_attention import CPCoreAttention
-from megatron_slim.megatron.cp_hooks import with_cp_attention
-from megatron_slim.megatron.hooks import with_slice_attention
-from megatron_slim.megatron.model import layer_spec
-from megatron_slim.megatron.remap_layer import RemapTransformerLayer
-from megatron_slim.megatron.slicing import SliceCoreAttention
+from megatron_slim.megatron.cp.attention import CPCoreAttention
+from megatron_slim.megatron.cp.hooks import with_cp_attention
+from megatron_slim.megatron.cp.remap_layer import RemapTransformerLayer
+from megatron_slim.megatron.model.gpt import layer_spec
+from megatron_slim.megatron.slimpipe.hooks import with_slice_attention
+from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 
 
 def _layer(module=TransformerLayer):

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from megatron_slim.megatron import weights
-from megatron_slim.megatron.model import chunk_roles, stage_layers, transformer_config
-from megatron_slim.megatron.parallel import _check_sizes
-from megatron_slim.megatron.rotary import zigzag_positions
+from megatron_slim.megatron.model import weights
+from megatron_slim.megatron.model.gpt import chunk_roles, stage_layers, transformer_config
+from megatron_slim.megatron.model.parallel import _check_sizes
+from megatron_slim.megatron.model.rotary import zigzag_positions
 from tests.megatron._workers import tiny_config
 
 
@@ -117,7 +117,7 @@ class FakeGroup:
 
 
 def test_cpu_rotary_table_is_rotate_half_rope_and_splits_zigzag_for_cp():
-    from megatron_slim.megatron.rotary import make_cpu_rotary_embedding
+    from megatron_slim.megatron.model.rotary import make_cpu_rotary_embedding
 
     rope = make_cpu_rotary_embedding(kv_channels=8, rotary_percent=1.0, rotary_base=500,
                                      use_cpu_initialization=True, cp_group=None)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_slim.megatron.flags import recipe_to_megatron_args
+from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
 from megatron_slim.plan.recipe import load_recipe
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "pretrain_gpt.sbatch"

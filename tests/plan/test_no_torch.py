@@ -11,3 +11,14 @@ def test_planning_core_imports_no_torch():
         "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_data_layer_imports_neither_torch_nor_megatron():
+    code = (
+        "import pkgutil, importlib, sys, megatron_slim.data as d\n"
+        "for m in pkgutil.walk_packages(d.__path__, 'megatron_slim.data.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]\n"
+        "assert not loaded, loaded[:3]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,7 +14,7 @@ from megatron_slim.plan.cp.lengths import make_packs, parse_lengths
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.sim.costs import RecipeCosts
-from megatron_slim.plan.sim.cp_sim import simulate_cp
+from megatron_slim.plan.sim.cp.sim import simulate_cp
 from megatron_slim.plan.sim.engine import simulate
 
 SPEC = "lognormal:mean=4096,sigma=1.2,min=256,max=65536"

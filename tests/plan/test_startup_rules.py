@@ -5,8 +5,8 @@ import argparse
 
 import pytest
 
-from megatron_slim.megatron.args import settings_from_megatron_args
-from megatron_slim.megatron.flags import check_megatron_args, recipe_to_megatron_args
+from megatron_slim.megatron.launch.args import settings_from_megatron_args
+from megatron_slim.megatron.launch.flags import check_megatron_args, recipe_to_megatron_args
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.startup import INPUTS, LAUNCHER, MEGATRON_ARGS, RULES, TRAIN, Inputs, broken_rule

@@ -80,9 +80,9 @@ def real_bridge_step(rank, world_size, num_slices, seed=3):
     from megatron.bridge.training import gpt_step, train
 
     from megatron_slim.megatron import bridge, compat
-    from megatron_slim.megatron.parallel import model_parallel
-    from megatron_slim.megatron.rotary import make_cpu_rotary_embedding
-    from megatron_slim.megatron.slicing import SliceCoreAttention
+    from megatron_slim.megatron.model.parallel import model_parallel
+    from megatron_slim.megatron.model.rotary import make_cpu_rotary_embedding
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 
     config = config_container(real_provider())
     handle = bridge.install(config, num_slices=num_slices)

@@ -4,7 +4,7 @@ give the simulator's schedule digest for the same recipe, without spawning ranks
 import pytest
 
 from megatron_slim.commands.simulate import run_one
-from megatron_slim.megatron.schedule import planned_schedule
+from megatron_slim.megatron.slimpipe.schedule import planned_schedule
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.variants import schedule_variant
 from megatron_slim.train.loop import pipeline_settings

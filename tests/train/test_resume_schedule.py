@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_slim.megatron.optimizer import build_optimizer
+from megatron_slim.megatron.model.optimizer import build_optimizer
 from megatron_slim.plan.recipe import load_recipe
 
 

@@ -101,8 +101,8 @@ def _recipe(engine, remap, cp, hardware_path, windows=ALL_WINDOWS):
 
 
 def _reference(model_cfg, solo, windows, seed):
-    from megatron_slim.megatron.cp_lengths import document_lengths
-    from megatron_slim.megatron.model import build_chunk, global_grads
+    from megatron_slim.megatron.cp.lengths import document_lengths
+    from megatron_slim.megatron.model.gpt import build_chunk, global_grads
 
     model = build_chunk(model_cfg, solo, layers=range(model_cfg.num_layers), pre_process=True, post_process=True,
                         seed=seed)
@@ -123,9 +123,9 @@ def _reference(model_cfg, solo, windows, seed):
 def one_step(rank, world_size, cases, hardware_path, seed=1234, window_lengths=tuple(WINDOWS)):
     """Per case ``(engine, remap)``: one forward-backward of the training job's CP plumbing through
     the schedule adapter, gradients averaged as the loop does; on rank 0 also the reference."""
-    from megatron_slim.megatron.model import build_rank_chunks, global_grads
-    from megatron_slim.megatron.parallel import ParallelGroups, init_model_parallel
-    from megatron_slim.megatron.schedule import SlimPipeSettings, make_forward_backward_func
+    from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
+    from megatron_slim.megatron.model.parallel import ParallelGroups, init_model_parallel
+    from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
     from megatron_slim.train.cp import CPTrainStep, cp_layer_classes
     from megatron_slim.train.step import average_data_parallel
 

@@ -3,7 +3,7 @@ the very files a corpus run prepares trains exactly the same losses, and so does
 tokenized with that tokenizer given as ``data.tokenizer``; a blend trains too."""
 import pytest
 
-from megatron_slim.data import prepare_corpus
+from megatron_slim.megatron.data import prepare_corpus
 from tests.train.test_train_job import _train
 
 pytestmark = pytest.mark.multi  # train runs on their ranks

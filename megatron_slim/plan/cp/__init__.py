@@ -11,7 +11,7 @@
 * ``program``   -- the plan lowered to per-rank step programs (``lower_cp``): what the runtime
                    executes and the simulator prices
 
-The simulator that prices these plans is ``megatron_slim.plan.sim.cp_sim``.
+The simulator that prices these plans is ``megatron_slim.plan.sim.cp.sim``.
 """
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.engines import ENGINES, plan_pack

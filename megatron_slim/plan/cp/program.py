@@ -1,7 +1,7 @@
 """A ``CPPlan`` (+ ``RoutingPlan``) lowered to one step program per rank; pure Python, no torch.
 
 The one description of the context-parallel protocol: the runtime (``runtime.cp``) executes these
-steps and the simulator (``plan.sim.cp_attention``) prices them, so the two cannot drift apart.
+steps and the simulator (``plan.sim.cp.attention``) prices them, so the two cannot drift apart.
 
 A rank's program is its group tasks in queue order (the plan's scope priority: inter-node groups,
 then intra-node, then local). A rank gets a task for every group it belongs to and, for routed

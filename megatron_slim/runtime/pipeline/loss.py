@@ -21,7 +21,7 @@ Context parallelism. This reproduces, per microbatch on each CP rank, what megat
 Megatron's DDP then *averages* gradients over data x context parallel ranks (sums them when
 ``calculate_per_token_loss``). So the gradients equal the unsharded reference (mean over the
 microbatch's loss tokens) when the loss function makes each rank's normalised loss
-``cp * local_sum / total_count`` (megatron_slim's ``cp_data.cp_loss_func``: count all-reduced over
+``cp * local_sum / total_count`` (``megatron.cp.data.cp_loss_func``: count all-reduced over
 CP, sum times cp), with ``calculate_per_token_loss``, with the legacy 2-tuple returning the CP
 group's mean, or when every CP rank holds the same number of loss tokens (all-ones masks).
 With a stock local-count loss function and uneven masks megatron averages per-rank means; this

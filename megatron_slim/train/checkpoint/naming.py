@@ -1,6 +1,6 @@
 """A rank's training state as a flat ``{key: tensor}`` dict keyed by whole-model names.
 
-Model weights are ``model/<global name>`` (``megatron_slim.megatron.weights.global_name``: layers
+Model weights are ``model/<global name>`` (``megatron_slim.megatron.model.weights.global_name``: layers
 by their global index), optimizer moments ``optim/<global name>/<field>`` (``exp_avg``,
 ``exp_avg_sq``, ``step``). No key depends on the pipeline or data-parallel split, so a checkpoint
 written at pp4 loads at pp2: each rank asks ``torch.distributed.checkpoint`` for the names it
@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from megatron_slim.megatron.weights import global_named_parameters
+from megatron_slim.megatron.model.weights import global_named_parameters
 
 MODEL, OPTIM = "model/", "optim/"
 

@@ -11,10 +11,10 @@ from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.cp.zigzag import causal
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schema import ConfigError
-from megatron_slim.plan.sim.cp_events import TaskGraph, run
-from megatron_slim.plan.sim.cp_layer import simulate_pass
-from megatron_slim.plan.sim.cp_network import Network
-from megatron_slim.plan.sim.cp_sim import cp_setup, simulate_cp
+from megatron_slim.plan.sim.cp.events import TaskGraph, run
+from megatron_slim.plan.sim.cp.layer import simulate_pass
+from megatron_slim.plan.sim.cp.network import Network
+from megatron_slim.plan.sim.cp.sim import cp_setup, simulate_cp
 
 from .conftest import RECIPE, packs, topology
 

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_slim.plan.cp.engines import ENGINES, plan_pack
 from megatron_slim.plan.cp.program import lower_cp, lower_rank
-from megatron_slim.plan.sim.cp_layer import simulate_pass
+from megatron_slim.plan.sim.cp.layer import simulate_pass
 
 from .conftest import packs, topology
 

@@ -8,7 +8,7 @@ from megatron_slim.plan.cp.zigzag import (
     member_ranges,
     step_pairs,
 )
-from megatron_slim.plan.sim.cp_ring import ring_pairs
+from megatron_slim.plan.sim.cp.ring import ring_pairs
 
 LENGTHS = [1, 2, 3, 7, 8, 15, 16, 63, 64, 100, 1001, 4097]
 

@@ -110,7 +110,7 @@ def make_pack(lengths, vocab: int, seed: int) -> dict:
 
 def _solo_groups(rank: int, world_size: int):
     """Groups of size one, for the unsharded reference model on one rank of the CP world."""
-    from megatron_slim.megatron.parallel import ParallelGroups
+    from megatron_slim.megatron.model.parallel import ParallelGroups
 
     solo = [dist.new_group([r]) for r in range(world_size)][rank]
     return ParallelGroups(tp=solo, pp=solo, cp=solo, dp=solo, dp_cp=solo, tp_cp=solo, mp=solo, embd=solo,
@@ -120,7 +120,7 @@ def _solo_groups(rank: int, world_size: int):
 def reference_step(model_cfg, groups, pack: dict, lengths, seed: int):
     """Whole model, plain causal attention, one sequence at a time (positions from 0); the loss is
     the pack's masked mean: every token's loss over the pack's masked-token count."""
-    from megatron_slim.megatron.model import build_chunk, global_grads
+    from megatron_slim.megatron.model.gpt import build_chunk, global_grads
 
     model = build_chunk(model_cfg, groups, layers=range(model_cfg.num_layers), pre_process=True,
                         post_process=True, seed=seed)
@@ -139,11 +139,11 @@ def reference_step(model_cfg, groups, pack: dict, lengths, seed: int):
 def model_cases(rank, world_size, cases, seed=1234):
     """Each case ``(plan name, remap)``: a CP model step on every rank (megatron's loss normalisation,
     gradients averaged over the CP group as DDP does) and, on rank 0, the unsharded reference."""
-    from megatron_slim.megatron.cp_attention import CPContext, attach_context_parallel, cp_layer_classes
-    from megatron_slim.megatron.cp_data import cp_batch, cp_loss_func
-    from megatron_slim.megatron.model import build_chunk, global_grads
-    from megatron_slim.megatron.parallel import init_model_parallel
-    from megatron_slim.megatron.remap_layer import RemapTransformerLayer
+    from megatron_slim.megatron.cp.attention import CPContext, attach_context_parallel, cp_layer_classes
+    from megatron_slim.megatron.cp.data import cp_batch, cp_loss_func
+    from megatron_slim.megatron.cp.remap_layer import RemapTransformerLayer
+    from megatron_slim.megatron.model.gpt import build_chunk, global_grads
+    from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.plan.recipe import ModelConfig
 
     groups = init_model_parallel(cp=world_size)

@@ -7,7 +7,7 @@ plan: ring (routed or not, relays included), zeppelin, hierarchical (a2a+p2p), u
 import pytest
 
 from megatron_slim.plan.cp.program import lower_cp
-from megatron_slim.plan.sim.cp_layer import simulate_pass
+from megatron_slim.plan.sim.cp.layer import simulate_pass
 from tests.runtime.cp import _plans
 from tests.runtime.cp.conftest import WORLD
 

@@ -82,7 +82,7 @@ def test_queues_advance_round_robin_in_order():
 
 
 def test_cp_batch_cuts_the_pack_in_layout_order():
-    from megatron_slim.megatron.cp_data import cp_batch, layout_index
+    from megatron_slim.megatron.cp.data import cp_batch, layout_index
 
     plan, _ = _plans.case("zeppelin")
     pack = _workers.make_pack(plan.lengths, 50, seed=3)
@@ -100,8 +100,8 @@ def test_cp_batch_cuts_the_pack_in_layout_order():
 
 def test_a_rank_without_tokens_gets_one_padding_row_kept_out_of_the_loss():
     """What both data paths (``megatron-slim train`` and Megatron-LM's get_batch hook) hand the model."""
-    from megatron_slim.megatron.cp_data import cp_batch
-    from megatron_slim.megatron.cp_hooks import local_batch
+    from megatron_slim.megatron.cp.data import cp_batch
+    from megatron_slim.megatron.cp.hooks import local_batch
 
     plan, _ = _plans.case("ones-ring")
     empty = [r for r in range(plan.num_ranks) if plan.ranks[r].num_tokens == 0]
@@ -120,7 +120,7 @@ def test_a_rank_without_tokens_gets_one_padding_row_kept_out_of_the_loss():
 
 
 def test_cp_loss_func_normalisation_without_a_group():
-    from megatron_slim.megatron.cp_data import cp_loss_func
+    from megatron_slim.megatron.cp.data import cp_loss_func
 
     losses, mask = torch.tensor([[1.0, 2.0, 4.0]]), torch.tensor([[1.0, 0.0, 1.0]])
     loss, n, report = cp_loss_func(mask, losses, None)
@@ -130,7 +130,7 @@ def test_cp_loss_func_normalisation_without_a_group():
 
 
 def test_plan_microbatch_builds_what_the_simulator_prices():
-    from megatron_slim.megatron.cp_data import plan_microbatch
+    from megatron_slim.megatron.cp.data import plan_microbatch
     from megatron_slim.plan.cp.engines import plan_pack
 
     lengths = _plans.zeppelin_plan().lengths

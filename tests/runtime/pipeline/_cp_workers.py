@@ -62,7 +62,7 @@ def attention_cases(rank, world_size, cases):
 def cp_loss_func(loss_mask, output_tensor, cp_group):
     """Per-token mean over the whole microbatch under megatron's CP semantics: megatron divides by the
     returned ``num_tokens`` and DDP averages over the CP ranks, so return ``cp * local_sum`` and the
-    CP group's total count (what ``megatron_slim.megatron.cp_data.cp_loss_func`` does)."""
+    CP group's total count (what ``megatron_slim.megatron.cp.data.cp_loss_func`` does)."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.float().reshape(-1)
     local_sum = torch.sum(losses * mask)
@@ -123,7 +123,7 @@ def run_slimpipe_cp(rank, world_size, layouts, seed=1234):
 
     References run first, under a model-parallel state of size 1 (megatron reads the TP group from
     ``parallel_state`` in places, e.g. the vocab-parallel cross entropy)."""
-    from megatron_slim.megatron.parallel import init_model_parallel, teardown
+    from megatron_slim.megatron.model.parallel import init_model_parallel, teardown
 
     model = ModelConfig(**_workers.TINY)
     _workers._GROUPS = init_model_parallel()
@@ -140,11 +140,11 @@ def run_slimpipe_cp(rank, world_size, layouts, seed=1234):
 def _run_layout(rank, model, tp, pp, cp, configs, refs, seed):
     import dataclasses
 
-    from megatron_slim.megatron.model import build_chunk, build_rank_chunks, global_grads, global_named_parameters
-    from megatron_slim.megatron.parallel import init_model_parallel
-    from megatron_slim.megatron.schedule import SlimPipeSettings, make_forward_backward_func
-    from megatron_slim.megatron.slicing import SliceCoreAttention
-    from megatron_slim.megatron.weights import tp_shard
+    from megatron_slim.megatron.model.gpt import build_chunk, build_rank_chunks, global_grads, global_named_parameters
+    from megatron_slim.megatron.model.parallel import init_model_parallel
+    from megatron_slim.megatron.model.weights import tp_shard
+    from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 
     groups = init_model_parallel(tp=tp, pp=pp, cp=cp)
     # megatron's rank order is tp-cp-dp-pp: ranks < tp are CP rank 0 of stage 0, DP replica 0

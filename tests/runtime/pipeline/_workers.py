@@ -24,8 +24,8 @@ def make_batches(model: ModelConfig, num_microbatches: int, micro_batch: int, se
 
 def reference(model: ModelConfig, batches, seed: int):
     """Single process, unpipelined, unsliced: Megatron's per-microbatch normalisation."""
-    from megatron_slim.megatron.model import build_chunk, global_grads
-    from megatron_slim.megatron.slicing import SliceCoreAttention
+    from megatron_slim.megatron.model.gpt import build_chunk, global_grads
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 
     full = build_chunk(model, _groups(), layers=range(model.num_layers), pre_process=True, post_process=True,
                        core_attention=SliceCoreAttention, seed=seed)
@@ -50,10 +50,10 @@ def _groups():
 def run_slimpipe(rank, world_size, configs, seed=1234):
     """Each config: (vpp, num_microbatches, slice_lengths). Returns per config (reports, grads, ref)."""
     global _GROUPS
-    from megatron_slim.megatron.model import build_rank_chunks, global_grads
-    from megatron_slim.megatron.parallel import init_model_parallel
-    from megatron_slim.megatron.schedule import SlimPipeSettings, make_forward_backward_func
-    from megatron_slim.megatron.slicing import SliceCoreAttention
+    from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
+    from megatron_slim.megatron.model.parallel import init_model_parallel
+    from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 
     _GROUPS = init_model_parallel(pp=world_size)
     model = ModelConfig(**TINY)
@@ -79,10 +79,10 @@ def run_forward_only(rank, world_size, configs, seed=1234):
     forward-only call and of a training call on the same batches, and how many parameters had a
     gradient after each."""
     global _GROUPS
-    from megatron_slim.megatron.model import build_rank_chunks
-    from megatron_slim.megatron.parallel import init_model_parallel
-    from megatron_slim.megatron.schedule import SlimPipeSettings, make_forward_backward_func
-    from megatron_slim.megatron.slicing import SliceCoreAttention
+    from megatron_slim.megatron.model.gpt import build_rank_chunks
+    from megatron_slim.megatron.model.parallel import init_model_parallel
+    from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 
     _GROUPS = init_model_parallel(pp=world_size)
     model = ModelConfig(**TINY)

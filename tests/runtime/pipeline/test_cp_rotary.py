@@ -6,8 +6,8 @@ zigzag-wise. Checked against rows picked from one whole-sequence table by positi
 import pytest
 import torch
 
-from megatron_slim.megatron.rotary import make_cpu_rotary_embedding
-from megatron_slim.megatron.slicing import SliceRotary
+from megatron_slim.megatron.model.rotary import make_cpu_rotary_embedding
+from megatron_slim.megatron.slimpipe.slicing import SliceRotary
 from megatron_slim.runtime.pipeline.slice_context import SliceContext, SliceInfo
 from megatron_slim.runtime.pipeline.zigzag import ZigzagLayout
 

@@ -1,0 +1,145 @@
+"""Megatron-LM command-line flags: the ones a recipe stands for, and megatron-slim's own.
+
+``recipe_to_megatron_args`` derives ``pretrain_gpt.py`` flags from a recipe (never duplicated by
+hand in scripts); ``add_arguments`` registers megatron-slim's flags on Megatron's parser (pass it
+as ``extra_args_provider``). Importing this module imports no megatron and no torch.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from megatron_slim.megatron.launch.args import settings_from_megatron_args
+from megatron_slim.megatron.launch.cp_checks import check_engine_fits
+from megatron_slim.plan.recipe import MAX_SEED, CPEngine, Recipe, SlicePolicy
+from megatron_slim.plan.schema import ConfigError
+from megatron_slim.plan.startup import LAUNCHER, MEGATRON_ARGS, check
+from megatron_slim.plan.startup.from_recipe import megatron_args_settings
+
+SLICE_POLICIES: tuple[str, ...] = SlicePolicy.__args__  # type: ignore[attr-defined]
+CP_ENGINES: tuple[str, ...] = ("te",) + CPEngine.__args__  # type: ignore[attr-defined]
+ATTENTION_BACKENDS = ("auto", "flash", "te", "sdpa", "reference")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register megatron-slim's flags (use as Megatron's ``extra_args_provider``). Idempotent: a
+    parser that has them already is returned unchanged (Megatron 0.18+ parses through nested
+    helpers that may each add the provider)."""
+    if "--use-slimpipe" in parser._option_string_actions:
+        return parser
+    g = parser.add_argument_group("megatron-slim")
+    g.add_argument("--use-slimpipe", action="store_true",
+                   help="run the SlimPipe slice-level pipeline schedule (K/V cache across slices)")
+    g.add_argument("--slimpipe-num-slices", type=int, default=1,
+                   help="slices per microbatch (default 1: no slicing)")
+    g.add_argument("--slimpipe-slice-policy", choices=SLICE_POLICIES, default="uniform",
+                   help="uniform: equal slices; balanced: equal forward+backward work under the causal mask")
+    g.add_argument("--slimpipe-hardware", default="h100",
+                   help="hardware profile the balanced policy's cost model uses "
+                        "(megatron_slim/configs/hardware)")
+    g.add_argument("--slimpipe-calibration", default=None,
+                   help="measured kernel rates for the balanced policy's cost model")
+    g.add_argument("--cp-engine", choices=CP_ENGINES, default="te",
+                   help="context-parallel attention: te = Megatron's own (default); the others are "
+                        "megatron-slim engines")
+    g.add_argument("--cp-remap", action="store_true",
+                   help="with --cp-engine zeppelin: token-balanced layout for the MLP (remap layer)")
+    g.add_argument("--megatron-slim-attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="attention kernels for megatron-slim's core attention (auto: flash > te > sdpa)")
+    return parser
+
+
+def _data_flags(data) -> list:
+    out = ["--data-path", *data.path] if data.path else []
+    if data.tokenizer:
+        where = Path(data.tokenizer).expanduser()
+        # Megatron's HuggingFaceTokenizer loads a directory (AutoTokenizer.from_pretrained)
+        out += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                str(where.parent if where.name == "tokenizer.json" else where)]
+    return out
+
+
+def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
+    """The ``pretrain_gpt.py`` flags a recipe stands for; of the data, only ``data.path`` (as
+    ``--data-path``) and ``data.tokenizer`` (as Megatron's ``HuggingFaceTokenizer``), output paths never."""
+    m, p, t, s = recipe.model, recipe.parallel, recipe.train, recipe.schedule
+    out = [
+        "--num-layers", m.num_layers, "--hidden-size", m.hidden_size,
+        "--ffn-hidden-size", m.ffn_hidden_size, "--num-attention-heads", m.num_attention_heads,
+        "--seq-length", m.seq_length, "--max-position-embeddings", m.seq_length,
+        "--position-embedding-type", "rope", "--rotary-base", _number(m.rotary_base),
+        "--normalization", "RMSNorm", "--norm-epsilon", _number(m.norm_epsilon),
+        "--swiglu", "--disable-bias-linear", "--attention-dropout", 0, "--hidden-dropout", 0,
+        "--vocab-size", m.vocab_size,
+    ]
+    if m.num_query_groups != m.num_attention_heads:
+        out += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
+    if m.untie_embeddings_and_output_weights:
+        out += ["--untie-embeddings-and-output-weights"]
+    out += ["--tensor-model-parallel-size", p.tp, "--pipeline-model-parallel-size", p.pp,
+            "--context-parallel-size", p.cp]
+    if p.vpp > 1:
+        out += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // (p.pp * p.vpp)]
+    if p.sequence_parallel:
+        out += ["--sequence-parallel"]
+    if t.warmup_iters and t.warmup_iters >= t.iters:
+        # Megatron's OptimizerParamScheduler asserts warmup < decay steps (train iterations) at start-up
+        raise ConfigError(f"train.warmup_iters: got {t.warmup_iters} with train.iters={t.iters}; Megatron-LM needs "
+                          f"fewer warmup than training iterations; allowed: an integer in [0, {t.iters})")
+    if t.seed == 0:
+        # Megatron-LM's _set_random_seed raises "Seed (0) should be a positive integer" at start-up
+        raise ConfigError("train.seed: got 0; Megatron-LM needs a positive seed; "
+                          f"allowed: an integer in [1, {MAX_SEED}]")
+    if t.skip_nonfinite_steps:
+        raise ConfigError("train.skip_nonfinite_steps: got true; Megatron-LM cannot skip a step whose loss or "
+                          "gradient norm is nan/inf in fp32 or bf16 (its --check-for-nan-in-loss-and-grad stops "
+                          "training, as megatron-slim train does by default); allowed: false")
+    out += ["--micro-batch-size", t.micro_batch_size, "--global-batch-size", t.global_batch_size,
+            "--train-iters", t.iters, "--lr", _number(t.lr), "--min-lr", _number(t.min_lr),
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", t.warmup_iters,
+            "--weight-decay", _number(t.weight_decay), "--clip-grad", _number(t.clip_grad),
+            "--seed", t.seed, "--log-interval", t.log_interval]
+    if t.precision == "bf16":
+        out += ["--bf16"]
+    if t.distributed_optimizer:
+        out += ["--use-distributed-optimizer"]
+    check(megatron_args_settings(recipe), MEGATRON_ARGS)
+    if t.recompute == "full":
+        out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
+    # Megatron requires --save-interval whenever --save is given, and --eval-interval always
+    # (0.16-0.19 fail inside the loop otherwise); a recipe's 0 means "once, at the end".
+    out += ["--save-interval", t.save_interval or t.iters, "--eval-interval", t.eval_interval or t.iters,
+            "--eval-iters", t.eval_iters]
+    # Megatron's data loader would build a [b, 1, s, s] mask per microbatch (16 GiB at 64K tokens);
+    # causal attention needs none (its kernels mask by position) and megatron-slim's engines read
+    # documents from position-id resets.
+    out += ["--no-create-attention-mask-in-dataloader"]
+    out += _data_flags(recipe.data)
+    if s.kind == "slimpipe":
+        out += ["--use-slimpipe", "--slimpipe-num-slices", s.num_slices, "--slimpipe-slice-policy",
+                s.slice_policy, "--slimpipe-hardware", recipe.hardware]
+    if p.cp > 1 and s.kind != "slimpipe":
+        # megatron-slim's engines plan each pack of documents: positions and masks reset at each one
+        out += ["--cp-engine", recipe.cp.engine, "--reset-position-ids", "--reset-attention-mask",
+                "--slimpipe-hardware", recipe.hardware] + (["--cp-remap"] if recipe.cp.remap else [])
+    return [str(x) for x in out]
+
+
+def _number(x: float) -> str:
+    return repr(float(x)) if not float(x).is_integer() or abs(x) >= 1e16 else str(int(x))
+
+
+def check_megatron_args(args: argparse.Namespace) -> None:
+    """Reject flag combinations megatron-slim cannot run, saying what to change. Runs at start-up,
+    right after Megatron's own ``validate_args`` (which settles defaults such as
+    ``overlap_p2p_comm``), before any model is built. The rules are ``plan.startup.rules``'s,
+    shared with ``megatron-slim train``.
+
+    ``--overlap-p2p-communication`` (on by default for interleaved schedules) configures
+    megatron-core's ``P2PCommunicator``, which SlimPipe does not use: its own sends and receives are
+    asynchronous point-to-point operations ordered per link, so the flag is accepted and has no
+    effect under ``--use-slimpipe``."""
+    settings = settings_from_megatron_args(args)
+    check(settings, LAUNCHER)
+    if settings.cp_engine_runs:
+        check_engine_fits(args, settings.cp_engine)

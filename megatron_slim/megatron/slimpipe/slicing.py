@@ -1,0 +1,77 @@
+"""Make megatron-core model chunks slice-aware: K/V-cached core attention and offset RoPE.
+
+``SliceCoreAttention`` is the core attention to put in a layer spec; ``attach_slicing`` then
+points every instance in a chunk at the run's ``SliceContext`` and the chunk's ``KVCacheStore``,
+and wraps the chunk's rotary embedding so slice ``j`` gets positions ``start_j ..``. Outside a
+schedule (no current slice) the attention is plain causal attention over what it is given.
+
+Context parallelism (the attention's ``pg_collection.cp`` has more than one rank): each slice
+arrives split zigzag-wise over the CP ranks (megatron's ``get_batch_on_this_cp_rank`` applied to
+the slice), and the attention is :func:`cp_sliced_attention` ("query-out"). RoPE needs nothing
+more: megatron's rotary table (and ``CpuRotaryEmbedding``) is built for ``local * cp`` positions
+from the offset ``SliceRotary`` adds, then cut zigzag-wise, so a rank's tokens get
+``slice start + their zigzag positions within the slice``. Outside a schedule under CP the local
+tokens are taken as the zigzag shard of one whole sequence (uncached CP attention).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megatron_slim.megatron.model.core_attention import SlimCoreAttention
+from megatron_slim.megatron.model.wrapping import RotaryWrapper, wrap_rotary
+from megatron_slim.runtime.pipeline.cp_slice_attention import cp_sliced_attention
+from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
+from megatron_slim.runtime.pipeline.slice_attention import sliced_attention
+from megatron_slim.runtime.pipeline.slice_context import SliceContext
+
+
+class SliceCoreAttention(SlimCoreAttention):
+    context: Optional[SliceContext] = None
+    store: Optional[KVCacheStore] = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        info = self.context.current if self.context is not None else None
+        cp_group = self.cp_group
+        under_cp = cp_group is not None and cp_group.size() > 1
+        if info is None:
+            if under_cp:
+                return cp_sliced_attention(q, k, v, backend=self.attention_backend(q),
+                                           softmax_scale=self.softmax_scale, group=cp_group)
+            return super().attend(q, k, v)
+        if self.store is None:
+            raise RuntimeError(f"layer {self.layer_number}: slice attention has no K/V cache store attached "
+                               "(call megatron_slim.megatron.slimpipe.slicing.attach_slicing)")
+        if under_cp:
+            return cp_sliced_attention(q, k, v, backend=self.attention_backend(q), softmax_scale=self.softmax_scale,
+                                       group=cp_group, store=self.store, info=info, layer=self.layer_number)
+        return sliced_attention(q, k, v, backend=self.attention_backend(q), softmax_scale=self.softmax_scale,
+                                store=self.store, info=info, layer=self.layer_number)
+
+
+class SliceRotary(RotaryWrapper):
+    """Wraps a chunk's rotary embedding: the table starts at the current slice's first position."""
+
+    def forward(self, max_seq_len: int, offset: int = 0, *args: Any, **kwargs: Any) -> torch.Tensor:
+        info = self.context.current
+        start = info.start if info is not None else 0
+        return self.inner(max_seq_len, offset + start, *args, **kwargs)
+
+
+def attach_slicing(chunk: torch.nn.Module, context: SliceContext, store: KVCacheStore,
+                   preferred_backend: Optional[str] = None) -> int:
+    """Point ``chunk``'s slice attentions at ``context``/``store``; wrap its rotary embedding.
+
+    Returns how many slice attentions were found (0 means the spec lacks SliceCoreAttention:
+    the caller must refuse to run sliced).
+    """
+    found = 0
+    for module in chunk.modules():
+        if isinstance(module, SliceCoreAttention):
+            module.context, module.store = context, store
+            if preferred_backend not in (None, "auto"):
+                module.preferred_backend, module._backend = preferred_backend, None
+            found += 1
+    wrap_rotary(chunk, SliceRotary, context)
+    return found
