@@ -53,7 +53,12 @@ class _EpilogAsWritten(argparse.HelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-slim", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_command in (_add_simulate, _add_train, _add_overlay, _add_megatron_args, _add_recipes):
+        add_command(sub)
+    return parser
 
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("simulate", help="simulate a recipe's pipeline schedule: time, bubble, MFU, memory",
                          description="Simulate one iteration of a recipe under the cost model.")
     _add_recipe_args(sim)
@@ -75,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, help="seed for drawing --lengths (default 0; only with --lengths)")
     sim.set_defaults(run="megatron_slim.commands.simulate")
 
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="train a recipe on local CPU ranks (default: tiny-cpu on 4 ranks)",
                            formatter_class=_EpilogAsWritten,
                            description="Run a real training job on megatron-core model chunks with the recipe's "
@@ -109,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_observability_args(train)
     train.set_defaults(run="megatron_slim.commands.train")
 
+
+def _add_overlay(sub: argparse._SubParsersAction) -> None:
     overlay = sub.add_parser("overlay", help="lay a profiled train iteration beside its simulation (PNG, table)",
                              description="Compare the per-rank timelines of an iteration traced by `megatron-slim "
                                          "train --profile DIR` with the simulation of the same recipe and "
@@ -123,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     overlay.add_argument("--json", metavar="PATH", help="write the comparison as JSON to PATH ('-' for stdout)")
     overlay.set_defaults(run="megatron_slim.commands.overlay")
 
+
+def _add_megatron_args(sub: argparse._SubParsersAction) -> None:
     margs = sub.add_parser("megatron-args", help="print the Megatron-LM pretrain_gpt.py flags a recipe stands for",
                            description="Print the pretrain_gpt.py flags of a recipe (data and output paths "
                                        "excepted), for `python -m megatron_slim.launch pretrain_gpt.py ...`.")
@@ -133,10 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     margs.add_argument("--gpus-per-node", action="store_true", help="print only the GPUs used per node")
     margs.set_defaults(run="megatron_slim.commands.megatron_args")
 
+
+def _add_recipes(sub: argparse._SubParsersAction) -> None:
     recipes = sub.add_parser("recipes", help="list shipped recipes and hardware profiles")
     recipes.add_argument("--names", action="store_true", help="print only the recipe names, one per line")
     recipes.set_defaults(run="megatron_slim.commands.recipes")
-    return parser
 
 
 def _positive_int(text: str) -> int:

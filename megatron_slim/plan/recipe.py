@@ -9,159 +9,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from megatron_slim.plan.cost.slicing import max_slices, slice_alignment, splits_aligned, splits_uniformly
 from megatron_slim.plan.files import load_yaml_mapping
 from megatron_slim.plan.hardware import HardwareProfile, load_hardware
 from megatron_slim.plan.paths import config_dir
+from megatron_slim.plan.recipe_sections import (  # noqa: F401  (re-exported: callers import them from here)
+    MAX_SEED,
+    CPConfig,
+    CPEngine,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    ScheduleConfig,
+    ScheduleKind,
+    SlicePolicy,
+    TrainConfig,
+)
 from megatron_slim.plan.schema import ConfigError, apply_overrides, build, fail, parse_override, to_dict
-
-ScheduleKind = Literal["1f1b", "interleaved", "slimpipe"]
-SlicePolicy = Literal["uniform", "balanced"]
-CPEngine = Literal["ring", "zeppelin", "ulysses", "a2a+p2p", "allgather", "dynamic"]
-
-
-def _require_positive(section: str, obj: object, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value < 1:
-            raise fail(f"{section}.{name}", value, "an integer >= 1")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """A Llama-style decoder: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    vocab_size: int
-    seq_length: int
-    name: str = ""
-    rotary_base: float = 10000.0
-    norm_epsilon: float = 1e-5
-    untie_embeddings_and_output_weights: bool = True
-
-    def __post_init__(self) -> None:
-        _require_positive("model", self, (
-            "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-            "num_query_groups", "vocab_size", "seq_length",
-        ))
-        if self.hidden_size % self.num_attention_heads:
-            raise fail("model.num_attention_heads", self.num_attention_heads,
-                       f"a divisor of model.hidden_size={self.hidden_size}")
-        if self.num_attention_heads % self.num_query_groups:
-            raise fail("model.num_query_groups", self.num_query_groups,
-                       f"a divisor of model.num_attention_heads={self.num_attention_heads}")
-        if self.rotary_base <= 1:  # RoPE's frequencies are base**(-2i/d): base <= 1 does not rotate
-            raise fail("model.rotary_base", self.rotary_base, "a number > 1 (Llama: 10000 or 500000)")
-        if not 0 < self.norm_epsilon < 1:
-            raise fail("model.norm_epsilon", self.norm_epsilon, "a number in (0, 1) (Llama: 1e-5 or 1e-6)")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    cp: int = 1
-    dp: int = 1
-    sequence_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        _require_positive("parallel", self, ("tp", "pp", "vpp", "cp", "dp"))
-        if self.sequence_parallel and self.tp == 1:
-            raise fail("parallel.sequence_parallel", True, "false when parallel.tp=1")
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-
-MAX_SEED = 2**32 - 1
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    global_batch_size: int
-    micro_batch_size: int = 1
-    iters: int = 10
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_iters: int = 0
-    weight_decay: float = 0.1
-    clip_grad: float = 1.0
-    seed: int = 1234
-    precision: Literal["bf16", "fp32"] = "bf16"
-    recompute: Literal["none", "full"] = "none"
-    distributed_optimizer: bool = True
-    save_interval: int = 0  # 0: save once, at the end of training
-    log_interval: int = 1
-    eval_interval: int = 0  # 0: evaluate once, at the end of training (when eval_iters > 0)
-    eval_iters: int = 0  # microbatch rounds per evaluation; 0: no evaluation
-    # false (Megatron's --check-for-nan-in-loss-and-grad): a nan/inf loss or grad norm stops training
-    skip_nonfinite_steps: bool = False
-
-    def __post_init__(self) -> None:
-        _require_positive("train", self, ("global_batch_size", "micro_batch_size", "iters", "log_interval"))
-        if self.lr <= 0:
-            raise fail("train.lr", self.lr, "a positive number")
-        if not 0 <= self.min_lr <= self.lr:
-            raise fail("train.min_lr", self.min_lr, f"a number in [0, train.lr={self.lr}]")
-        for name in ("warmup_iters", "save_interval", "eval_interval", "eval_iters"):
-            if getattr(self, name) < 0:
-                raise fail(f"train.{name}", getattr(self, name), "an integer >= 0")
-
-        if self.clip_grad < 0:
-            raise fail("train.clip_grad", self.clip_grad, "a number >= 0 (0 disables clipping)")
-        if self.weight_decay < 0:
-            raise fail("train.weight_decay", self.weight_decay, "a number >= 0")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise fail("train.seed", self.seed, f"an integer in [0, {MAX_SEED}] (numpy's seed range)")
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    kind: ScheduleKind = "1f1b"
-    num_slices: int = 1
-    slice_policy: SlicePolicy = "uniform"
-
-    def __post_init__(self) -> None:
-        _require_positive("schedule", self, ("num_slices",))
-
-
-@dataclass(frozen=True)
-class CPConfig:
-    """How context-parallel attention runs (only consulted when parallel.cp > 1 or for CP simulation)."""
-
-    engine: CPEngine = "ring"
-    remap: bool = False
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Training data for ``megatron-slim train``: a corpus tokenized into megatron-core's indexed format,
-    or existing Megatron data (``path``, as ``--data-path``) with the tokenizer it was written with."""
-
-    corpus: str = "stdlib"  # "stdlib" (the Python standard library's sources) or a directory of text files
-    cache_dir: str = ""  # where the tokenizer and indexed dataset are written; "" = ~/.cache/megatron-slim
-    max_files: int = 0  # 0 = every file found
-    path: tuple[str, ...] = ()  # Megatron --data-path: a prefix, or weight/prefix pairs; replaces corpus
-    tokenizer: str = ""  # a Hugging Face tokenizer dir or tokenizer.json; "" = train one on the corpus
-
-    def __post_init__(self) -> None:
-        if self.max_files < 0:
-            raise fail("data.max_files", self.max_files, "an integer >= 0 (0: every file)")
-        if self.path and self.corpus != "stdlib":
-            raise ConfigError(f"data.corpus: {self.corpus!r} with data.path {list(self.path)!r} (allowed: one "
-                              "source: data.path (existing Megatron data) or data.corpus (text to tokenize))")
 
 
 @dataclass(frozen=True)

@@ -44,70 +44,90 @@ def coerce(tp: Any, value: Any, field: str) -> Any:
     """Check ``value`` against annotation ``tp``; convert where YAML/CLI spelling differs."""
     origin = get_origin(tp)
     if origin is Literal:
-        choices = get_args(tp)
-        if value in choices:
+        if value in get_args(tp):
             return value
         raise fail(field, value, _describe(tp))
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in get_args(tp):
-            return None
-        errors = []
-        for option in get_args(tp):
-            if option is type(None):
-                continue
-            try:
-                return coerce(option, value, field)
-            except ConfigError as exc:
-                errors.append(exc)
-        raise fail(field, value, _describe(tp))
+        return _coerce_union(tp, value, field)
     if origin is tuple:
-        (item_tp, *_rest) = get_args(tp)
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise fail(field, value, _describe(tp))
-        return tuple(coerce(item_tp, v, f"{field}[{i}]") for i, v in enumerate(value))
+        return _coerce_tuple(tp, value, field)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):
             raise fail(field, value, _describe(tp))
         return build(tp, value, field)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise fail(field, value, "true | false")
-    if tp is int:
-        if isinstance(value, bool):
-            raise fail(field, value, "an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""), 0)
-            except ValueError:
-                pass
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise fail(field, value, "an integer")
-    if tp is float:
-        number = _as_float(value)
-        if number is None:
-            raise fail(field, value, "a number")
-        if not math.isfinite(number):  # nan and inf parse as floats, and then train nothing
-            raise fail(field, value, "a finite number")
-        return number
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise fail(field, value, "a string")
+    scalar = _SCALARS.get(tp)
+    if scalar is not None:
+        return scalar(value, field)
     if tp is Any:
         return value
     raise TypeError(f"{field}: unsupported annotation {tp!r}")
+
+
+def _coerce_union(tp: Any, value: Any, field: str) -> Any:
+    if value is None and type(None) in get_args(tp):
+        return None
+    for option in get_args(tp):
+        if option is type(None):
+            continue
+        try:
+            return coerce(option, value, field)
+        except ConfigError:
+            pass
+    raise fail(field, value, _describe(tp))
+
+
+def _coerce_tuple(tp: Any, value: Any, field: str) -> tuple:
+    (item_tp, *_rest) = get_args(tp)
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise fail(field, value, _describe(tp))
+    return tuple(coerce(item_tp, v, f"{field}[{i}]") for i, v in enumerate(value))
+
+
+def _coerce_bool(value: Any, field: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise fail(field, value, "true | false")
+
+
+def _coerce_int(value: Any, field: str) -> int:
+    if isinstance(value, bool):
+        raise fail(field, value, "an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.replace("_", ""), 0)
+        except ValueError:
+            pass
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise fail(field, value, "an integer")
+
+
+def _coerce_float(value: Any, field: str) -> float:
+    number = _as_float(value)
+    if number is None:
+        raise fail(field, value, "a number")
+    if not math.isfinite(number):  # nan and inf parse as floats, and then train nothing
+        raise fail(field, value, "a finite number")
+    return number
+
+
+def _coerce_str(value: Any, field: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise fail(field, value, "a string")
+
+
+_SCALARS = {bool: _coerce_bool, int: _coerce_int, float: _coerce_float, str: _coerce_str}
 
 
 def _as_float(value: Any) -> float | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -114,7 +114,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
     from megatron_slim.runtime.attention import choose_backend
-    from megatron_slim.train.cp import CPTrainStep, cp_layer_classes, reduce_summary, summary_text
+    from megatron_slim.train.cp import CPTrainStep, cp_layer_classes
 
     recipe = recipe_from_dict(recipe_data)
     p, t = recipe.parallel, recipe.train
@@ -125,86 +125,144 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     chunks = build_rank_chunks(recipe.model, groups, **layers, seed=t.seed)
     if cp_step:
         cp_step.attach(chunks)
-    params = [q for c in chunks for q in c.parameters()]
     optimizer, scheduler = build_optimizer(chunks, t)
-    fb = make_forward_backward_func(pipeline_settings(recipe, options.measure_memory))
+    forward_backward = make_forward_backward_func(pipeline_settings(recipe, options.measure_memory))
     dataset = build_gpt_dataset(prepared, recipe.model.seq_length, t.global_batch_size * t.iters, seed=t.seed)
     report = RankReport(rank, groups.pp_rank, groups.dp_rank, groups.tp_rank, groups.cp_rank,
                         attention_backend=_backend_text(choose_backend(None, torch.device("cpu"), torch.float32)))
-    last_stage = groups.pp_rank == p.pp - 1 and groups.tp_rank == 0
-    reporter = last_stage and groups.dp_rank == 0 and groups.cp_rank == 0
-    # gradients are averaged, loss reports summed over data x context parallel ranks
-    grad_group, grad_size = (groups.dp_cp, p.dp * p.cp) if p.cp > 1 else (groups.dp, p.dp)
+    training = _RankTraining(recipe, recipe_data, options, rank, groups, chunks, optimizer, scheduler,
+                             forward_backward, dataset, cp_step, report)
+    start = training.resume()
+    training.metrics = open_metrics(options.metrics, recipe, training.reporter)
+    training.profiler = IterationProfiler(options.profile, rank, recipe, groups)
+    for it in range(start, t.iters):
+        if not training.iteration(it + 1):
+            break
+    if training.metrics:
+        training.metrics.close()
+    return report
 
-    start = 0
-    if options.checkpoint_dir and options.resume and options.resume_from is not None:
-        saved = checkpoint.load(options.checkpoint_dir, options.resume_from, rank, chunks, optimizer, scheduler,
-                                recipe_data)
+
+@dataclass
+class _RankTraining:
+    """What ``train_rank`` built for one rank, and its iterations (numbered from 1) over it."""
+
+    recipe: Recipe
+    recipe_data: dict
+    options: TrainOptions
+    rank: int
+    groups: Any
+    chunks: list
+    optimizer: Any
+    scheduler: Any
+    forward_backward: Callable
+    dataset: Any
+    cp_step: Any
+    report: RankReport
+    metrics: Any = None
+    profiler: Any = None
+
+    def __post_init__(self) -> None:
+        p, groups = self.recipe.parallel, self.groups
+        self.params = [q for c in self.chunks for q in c.parameters()]
+        self.last_stage = groups.pp_rank == p.pp - 1 and groups.tp_rank == 0
+        self.reporter = self.last_stage and groups.dp_rank == 0 and groups.cp_rank == 0
+        # gradients are averaged, loss reports summed over data x context parallel ranks
+        self.grad_group, self.grad_size = (groups.dp_cp, p.dp * p.cp) if p.cp > 1 else (groups.dp, p.dp)
+
+    def resume(self) -> int:
+        """Load the checkpoint ``options.resume_from`` names, if any; returns the iterations already done."""
+        options, report = self.options, self.report
+        if not (options.checkpoint_dir and options.resume and options.resume_from is not None):
+            return 0
+        saved = checkpoint.load(options.checkpoint_dir, options.resume_from, self.rank, self.chunks, self.optimizer,
+                                self.scheduler, self.recipe_data)
         start = report.resumed_from = report.last_iteration = options.resume_from
         report.losses = [tuple(x) for x in saved.get("losses", [])]
         report.cp_iterations = list(saved.get("cp_iterations", []))
-        if reporter and not options.quiet:
+        if self.reporter and not options.quiet:
             print(f"resumed from {options.checkpoint_dir} at iteration {start}", flush=True)
+        return start
 
-    mp_group = groups.mp
-    metrics = open_metrics(options.metrics, recipe, reporter)
-    profiler = IterationProfiler(options.profile, rank, recipe, groups)
-    for it in range(start, t.iters):
+    def iteration(self, number: int) -> bool:
+        """Train iteration ``number``; False when training stops after it (or instead of its step)."""
+        from megatron_slim.train.cp import reduce_summary
+
+        t, report, groups, dp = self.recipe.train, self.report, self.groups, self.recipe.parallel.dp
         began = time.perf_counter()
-        profiler.before(it + 1)
-        optimizer.zero_grad(set_to_none=True)
-        batches = list(_microbatches(dataset, recipe, it, groups.dp_rank))
-        step_func = forward_step
-        if cp_step:
-            batches, step_func = cp_step.plan_iteration(batches), cp_step.forward_step
-        iterators = [iter(batches) for _ in chunks]
-        reports = fb(forward_step_func=step_func, data_iterator=iterators, model=chunks,
-                     num_microbatches=recipe.num_microbatches, seq_length=recipe.model.seq_length,
-                     micro_batch_size=t.micro_batch_size)
-        sum_tied_embedding_grads(chunks, groups.embd)
-        average_data_parallel(params, grad_group, grad_size)
-        cp_summary = reduce_summary(cp_step.summary(), groups.dp, p.dp) if cp_step else None
-        if cp_summary is not None and reporter:
+        reports = self._forward_backward(number)
+        sum_tied_embedding_grads(self.chunks, groups.embd)
+        average_data_parallel(self.params, self.grad_group, self.grad_size)
+        cp_summary = reduce_summary(self.cp_step.summary(), groups.dp, dp) if self.cp_step else None
+        if cp_summary is not None and self.reporter:
             report.cp_iterations.append(cp_summary)
         finite = loss_is_finite(reports)
-        stepped, norm = clip_and_step(params, optimizer, scheduler, t.clip_grad, mp_group, groups.tp_rank, finite)
+        stepped, norm = clip_and_step(self.params, self.optimizer, self.scheduler, t.clip_grad, groups.mp,
+                                      groups.tp_rank, finite)
         if not stepped and not t.skip_nonfinite_steps:
-            report.stopped = nonfinite_reason(it + 1, finite, norm)
-            break
+            report.stopped = nonfinite_reason(number, finite, norm)
+            return False
         if not stepped:
             report.skipped_steps += 1
-            report.skipped_iterations.append(it + 1)
+            report.skipped_iterations.append(number)
         elapsed = time.perf_counter() - began
+        self._record(number, elapsed)
+        if self.reporter:
+            loss = _dp_mean(_summed_loss(reports), self.grad_group, self.grad_size)
+            report.losses.append((number, loss))
+            if self.metrics:
+                self.metrics.log(number, loss, self.optimizer.param_groups[0]["lr"], norm, elapsed, report)
+            if not self.options.quiet and (number % t.log_interval == 0 or number == t.iters or not stepped):
+                self._print(number, loss, norm, stepped, elapsed, cp_summary)
+        elif self.grad_size > 1 and self.last_stage:
+            _dp_mean(_summed_loss(reports), self.grad_group, self.grad_size)
+        report.last_iteration = number
+        self._save_if_due(number)
+        return number != self.options.exit_interval
+
+    def _forward_backward(self, number: int) -> list:
+        self.profiler.before(number)
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = list(_microbatches(self.dataset, self.recipe, number - 1, self.groups.dp_rank))
+        step_func = forward_step
+        if self.cp_step:
+            batches, step_func = self.cp_step.plan_iteration(batches), self.cp_step.forward_step
+        return self.forward_backward(forward_step_func=step_func, data_iterator=[iter(batches) for _ in self.chunks],
+                                     model=self.chunks, num_microbatches=self.recipe.num_microbatches,
+                                     seq_length=self.recipe.model.seq_length,
+                                     micro_batch_size=self.recipe.train.micro_batch_size)
+
+    def _record(self, number: int, elapsed: float) -> None:
+        report, stats = self.report, self.forward_backward.stats
         report.iteration_seconds.append(elapsed)
-        profiler.after(it + 1, fb.stats.schedule_digest)
-        report.peak_activation_bytes = max(report.peak_activation_bytes, fb.stats.peak_activation_bytes)
-        report.peak_kv_bytes = max(report.peak_kv_bytes, fb.stats.peak_kv_bytes)
-        report.schedule_digest = fb.stats.schedule_digest
-        if reporter:
-            total = torch.stack([r["lm loss"] for r in reports]).sum(0)
-            loss = _dp_mean(total, grad_group, grad_size)
-            report.losses.append((it + 1, loss))
-            if metrics:
-                metrics.log(it + 1, loss, optimizer.param_groups[0]["lr"], norm, elapsed, report)
-            if not options.quiet and ((it + 1) % t.log_interval == 0 or it + 1 == t.iters or not stepped):
-                tok_s = t.global_batch_size * recipe.model.seq_length / elapsed
-                cp_text = f" | {summary_text(recipe.cp.engine, cp_summary)}" if cp_summary else ""
-                print(f"iter {it + 1:4d}/{t.iters} | loss {loss:.4f} | lr {optimizer.param_groups[0]['lr']:.2e} | "
-                      f"grad norm {norm:.3f}{'' if stepped else ' (skipped: not finite)'} | {elapsed:.2f} s/it | "
-                      f"{tok_s:,.0f} tokens/s{cp_text}", flush=True)
-        elif grad_size > 1 and last_stage:
-            _dp_mean(torch.stack([r["lm loss"] for r in reports]).sum(0), grad_group, grad_size)
-        report.last_iteration = it + 1
-        done = it + 1 == t.iters or (options.exit_interval and it + 1 == options.exit_interval)
-        if options.checkpoint_dir and (done or (t.save_interval and (it + 1) % t.save_interval == 0)):
-            saved_report = {"losses": report.losses, "cp_iterations": report.cp_iterations} if reporter else None
-            checkpoint.save(options.checkpoint_dir, it + 1, rank, chunks, optimizer, scheduler, recipe_data,
-                            report=saved_report)
-        if options.exit_interval and it + 1 == options.exit_interval:
-            break
-    if metrics:
-        metrics.close()
-    return report
+        self.profiler.after(number, stats.schedule_digest)
+        report.peak_activation_bytes = max(report.peak_activation_bytes, stats.peak_activation_bytes)
+        report.peak_kv_bytes = max(report.peak_kv_bytes, stats.peak_kv_bytes)
+        report.schedule_digest = stats.schedule_digest
+
+    def _print(self, number: int, loss: float, norm: float, stepped: bool, elapsed: float, cp_summary) -> None:
+        from megatron_slim.train.cp import summary_text
+
+        t = self.recipe.train
+        tok_s = t.global_batch_size * self.recipe.model.seq_length / elapsed
+        cp_text = f" | {summary_text(self.recipe.cp.engine, cp_summary)}" if cp_summary else ""
+        print(f"iter {number:4d}/{t.iters} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e} | "
+              f"grad norm {norm:.3f}{'' if stepped else ' (skipped: not finite)'} | {elapsed:.2f} s/it | "
+              f"{tok_s:,.0f} tokens/s{cp_text}", flush=True)
+
+    def _save_if_due(self, number: int) -> None:
+        t, options = self.recipe.train, self.options
+        done = number == t.iters or (options.exit_interval and number == options.exit_interval)
+        if options.checkpoint_dir and (done or (t.save_interval and number % t.save_interval == 0)):
+            saved_report = ({"losses": self.report.losses, "cp_iterations": self.report.cp_iterations}
+                            if self.reporter else None)
+            checkpoint.save(options.checkpoint_dir, number, self.rank, self.chunks, self.optimizer, self.scheduler,
+                            self.recipe_data, report=saved_report)
+
+
+def _summed_loss(reports: list) -> torch.Tensor:
+    """The microbatches' ``lm loss`` reports summed: (sum of token losses, token count)."""
+    return torch.stack([r["lm loss"] for r in reports]).sum(0)
 
 
 def _dp_mean(total: torch.Tensor, group, size: int) -> float:

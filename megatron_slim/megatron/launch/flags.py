@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megatron_slim.megatron.launch.args import settings_from_megatron_args
 from megatron_slim.megatron.launch.cp_checks import check_engine_fits
-from megatron_slim.plan.recipe import MAX_SEED, CPEngine, Recipe, SlicePolicy
+from megatron_slim.plan.recipe import MAX_SEED, CPEngine, ModelConfig, Recipe, SlicePolicy, TrainConfig
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.startup import LAUNCHER, MEGATRON_ARGS, check
 from megatron_slim.plan.startup.from_recipe import megatron_args_settings
@@ -62,7 +62,30 @@ def _data_flags(data) -> list:
 def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
     """The ``pretrain_gpt.py`` flags a recipe stands for; of the data, only ``data.path`` (as
     ``--data-path``) and ``data.tokenizer`` (as Megatron's ``HuggingFaceTokenizer``), output paths never."""
-    m, p, t, s = recipe.model, recipe.parallel, recipe.train, recipe.schedule
+    _refuse_what_megatron_cannot_run(recipe)
+    out = _model_flags(recipe.model) + _parallel_flags(recipe) + _train_flags(recipe.train)
+    out += _data_flags(recipe.data) + _schedule_flags(recipe)
+    return [str(x) for x in out]
+
+
+def _refuse_what_megatron_cannot_run(recipe: Recipe) -> None:
+    t = recipe.train
+    if t.warmup_iters and t.warmup_iters >= t.iters:
+        # Megatron's OptimizerParamScheduler asserts warmup < decay steps (train iterations) at start-up
+        raise ConfigError(f"train.warmup_iters: got {t.warmup_iters} with train.iters={t.iters}; Megatron-LM needs "
+                          f"fewer warmup than training iterations; allowed: an integer in [0, {t.iters})")
+    if t.seed == 0:
+        # Megatron-LM's _set_random_seed raises "Seed (0) should be a positive integer" at start-up
+        raise ConfigError("train.seed: got 0; Megatron-LM needs a positive seed; "
+                          f"allowed: an integer in [1, {MAX_SEED}]")
+    if t.skip_nonfinite_steps:
+        raise ConfigError("train.skip_nonfinite_steps: got true; Megatron-LM cannot skip a step whose loss or "
+                          "gradient norm is nan/inf in fp32 or bf16 (its --check-for-nan-in-loss-and-grad stops "
+                          "training, as megatron-slim train does by default); allowed: false")
+    check(megatron_args_settings(recipe), MEGATRON_ARGS)
+
+
+def _model_flags(m: ModelConfig) -> list:
     out = [
         "--num-layers", m.num_layers, "--hidden-size", m.hidden_size,
         "--ffn-hidden-size", m.ffn_hidden_size, "--num-attention-heads", m.num_attention_heads,
@@ -76,34 +99,31 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
         out += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
     if m.untie_embeddings_and_output_weights:
         out += ["--untie-embeddings-and-output-weights"]
-    out += ["--tensor-model-parallel-size", p.tp, "--pipeline-model-parallel-size", p.pp,
-            "--context-parallel-size", p.cp]
+    return out
+
+
+def _parallel_flags(recipe: Recipe) -> list:
+    m, p = recipe.model, recipe.parallel
+    out: list = ["--tensor-model-parallel-size", p.tp, "--pipeline-model-parallel-size", p.pp,
+                 "--context-parallel-size", p.cp]
     if p.vpp > 1:
         out += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // (p.pp * p.vpp)]
     if p.sequence_parallel:
         out += ["--sequence-parallel"]
-    if t.warmup_iters and t.warmup_iters >= t.iters:
-        # Megatron's OptimizerParamScheduler asserts warmup < decay steps (train iterations) at start-up
-        raise ConfigError(f"train.warmup_iters: got {t.warmup_iters} with train.iters={t.iters}; Megatron-LM needs "
-                          f"fewer warmup than training iterations; allowed: an integer in [0, {t.iters})")
-    if t.seed == 0:
-        # Megatron-LM's _set_random_seed raises "Seed (0) should be a positive integer" at start-up
-        raise ConfigError("train.seed: got 0; Megatron-LM needs a positive seed; "
-                          f"allowed: an integer in [1, {MAX_SEED}]")
-    if t.skip_nonfinite_steps:
-        raise ConfigError("train.skip_nonfinite_steps: got true; Megatron-LM cannot skip a step whose loss or "
-                          "gradient norm is nan/inf in fp32 or bf16 (its --check-for-nan-in-loss-and-grad stops "
-                          "training, as megatron-slim train does by default); allowed: false")
-    out += ["--micro-batch-size", t.micro_batch_size, "--global-batch-size", t.global_batch_size,
-            "--train-iters", t.iters, "--lr", _number(t.lr), "--min-lr", _number(t.min_lr),
-            "--lr-decay-style", "cosine", "--lr-warmup-iters", t.warmup_iters,
-            "--weight-decay", _number(t.weight_decay), "--clip-grad", _number(t.clip_grad),
-            "--seed", t.seed, "--log-interval", t.log_interval]
+    return out
+
+
+def _train_flags(t: TrainConfig) -> list:
+    out: list = [
+        "--micro-batch-size", t.micro_batch_size, "--global-batch-size", t.global_batch_size,
+        "--train-iters", t.iters, "--lr", _number(t.lr), "--min-lr", _number(t.min_lr),
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", t.warmup_iters,
+        "--weight-decay", _number(t.weight_decay), "--clip-grad", _number(t.clip_grad),
+        "--seed", t.seed, "--log-interval", t.log_interval]
     if t.precision == "bf16":
         out += ["--bf16"]
     if t.distributed_optimizer:
         out += ["--use-distributed-optimizer"]
-    check(megatron_args_settings(recipe), MEGATRON_ARGS)
     if t.recompute == "full":
         out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     # Megatron requires --save-interval whenever --save is given, and --eval-interval always
@@ -114,7 +134,12 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
     # causal attention needs none (its kernels mask by position) and megatron-slim's engines read
     # documents from position-id resets.
     out += ["--no-create-attention-mask-in-dataloader"]
-    out += _data_flags(recipe.data)
+    return out
+
+
+def _schedule_flags(recipe: Recipe) -> list:
+    s, p = recipe.schedule, recipe.parallel
+    out: list = []
     if s.kind == "slimpipe":
         out += ["--use-slimpipe", "--slimpipe-num-slices", s.num_slices, "--slimpipe-slice-policy",
                 s.slice_policy, "--slimpipe-hardware", recipe.hardware]
@@ -122,7 +147,7 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
         # megatron-slim's engines plan each pack of documents: positions and masks reset at each one
         out += ["--cp-engine", recipe.cp.engine, "--reset-position-ids", "--reset-attention-mask",
                 "--slimpipe-hardware", recipe.hardware] + (["--cp-remap"] if recipe.cp.remap else [])
-    return [str(x) for x in out]
+    return out
 
 
 def _number(x: float) -> str:

@@ -125,6 +125,112 @@ def planned_schedule(settings: SlimPipeSettings, pp: int, vpp: int, num_microbat
     return executable(settings.kind, pp, vpp, num_microbatches, settings.num_slices)
 
 
+@dataclass(frozen=True)
+class _Chunks:
+    """This rank's model chunks for one call, and what their config says about running them."""
+
+    models: list
+    config: Any
+    first_param: torch.Tensor  # its device is the rank's; its dtype the default pipeline dtype
+    cp: int
+    sp_tp: int  # tensor-parallel size under sequence parallelism, else 1: stages pass [slice/cp/sp_tp, b, h]
+
+
+def _model_chunks(model) -> _Chunks:
+    from megatron.core.utils import get_model_config
+
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    config = get_model_config(models[0])
+    sp_tp = getattr(config, "tensor_model_parallel_size", 1) if getattr(config, "sequence_parallel", False) else 1
+    return _Chunks(models, config, next(models[0].parameters()), getattr(config, "context_parallel_size", 1) or 1,
+                   sp_tp)
+
+
+def _refuse_unsupported_call(settings: SlimPipeSettings, seq_length: int, adjust_tensor_shapes_fn) -> None:
+    if adjust_tensor_shapes_fn is not None:
+        raise ValueError("adjust_tensor_shapes_fn: not supported by SlimPipe (ModelOpt distillation); "
+                         "run without --use-slimpipe")
+    if sum(settings.slice_lengths) != seq_length:
+        raise ValueError(f"seq_length={seq_length}: the SlimPipe slice plan covers "
+                         f"{sum(settings.slice_lengths)} tokens ({settings.slice_lengths})")
+
+
+def _attach_kv_stores(chunks: _Chunks, context: SliceContext, settings: SlimPipeSettings):
+    """One K/V cache per chunk, all counted by one ledger; the chunks' slice attention reads them."""
+    ledger = ByteLedger()
+    stores = [KVCacheStore(ledger) for _ in chunks.models]
+    for m, store in zip(chunks.models, stores):
+        if attach_slicing(m, context, store, settings.attention_backend) == 0:
+            raise ValueError("--use-slimpipe: the model has no SliceCoreAttention; build it with "
+                             "megatron_slim's layer spec (megatron_slim.megatron.hooks patches the spec)")
+    _check_slice_alignment(settings.slice_lengths, chunks.cp, chunks.sp_tp)
+    if getattr(chunks.config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
+        raise ValueError("--num-microbatches-with-partial-activation-checkpoints: not supported by SlimPipe "
+                         "(its forward steps are slices, not microbatches); drop it")
+    return ledger, stores
+
+
+def _stage_ops(chunks: _Chunks, forward_step_func, sliced: list, non_loss_only: bool,
+               slice_lengths: tuple[int, ...], micro_batch_size: int) -> StageOps:
+    """Megatron's forward step, backward step and output deallocation, as the interpreter calls them."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    models, config, device = chunks.models, chunks.config, chunks.first_param.device
+
+    def forward(chunk: int, inp):
+        get_attr_wrapped_model(models[chunk], "set_input_tensor")(inp)
+        autocast = (torch.autocast(device.type, dtype=config.autocast_dtype)
+                    if getattr(config, "enable_autocast", False) else contextlib.nullcontext())
+        with autocast:
+            # megatron passes a third argument only for partial activation checkpointing
+            # (refused above); in 0.19 a third positional is ``return_schedule_plan``.
+            output, loss_func = forward_step_func(sliced[chunk], models[chunk])
+        if non_loss_only and loss_func is not None:
+            loss_func = functools.partial(loss_func, non_loss_data=True)
+        return output, loss_func
+
+    def backward(inp, out, grad):
+        grads = compat.backward_step(inp, out, grad, config)
+        return grads[0] if isinstance(grads, (list, tuple)) else grads
+
+    def release(out):
+        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
+        deallocate_output_tensor(out, getattr(config, "deallocate_pipeline_outputs", False))
+
+    return StageOps(forward=forward, backward=backward, release_output=release,
+                    dtype=config.pipeline_dtype or chunks.first_param.dtype,
+                    tensor_shape=lambda mb, j: (slice_lengths[j] // chunks.cp // chunks.sp_tp, micro_batch_size,
+                                            config.hidden_size))
+
+
+def _syncs(chunks: _Chunks, rank_steps, forward_only: bool) -> tuple[GradSync, Optional[ParamSync]]:
+    config = chunks.config
+    chunk_params = [functools.partial(lambda m: m.parameters(), m) for m in chunks.models]
+    grad_sync = GradSync(config.no_sync_func, config.grad_sync_func, chunk_params,
+                         last_backward_steps(rank_steps, len(chunks.models)))
+    param_sync = ParamSync(getattr(config, "param_sync_func", None), chunk_params) if not forward_only else None
+    return grad_sync, param_sync
+
+
+def _run_timed(interpreter: PipelineInterpreter, config) -> None:
+    timer = config.timers("forward-backward", log_level=1) if getattr(config, "timers", None) else None
+    if timer is not None:
+        timer.start(barrier=getattr(config, "barrier_with_L1_time", False))
+    interpreter.run()
+    if timer is not None:
+        timer.stop()
+
+
+def _finalize_grads(chunks: _Chunks, loss, groups, force_all_reduce) -> None:
+    per_token = getattr(chunks.config, "calculate_per_token_loss", False)
+    tokens = loss.total_num_tokens if per_token else None
+    if per_token and tokens is None:
+        tokens = torch.zeros((), dtype=torch.int, device=chunks.first_param.device)  # not the last stage
+    compat.finalize_model_grads(chunks.models, tokens, groups=groups, force_all_reduce=force_all_reduce or None,
+                                fn=chunks.config.finalize_model_grads_func)
+
+
 def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[SliceContext] = None) -> Callable:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
     hook reads it); a new one by default."""
@@ -137,96 +243,36 @@ def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[Sli
                                   first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None,
                                   pg_collection=None, grad_finalize_pgs=None, force_all_reduce=False,
                                   **unused: Any):
-        if adjust_tensor_shapes_fn is not None:
-            raise ValueError("adjust_tensor_shapes_fn: not supported by SlimPipe (ModelOpt distillation); "
-                             "run without --use-slimpipe")
-        if sum(settings.slice_lengths) != seq_length:
-            raise ValueError(f"seq_length={seq_length}: the SlimPipe slice plan covers "
-                             f"{sum(settings.slice_lengths)} tokens ({settings.slice_lengths})")
-        models = list(model) if isinstance(model, (list, tuple)) else [model]
+        _refuse_unsupported_call(settings, seq_length, adjust_tensor_shapes_fn)
+        chunks = _model_chunks(model)
+        models, config, device = chunks.models, chunks.config, chunks.first_param.device
         iterators = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator] * len(models)
-        from megatron.core.utils import get_attr_wrapped_model, get_model_config
-
-        config = get_model_config(models[0])
         group = _pp_group(pg_collection, p2p_communicator)
         pp, rank, vpp = group.size(), group.rank(), len(models)
         schedule = planned_schedule(settings, pp, vpp, num_microbatches)
         stats.schedule_digest = schedule.digest()
-        _agree_on_plan(stats.schedule_digest, group, stats, next(models[0].parameters()).device)
-
-        ledger = ByteLedger()
-        stores = [KVCacheStore(ledger) for _ in models]
-        for m, store in zip(models, stores):
-            if attach_slicing(m, context, store, settings.attention_backend) == 0:
-                raise ValueError("--use-slimpipe: the model has no SliceCoreAttention; build it with "
-                                 "megatron_slim's layer spec (megatron_slim.megatron.hooks patches the spec)")
+        _agree_on_plan(stats.schedule_digest, group, stats, device)
+        ledger, stores = _attach_kv_stores(chunks, context, settings)
         sliced = [SlicedIterator(it, settings.slice_lengths) if it is not None else None for it in iterators]
-        params = next(models[0].parameters())
-        dtype = config.pipeline_dtype or params.dtype
-        tp = getattr(config, "tensor_model_parallel_size", 1) if getattr(config, "sequence_parallel", False) else 1
-        cp = getattr(config, "context_parallel_size", 1) or 1
-        _check_slice_alignment(settings.slice_lengths, cp, tp)
-        if getattr(config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
-            raise ValueError("--num-microbatches-with-partial-activation-checkpoints: not supported by SlimPipe "
-                             "(its forward steps are slices, not microbatches); drop it")
-
-        def forward(chunk: int, inp):
-            get_attr_wrapped_model(models[chunk], "set_input_tensor")(inp)
-            autocast = (torch.autocast(params.device.type, dtype=config.autocast_dtype)
-                        if getattr(config, "enable_autocast", False) else contextlib.nullcontext())
-            with autocast:
-                # megatron passes a third argument only for partial activation checkpointing
-                # (refused above); in 0.19 a third positional is ``return_schedule_plan``.
-                output, loss_func = forward_step_func(sliced[chunk], models[chunk])
-            if collect_non_loss_data and forward_only and loss_func is not None:
-                loss_func = functools.partial(loss_func, non_loss_data=True)
-            return output, loss_func
-
-        def backward(inp, out, grad):
-            grads = compat.backward_step(inp, out, grad, config)
-            return grads[0] if isinstance(grads, (list, tuple)) else grads
-
-        def release(out):
-            from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
-
-            deallocate_output_tensor(out, getattr(config, "deallocate_pipeline_outputs", False))
-
-        ops = StageOps(forward=forward, backward=backward, release_output=release, dtype=dtype,
-                       tensor_shape=lambda mb, j: (settings.slice_lengths[j] // cp // tp, micro_batch_size,
-                                               config.hidden_size))
-        p2p = P2P(group, dist.get_process_group_ranks(group), params.device, schedule.num_stages,
+        non_loss_only = collect_non_loss_data and forward_only
+        ops = _stage_ops(chunks, forward_step_func, sliced, non_loss_only, settings.slice_lengths, micro_batch_size)
+        p2p = P2P(group, dist.get_process_group_ranks(group), device, schedule.num_stages,
                   num_microbatches, settings.num_slices) if pp > 1 else None
-        # _NonLossData stands in for SlicedLoss (its interface) when a forward-only run collects other data
-        loss: Any = (_NonLossData() if collect_non_loss_data and forward_only else
+        loss: Any = (_NonLossData() if non_loss_only else
                 SlicedLoss(num_microbatches, settings.num_slices, getattr(config, "calculate_per_token_loss", False),
-                           cp_size=cp))
+                           cp_size=chunks.cp))
         meter = ActivationMeter([p for m in models for p in m.parameters()],
                                 lambda: set().union(*(s.storage_ptrs() for s in stores))) \
             if settings.measure_memory else None
-        chunk_params = [functools.partial(lambda m: m.parameters(), m) for m in models]
-        grad_sync = GradSync(config.no_sync_func, config.grad_sync_func, chunk_params,
-                             last_backward_steps(schedule.ranks[rank], vpp))
-        param_sync = ParamSync(getattr(config, "param_sync_func", None), chunk_params) if not forward_only else None
+        grad_sync, param_sync = _syncs(chunks, schedule.ranks[rank], forward_only)
         executed = executable_forward_only(schedule) if forward_only else schedule
-        interpreter = PipelineInterpreter(executed, rank, ops, p2p, settings.slice_lengths, context, stores,
-                                          loss, meter=meter, grad_sync=grad_sync, param_sync=param_sync)
-        timer = config.timers("forward-backward", log_level=1) if getattr(config, "timers", None) else None
-        if timer is not None:
-            timer.start(barrier=getattr(config, "barrier_with_L1_time", False))
-        interpreter.run()
-        if timer is not None:
-            timer.stop()
+        _run_timed(PipelineInterpreter(executed, rank, ops, p2p, settings.slice_lengths, context, stores, loss,
+                                       meter=meter, grad_sync=grad_sync, param_sync=param_sync), config)
         if meter is not None:
             stats.peak_activation_bytes = meter.peak_bytes
             stats.peak_kv_bytes = ledger.peak_bytes
         if not forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
-            per_token = getattr(config, "calculate_per_token_loss", False)
-            tokens = loss.total_num_tokens if per_token else None
-            if per_token and tokens is None:
-                tokens = torch.zeros((), dtype=torch.int, device=params.device)  # not the last stage
-            compat.finalize_model_grads(models, tokens, groups=pg_collection or grad_finalize_pgs,
-                                        force_all_reduce=force_all_reduce or None,
-                                        fn=config.finalize_model_grads_func)
+            _finalize_grads(chunks, loss, pg_collection or grad_finalize_pgs, force_all_reduce)
         last_stage = rank == pp - 1
         return list(loss.reports) if last_stage else []
 

@@ -90,15 +90,15 @@ def dynamic_size(s: int, budget: int, num_ranks: int) -> int:
 def plan_dynamic(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
     check_lengths(lengths)
     lengths = tuple(lengths)
-    C = topo.num_ranks
-    budget = -(-sum(lengths) // C)
-    work = [0.0] * C
-    tokens = [0.0] * C
+    num_ranks = topo.num_ranks
+    budget = -(-sum(lengths) // num_ranks)
+    work = [0.0] * num_ranks
+    tokens = [0.0] * num_ranks
     blocks: dict[tuple[int, ...], list[int]] = {}
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         s = lengths[i]
-        size = dynamic_size(s, budget, C)
-        candidates = [tuple(range(b, b + size)) for b in range(0, C, size)]
+        size = dynamic_size(s, budget, num_ranks)
+        candidates = [tuple(range(b, b + size)) for b in range(0, num_ranks, size)]
         share = s / size
 
         def room(block: tuple[int, ...]) -> float:

@@ -51,17 +51,17 @@ class RecipeCosts:
         self.lengths = lengths or slice_lengths(recipe, self.cost)
         self.prefixes = slice_prefixes(self.lengths)
 
-    def _tp(self, slice_: int) -> tuple[int, int]:
+    def _length_and_prefix(self, slice_: int) -> tuple[int, int]:
         return self.lengths[slice_], self.prefixes[slice_]
 
     def forward(self, stage: int, microbatch: int, slice_: int) -> float:
-        return self.cost.forward_time(stage, *self._tp(slice_))
+        return self.cost.forward_time(stage, *self._length_and_prefix(slice_))
 
     def backward(self, stage: int, microbatch: int, slice_: int) -> float:
-        return self.cost.backward_time(stage, *self._tp(slice_))
+        return self.cost.backward_time(stage, *self._length_and_prefix(slice_))
 
     def weight_grad(self, stage: int, microbatch: int, slice_: int) -> float:
-        return self.cost.weight_grad_time(stage, *self._tp(slice_))
+        return self.cost.weight_grad_time(stage, *self._length_and_prefix(slice_))
 
     def activation_bytes(self, stage: int, microbatch: int, slice_: int) -> float:
         return self.cost.activation_bytes(stage, self.lengths[slice_])

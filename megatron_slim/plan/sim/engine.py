@@ -86,7 +86,7 @@ class SimResult:
 
 class _Run:
     def __init__(self, schedule: Schedule, costs: PipelineCosts) -> None:
-        self.s = schedule
+        self.schedule = schedule
         self.costs = costs
         self.free = [0.0] * schedule.pp  # compute stream
         self.link_free: dict = {}
@@ -103,16 +103,16 @@ class _Run:
         return self._recv(rank, a, ready)
 
     def _compute(self, rank: int, a: Action, ready: float) -> float:
-        stage = self.s.stage(rank, a.chunk)
-        mb, j, c = a.microbatch, a.slice, self.costs
+        stage = self.schedule.stage(rank, a.chunk)
+        mb, j, costs = a.microbatch, a.slice, self.costs
         if a.kind is Kind.F:
-            dur = c.forward(stage, mb, j)
+            dur = costs.forward(stage, mb, j)
         elif a.kind is Kind.B:
-            dur = c.backward(stage, mb, j)
+            dur = costs.backward(stage, mb, j)
         elif a.kind is Kind.W:
-            dur = c.weight_grad(stage, mb, j)
+            dur = costs.weight_grad(stage, mb, j)
         else:
-            dur = c.backward(stage, mb, j) - c.weight_grad(stage, mb, j)
+            dur = costs.backward(stage, mb, j) - costs.weight_grad(stage, mb, j)
         start = max(self.free[rank], ready)
         end = start + dur
         self.free[rank] = end
@@ -122,26 +122,26 @@ class _Run:
         return end
 
     def _account_memory(self, rank: int, a: Action, stage: int, start: float, end: float) -> None:
-        mb, j, c, n = a.microbatch, a.slice, self.costs, self.s.num_slices
+        mb, j, costs, n = a.microbatch, a.slice, self.costs, self.schedule.num_slices
         mem = self.mem[rank]
         if a.kind is Kind.F:
-            mem.append((end, c.activation_bytes(stage, mb, j), c.kv_bytes(stage, mb, j)))
+            mem.append((end, costs.activation_bytes(stage, mb, j), costs.kv_bytes(stage, mb, j)))
             return
         if a.kind in (Kind.B, Kind.I):
             if j == n - 1 and n > 1:
-                buffers = sum(c.kv_grad_bytes(stage, mb, i) for i in range(n - 1))
+                buffers = sum(costs.kv_grad_bytes(stage, mb, i) for i in range(n - 1))
                 mem.append((start, 0.0, buffers))
-            freed_kv = c.kv_bytes(stage, mb, j) + (c.kv_grad_bytes(stage, mb, j) if j < n - 1 else 0.0)
-            freed_act = c.activation_bytes(stage, mb, j) if a.kind is Kind.B else 0.0
+            freed_kv = costs.kv_bytes(stage, mb, j) + (costs.kv_grad_bytes(stage, mb, j) if j < n - 1 else 0.0)
+            freed_act = costs.activation_bytes(stage, mb, j) if a.kind is Kind.B else 0.0
             mem.append((end, -freed_act, -freed_kv))
         elif a.kind is Kind.W:
-            mem.append((end, -c.activation_bytes(stage, mb, j), 0.0))
+            mem.append((end, -costs.activation_bytes(stage, mb, j), 0.0))
 
     def _send(self, rank: int, a: Action, ready: float) -> float:
-        stage = self.s.stage(rank, a.chunk)
+        stage = self.schedule.stage(rank, a.chunk)
         forward = a.kind is Kind.SEND_F
         dst_stage = stage + 1 if forward else stage - 1
-        dst = self.s.placement(dst_stage)[0]
+        dst = self.schedule.placement(dst_stage)[0]
         link = self.costs.link(rank, dst)
         nbytes = self.costs.p2p_bytes(stage if forward else dst_stage, a.microbatch, a.slice)
         start = max(ready, self.link_free.get((rank, dst), 0.0))
@@ -153,14 +153,14 @@ class _Run:
 
     def _recv(self, rank: int, a: Action, arrival: float) -> float:
         if arrival > self.free[rank]:
-            stage = self.s.stage(rank, a.chunk)
+            stage = self.schedule.stage(rank, a.chunk)
             self.events.append(Event(rank, "recv", str(a), self.free[rank], arrival, stage,
                                      a.microbatch, a.slice))
             self.free[rank] = arrival
         return self.free[rank]
 
     def run(self, progress: Optional[Progress] = None) -> None:
-        if Walker(self.s).run(self._step, progress, "simulating"):
+        if Walker(self.schedule).run(self._step, progress, "simulating"):
             raise RuntimeError("simulation stalled on a schedule the validator accepted")  # invariant
 
 

@@ -71,7 +71,7 @@ class PipelineInterpreter:
                              "merge them with plan.schedule.merge_backward")
         if len(slice_lengths) != schedule.num_slices:
             raise ValueError(f"{len(slice_lengths)} slice lengths for {schedule.num_slices} slices")
-        self.s, self.rank, self.ops, self.p2p = schedule, rank, ops, p2p
+        self.schedule, self.rank, self.ops, self.p2p = schedule, rank, ops, p2p
         self.lengths = list(slice_lengths)
         self.starts = [sum(self.lengths[:j]) for j in range(len(self.lengths))]
         self.ctx, self.kv, self.loss, self.meter = context, kv_stores, loss, meter
@@ -85,17 +85,17 @@ class PipelineInterpreter:
 
     # ---- helpers ----------------------------------------------------------------------------
     def _stage(self, a: Action) -> int:
-        return self.s.stage(self.rank, a.chunk)
+        return self.schedule.stage(self.rank, a.chunk)
 
     def _local(self, stage: int) -> bool:
-        return 0 <= stage < self.s.num_stages and self.s.placement(stage)[0] == self.rank
+        return 0 <= stage < self.schedule.num_stages and self.schedule.placement(stage)[0] == self.rank
 
     def _fail(self, message: str) -> PipelineStateError:
         return PipelineStateError(f"rank {self.rank} step {self._step} {self.row[self._step]}: {message}\n"
-                                  + format_grid(self.s, {self.rank: self._step}))
+                                  + format_grid(self.schedule, {self.rank: self._step}))
 
     def _slice_info(self, a: Action) -> SliceInfo:
-        return SliceInfo(a.microbatch, a.slice, self.s.num_slices, self.starts[a.slice],
+        return SliceInfo(a.microbatch, a.slice, self.schedule.num_slices, self.starts[a.slice],
                          self.lengths[a.slice], self.forward_only)
 
     # ---- handlers -----------------------------------------------------------------------------
@@ -111,17 +111,17 @@ class PipelineInterpreter:
             self.param_sync.before_forward(a.chunk)
         with self.ctx.enter(self._slice_info(a)), meter:
             output, loss_func = self.ops.forward(a.chunk, inp)
-            if stage == self.s.num_stages - 1:
+            if stage == self.schedule.num_stages - 1:
                 self.loss.add(a.microbatch, a.slice, loss_func(output), keep_graph=not self.forward_only)
-        if self.forward_only and a.slice == self.s.num_slices - 1:
+        if self.forward_only and a.slice == self.schedule.num_slices - 1:
             self.kv[a.chunk].drop_microbatch(a.microbatch)
-        if stage < self.s.num_stages - 1 and self._local(stage + 1):
-            _, next_chunk = self.s.placement(stage + 1)
+        if stage < self.schedule.num_stages - 1 and self._local(stage + 1):
+            _, next_chunk = self.schedule.placement(stage + 1)
             handed = output.detach()
             self.state.inputs[(next_chunk, a.microbatch, a.slice)] = handed.requires_grad_(not self.forward_only)
         if not self.forward_only:
             self.state.outputs[unit] = (inp, output)
-        elif stage < self.s.num_stages - 1 and not self._local(stage + 1):
+        elif stage < self.schedule.num_stages - 1 and not self._local(stage + 1):
             self.state.outputs[unit] = (None, output)  # kept only until SEND_F
 
     def _send_forward(self, a: Action) -> None:
@@ -130,7 +130,7 @@ class PipelineInterpreter:
         if unit not in self.state.outputs:
             raise self._fail("sending an output that was not computed")
         output = self.state.outputs[unit][1]
-        dst = self.s.placement(stage + 1)[0]
+        dst = self.schedule.placement(stage + 1)[0]
         self.p2p.send(output, dst, self.p2p.tag(False, stage + 1, a.microbatch, a.slice))
         if self.forward_only:
             del self.state.outputs[unit]
@@ -140,7 +140,7 @@ class PipelineInterpreter:
     def _recv_forward(self, a: Action) -> None:
         assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
         stage = self._stage(a)
-        src = self.s.placement(stage - 1)[0]
+        src = self.schedule.placement(stage - 1)[0]
         t = self.p2p.recv(self.ops.tensor_shape(a.microbatch, a.slice), self.ops.dtype, src,
                           self.p2p.tag(False, stage, a.microbatch, a.slice))
         self.state.inputs[a.unit] = t.requires_grad_(not self.forward_only)
@@ -151,7 +151,7 @@ class PipelineInterpreter:
             raise self._fail("backward of a unit with no forward output")
         inp, output = self.state.outputs.pop(unit)
         grad = None
-        if stage == self.s.num_stages - 1:
+        if stage == self.schedule.num_stages - 1:
             output = self.loss.backward_tensor(a.microbatch, a.slice)
         else:
             if unit not in self.state.grads:
@@ -168,7 +168,7 @@ class PipelineInterpreter:
             if input_grad is None:
                 raise self._fail("backward returned no input gradient on a stage that has an input")
             if self._local(stage - 1):
-                _, prev_chunk = self.s.placement(stage - 1)
+                _, prev_chunk = self.schedule.placement(stage - 1)
                 self.state.grads[(prev_chunk, a.microbatch, a.slice)] = input_grad
             else:
                 self.state.to_send[unit] = input_grad
@@ -178,13 +178,13 @@ class PipelineInterpreter:
         stage = self._stage(a)
         if a.unit not in self.state.to_send:
             raise self._fail("sending an input gradient that was not computed")
-        dst = self.s.placement(stage - 1)[0]
+        dst = self.schedule.placement(stage - 1)[0]
         self.p2p.send(self.state.to_send.pop(a.unit), dst, self.p2p.tag(True, stage - 1, a.microbatch, a.slice))
 
     def _recv_backward(self, a: Action) -> None:
         assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
         stage = self._stage(a)
-        src = self.s.placement(stage + 1)[0]
+        src = self.schedule.placement(stage + 1)[0]
         self.state.grads[a.unit] = self.p2p.recv(self.ops.tensor_shape(a.microbatch, a.slice), self.ops.dtype, src,
                                                  self.p2p.tag(True, stage, a.microbatch, a.slice))
 
@@ -212,7 +212,7 @@ class PipelineInterpreter:
             raise PipelineStateError(f"rank {self.rank}: state left after the schedule: {left} {stores}")
 
     def last_backward_steps(self) -> dict[int, int]:
-        return last_backward_steps(self.row, self.s.vpp)
+        return last_backward_steps(self.row, self.schedule.vpp)
 
 
 def last_backward_steps(row: Sequence[Action], vpp: int) -> dict[int, int]:

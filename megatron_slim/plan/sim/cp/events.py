@@ -71,14 +71,33 @@ class Timeline:
     occupancy: list[tuple[int, Resource, float, float]] = field(default_factory=list)
 
 
+def _dependents(tasks: list[Task]) -> list[list[int]]:
+    """For each task, the tasks that depend on it."""
+    dependents: list[list[int]] = [[] for _ in tasks]
+    for tid, t in enumerate(tasks):
+        for d in t.deps:
+            dependents[d].append(tid)
+    return dependents
+
+
+def _queue_loads(tid: int, task: Task, now: float, free_at: dict[Resource, float],
+                 resource_busy: dict[Resource, float], occupancy: list) -> float:
+    """Queue comm task ``tid``'s loads on their resources from ``now``; returns when the last one ends."""
+    finish = now
+    for res, seconds in task.loads:
+        s = max(free_at.get(res, 0.0), now)
+        free_at[res] = s + seconds
+        resource_busy[res] = resource_busy.get(res, 0.0) + seconds
+        occupancy.append((tid, res, s, s + seconds))
+        finish = max(finish, s + seconds)
+    return finish
+
+
 def run(graph: TaskGraph) -> Timeline:
     tasks = graph.tasks
     n = len(tasks)
     remaining = [len(t.deps) for t in tasks]
-    dependents: list[list[int]] = [[] for _ in range(n)]
-    for tid, t in enumerate(tasks):
-        for d in t.deps:
-            dependents[d].append(tid)
+    dependents = _dependents(tasks)
     start = [0.0] * n
     end = [0.0] * n
     free_at: dict[Resource, float] = {}
@@ -120,13 +139,7 @@ def run(graph: TaskGraph) -> Timeline:
                 push(now, _DISPATCH, t.rank)
                 continue
             start[item] = now
-            finish = now
-            for res, seconds in t.loads:
-                s = max(free_at.get(res, 0.0), now)
-                free_at[res] = s + seconds
-                resource_busy[res] = resource_busy.get(res, 0.0) + seconds
-                occupancy.append((item, res, s, s + seconds))
-                finish = max(finish, s + seconds)
+            finish = _queue_loads(item, t, now, free_at, resource_busy, occupancy)
             push(finish + t.latency, _DONE, item)
         else:
             rank = item

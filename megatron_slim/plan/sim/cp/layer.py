@@ -58,48 +58,48 @@ def _remap(net: Network, remap: RemapPlan, per_token: float, ready: dict[int, tu
 def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: bool,
                   remap: RemapPlan | None = None, routing: RoutingPlan | None = None,
                   record: bool = False) -> PassResult:
-    C = plan.num_ranks
-    graph = TaskGraph(C)
+    num_ranks = plan.num_ranks
+    graph = TaskGraph(num_ranks)
+    ranks = range(num_ranks)
     net = Network(topo, graph)
     attn_tokens = plan.tokens_per_rank()
     mlp_tokens = remap.target_tokens if remap else attn_tokens
-    c = costs
     linear = lambda r, sec, deps, name: graph.compute(r, sec, deps, _LINEAR, "linear", name)  # noqa: E731
     attention = AttentionBuilder(plan, costs, net, routing, backward, lower_cp(plan, routing))
 
     def attention_pass(ready: dict[int, int]) -> dict[int, list[int]]:
-        finals: dict[int, list[int]] = {r: [ready[r]] for r in range(C)}
+        finals: dict[int, list[int]] = {r: [ready[r]] for r in ranks}
         for group in plan.groups:
             for r, tids in attention.build(group, ready).items():
                 finals[r].extend(tids)
         return finals
 
     if not backward:
-        pre = {r: linear(r, c.pre_fwd_s * attn_tokens[r], (), "pre (norm, QKV, RoPE)") for r in range(C)}
+        pre = {r: linear(r, costs.pre_fwd_s * attn_tokens[r], (), "pre (norm, QKV, RoPE)") for r in ranks}
         finals = attention_pass(pre)
-        post = {r: linear(r, c.post_fwd_s * attn_tokens[r], finals[r], "post (output projection)") for r in range(C)}
+        post = [linear(r, costs.post_fwd_s * attn_tokens[r], finals[r], "post (output projection)") for r in ranks]
         if remap:
-            moved = _remap(net, remap, c.hidden_bytes, {r: (post[r],) for r in range(C)}, "remap")
-            mlp = [linear(r, c.mlp_fwd_s * mlp_tokens[r], moved[r], "mlp") for r in range(C)]
-            _remap(net, remap.inverse(), c.hidden_bytes, {r: (mlp[r],) for r in range(C)}, "remap back")
+            moved = _remap(net, remap, costs.hidden_bytes, {r: (post[r],) for r in ranks}, "remap")
+            mlp = [linear(r, costs.mlp_fwd_s * mlp_tokens[r], moved[r], "mlp") for r in ranks]
+            _remap(net, remap.inverse(), costs.hidden_bytes, {r: (mlp[r],) for r in ranks}, "remap back")
         else:
-            for r in range(C):
-                linear(r, c.mlp_fwd_s * mlp_tokens[r], (post[r],), "mlp")
+            for r in ranks:
+                linear(r, costs.mlp_fwd_s * mlp_tokens[r], (post[r],), "mlp")
     else:
         if remap:
-            moved = _remap(net, remap, c.hidden_bytes, {r: () for r in range(C)}, "remap")
-            mlp = [linear(r, c.mlp_bwd_s * mlp_tokens[r], moved[r], "mlp") for r in range(C)]
-            post_deps: Mapping[int, Sequence[int]] = _remap(net, remap.inverse(), c.hidden_bytes,
-                                                            {r: (mlp[r],) for r in range(C)}, "remap back")
+            moved = _remap(net, remap, costs.hidden_bytes, {r: () for r in ranks}, "remap")
+            mlp = [linear(r, costs.mlp_bwd_s * mlp_tokens[r], moved[r], "mlp") for r in ranks]
+            post_deps: Mapping[int, Sequence[int]] = _remap(net, remap.inverse(), costs.hidden_bytes,
+                                                            {r: (mlp[r],) for r in ranks}, "remap back")
         else:
-            post_deps = {r: (linear(r, c.mlp_bwd_s * mlp_tokens[r], (), "mlp"),) for r in range(C)}
-        post = {r: linear(r, c.post_bwd_s * attn_tokens[r], post_deps[r], "post (output projection)")
-                for r in range(C)}
+            post_deps = {r: (linear(r, costs.mlp_bwd_s * mlp_tokens[r], (), "mlp"),) for r in ranks}
+        post = {r: linear(r, costs.post_bwd_s * attn_tokens[r], post_deps[r], "post (output projection)")
+                for r in ranks}
         finals = attention_pass(post)
-        for r in range(C):
-            linear(r, c.pre_bwd_s * attn_tokens[r], finals[r], "pre (norm, QKV, RoPE)")
+        for r in ranks:
+            linear(r, costs.pre_bwd_s * attn_tokens[r], finals[r], "pre (norm, QKV, RoPE)")
     timeline: Timeline = run(graph)
-    comm = [0.0] * C
+    comm = [0.0] * num_ranks
     for (kind, rank), sec in timeline.resource_busy.items():
         if kind.endswith("_out"):
             comm[rank] += sec
