@@ -8,16 +8,15 @@ import torch
 
 from megatron_slim.plan.cost.slicing import balanced_slices, uniform_slices
 from megatron_slim.runtime.spawn import run_ranks
+from tests.oracle.models import TINY_GQA_8L
 from tests.runtime.pipeline import _workers
 
-SEQ = _workers.TINY["seq_length"]
+SEQ = TINY_GQA_8L["seq_length"]
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
 def _check(results):
-    for reports, grads, ref, _ in results[0]:  # pipeline rank 0 holds the reference
-        pass
-    for cfg_index, (_, _, ref, _) in enumerate(results[0]):
+    for cfg_index, (_, _, ref, _) in enumerate(results[0]):  # pipeline rank 0 holds the reference
         ref_reports, ref_grads = ref
         merged = {}
         for rank_results in results:
