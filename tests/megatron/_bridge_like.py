@@ -23,8 +23,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-TINY = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
-            vocab_size=64, seq_length=32, rotary_base=10000.0)
+from tests.oracle.models import NARROW_GQA_2L
 
 
 def local_layer_spec(config: "GPTModelProvider") -> ModuleSpec:
@@ -54,7 +53,7 @@ def tiny_provider(**overrides: Any) -> GPTModelProvider:
     from megatron_slim.megatron.model.gpt import transformer_config
     from megatron_slim.plan.recipe import ModelConfig
 
-    model = ModelConfig(**TINY)
+    model = ModelConfig(**NARROW_GQA_2L)
     base = transformer_config(model)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     return GPTModelProvider(**fields, seq_length=model.seq_length, vocab_size=model.vocab_size, **overrides)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from tests.megatron import _bridge_like
+from tests.oracle import reference
 
 NUM_MICROBATCHES = 2
 
@@ -41,13 +42,11 @@ def _build_model(provider, groups):
 
 def _reference(model, batches, state) -> tuple[list, dict]:
     """Unsliced: each microbatch through the whole model, Megatron's per-microbatch normalisation."""
-    reports, total = [], 0.0
-    for batch in batches:
+    def run(batch):
         output, loss_func = _bridge_like.forward_step(state, iter([batch]), model)
-        loss, n, report = loss_func(output)
-        total = total + loss / n / len(batches)
-        reports.append(report["lm loss"])
-    total.backward()
+        return loss_func(output)
+
+    reports = reference.microbatch_mean_step(run, batches)
     return reports, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 

@@ -6,13 +6,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_slim.plan.recipe import ModelConfig
-
-TINY = dict(num_layers=4, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
-            num_query_groups=2, vocab_size=256, seq_length=32)
+from tests.oracle import reference
+from tests.oracle.models import TINY_GQA_4L
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    return ModelConfig(**{**TINY, **overrides})
+    return ModelConfig(**{**TINY_GQA_4L, **overrides})
 
 
 def tiny_batch(cfg: ModelConfig, batch_size: int = 2, seed: int = 0):
@@ -20,15 +19,6 @@ def tiny_batch(cfg: ModelConfig, batch_size: int = 2, seed: int = 0):
     ids = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_length), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_length), generator=g)
     return ids, labels
-
-
-def _layer_output_hooks(chunk, store: dict):
-    """Record each decoder layer's hidden-state output ``[s, b, h]`` under its global index."""
-    def hook(module, args, output):
-        hidden = output[0] if isinstance(output, tuple) else output
-        store[module.layer_number - 1] = hidden.detach().clone()
-
-    return [layer.register_forward_hook(hook) for layer in chunk.decoder.layers]
 
 
 # --------------------------------------------------------------------------- world size 1
@@ -159,7 +149,7 @@ def _run_stages_by_hand(cfg, chunks_by_stage, my_rank, pp, ids, labels):
         if s % pp != my_rank:
             continue
         chunk = chunks_by_stage[s]
-        hooks = _layer_output_hooks(chunk, layer_out)
+        hooks = reference.layer_output_hooks(chunk, layer_out)
         if s == 0:
             inp = None
             chunk.set_input_tensor(None)
@@ -192,22 +182,6 @@ def _run_stages_by_hand(cfg, chunks_by_stage, my_rank, pp, ids, labels):
     return layer_out, losses
 
 
-def _full_model_reference(cfg, groups, full_seed, ids, labels):
-    """An unpipelined model on this rank (chunk building ignores the pp group)."""
-    from megatron_slim.megatron.model.gpt import build_chunk, global_grads, global_state_dict
-
-    full = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True,
-                       post_process=True, seed=full_seed)
-    layer_out: dict[int, torch.Tensor] = {}
-    hooks = _layer_output_hooks(full, layer_out)
-    losses = full(ids, None, None, labels=labels)
-    losses.mean().backward()
-    for h in hooks:
-        h.remove()
-    return {"state": global_state_dict(full), "grads": global_grads(full),
-            "layer_out": layer_out, "losses": losses.detach()}
-
-
 def _pipeline_case(cfg, groups, chunk_seed, full_seed):
     from megatron_slim.megatron.model.gpt import (
         build_rank_chunks,
@@ -218,7 +192,7 @@ def _pipeline_case(cfg, groups, chunk_seed, full_seed):
     )
 
     ids, labels = tiny_batch(cfg)
-    ref = _full_model_reference(cfg, groups, full_seed, ids, labels)
+    ref = reference.token_mean_step(cfg, groups, full_seed, ids, labels)
     chunks = build_rank_chunks(cfg, groups, seed=chunk_seed)
     result = {
         "expected_layers": stage_layers(cfg.num_layers, groups.pp_size, groups.vpp)[groups.pp_rank],
@@ -268,29 +242,10 @@ def _tensor_parallel_case(seed):
     with model_parallel(tp=2, seed=seed) as groups:
         chunk = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True,
                             post_process=True, seed=seed + 1)
-        full_state = _unsharded_state(cfg, seed)
+        full_state = reference.unsharded_state(cfg, seed)
         load_global_state_dict(chunk, full_state)
         losses = chunk(ids, None, None, labels=labels)
         losses.mean().backward()
         return {"full_state": full_state, "state": global_state_dict(chunk),
                 "losses": losses.detach(), "grads": global_grads(chunk),
                 "tp_rank": groups.tp_rank, "tp_size": groups.tp_size}
-
-
-def _unsharded_state(cfg, seed):
-    """The whole model's initial weights, computed without building it (init is by name)."""
-    from megatron_slim.megatron.model.weights import init_full_tensor
-
-    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
-    qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim
-    shapes = {"embedding.word_embeddings.weight": (v, h), "decoder.final_layernorm.weight": (h,),
-              "output_layer.weight": (v, h)}
-    for i in range(cfg.num_layers):
-        p = f"decoder.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,),
-                       p + "self_attention.linear_qkv.weight": (qkv_rows, h),
-                       p + "self_attention.linear_proj.weight": (h, cfg.num_attention_heads * cfg.head_dim),
-                       p + "pre_mlp_layernorm.weight": (h,),
-                       p + "mlp.linear_fc1.weight": (2 * f, h),
-                       p + "mlp.linear_fc2.weight": (h, f)})
-    return {n: init_full_tensor(n, s, seed=seed, num_layers=cfg.num_layers) for n, s in shapes.items()}

@@ -10,6 +10,7 @@ import torch
 
 from megatron_slim.plan.schema import ConfigError
 from tests.megatron import _bridge_like
+from tests.oracle.models import NARROW_GQA_2L
 
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 
@@ -148,7 +149,7 @@ def test_one_bridge_shaped_step_runs_slimpipe_and_matches_the_unsliced_model():
     from tests.megatron import _bridge_workers
 
     reports, grads, ref_reports, ref_grads, facts = run_ranks(_bridge_workers.bridge_step, 1, 4)[0]
-    assert facts == {"is_slimpipe": True, "slice_attention_layers": _bridge_like.TINY["num_layers"],
+    assert facts == {"is_slimpipe": True, "slice_attention_layers": NARROW_GQA_2L["num_layers"],
                      "slice_lengths": (8, 8, 8, 8)}
     for got, want in zip(reports, ref_reports, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)

@@ -9,7 +9,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_slim.megatron.model.core_attention import SlimCoreAttention
-from tests.runtime.attention._naive import naive_attention
+from tests.oracle.attention import naive_attention
 
 
 def causal_attention(q, k, v, softmax_scale):

@@ -11,7 +11,7 @@ import torch
 
 from megatron_slim.runtime.spawn import run_ranks
 from tests.megatron import _workers
-from tests.megatron import reference_llama as ref
+from tests.oracle import llama as ref
 
 SEED = 11
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -114,18 +114,14 @@ def _expected_tp_shard(name: str, full: torch.Tensor, rank: int, tp: int) -> tor
 
 def test_tensor_parallel_shards_loss_and_grads_match_pure_torch_llama(ranks):
     cfg = _workers.tiny_config()
-    ids, labels = _workers.tiny_batch(cfg)
-    weights = ref.from_megatron(cfg, ranks[0]["tp2"]["full_state"])
-    ref_losses = ref.token_losses(cfg, weights, ids, labels)
-    ref_losses.mean().backward()
-    ref_grads = ref.to_megatron(cfg, {k: w.grad for k, w in weights.items()})
+    ref_losses, ref_grads = ref.loss_and_grads(cfg, ranks[0]["tp2"]["full_state"], *_workers.tiny_batch(cfg))
     for out in ranks:
         tp = out["tp2"]
         rank, size = tp["tp_rank"], tp["tp_size"]
         assert size == 2
         for name, shard in tp["state"].items():
             assert torch.equal(shard, _expected_tp_shard(name, tp["full_state"][name], rank, size)), name
-        torch.testing.assert_close(tp["losses"], ref_losses.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(tp["losses"], ref_losses, rtol=0, atol=1e-5)
         for name, grad in tp["grads"].items():
             expected = _expected_tp_shard(name, ref_grads[name], rank, size)
             assert ((grad - expected).norm() / expected.norm()).item() < 1e-5, name

@@ -9,7 +9,7 @@ import torch
 
 from megatron_slim.runtime.spawn import run_ranks
 from tests.megatron import _workers
-from tests.megatron import reference_llama as ref
+from tests.oracle import llama as ref
 
 SEED = 7
 REL_TOL = 1e-5
@@ -24,19 +24,11 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
-def reference_grads(cfg, state):
-    ids, labels = _workers.tiny_batch(cfg)
-    weights = ref.from_megatron(cfg, state)
-    losses = ref.token_losses(cfg, weights, ids, labels)
-    losses.mean().backward()
-    return losses.detach(), ref.to_megatron(cfg, {k: w.grad for k, w in weights.items()})
-
-
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_loss_and_every_gradient_match_pure_torch_llama(result, tied):
     cfg = _workers.tiny_config(untie_embeddings_and_output_weights=not tied)
     run = result["models"][tied]
-    ref_losses, ref_grads = reference_grads(cfg, run["state"])
+    ref_losses, ref_grads = ref.loss_and_grads(cfg, run["state"], *_workers.tiny_batch(cfg))
 
     assert run["losses"].shape == (2, cfg.seq_length)
     torch.testing.assert_close(run["losses"], ref_losses, rtol=0, atol=1e-5)

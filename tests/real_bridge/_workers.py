@@ -6,10 +6,11 @@ from types import SimpleNamespace
 
 import torch
 
+from tests.oracle import reference
+from tests.oracle.models import NARROW_GQA_2L
 from tests.real_bridge import _stand_ins
 
-TINY = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
-            seq_length=32, vocab_size=64)
+TINY = {k: v for k, v in NARROW_GQA_2L.items() if k != "rotary_base"}  # the provider's own default
 
 
 def real_provider():
@@ -70,6 +71,11 @@ def _batches(seed: int) -> list[dict]:
     return out
 
 
+def _unsliced(step, model, batch):
+    output, loss_func = step(iter([batch]), model)
+    return loss_func(output)
+
+
 def real_bridge_step(rank, world_size, num_slices, seed=3):
     """``install`` on Bridge's own provider; the model from ``provider.provide()``; one step through
     the function Bridge's ``train`` module calls, with Bridge's ``gpt_step.forward_step`` (its
@@ -105,13 +111,7 @@ def real_bridge_step(rank, world_size, num_slices, seed=3):
                                         adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=pg)
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
-        ref_reports, total = [], 0.0
-        for batch in batches:
-            output, loss_func = step(iter([batch]), model)
-            loss, count, report = loss_func(output)
-            total = total + loss / count / len(batches)
-            ref_reports.append(report["lm loss"])
-        total.backward()
+        ref_reports = reference.microbatch_mean_step(functools.partial(_unsliced, step, model), batches)
         ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         facts = {"is_slimpipe": forward_backward_func is handle.forward_backward_func,
                  "slice_attention_layers": sum(isinstance(m, SliceCoreAttention) for m in model.modules())}

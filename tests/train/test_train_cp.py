@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from megatron_slim.cli import main
 from megatron_slim.runtime.spawn import run_ranks
+from tests.oracle import reference
+from tests.oracle.models import TINY_GQA_2L_LONG
 
 TOL = dict(atol=2e-5, rtol=1e-4)
-MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
-             vocab_size=96, seq_length=128, rotary_base=10000.0)
+MODEL = dict(TINY_GQA_2L_LONG, seq_length=128)
 EOD = 1
 # two microbatch windows; the first ends inside a document (no eod), the second is one long
 # document followed by short ones (Zeppelin splits the long one across nodes, keeps short ones local)
@@ -101,37 +102,25 @@ def _recipe(engine, remap, cp, hardware_path, windows=ALL_WINDOWS):
 
 
 def _reference(model_cfg, solo, windows, seed):
+    """Each window's documents (cut at ``eod``) through the unsharded model one at a time."""
     from megatron_slim.megatron.cp.lengths import document_lengths
-    from megatron_slim.megatron.model.gpt import build_chunk, global_grads
 
-    model = build_chunk(model_cfg, solo, layers=range(model_cfg.num_layers), pre_process=True, post_process=True,
-                        seed=seed)
-    total, summed, tokens = 0.0, 0.0, 0.0
-    for w in windows:
-        pack, offset = 0.0, 0
-        for s in document_lengths(w["tokens"], EOD):
-            part = slice(offset, offset + s)
-            losses = model(w["tokens"][:, part], torch.arange(s).unsqueeze(0), None, labels=w["labels"][:, part])
-            pack = pack + (losses.reshape(-1) * w["loss_mask"][0, part]).sum()
-            offset += s
-        total = total + pack / w["loss_mask"].sum() / len(windows)
-        summed, tokens = summed + pack.detach(), tokens + w["loss_mask"].sum()
-    total.backward()
-    return summed / tokens, global_grads(model)
+    packs = [{"tokens": w["tokens"][0], "labels": w["labels"][0], "loss_mask": w["loss_mask"][0],
+              "lengths": document_lengths(w["tokens"], EOD)} for w in windows]
+    return reference.per_document_step(model_cfg, solo, packs, seed)
 
 
 def one_step(rank, world_size, cases, hardware_path, seed=1234, window_lengths=tuple(WINDOWS)):
     """Per case ``(engine, remap)``: one forward-backward of the training job's CP plumbing through
     the schedule adapter, gradients averaged as the loop does; on rank 0 also the reference."""
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
-    from megatron_slim.megatron.model.parallel import ParallelGroups, init_model_parallel
+    from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
     from megatron_slim.train.cp import CPTrainStep, cp_layer_classes
     from megatron_slim.train.step import average_data_parallel
 
     groups = init_model_parallel(cp=world_size)
-    solo_group = [dist.new_group([r]) for r in range(world_size)][rank]
-    solo = ParallelGroups(*([solo_group] * 7), embd=solo_group, pos_embd=solo_group)
+    solo = reference.solo_groups(rank, world_size)
     windows = [_window(lengths, seed + k) for k, lengths in enumerate(window_lengths)]
     results = {}
     for engine, remap in cases:

@@ -4,18 +4,18 @@ stage's word embedding and the last stage's output copy must each get the sum of
 the pipelined, sliced run trains exactly the model an unpipelined run trains."""
 import pytest
 
+from tests.oracle.reference import UNPIPELINED_UNSLICED
 from tests.train.test_train_job import _train
 
 pytestmark = pytest.mark.multi  # train runs on their ranks
 
 TIED = ["model.untie_embeddings_and_output_weights=false", "train.iters=4", "train.global_batch_size=4",
         "model.seq_length=128", "train.warmup_iters=1", "train.lr=1e-2"]
-UNPIPELINED = ["parallel.pp=1", "schedule.kind=1f1b", "schedule.num_slices=1"]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_cache):
-    return _train(tmp_path_factory.mktemp("tied"), "pp1", data_cache, *TIED, *UNPIPELINED)
+    return _train(tmp_path_factory.mktemp("tied"), "pp1", data_cache, *TIED, *UNPIPELINED_UNSLICED)
 
 
 PIPELINED = {

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_slim.runtime.attention import ReferenceBackend, SdpaBackend
-from tests.runtime.attention._naive import assert_close, fresh_seed, naive_grads
+from tests.oracle.attention import assert_close, fresh_seed, naive_grads
 
 BACKENDS = {"reference": ReferenceBackend(), "sdpa": SdpaBackend()}
 

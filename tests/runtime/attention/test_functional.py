@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_slim.runtime.attention import ReferenceBackend, attention, varlen_attention
-from tests.runtime.attention._naive import assert_close, cu_seqlens, fresh_seed, naive_attention, naive_varlen
+from tests.oracle.attention import assert_close, cu_seqlens, fresh_seed, naive_attention, naive_varlen
 
 # float32 wrappers vs float64 autograd: ~1e-6 observed; float64 wrappers are limited by the
 # float32 lse of the contract (~1e-7 relative).

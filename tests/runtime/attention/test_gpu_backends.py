@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_slim.runtime.attention import ReferenceBackend, select_backend
-from tests.runtime.attention._naive import cu_seqlens, fresh_seed
+from tests.oracle.attention import cu_seqlens, fresh_seed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

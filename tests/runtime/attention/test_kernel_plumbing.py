@@ -12,7 +12,7 @@ import torch
 from megatron_slim.runtime.attention import FlashBackend, ReferenceBackend, flash_api
 from megatron_slim.runtime.attention import flash as flash_backend_module
 from megatron_slim.runtime.attention.sdpa_kernels import CudaEfficientKernels, CudaFlashKernels
-from tests.runtime.attention._naive import assert_close, fresh_seed
+from tests.oracle.attention import assert_close, fresh_seed
 
 
 @pytest.mark.parametrize("kernels", [CudaFlashKernels, CudaEfficientKernels], ids=lambda k: k.__name__)

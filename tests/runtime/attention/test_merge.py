@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_slim.runtime.attention import ReferenceBackend, SdpaBackend, merge, merge_
-from tests.runtime.attention._naive import assert_close, fresh_seed
+from tests.oracle.attention import assert_close, fresh_seed
 
 BACKENDS = {"reference": ReferenceBackend(), "sdpa": SdpaBackend()}
 

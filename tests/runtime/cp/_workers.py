@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tests.oracle import reference
+from tests.oracle.models import TINY_GQA_2L_LONG
 from tests.runtime.cp import _plans
 
 HQ, HKV, D = 4, 2, 8
@@ -96,44 +98,12 @@ def remap_cases(rank, world_size, names):
 
 # --------------------------------------------------------------------------- megatron-core model
 
-MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
-             vocab_size=96, seq_length=1024, rotary_base=10000.0)
-
-
 def make_pack(lengths, vocab: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     return {"tokens": torch.randint(0, vocab, (total,), generator=g),
             "labels": torch.randint(0, vocab, (total,), generator=g),
             "loss_mask": (torch.rand(total, generator=g) > 0.15).float()}
-
-
-def _solo_groups(rank: int, world_size: int):
-    """Groups of size one, for the unsharded reference model on one rank of the CP world."""
-    from megatron_slim.megatron.model.parallel import ParallelGroups
-
-    solo = [dist.new_group([r]) for r in range(world_size)][rank]
-    return ParallelGroups(tp=solo, pp=solo, cp=solo, dp=solo, dp_cp=solo, tp_cp=solo, mp=solo, embd=solo,
-                          pos_embd=solo)
-
-
-def reference_step(model_cfg, groups, pack: dict, lengths, seed: int):
-    """Whole model, plain causal attention, one sequence at a time (positions from 0); the loss is
-    the pack's masked mean: every token's loss over the pack's masked-token count."""
-    from megatron_slim.megatron.model.gpt import build_chunk, global_grads
-
-    model = build_chunk(model_cfg, groups, layers=range(model_cfg.num_layers), pre_process=True,
-                        post_process=True, seed=seed)
-    total, offset = 0.0, 0
-    for s in lengths:
-        part = slice(offset, offset + s)
-        losses = model(pack["tokens"][part].unsqueeze(0), torch.arange(s).unsqueeze(0), None,
-                       labels=pack["labels"][part].unsqueeze(0))
-        total = total + (losses.reshape(-1) * pack["loss_mask"][part]).sum()
-        offset += s
-    loss = total / pack["loss_mask"].sum()
-    loss.backward()
-    return loss.detach(), global_grads(model)
 
 
 def model_cases(rank, world_size, cases, seed=1234):
@@ -147,8 +117,8 @@ def model_cases(rank, world_size, cases, seed=1234):
     from megatron_slim.plan.recipe import ModelConfig
 
     groups = init_model_parallel(cp=world_size)
-    solo = _solo_groups(rank, world_size)
-    model_cfg = ModelConfig(**MODEL)
+    solo = reference.solo_groups(rank, world_size)
+    model_cfg = ModelConfig(**TINY_GQA_2L_LONG)
     references: dict = {}
     results = {}
     for name, remap_on in cases:
@@ -176,6 +146,7 @@ def model_cases(rank, world_size, cases, seed=1234):
             "moved": remap.moved_tokens if remap is not None else 0}
         if rank == 0:
             if plan.lengths not in references:
-                references[plan.lengths] = reference_step(model_cfg, solo, pack, plan.lengths, seed)
+                references[plan.lengths] = reference.per_document_step(
+                    model_cfg, solo, [dict(pack, lengths=plan.lengths)], seed)
             results[name, remap_on]["reference"] = references[plan.lengths]
     return results

@@ -3,8 +3,8 @@ import functools
 import pytest
 import torch
 
-from megatron_slim.runtime.attention import ReferenceBackend, varlen_attention
 from megatron_slim.runtime.spawn import run_ranks
+from tests.oracle.attention import library_reference_grads
 from tests.runtime.cp import _plans, _workers
 
 WORLD = _plans.NODES * _plans.PER_NODE
@@ -21,8 +21,4 @@ def engine_results():
 def reference(lengths: tuple[int, ...], dv: int, dtype_name: str):
     """Single-rank varlen causal attention over the whole pack, in float64: out, dq, dk, dv."""
     q, k, v, dout = _workers.pack_tensors(sum(lengths), dv, getattr(torch, dtype_name), seed=7)
-    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
-    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32)
-    out = varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, backend=ReferenceBackend())
-    out.backward(dout.double())
-    return out.detach(), q.grad, k.grad, v.grad
+    return library_reference_grads(q, k, v, dout, lengths)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_slim.runtime.spawn import run_ranks
+from tests.oracle.models import TINY_GQA_2L_LONG
 from tests.runtime.cp import _plans, _workers
 from tests.runtime.cp.conftest import WORLD
 
@@ -29,8 +30,8 @@ def _check(results, cases):
     for case in cases:
         got = results[0][case]
         ref_loss, ref_grads = got["reference"]
-        assert got["attentions"] == _workers.MODEL["num_layers"]
-        assert got["remap_layers"] == (_workers.MODEL["num_layers"] if case[1] else 0)
+        assert got["attentions"] == TINY_GQA_2L_LONG["num_layers"]
+        assert got["remap_layers"] == (TINY_GQA_2L_LONG["num_layers"] if case[1] else 0)
         torch.testing.assert_close(got["loss"], ref_loss, **TOL)
         assert got["grads"].keys() == ref_grads.keys()
         for name, want in ref_grads.items():

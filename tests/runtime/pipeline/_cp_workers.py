@@ -5,6 +5,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_slim.plan.recipe import ModelConfig
+from megatron_slim.train.loop import loss_func
+from tests.oracle import reference
+from tests.oracle.models import TINY_GQA_8L
 from tests.runtime.pipeline import _workers
 
 
@@ -92,7 +95,7 @@ def _forward_step(loss_kind, cp_group, data_iterator, model):
     batch = get_batch_on_this_cp_rank(dict(next(data_iterator)), cp_group=cp_group)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     if loss_kind == "stock":
-        return output, functools.partial(_workers.loss_func, batch["loss_mask"])
+        return output, functools.partial(loss_func, batch["loss_mask"])
     fn = cp_loss_func if loss_kind == "cp" else legacy_loss_func
     return output, functools.partial(fn, batch["loss_mask"], cp_group=cp_group)
 
@@ -125,9 +128,9 @@ def run_slimpipe_cp(rank, world_size, layouts, seed=1234):
     ``parallel_state`` in places, e.g. the vocab-parallel cross entropy)."""
     from megatron_slim.megatron.model.parallel import init_model_parallel, teardown
 
-    model = ModelConfig(**_workers.TINY)
-    _workers._GROUPS = init_model_parallel()
-    refs = [[_workers.reference(model, _batches(model, m, kind, seed), seed) if rank < tp else None
+    model = ModelConfig(**TINY_GQA_8L)
+    solo = init_model_parallel()
+    refs = [[reference.unsliced_step(model, solo, _batches(model, m, kind, seed), seed) if rank < tp else None
              for _, m, _, kind in configs] for tp, _, _, configs in layouts]
     teardown()
     out = []

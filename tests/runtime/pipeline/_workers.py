@@ -4,10 +4,9 @@ import dataclasses
 import torch
 
 from megatron_slim.plan.recipe import ModelConfig
-from megatron_slim.train.loop import forward_step, loss_func  # the training job's own
-
-TINY = dict(num_layers=8, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4, num_query_groups=2,
-            vocab_size=128, seq_length=32, rotary_base=10000.0)
+from megatron_slim.train.loop import forward_step  # the training job's own
+from tests.oracle import reference
+from tests.oracle.models import TINY_GQA_8L
 
 
 def make_batches(model: ModelConfig, num_microbatches: int, micro_batch: int, seed: int):
@@ -22,45 +21,19 @@ def make_batches(model: ModelConfig, num_microbatches: int, micro_batch: int, se
     return out
 
 
-def reference(model: ModelConfig, batches, seed: int):
-    """Single process, unpipelined, unsliced: Megatron's per-microbatch normalisation."""
-    from megatron_slim.megatron.model.gpt import build_chunk, global_grads
-    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
-
-    full = build_chunk(model, _groups(), layers=range(model.num_layers), pre_process=True, post_process=True,
-                       core_attention=SliceCoreAttention, seed=seed)
-    reports = []
-    total = 0.0
-    for batch in batches:
-        out = full(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        loss, n, report = loss_func(batch["loss_mask"], out)
-        total = total + loss / n.clamp(min=1) / len(batches)
-        reports.append(report["lm loss"])
-    total.backward()
-    return reports, global_grads(full)
-
-
-_GROUPS = None
-
-
-def _groups():
-    return _GROUPS
-
-
 def run_slimpipe(rank, world_size, configs, seed=1234):
     """Each config: (vpp, num_microbatches, slice_lengths). Returns per config (reports, grads, ref)."""
-    global _GROUPS
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
     from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 
-    _GROUPS = init_model_parallel(pp=world_size)
-    model = ModelConfig(**TINY)
+    groups = init_model_parallel(pp=world_size)
+    model = ModelConfig(**TINY_GQA_8L)
     results = []
     for vpp, m, lengths in configs:
         batches = make_batches(model, m, micro_batch=2, seed=seed + m)
-        chunks = build_rank_chunks(model, dataclasses.replace(_GROUPS, vpp=vpp),
+        chunks = build_rank_chunks(model, dataclasses.replace(groups, vpp=vpp),
                                    core_attention=SliceCoreAttention, seed=seed)
         fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths), measure_memory=True))
         reports = fb(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
@@ -68,7 +41,7 @@ def run_slimpipe(rank, world_size, configs, seed=1234):
         grads = {}
         for c in chunks:
             grads.update(global_grads(c))
-        ref = reference(model, batches, seed) if rank == 0 else None
+        ref = reference.unsliced_step(model, groups, batches, seed) if rank == 0 else None
         results.append(([r["lm loss"] for r in reports], grads, ref,
                         (fb.stats.peak_activation_bytes, fb.stats.peak_kv_bytes)))
     return results
@@ -78,18 +51,17 @@ def run_forward_only(rank, world_size, configs, seed=1234):
     """Each config: (vpp, num_microbatches, slice_lengths). Returns per config the losses of a
     forward-only call and of a training call on the same batches, and how many parameters had a
     gradient after each."""
-    global _GROUPS
     from megatron_slim.megatron.model.gpt import build_rank_chunks
     from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 
-    _GROUPS = init_model_parallel(pp=world_size)
-    model = ModelConfig(**TINY)
+    groups = init_model_parallel(pp=world_size)
+    model = ModelConfig(**TINY_GQA_8L)
     results = []
     for vpp, m, lengths in configs:
         batches = make_batches(model, m, micro_batch=2, seed=seed + m)
-        chunks = build_rank_chunks(model, dataclasses.replace(_GROUPS, vpp=vpp),
+        chunks = build_rank_chunks(model, dataclasses.replace(groups, vpp=vpp),
                                    core_attention=SliceCoreAttention, seed=seed)
         fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths)))
         losses, with_grads = [], []

@@ -7,9 +7,9 @@ cache's dK/dV buffers are float32 (as in the non-CP slice attention test)."""
 import pytest
 import torch
 
-from megatron_slim.runtime.attention import ReferenceBackend, attention
 from megatron_slim.runtime.pipeline.zigzag import ZigzagLayout
 from megatron_slim.runtime.spawn import run_ranks
+from tests.oracle.attention import library_reference_grads
 from tests.runtime.pipeline import _cp_workers
 
 TOL = dict(atol=1e-6, rtol=1e-5)
@@ -46,19 +46,11 @@ def test_zigzag_layout_refuses_unaligned_slices():
         ZigzagLayout(2, 10)
 
 
-def _reference(seq_lengths, index):
-    q, k, v, w = _cp_workers._qkv(index, sum(seq_lengths))
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = attention(q, k, v, causal=True, backend=ReferenceBackend())
-    (out * w).sum().backward()
-    return out.detach(), q.grad, k.grad, v.grad
-
-
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_slices_equal_whole_sequence_attention(cp):
     results = run_ranks(_cp_workers.attention_cases, cp, CASES, timeout_s=300)
     for index, (_, lengths) in enumerate(CASES):
-        ref = dict(zip(("out", "dq", "dk", "dv"), _reference(lengths, index)))
+        ref = dict(zip(("out", "dq", "dk", "dv"), library_reference_grads(*_cp_workers._qkv(index, sum(lengths)))))
         got = {name: torch.zeros_like(t) for name, t in ref.items()}
         whole = torch.zeros_like(ref["out"])
         for rank_results in results:

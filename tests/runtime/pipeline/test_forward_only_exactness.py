@@ -4,9 +4,10 @@ import torch
 
 from megatron_slim.plan.cost.slicing import uniform_slices
 from megatron_slim.runtime.spawn import run_ranks
+from tests.oracle.models import TINY_GQA_8L
 from tests.runtime.pipeline import _workers
 
-SEQ = _workers.TINY["seq_length"]
+SEQ = TINY_GQA_8L["seq_length"]
 
 
 def test_forward_only_losses_equal_the_training_losses():

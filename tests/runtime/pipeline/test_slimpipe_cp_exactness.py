@@ -17,9 +17,10 @@ import torch
 
 from megatron_slim.plan.cost.slicing import balanced_slices, uniform_slices
 from megatron_slim.runtime.spawn import run_ranks
-from tests.runtime.pipeline import _cp_workers, _workers
+from tests.oracle.models import TINY_GQA_8L
+from tests.runtime.pipeline import _cp_workers
 
-SEQ = _workers.TINY["seq_length"]
+SEQ = TINY_GQA_8L["seq_length"]
 TOL = dict(atol=2e-5, rtol=1e-4)
 ALIGN = 4  # 2 * cp
 

@@ -2,15 +2,21 @@
 gradient equal a single-process, unpipelined, unsliced reference within fp32 round-off.
 
 Tolerance: |a - b| <= 2e-5 + 1e-4 * |b| elementwise (fp32; slicing and pipelining only reorder
-floating-point sums: attention is merged by log-sum-exp over K/V chunks, dK/dV accumulate in fp32)."""
+floating-point sums: attention is merged by log-sum-exp over K/V chunks, dK/dV accumulate in fp32).
+Each rank's peak K/V cache bytes (the cache's byte ledger) equal the simulator's to the byte."""
 import pytest
 import torch
 
 from megatron_slim.plan.cost.slicing import balanced_slices, uniform_slices
+from megatron_slim.plan.recipe import recipe_from_dict
+from megatron_slim.plan.schedule import generate
+from megatron_slim.plan.sim.costs import RecipeCosts
+from megatron_slim.plan.sim.engine import simulate
 from megatron_slim.runtime.spawn import run_ranks
+from tests.oracle.models import TINY_GQA_8L
 from tests.runtime.pipeline import _workers
 
-SEQ = _workers.TINY["seq_length"]
+SEQ = TINY_GQA_8L["seq_length"]
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
@@ -33,6 +39,20 @@ def _check(results):
             torch.testing.assert_close(merged[name], want, **TOL, msg=lambda m: f"{name}: {m}")
 
 
+def _simulated_kv_peaks(pp, vpp, m, lengths):
+    recipe = recipe_from_dict({"hardware": "cpu", "model": TINY_GQA_8L, "parallel": {"pp": pp, "vpp": vpp},
+                               "schedule": {"kind": "slimpipe", "num_slices": len(lengths)},
+                               "train": {"global_batch_size": 2 * m, "micro_batch_size": 2, "precision": "fp32"}})
+    result = simulate(generate("slimpipe", pp, vpp, m, len(lengths)), RecipeCosts(recipe, lengths=tuple(lengths)))
+    return [r.peak_kv_bytes for r in result.ranks]
+
+
+def _check_kv_memory(results, pp, configs):
+    for cfg_index, (vpp, m, lengths) in enumerate(configs):
+        measured = [rank_results[cfg_index][3][1] for rank_results in results]
+        assert measured == _simulated_kv_peaks(pp, vpp, m, lengths), (vpp, m, lengths)
+
+
 def _balanced(n):
     return balanced_slices(SEQ, n, per_token=1.0, per_pair=0.08)
 
@@ -53,3 +73,4 @@ def test_balanced_lengths_are_uneven():
 def test_slimpipe_matches_unpipelined_unsliced_reference(pp, configs):
     results = run_ranks(_workers.run_slimpipe, pp, configs, timeout_s=900)
     _check(results)
+    _check_kv_memory(results, pp, configs)

@@ -1,4 +1,4 @@
-"""Independent float64 ground truth for the attention tests: explicit mask, softmax, autograd."""
+"""Independent float64 ground truth for attention: explicit mask, softmax, autograd."""
 
 from __future__ import annotations
 
@@ -80,3 +80,20 @@ def assert_close(actual, expected, atol: float, rtol: float, what: str, seed: in
         actual.double(), expected.double(), atol=atol, rtol=rtol, equal_nan=False,
         msg=lambda m: f"{what} (seed {seed}): {m}",
     )
+
+
+def library_reference_grads(q, k, v, dout, lengths=None):
+    """(out, dq, dk, dv) of single-process causal attention in float64 through the library's own
+    reference backend -- over the whole ``[b, s, h, d]`` sequence, or (``lengths``) over a packed
+    ``[t, h, d]`` varlen batch: the whole-sequence answer that sharded and sliced attention must give
+    (the naive functions above check that backend itself)."""
+    from megatron_slim.runtime.attention import ReferenceBackend, attention, varlen_attention
+
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    if lengths is None:
+        out = attention(q, k, v, causal=True, backend=ReferenceBackend())
+    else:
+        cu = cu_seqlens(list(lengths))
+        out = varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, backend=ReferenceBackend())
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad

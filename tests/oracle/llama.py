@@ -1,4 +1,4 @@
-"""An independent pure-torch Llama (RoPE, RMSNorm, SwiGLU, GQA) to check megatron chunks against.
+"""An independent pure-torch Llama (RoPE, RMSNorm, SwiGLU, GQA) to check megatron models against.
 
 Weights are kept in the textbook layout (separate q/k/v/o, gate/up/down projections) under short
 names; :func:`from_megatron` and :func:`to_megatron` convert to and from megatron's whole-model
@@ -124,3 +124,12 @@ def token_losses(cfg, w: Mapping[str, torch.Tensor], ids: torch.Tensor, labels: 
     """Per-token cross entropy ``[b, s]`` (what megatron's GPTModel returns given labels)."""
     logits, _ = forward(cfg, w, ids)
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+
+
+def loss_and_grads(cfg, state: Mapping[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor):
+    """Per-token losses ``[b, s]`` of the megatron weights ``state`` and the gradient of their mean,
+    under megatron's whole-model names."""
+    weights = from_megatron(cfg, state)
+    losses = token_losses(cfg, weights, ids, labels)
+    losses.mean().backward()
+    return losses.detach(), to_megatron(cfg, {k: w.grad for k, w in weights.items()})
