@@ -15,7 +15,7 @@ from megatron_slim.plan.cost.slicing import max_slices, slice_alignment, splits_
 from megatron_slim.plan.files import load_yaml_mapping
 from megatron_slim.plan.hardware import HardwareProfile, load_hardware
 from megatron_slim.plan.paths import config_dir
-from megatron_slim.plan.recipe_sections import (  # noqa: F401  (re-exported: callers import them from here)
+from megatron_slim.plan.recipe_sections import (
     MAX_SEED,
     CPConfig,
     CPEngine,
@@ -28,6 +28,13 @@ from megatron_slim.plan.recipe_sections import (  # noqa: F401  (re-exported: ca
     TrainConfig,
 )
 from megatron_slim.plan.schema import ConfigError, apply_overrides, build, fail, parse_override, to_dict
+
+# The section dataclasses live in recipe_sections; callers import them from here, with the recipe.
+__all__ = [
+    "MAX_SEED", "CPConfig", "CPEngine", "DataConfig", "ModelConfig", "ParallelConfig", "Recipe", "ScheduleConfig",
+    "ScheduleKind", "SlicePolicy", "TrainConfig", "available_recipes", "load_recipe", "recipe_from_dict",
+    "recipe_path", "world_size_note",
+]
 
 
 @dataclass(frozen=True)

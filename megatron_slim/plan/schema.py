@@ -78,7 +78,7 @@ def _coerce_union(tp: Any, value: Any, field: str) -> Any:
     raise fail(field, value, _describe(tp))
 
 
-def _coerce_tuple(tp: Any, value: Any, field: str) -> tuple:
+def _coerce_tuple(tp: Any, value: Any, field: str) -> tuple[Any, ...]:
     (item_tp, *_rest) = get_args(tp)
     if isinstance(value, str):
         value = [v for v in value.split(",") if v.strip()]

@@ -89,7 +89,7 @@ class _Run:
         self.schedule = schedule
         self.costs = costs
         self.free = [0.0] * schedule.pp  # compute stream
-        self.link_free: dict = {}
+        self.link_free: dict[tuple[int, int], float] = {}
         self.events: list[Event] = []
         self.mem: list[list[tuple[float, float, float]]] = [[] for _ in range(schedule.pp)]
         self.busy = [0.0] * schedule.pp

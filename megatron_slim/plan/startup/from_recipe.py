@@ -2,11 +2,13 @@
 ``megatron-args`` writes for it stand for it."""
 from __future__ import annotations
 
+from typing import Any
+
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.startup.settings import NO_CP_ENGINE, Settings
 
 
-def _common(recipe: Recipe) -> dict:
+def _common(recipe: Recipe) -> dict[str, Any]:
     m, p, s, t = recipe.model, recipe.parallel, recipe.schedule, recipe.train
     return dict(cp=p.cp, tp=p.tp, pp=p.pp, micro_batch_size=t.micro_batch_size,
                 sequence_parallel=p.sequence_parallel, num_slices=s.num_slices, slice_policy=s.slice_policy,

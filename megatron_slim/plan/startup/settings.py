@@ -64,7 +64,7 @@ class Inputs:
     """How one caller names the inputs behind ``Settings`` fields: Megatron-LM flags or recipe fields."""
 
     caller: str
-    names: dict
+    names: dict[str, str]
 
     @property
     def flags(self) -> bool:

@@ -28,12 +28,13 @@ from megatron_slim.plan.cp.layout import CPGroup, CPPlan
 from megatron_slim.plan.cp.program import CPProgram, Step
 from megatron_slim.plan.cp.routing import RoutingPlan
 from megatron_slim.plan.cp.zigzag import causal, member_prefix_pairs
-from megatron_slim.plan.sim.cp.events import Deps
+from megatron_slim.plan.sim.cp.events import Deps, Priority
 from megatron_slim.plan.sim.cp.network import Network
 from megatron_slim.plan.sim.cp.ring import RingPricer
 
 __all__ = ["AttentionBuilder", "rounds"]
-Pricer = Callable[[int, Step], None]
+Pricer = Callable[[int, Step], None]  # prices one step of one rank
+Finals = Callable[[], dict[int, list[int]]]  # per member, the tasks its post-attention work waits for
 
 
 def rounds(steps: tuple[Step, ...]) -> list[list[Step]]:
@@ -54,10 +55,10 @@ class AttentionBuilder:
         self.graph = net.graph
         self.walked: dict[tuple[int, int], list[str]] = {}
 
-    def attn(self, rank: int, pairs: float, deps, priority: tuple, name: str) -> int:
+    def attn(self, rank: int, pairs: float, deps: Deps, priority: Priority, name: str) -> int:
         return self.graph.compute(rank, self.costs.attention_s(pairs, self.backward), deps, priority, name=name)
 
-    def hop(self, group: CPGroup, step: int, src: int, dst: int, rows: float, per_row: float, deps,
+    def hop(self, group: CPGroup, step: int, src: int, dst: int, rows: float, per_row: float, deps: Deps,
             name: str = "") -> int:
         route = self.routing.route_for(group.index, step, dst) if (self.routing and group.routed) else None
         if route is not None and route.routed:
@@ -67,11 +68,11 @@ class AttentionBuilder:
     def build(self, group: CPGroup, ready: dict[int, int]) -> dict[int, list[int]]:
         """Tasks of ``group``; ``ready[rank]`` is the task after which a member may start.
         Returns, per member, the tasks its post-attention work must wait for."""
-        price, finals = getattr(self, f"_{group.kind}")(group, ready)
+        pricers: Callable[[CPGroup, dict[int, int]], tuple[Pricer, Finals]] = getattr(self, f"_{group.kind}")
+        price, finals = pricers(group, ready)
         relays = sorted(r for r in range(self.plan.num_ranks)
                         if r not in group.ranks and self.program.task(r, group.index) is not None)
-        walkers = [(r, rounds(self.program.task(r, group.index).steps(self.backward)))
-                   for r in (*group.ranks, *relays)]
+        walkers = [(r, self._rounds(r, group)) for r in (*group.ranks, *relays)]
         for k in range(max(len(w) for _, w in walkers)):
             for rank, steps in walkers:
                 for step in steps[k] if k < len(steps) else ():
@@ -79,9 +80,15 @@ class AttentionBuilder:
                     self.walked.setdefault((rank, group.index), []).append(str(step))
         return finals()
 
+    def _rounds(self, rank: int, group: CPGroup) -> list[list[Step]]:
+        task = self.program.task(rank, group.index)
+        assert task is not None, f"rank {rank} has no task in group {group.index}"
+        return rounds(task.steps(self.backward))
+
     # ---- kinds ------------------------------------------------------------------------------------
-    def _local(self, group: CPGroup, ready: dict[int, int]):
-        rank, out = group.ranks[0], {}
+    def _local(self, group: CPGroup, ready: dict[int, int]) -> tuple[Pricer, Finals]:
+        rank = group.ranks[0]
+        out: dict[int, list[int]] = {}
 
         def price(r: int, step: Step) -> None:
             if step.op == "C":
@@ -90,7 +97,7 @@ class AttentionBuilder:
                           for k, i in enumerate(group.seqs)]
         return price, lambda: {rank: out.get(rank, [])}
 
-    def _zigzag(self, group: CPGroup, ready: dict[int, int]):
+    def _zigzag(self, group: CPGroup, ready: dict[int, int]) -> tuple[Pricer, Finals]:
         ring = RingPricer(self, group, list(group.ranks), [self.plan.lengths[i] for i in group.seqs], ready,
                           [self.plan.group_tokens(group.index, r) for r in group.ranks], 1.0, 1.0, 0)
         return ring.price, ring.finals
@@ -103,7 +110,7 @@ class AttentionBuilder:
                  for s in range(a) for d in range(a) if s != d]
         return self.net.all_to_all(flows, deps, name)
 
-    def _hierarchical(self, group: CPGroup, ready: dict[int, int]):
+    def _hierarchical(self, group: CPGroup, ready: dict[int, int]) -> tuple[Pricer, Finals]:
         a, n = group.a2a_size, group.ring_size
         c = self.costs
         rows = [self.plan.group_tokens(group.index, r) for r in group.ranks]
@@ -139,7 +146,7 @@ class AttentionBuilder:
                 rings[local].price(rank, step)
         return price, lambda: out
 
-    def _ulysses(self, group: CPGroup, ready: dict[int, int]):
+    def _ulysses(self, group: CPGroup, ready: dict[int, int]) -> tuple[Pricer, Finals]:
         c, ranks = self.costs, group.ranks
         p = len(ranks)
         rows = [self.plan.group_tokens(group.index, r) for r in ranks]
@@ -165,7 +172,7 @@ class AttentionBuilder:
                 tids["out"] = self.net.all_to_all(flows, comp, f"ulysses g{group.index} a2a out")
         return price, lambda: {r: [tids["out"]] for r in ranks}
 
-    def _allgather(self, group: CPGroup, ready: dict[int, int]):
+    def _allgather(self, group: CPGroup, ready: dict[int, int]) -> tuple[Pricer, Finals]:
         ranks, g = group.ranks, len(group.ranks)
         blocks = [self.plan.group_tokens(group.index, r) * self.costs.kv_bytes for r in ranks]
         tids: dict[str, int] = {}

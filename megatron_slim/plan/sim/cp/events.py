@@ -81,7 +81,7 @@ def _dependents(tasks: list[Task]) -> list[list[int]]:
 
 
 def _queue_loads(tid: int, task: Task, now: float, free_at: dict[Resource, float],
-                 resource_busy: dict[Resource, float], occupancy: list) -> float:
+                 resource_busy: dict[Resource, float], occupancy: list[tuple[int, Resource, float, float]]) -> float:
     """Queue comm task ``tid``'s loads on their resources from ``now``; returns when the last one ends."""
     finish = now
     for res, seconds in task.loads:

@@ -23,7 +23,7 @@ from megatron_slim.plan.cp.remap import RemapPlan
 from megatron_slim.plan.cp.routing import RoutingPlan
 from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.sim.cp.attention import AttentionBuilder
-from megatron_slim.plan.sim.cp.events import Span, TaskGraph, Timeline, run, spans
+from megatron_slim.plan.sim.cp.events import Deps, Span, TaskGraph, Timeline, run, spans
 from megatron_slim.plan.sim.cp.network import Network
 
 _LINEAR = (-1, 0, 0, 0)  # linear work outranks attention pieces when both are ready
@@ -64,7 +64,10 @@ def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: b
     net = Network(topo, graph)
     attn_tokens = plan.tokens_per_rank()
     mlp_tokens = remap.target_tokens if remap else attn_tokens
-    linear = lambda r, sec, deps, name: graph.compute(r, sec, deps, _LINEAR, "linear", name)  # noqa: E731
+
+    def linear(r: int, sec: float, deps: Deps, name: str) -> int:
+        return graph.compute(r, sec, deps, _LINEAR, "linear", name)
+
     attention = AttentionBuilder(plan, costs, net, routing, backward, lower_cp(plan, routing))
 
     def attention_pass(ready: dict[int, int]) -> dict[int, list[int]]:
@@ -77,7 +80,7 @@ def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: b
     if not backward:
         pre = {r: linear(r, costs.pre_fwd_s * attn_tokens[r], (), "pre (norm, QKV, RoPE)") for r in ranks}
         finals = attention_pass(pre)
-        post = [linear(r, costs.post_fwd_s * attn_tokens[r], finals[r], "post (output projection)") for r in ranks]
+        post = {r: linear(r, costs.post_fwd_s * attn_tokens[r], finals[r], "post (output projection)") for r in ranks}
         if remap:
             moved = _remap(net, remap, costs.hidden_bytes, {r: (post[r],) for r in ranks}, "remap")
             mlp = [linear(r, costs.mlp_fwd_s * mlp_tokens[r], moved[r], "mlp") for r in ranks]

@@ -19,9 +19,14 @@ Member ``i`` (see ``plan.cp.program``):
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from megatron_slim.plan.cp.layout import CPGroup
 from megatron_slim.plan.cp.program import Step
 from megatron_slim.plan.cp.zigzag import causal, chunk_bounds
+
+if TYPE_CHECKING:  # attention imports this module
+    from megatron_slim.plan.sim.cp.attention import AttentionBuilder
 
 
 def ring_pairs(lengths: list[int], ring: int) -> list[list[int]]:
@@ -42,8 +47,8 @@ def ring_pairs(lengths: list[int], ring: int) -> list[list[int]]:
 
 
 class RingPricer:
-    def __init__(self, builder, group: CPGroup, ranks: list[int], lengths: list[int], ready: dict[int, int],
-                 block_rows: list[float], head_share: float, kv_share: float, sub: int) -> None:
+    def __init__(self, builder: AttentionBuilder, group: CPGroup, ranks: list[int], lengths: list[int],
+                 ready: dict[int, int], block_rows: list[float], head_share: float, kv_share: float, sub: int) -> None:
         self.b, self.group, self.ranks, self.ready = builder, group, ranks, ready
         self.block_rows, self.head_share, self.sub = block_rows, head_share, sub
         self.position = {r: i for i, r in enumerate(ranks)}
