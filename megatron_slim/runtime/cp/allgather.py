@@ -7,6 +7,8 @@ share home, where the owner sums them (a reduce-scatter made of point-to-point m
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron_slim.plan.cp.layout import CPGroup, CPPlan
@@ -78,7 +80,8 @@ class AllGatherTask:
         out = acc_out.to(rt.dtype)
         return out, (q, k, v, out, acc_lse)
 
-    def backward(self, rt: RunContext, dout: Tensor, saved):
+    def backward(self, rt: RunContext, dout: Optional[Tensor], saved):
+        assert dout is not None, "every all-gather member holds rows"
         q, k, v, out, lse = saved
         acc = rt.acc_dtype
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
@@ -94,7 +97,8 @@ class AllGatherTask:
             backward_into(rt.backend, rt.scale, self.calls[j], dout, q, kj, vj, out, lse, dq, dkj, dvj)
             st["shares"][self.index[(self.i, j)]] = pack(dkj, dvj)
 
-        def gathered(_) -> None:
+        def gathered(_: object) -> None:
+            st.update(scattered=st["pending"].wait())
             for j in self._others():
                 gk, gv = unpack(st["scattered"][self.index[(j, self.i)]], *self.kv_shapes)
                 dk.add_(gk)
@@ -105,5 +109,5 @@ class AllGatherTask:
             ("C", ""): compute,
             ("POST", "SCATTER"): lambda _: st.update(
                 pending=self.scatter.post(rt.comm, st["shares"], dtype=acc, device=rt.device)),
-            ("WAIT", "SCATTER"): lambda _: st.update(scattered=st["pending"].wait()) or gathered(_)})
+            ("WAIT", "SCATTER"): gathered})
         return dq, dk, dv

@@ -105,7 +105,8 @@ def _call(causal: bool, entries: list[tuple[Span, list[Span]]]) -> VarlenCall | 
     if not entries:
         return None
     cu_q, cu_k = [0], [0]
-    q_runs, k_runs = [], []
+    q_runs: list[tuple[int, int]] = []
+    k_runs: list[tuple[int, int]] = []
     for query, keys in entries:
         q_runs.append((query.row, query.length))
         k_runs.extend((k.row, k.length) for k in keys)

@@ -31,15 +31,22 @@ class Comm:
     def send(self, tensor: Tensor, to: int) -> None:
         if not tensor.is_contiguous():
             raise ValueError("send: tensor must be contiguous")
-        self._sends.append((dist.isend(tensor, dst=self.ranks[to], group=self.group), tensor))
+        self._sends.append((_posted(dist.isend(tensor, dst=self.ranks[to], group=self.group)), tensor))
 
     def recv(self, buffer: Tensor, frm: int) -> dist.Work:
         if not buffer.is_contiguous():
             raise ValueError("recv: buffer must be contiguous")
-        return dist.irecv(buffer, src=self.ranks[frm], group=self.group)
+        return _posted(dist.irecv(buffer, src=self.ranks[frm], group=self.group))
 
     def drain(self) -> None:
         """Wait for every send posted so far (their tensors stay alive until then)."""
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+
+
+def _posted(work: dist.Work | None) -> dist.Work:
+    """torch types isend/irecv's handle as optional: it is None only for a rank outside the group,
+    and every peer here is one of ``Comm.ranks``."""
+    assert work is not None
+    return work

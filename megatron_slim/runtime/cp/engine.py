@@ -132,7 +132,8 @@ class CPAttentionEngine:
             if t.rows is not None:
                 for grad, part in zip(grads, result):
                     t.rows.put(grad, part)
-        return tuple(grads)
+        dq, dk, dv = grads
+        return dq, dk, dv
 
     def _walked(self, direction: str) -> Optional[dict]:
         return None if self.trace is None else self.trace.setdefault(direction, {})

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import torch
+import torch.distributed as dist
 
 from megatron_slim.plan.cp.routing import RoutePart
 from megatron_slim.runtime.cp.comm import Comm
@@ -109,7 +110,7 @@ class Exchange:
                 outputs[i] = payloads[i] if hop.src == me else \
                     torch.empty(hop.rows, hop.width, dtype=dtype, device=device)
         finals = []
-        relayed: dict[tuple[int, int], tuple[Tensor, object]] = {}
+        relayed: dict[tuple[int, int], tuple[Tensor, dist.Work]] = {}
         for receives, sends in self.legs_of(me):
             for leg in receives:
                 if leg.to_destination:

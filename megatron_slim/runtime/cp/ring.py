@@ -18,7 +18,7 @@ at each ``ROUND`` (see ``engine.run_queues``); a rank that only relays for this 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -87,13 +87,14 @@ class Ring:
 
     # ---- step handlers: the ring's steps of ``plan.cp.program`` ------------------------------------
     def start_forward(self, rt: RunContext, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor]) -> dict:
-        st = {"rt": rt, "q": q, "k": k, "v": v, "pending": {}, "block": {}, "dtype": {"KV": rt.dtype}}
+        st: dict[str, Any] = {"rt": rt, "q": q, "k": k, "v": v, "pending": {}, "block": {}, "dtype": {"KV": rt.dtype}}
         if self.me is not None:
+            assert q is not None and v is not None, "a ring member computes: it has q, k, v"
             st["acc"] = new_accumulators(q.shape[0], q.shape[1], v.shape[2], q)
         return st
 
     def start_backward(self, rt: RunContext, dout: Optional[Tensor], saved) -> dict:
-        st = {"rt": rt, "dout": dout, "pending": {}, "block": {}, "dkv": None,
+        st: dict[str, Any] = {"rt": rt, "dout": dout, "pending": {}, "block": {}, "dkv": None,
               "dtype": {"KV": rt.dtype, "DKV": rt.acc_dtype}}
         if self.me is not None:
             st["q"], st["k"], st["v"], st["out"], st["lse"] = saved
@@ -127,7 +128,8 @@ class Ring:
             forward_into(rt.backend, rt.scale, self.calls[s], st["q"], k, v, *st["acc"])
 
     def _compute_backward(self, st: dict, s: int) -> None:
-        rt, dq, dk, dv = st["rt"], *st["grads"]
+        rt = st["rt"]
+        dq, dk, dv = st["grads"]
         if s == 0:
             backward_into(rt.backend, rt.scale, self.calls[0], st["dout"], st["q"], st["k"], st["v"], st["out"],
                           st["lse"], dq, dk, dv)

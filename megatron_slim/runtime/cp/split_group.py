@@ -56,6 +56,7 @@ class SplitGroupTask:
         blocks = tuple(concat(member_block(plan, r, group.index) for r in nodes[j]) for j in range(len(nodes)))
         hq, hkv = shape.hq, shape.hkv
         if a > 1:
+            assert node is not None, "only zigzag rings (a == 1) have relay-only ranks"
             self.heads = split_heads(hq, hkv, a, what=f"{group.kind} group {group.index}")
             hq, hkv = self.heads.q_count(self.local), self.heads.kv_count(self.local)
             self.node = nodes[node]
@@ -102,6 +103,7 @@ class SplitGroupTask:
             elif step.op == "ROUND":
                 yield
             else:
+                assert pending is not None, "an all-to-all posts before it waits"
                 return self._from_each(pending.wait())
 
     def _ring(self, rt: RunContext, steps, *args, backward: bool):
@@ -115,6 +117,7 @@ class SplitGroupTask:
             if result is None:
                 return None, None
             return result[0], (q, k, v, *result)
+        assert q is not None and k is not None and v is not None, "an all-to-all member holds rows"
         d, dv = q.shape[2], v.shape[2]
         got = yield from self._exchange(rt, steps[:3], lambda: self._post(
             rt, self.fwd_in, lambda m: pack(self._heads(q, m, False), self._heads(k, m, True),
@@ -135,6 +138,7 @@ class SplitGroupTask:
         steps = self.steps.backward
         if self.a == 1:
             return (yield from self._ring(rt, steps, dout, saved, backward=True))
+        assert dout is not None, "an all-to-all member holds rows"
         qh, kh, vh, _, _ = saved
         d, dv = qh.shape[2], vh.shape[2]
         got = yield from self._exchange(rt, steps[:3], lambda: self._post(
