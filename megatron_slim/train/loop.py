@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -29,6 +29,9 @@ from megatron_slim.train.step import (
     nonfinite_reason,
     sum_tied_embedding_grads,
 )
+
+if TYPE_CHECKING:  # the schedule imports megatron; loop.py imports it only when a run starts
+    from megatron_slim.megatron.slimpipe.schedule import ForwardBackwardFunc
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,7 @@ class _RankTraining:
     chunks: list
     optimizer: Any
     scheduler: Any
-    forward_backward: Callable
+    forward_backward: ForwardBackwardFunc
     dataset: Any
     cp_step: Any
     report: RankReport

@@ -18,7 +18,7 @@ while the plan changes every microbatch:
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 import torch
 
@@ -71,14 +71,18 @@ class CPContext:
     @property
     def planned_tokens(self) -> int:
         """Tokens the current plan gives this rank (its model input holds ``padding`` rows more)."""
-        return self.plan.ranks[self.rank].num_tokens
+        return self._current_plan().ranks[self.rank].num_tokens
+
+    def _current_plan(self) -> CPPlan:
+        if self.plan is None:
+            raise RuntimeError("CPContext has no plan: call set_plan(...) on every CP rank first")
+        return self.plan
 
     def position_ids(self) -> torch.Tensor:
         """Positions of this rank's tokens inside their sequences, in attention-layout order."""
-        if self.plan is None:
-            raise RuntimeError("CPContext has no plan: call set_plan(...) on every CP rank first")
+        plan = self._current_plan()
         if self._positions is None:
-            self._positions = torch.tensor(self.plan.ranks[self.rank].position_ids() + [0] * self.padding,
+            self._positions = torch.tensor(plan.ranks[self.rank].position_ids() + [0] * self.padding,
                                            dtype=torch.long, device=self.device)
         return self._positions
 
@@ -135,7 +139,14 @@ def attach_context_parallel(chunk: torch.nn.Module, context: CPContext) -> int:
     return found
 
 
-def cp_layer_classes(*, remap: bool) -> dict[str, type]:
+class LayerClasses(TypedDict):
+    """Keyword arguments of ``model.gpt.layer_spec`` / ``build_chunk``."""
+
+    core_attention: type
+    transformer_layer: Optional[type]
+
+
+def cp_layer_classes(*, remap: bool) -> LayerClasses:
     """Keyword arguments for ``model.gpt.build_chunk`` / ``model.gpt.layer_spec``: the CP core attention and,
     with ``remap`` (``--cp-remap`` / recipe ``cp.remap``), the remapping transformer layer."""
     return {"core_attention": CPCoreAttention, "transformer_layer": RemapTransformerLayer if remap else None}

@@ -37,9 +37,14 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_slim.megatron.model.layer_specs import LayerSwap, with_core_attention
+
+if TYPE_CHECKING:  # imported where first used: the hooks load before megatron is set up
+    from megatron_slim.megatron.cp.attention import CPContext
+    from megatron_slim.plan.cp.costs import CPCosts
+    from megatron_slim.plan.cp.topology import CPTopology
 
 THD_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "packed_seq_params")
 
@@ -102,8 +107,8 @@ class CPHookState:
 
     def __init__(self, args_getter: Callable[[], Any]) -> None:
         self.args_getter = args_getter
-        self.context = None
-        self._setup = None
+        self.context: Optional[CPContext] = None
+        self._setup: Optional[tuple[CPTopology, CPCosts]] = None
         self.plans_set = 0
         self.padded = 0  # packs that left a CP rank without tokens (it ran a padding row)
         self.length_sources: Counter = Counter()
@@ -113,7 +118,7 @@ class CPHookState:
         args = self.args_getter()
         return args if cp_engine_active(args) else None
 
-    def cp_context(self):
+    def cp_context(self) -> CPContext:
         if self.context is None:
             from megatron.core import parallel_state
 
@@ -122,7 +127,7 @@ class CPHookState:
             self.context = CPContext(parallel_state.get_context_parallel_group())
         return self.context
 
-    def plan_inputs(self, args):
+    def plan_inputs(self, args: Any) -> tuple[CPTopology, CPCosts]:
         if self._setup is None:
             from megatron_slim.megatron.launch.args import recipe_from_megatron_args
             from megatron_slim.plan.cp.costs import CPCosts
@@ -160,8 +165,9 @@ class CPHookState:
                 return original(batch, *args, **kwargs)
             return self.split(parsed, batch, kwargs.get("cp_group", args[0] if args else None))
 
-        get_batch_on_this_cp_rank.cp_state = self
-        return get_batch_on_this_cp_rank
+        wrapped: Any = get_batch_on_this_cp_rank  # carries the state it shares with the other hooks
+        wrapped.cp_state = self
+        return wrapped
 
     # ---- forward-backward -----------------------------------------------------------------------
     def attach(self, chunks: list) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,15 @@ class RunStats:
     peak_kv_bytes: int = 0
     schedule_digest: str = ""
     agreed_digests: set = field(default_factory=set)
+
+
+class ForwardBackwardFunc(Protocol):
+    """Megatron's ``forward_backward_func``, carrying its run's stats and settings."""
+
+    stats: RunStats
+    settings: SlimPipeSettings
+
+    def __call__(self, **kwargs: Any) -> list: ...
 
 
 class _NonLossData:
@@ -231,7 +240,8 @@ def _finalize_grads(chunks: _Chunks, loss, groups, force_all_reduce) -> None:
                                 fn=chunks.config.finalize_model_grads_func)
 
 
-def make_forward_backward_func(settings: SlimPipeSettings, context: Optional[SliceContext] = None) -> Callable:
+def make_forward_backward_func(settings: SlimPipeSettings,
+                               context: Optional[SliceContext] = None) -> ForwardBackwardFunc:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
     hook reads it); a new one by default."""
     stats = RunStats()
