@@ -3,6 +3,7 @@
 Recipes (YAML) and ``--set key=value`` overrides both go through here, so every user-caused
 config error has the same shape: ``<dotted.field>: <problem> (got <value>; allowed: ...)``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 
 class ConfigError(ValueError):
     """A recipe, override or argument names a field, value or combination that is not allowed."""
+
 
 T = TypeVar("T", bound="DataclassInstance")
 
@@ -151,8 +153,7 @@ def build(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     if unknown:
         where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
         raise ConfigError(
-            f"{where}: unknown key (allowed keys{' in ' + prefix if prefix else ''}: "
-            f"{', '.join(fields)})"
+            f"{where}: unknown key (allowed keys{' in ' + prefix if prefix else ''}: {', '.join(fields)})"
         )
     kwargs = {}
     for name, f in fields.items():

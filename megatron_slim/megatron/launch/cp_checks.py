@@ -6,6 +6,7 @@ counts each engine needs on the hardware profile's topology. ``check_cp_args(arg
 unless a megatron-slim engine runs (``--cp-engine`` not ``te``, ``--context-parallel-size > 1``, no
 ``--use-slimpipe``). Each rejection says why and what to change. Imports no torch.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -18,6 +18,7 @@ An action may run when every fact it requires is available:
 each fact with the time the caller's ``step`` says it became available (the validator has no
 clock and records 0).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional

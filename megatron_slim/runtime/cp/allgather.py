@@ -5,6 +5,7 @@ member blocks, so each block is attended with the same pair rule as a ring step.
 gathers the K/V again (nothing gathered is kept between passes), then sends every block's dK/dV
 share home, where the owner sums them (a reduce-scatter made of point-to-point messages).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -34,10 +35,13 @@ class AllGatherTask:
         pairs = [(j, m) for j in range(g) for m in range(g) if j != m]
         self.index = {pair: n for n, pair in enumerate(pairs)}  # (sender, receiver) -> hop
         rows = [block_rows(b) for b in blocks]
-        self.gather = Exchange(f"K/V all-gather of group {group.index}",
-                               tuple(Hop(ranks[j], ranks[m], rows[j], width) for j, m in pairs))
-        self.scatter = Exchange(f"dK/dV reduce-scatter of group {group.index}",
-                                tuple(Hop(ranks[j], ranks[m], rows[m], width) for j, m in pairs))
+        self.gather = Exchange(
+            f"K/V all-gather of group {group.index}", tuple(Hop(ranks[j], ranks[m], rows[j], width) for j, m in pairs)
+        )
+        self.scatter = Exchange(
+            f"dK/dV reduce-scatter of group {group.index}",
+            tuple(Hop(ranks[j], ranks[m], rows[m], width) for j, m in pairs),
+        )
 
     def involves(self, rank: int) -> bool:
         return rank in self.group.ranks
@@ -47,8 +51,9 @@ class AllGatherTask:
 
     def _gather(self, rt: RunContext, k: Tensor, v: Tensor):
         kv = pack(k, v)
-        return self.gather.post(rt.comm, {self.index[(self.i, m)]: kv for m in self._others()},
-                                dtype=rt.dtype, device=rt.device)
+        return self.gather.post(
+            rt.comm, {self.index[(self.i, m)]: kv for m in self._others()}, dtype=rt.dtype, device=rt.device
+        )
 
     def _block(self, got: dict, j: int) -> tuple[Tensor, Tensor]:
         k, v = unpack(got[self.index[(j, self.i)]], *self.kv_shapes)
@@ -73,10 +78,16 @@ class AllGatherTask:
             j = (self.i - step.step) % len(self.calls)
             kj, vj = (k, v) if j == self.i else self._block(st["got"], j)
             forward_into(rt.backend, rt.scale, self.calls[j], q, kj, vj, acc_out, acc_lse)
-        yield from self._walk(rt, self.steps.forward, {
-            ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
-            ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
-            ("C", ""): compute})
+
+        yield from self._walk(
+            rt,
+            self.steps.forward,
+            {
+                ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
+                ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
+                ("C", ""): compute,
+            },
+        )
         out = acc_out.to(rt.dtype)
         return out, (q, k, v, out, acc_lse)
 
@@ -103,11 +114,18 @@ class AllGatherTask:
                 gk, gv = unpack(st["scattered"][self.index[(j, self.i)]], *self.kv_shapes)
                 dk.add_(gk)
                 dv.add_(gv)
-        yield from self._walk(rt, self.steps.backward, {
-            ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
-            ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
-            ("C", ""): compute,
-            ("POST", "SCATTER"): lambda _: st.update(
-                pending=self.scatter.post(rt.comm, st["shares"], dtype=acc, device=rt.device)),
-            ("WAIT", "SCATTER"): gathered})
+
+        yield from self._walk(
+            rt,
+            self.steps.backward,
+            {
+                ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
+                ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
+                ("C", ""): compute,
+                ("POST", "SCATTER"): lambda _: st.update(
+                    pending=self.scatter.post(rt.comm, st["shares"], dtype=acc, device=rt.device)
+                ),
+                ("WAIT", "SCATTER"): gathered,
+            },
+        )
         return dq, dk, dv

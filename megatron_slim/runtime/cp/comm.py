@@ -7,6 +7,7 @@ fixed program order guarantees; gloo, which would honour tags, is run the same w
 tests exercise that guarantee. Sends are waited on only when the pass ends (``drain``): a rank
 never blocks on its own send.
 """
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ a rank's tokens of one group, the K/V block travelling on a ring, or a node's to
 head all-to-all. Everything here is plain Python read from the ``CPPlan``, so every rank can
 compute any other rank's blocks without asking it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
