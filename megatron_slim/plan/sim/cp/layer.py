@@ -11,6 +11,7 @@ grouped sends and receives). Every pass starts with all ranks at time 0 and ends
 rank is done: layers are identical, so the rank that is slowest in one layer is slowest in every
 layer, and rings and collectives couple the ranks anyway.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,8 +40,9 @@ class PassResult:
     walked: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (rank, group) -> steps priced
 
 
-def _remap(net: Network, remap: RemapPlan, per_token: float, ready: dict[int, tuple[int, ...]], name: str) -> dict[
-        int, list[int]]:
+def _remap(
+    net: Network, remap: RemapPlan, per_token: float, ready: dict[int, tuple[int, ...]], name: str
+) -> dict[int, list[int]]:
     """The remap all-to-all as the grouped sends/receives it is: a pair's transfer starts once both
     ranks have entered the call, and a rank continues once its own transfers are done (a rank with
     nothing to move does not wait for anyone)."""
@@ -55,9 +57,16 @@ def _remap(net: Network, remap: RemapPlan, per_token: float, ready: dict[int, tu
     return after
 
 
-def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: bool,
-                  remap: RemapPlan | None = None, routing: RoutingPlan | None = None,
-                  record: bool = False) -> PassResult:
+def simulate_pass(
+    plan: CPPlan,
+    topo: CPTopology,
+    costs: CPCosts,
+    *,
+    backward: bool,
+    remap: RemapPlan | None = None,
+    routing: RoutingPlan | None = None,
+    record: bool = False,
+) -> PassResult:
     num_ranks = plan.num_ranks
     graph = TaskGraph(num_ranks)
     ranks = range(num_ranks)
@@ -92,19 +101,27 @@ def simulate_pass(plan: CPPlan, topo: CPTopology, costs: CPCosts, *, backward: b
         if remap:
             moved = _remap(net, remap, costs.hidden_bytes, {r: () for r in ranks}, "remap")
             mlp = [linear(r, costs.mlp_bwd_s * mlp_tokens[r], moved[r], "mlp") for r in ranks]
-            post_deps: Mapping[int, Sequence[int]] = _remap(net, remap.inverse(), costs.hidden_bytes,
-                                                            {r: (mlp[r],) for r in ranks}, "remap back")
+            post_deps: Mapping[int, Sequence[int]] = _remap(
+                net, remap.inverse(), costs.hidden_bytes, {r: (mlp[r],) for r in ranks}, "remap back"
+            )
         else:
             post_deps = {r: (linear(r, costs.mlp_bwd_s * mlp_tokens[r], (), "mlp"),) for r in ranks}
-        post = {r: linear(r, costs.post_bwd_s * attn_tokens[r], post_deps[r], "post (output projection)")
-                for r in ranks}
+        post = {
+            r: linear(r, costs.post_bwd_s * attn_tokens[r], post_deps[r], "post (output projection)") for r in ranks
+        }
         finals = attention_pass(post)
         for r in ranks:
             linear(r, costs.pre_bwd_s * attn_tokens[r], finals[r], "pre (norm, QKV, RoPE)")
+    return _result(graph, net, attention, record)
+
+
+def _result(graph: TaskGraph, net: Network, attention: AttentionBuilder, record: bool) -> PassResult:
+    """Run the pass's task graph and collect what ``simulate_pass`` reports."""
     timeline: Timeline = run(graph)
-    comm = [0.0] * num_ranks
+    comm = [0.0] * graph.num_ranks
     for (kind, rank), sec in timeline.resource_busy.items():
         if kind.endswith("_out"):
             comm[rank] += sec
-    return PassResult(timeline.makespan, timeline.busy, net.sent, comm, spans(graph, timeline) if record else [],
-                      attention.walked)
+    return PassResult(
+        timeline.makespan, timeline.busy, net.sent, comm, spans(graph, timeline) if record else [], attention.walked
+    )
