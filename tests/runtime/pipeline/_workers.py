@@ -4,7 +4,7 @@ import dataclasses
 import torch
 
 from megatron_slim.plan.recipe import ModelConfig
-from megatron_slim.train.loop import forward_step, loss_func  # the training job's own
+from megatron_slim.train.microbatch import forward_step, loss_func  # the training job's own
 
 TINY = dict(num_layers=8, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4, num_query_groups=2,
             vocab_size=128, seq_length=32, rotary_base=10000.0)
