@@ -1,2 +1,3 @@
 """megatron-slim: SlimPipe, Zeppelin, SlimPack and DynMo for Megatron-LM."""
+
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
 Subcommands parse here and run in ``megatron_slim/commands/``. A bad recipe, override or flag
 fails before any work with a message naming the field, the value and what is allowed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,32 +13,55 @@ from megatron_slim.plan.schema import ConfigError
 
 
 def _add_recipe_args(p: argparse.ArgumentParser, required: bool = True, default: str | None = None) -> None:
-    p.add_argument("--recipe", required=required, default=default,
-                   help="shipped recipe name (see `megatron-slim recipes`; files in megatron_slim/configs/, "
-                        "e.g. llama2-70b-512k) or a path to a recipe YAML"
-                        + (f" (default: {default})" if default else ""))
-    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                   help="override recipe keys, e.g. --set parallel.pp=8 schedule.num_slices=16")
+    p.add_argument(
+        "--recipe",
+        required=required,
+        default=default,
+        help="shipped recipe name (see `megatron-slim recipes`; files in megatron_slim/configs/, "
+        "e.g. llama2-70b-512k) or a path to a recipe YAML" + (f" (default: {default})" if default else ""),
+    )
+    p.add_argument(
+        "--set",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override recipe keys, e.g. --set parallel.pp=8 schedule.num_slices=16",
+    )
 
 
 def _add_observability_args(train: argparse.ArgumentParser) -> None:
     group = train.add_argument_group("metrics and profiling (written by the ranks; checked before any work)")
-    group.add_argument("--tensorboard-dir", metavar="DIR",
-                       help="log Megatron-LM's TensorBoard tags every iteration (lm loss, learning-rate, grad-norm, "
-                            "batch-size, iteration-time, throughput; also tokens-per-second and "
-                            "mem-peak-{activation,kv}-bytes) from the reporting rank; needs the tensorboard "
-                            "package (pip install 'megatron-slim[metrics]')")
-    group.add_argument("--wandb-project", metavar="NAME", help="also log the same values to this W&B project "
-                                                               "(needs the wandb package)")
+    group.add_argument(
+        "--tensorboard-dir",
+        metavar="DIR",
+        help="log Megatron-LM's TensorBoard tags every iteration (lm loss, learning-rate, grad-norm, "
+        "batch-size, iteration-time, throughput; also tokens-per-second and "
+        "mem-peak-{activation,kv}-bytes) from the reporting rank; needs the tensorboard "
+        "package (pip install 'megatron-slim[metrics]')",
+    )
+    group.add_argument(
+        "--wandb-project", metavar="NAME", help="also log the same values to this W&B project (needs the wandb package)"
+    )
     group.add_argument("--wandb-exp-name", metavar="NAME", help="the W&B run name (with --wandb-project)")
-    group.add_argument("--wandb-save-dir", metavar="DIR", help="W&B's local files (with --wandb-project; default: "
-                                                               "wandb's own, ./wandb)")
-    group.add_argument("--profile", metavar="DIR",
-                       help="write a torch profiler trace of one iteration per rank to "
-                            "DIR/rank_<rank>.trace.json, actions named as in the simulator (F3.2, 1B0.7, "
-                            "SEND_F3.2); `megatron-slim overlay --measured DIR` compares it with the simulation")
-    group.add_argument("--profile-iteration", type=int, metavar="N",
-                       help="the iteration --profile traces (1-based; default: the run's last)")
+    group.add_argument(
+        "--wandb-save-dir",
+        metavar="DIR",
+        help="W&B's local files (with --wandb-project; default: wandb's own, ./wandb)",
+    )
+    group.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write a torch profiler trace of one iteration per rank to "
+        "DIR/rank_<rank>.trace.json, actions named as in the simulator (F3.2, 1B0.7, "
+        "SEND_F3.2); `megatron-slim overlay --measured DIR` compares it with the simulation",
+    )
+    group.add_argument(
+        "--profile-iteration",
+        type=int,
+        metavar="N",
+        help="the iteration --profile traces (1-based; default: the run's last)",
+    )
 
 
 class _EpilogAsWritten(argparse.HelpFormatter):
@@ -59,38 +83,54 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
-    sim = sub.add_parser("simulate", help="simulate a recipe's pipeline schedule: time, bubble, MFU, memory",
-                         description="Simulate one iteration of a recipe under the cost model.")
+    sim = sub.add_parser(
+        "simulate",
+        help="simulate a recipe's pipeline schedule: time, bubble, MFU, memory",
+        description="Simulate one iteration of a recipe under the cost model.",
+    )
     _add_recipe_args(sim)
-    sim.add_argument("--compare", metavar="KINDS",
-                     help="comma-separated schedules to simulate side by side, e.g. 1f1b,interleaved,slimpipe")
+    sim.add_argument(
+        "--compare",
+        metavar="KINDS",
+        help="comma-separated schedules to simulate side by side, e.g. 1f1b,interleaved,slimpipe",
+    )
     sim.add_argument("--json", metavar="PATH", help="write results as JSON to PATH ('-' for stdout)")
     sim.add_argument("--trace", metavar="PATH", help="write a Chrome trace (open in ui.perfetto.dev)")
     sim.add_argument("--plot", metavar="PATH", help="write a PNG of timelines and memory")
-    sim.add_argument("--calibration", metavar="FILE",
-                     help="measured kernel rates replacing the hardware profile's efficiencies "
-                          "(format: docs/calibration.md)")
-    sim.add_argument("--cp-engine", metavar="ENGINE",
-                     help="simulate context-parallel attention over variable-length packs instead of the "
-                          "pipeline: zeppelin | ring | ulysses | a2a+p2p | allgather | dynamic, 'all', or a "
-                          "comma list (default with --lengths: the recipe's cp.engine)")
-    sim.add_argument("--lengths", metavar="FILE|SPEC",
-                     help="sequence lengths for --cp-engine: a file (one length per line) or a spec such as "
-                          "lognormal:mean=8192,sigma=1.1,min=1024,max=65536 (see plan/cp/lengths.py)")
+    sim.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="measured kernel rates replacing the hardware profile's efficiencies (format: docs/calibration.md)",
+    )
+    sim.add_argument(
+        "--cp-engine",
+        metavar="ENGINE",
+        help="simulate context-parallel attention over variable-length packs instead of the "
+        "pipeline: zeppelin | ring | ulysses | a2a+p2p | allgather | dynamic, 'all', or a "
+        "comma list (default with --lengths: the recipe's cp.engine)",
+    )
+    sim.add_argument(
+        "--lengths",
+        metavar="FILE|SPEC",
+        help="sequence lengths for --cp-engine: a file (one length per line) or a spec such as "
+        "lognormal:mean=8192,sigma=1.1,min=1024,max=65536 (see plan/cp/lengths.py)",
+    )
     sim.add_argument("--seed", type=int, help="seed for drawing --lengths (default 0; only with --lengths)")
     sim.set_defaults(run="megatron_slim.commands.simulate")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    train = sub.add_parser("train", help="train a recipe on local CPU ranks (default: tiny-cpu on 4 ranks)",
-                           formatter_class=_EpilogAsWritten,
-                           description="Run a real training job on megatron-core model chunks with the recipe's "
-                                       "pipeline schedule, on gloo CPU ranks. Each microbatch is a window of "
-                                       "model.seq_length tokens of the corpus with causal attention over the "
-                                       "window; with parallel.cp > 1 the recipe's cp.engine runs (1f1b, one "
-                                       "slice), each window is a pack of the documents between end-of-document "
-                                       "tokens and attention stays inside each document.",
-                           epilog="""where the ranks come from:
+    train = sub.add_parser(
+        "train",
+        help="train a recipe on local CPU ranks (default: tiny-cpu on 4 ranks)",
+        formatter_class=_EpilogAsWritten,
+        description="Run a real training job on megatron-core model chunks with the recipe's "
+        "pipeline schedule, on gloo CPU ranks. Each microbatch is a window of "
+        "model.seq_length tokens of the corpus with causal attention over the "
+        "window; with parallel.cp > 1 the recipe's cp.engine runs (1f1b, one "
+        "slice), each window is a pack of the documents between end-of-document "
+        "tokens and attention stays inside each document.",
+        epilog="""where the ranks come from:
   megatron-slim train ...
       spawns the recipe's tp*pp*cp*dp gloo ranks on this machine. They never
       outlive it: SIGTERM or Ctrl-C stops them all and exits non-zero (143/130);
@@ -102,44 +142,69 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
       tp*pp*cp*dp. Local rank 0 prepares the corpus cache and the others then
       read it; the last pipeline stage's first rank prints the summary and
       writes --json. The same recipe and seed give the same losses as a
-      spawned run.""")
+      spawned run.""",
+    )
     _add_recipe_args(train, required=False, default="tiny-cpu")
-    train.add_argument("--json", metavar="PATH",
-                       help="write losses, tokens/s and per-stage memory as JSON ('-': stdout)")
-    train.add_argument("--checkpoint-dir", metavar="DIR",
-                       help="save checkpoints here (every train.save_interval iterations and at the end; "
-                            "torch.distributed.checkpoint, checksummed) and resume from the latest intact one, "
-                            "also at another parallel.pp/vpp/dp")
+    train.add_argument(
+        "--json", metavar="PATH", help="write losses, tokens/s and per-stage memory as JSON ('-': stdout)"
+    )
+    train.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="save checkpoints here (every train.save_interval iterations and at the end; "
+        "torch.distributed.checkpoint, checksummed) and resume from the latest intact one, "
+        "also at another parallel.pp/vpp/dp",
+    )
     train.add_argument("--no-resume", action="store_true", help="start from scratch even if DIR has a checkpoint")
-    train.add_argument("--exit-interval", type=_positive_int, metavar="N",
-                       help="stop after iteration N with a checkpoint, as an interrupted run would")
+    train.add_argument(
+        "--exit-interval",
+        type=_positive_int,
+        metavar="N",
+        help="stop after iteration N with a checkpoint, as an interrupted run would",
+    )
     _add_observability_args(train)
     train.set_defaults(run="megatron_slim.commands.train")
 
 
 def _add_overlay(sub: argparse._SubParsersAction) -> None:
-    overlay = sub.add_parser("overlay", help="lay a profiled train iteration beside its simulation (PNG, table)",
-                             description="Compare the per-rank timelines of an iteration traced by `megatron-slim "
-                                         "train --profile DIR` with the simulation of the same recipe and "
-                                         "schedule (on the recipe's hardware profile, e.g. cpu): busy time per "
-                                         "pipeline rank, both timelines from zero in one PNG.")
-    overlay.add_argument("--measured", nargs="+", required=True, metavar="PATH",
-                         help="the --profile directory of a train run, or its rank_*.trace.json files")
+    overlay = sub.add_parser(
+        "overlay",
+        help="lay a profiled train iteration beside its simulation (PNG, table)",
+        description="Compare the per-rank timelines of an iteration traced by `megatron-slim "
+        "train --profile DIR` with the simulation of the same recipe and "
+        "schedule (on the recipe's hardware profile, e.g. cpu): busy time per "
+        "pipeline rank, both timelines from zero in one PNG.",
+    )
+    overlay.add_argument(
+        "--measured",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="the --profile directory of a train run, or its rank_*.trace.json files",
+    )
     _add_recipe_args(overlay, required=False, default="tiny-cpu")
-    overlay.add_argument("--calibration", metavar="FILE", help="measured kernel rates for the simulation "
-                                                               "(format: docs/calibration.md)")
+    overlay.add_argument(
+        "--calibration", metavar="FILE", help="measured kernel rates for the simulation (format: docs/calibration.md)"
+    )
     overlay.add_argument("--plot", metavar="PATH", help="write a PNG: measured and simulated timelines, busy time")
     overlay.add_argument("--json", metavar="PATH", help="write the comparison as JSON to PATH ('-' for stdout)")
     overlay.set_defaults(run="megatron_slim.commands.overlay")
 
 
 def _add_megatron_args(sub: argparse._SubParsersAction) -> None:
-    margs = sub.add_parser("megatron-args", help="print the Megatron-LM pretrain_gpt.py flags a recipe stands for",
-                           description="Print the pretrain_gpt.py flags of a recipe (data and output paths "
-                                       "excepted), for `python -m megatron_slim.launch pretrain_gpt.py ...`.")
+    margs = sub.add_parser(
+        "megatron-args",
+        help="print the Megatron-LM pretrain_gpt.py flags a recipe stands for",
+        description="Print the pretrain_gpt.py flags of a recipe (data and output paths "
+        "excepted), for `python -m megatron_slim.launch pretrain_gpt.py ...`.",
+    )
     _add_recipe_args(margs)
-    margs.add_argument("--format", choices=("shell", "lines"), default="shell",
-                       help="one shell-quoted line (default) or one flag per line with its values")
+    margs.add_argument(
+        "--format",
+        choices=("shell", "lines"),
+        default="shell",
+        help="one shell-quoted line (default) or one flag per line with its values",
+    )
     margs.add_argument("--nodes", action="store_true", help="print only the number of nodes the recipe needs")
     margs.add_argument("--gpus-per-node", action="store_true", help="print only the GPUs used per node")
     margs.set_defaults(run="megatron_slim.commands.megatron_args")

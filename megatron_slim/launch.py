@@ -4,6 +4,7 @@
 
 torchrun works the same way: ``torchrun ... -m megatron_slim.launch pretrain_gpt.py ...``.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,9 +15,11 @@ import sys
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or not argv[0].endswith(".py"):
-        raise SystemExit("usage: python -m megatron_slim.launch SCRIPT.py [script flags...]\n"
-                         "  e.g. python -m megatron_slim.launch pretrain_gpt.py --use-slimpipe "
-                         "--slimpipe-num-slices 8 ...")
+        raise SystemExit(
+            "usage: python -m megatron_slim.launch SCRIPT.py [script flags...]\n"
+            "  e.g. python -m megatron_slim.launch pretrain_gpt.py --use-slimpipe "
+            "--slimpipe-num-slices 8 ..."
+        )
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
         raise SystemExit(f"megatron_slim.launch: {argv[0]}: no such script")

@@ -1,4 +1,5 @@
 """``megatron-slim megatron-args``: the Megatron-LM flags (or node count) a recipe stands for."""
+
 from __future__ import annotations
 
 import shlex
@@ -12,8 +13,10 @@ from megatron_slim.plan.schema import ConfigError
 def nodes_for(recipe) -> int:
     world, per_node = recipe.parallel.world_size, recipe.hardware_profile.gpus_per_node
     if world % per_node and world > per_node:
-        raise ConfigError(f"parallel: tp*pp*cp*dp={world} GPUs do not fill whole nodes of {per_node} "
-                          f"GPUs (hardware {recipe.hardware}); allowed: a multiple of {per_node}")
+        raise ConfigError(
+            f"parallel: tp*pp*cp*dp={world} GPUs do not fill whole nodes of {per_node} "
+            f"GPUs (hardware {recipe.hardware}); allowed: a multiple of {per_node}"
+        )
     return max(1, world // per_node)
 
 

@@ -1,5 +1,6 @@
 """What every command prints: aligned text tables and JSON to a file or to stdout, and the check
 that every output path can be written before any work starts."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,9 @@ from megatron_slim.plan.schema import ConfigError
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths)),
-                      *(fmt.format(*map(str, r)) for r in rows)])
+    return "\n".join(
+        [fmt.format(*header), fmt.format(*("-" * w for w in widths)), *(fmt.format(*map(str, r)) for r in rows)]
+    )
 
 
 def emit_json(payload: dict, target: str | None, indent: int = 2) -> TextIO:
@@ -48,16 +50,20 @@ def prepare_outputs(*outputs: tuple[str, Optional[str]], stdout_ok: Sequence[str
         path = Path(target)
         key = path.resolve()
         if key in seen:
-            raise ConfigError(f"{flag} {target}: cannot write: {seen[key]} writes the same file "
-                              "(allowed: a different path for each output)")
+            raise ConfigError(
+                f"{flag} {target}: cannot write: {seen[key]} writes the same file "
+                "(allowed: a different path for each output)"
+            )
         seen[key] = flag
         _check_writable(flag, target, path)
 
 
 def _check_writable(flag: str, target: str, path: Path) -> None:
     def fail(reason: str) -> ConfigError:
-        return ConfigError(f"{flag} {target}: cannot write ({reason}); allowed: a file path in a "
-                           "writable directory (missing directories are created)")
+        return ConfigError(
+            f"{flag} {target}: cannot write ({reason}); allowed: a file path in a "
+            "writable directory (missing directories are created)"
+        )
 
     if target == "" or path.is_dir():
         raise fail("it is a directory" if target else "empty path")
@@ -89,8 +95,10 @@ def prepare_output_dirs(*outputs: tuple[str, Optional[str]]) -> None:
         path = Path(target)
 
         def fail(reason: str) -> ConfigError:  # raised within this iteration, so never late-bound
-            return ConfigError(f"{flag} {target}: cannot write ({reason}); allowed: a writable directory "  # noqa: B023
-                               "(missing directories are created)")
+            return ConfigError(
+                f"{flag} {target}: cannot write ({reason}); allowed: a writable directory "  # noqa: B023
+                "(missing directories are created)"
+            )
 
         if target in ("", "-"):
             raise fail("not a directory path")

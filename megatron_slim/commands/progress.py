@@ -11,6 +11,7 @@ what shows it. Never on stdout, where ``--json -`` writes JSON.
 A line reads ``megatron-slim simulate: engine ring (2/6): 37/128 packs | 12.4 s elapsed | ETA 31 s``;
 the ETA is the remaining work at the rate since the current series of updates began.
 """
+
 from __future__ import annotations
 
 import sys
@@ -29,8 +30,14 @@ def duration(seconds: float) -> str:
 
 
 class ProgressLine:
-    def __init__(self, command: str, stream: Optional[TextIO] = None, *, tty: Optional[bool] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        command: str,
+        stream: Optional[TextIO] = None,
+        *,
+        tty: Optional[bool] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.command = command
         self.stream = stream if stream is not None else sys.stderr
         isatty = getattr(self.stream, "isatty", None)
@@ -76,7 +83,8 @@ class ProgressLine:
         if self.tty:
             self.stream.write("\r\x1b[K")
         else:
-            self.stream.write(f"{self.command}: {'done in' if finished else 'stopped after'} "
-                              f"{duration(self.clock() - self.start)}\n")
+            self.stream.write(
+                f"{self.command}: {'done in' if finished else 'stopped after'} {duration(self.clock() - self.start)}\n"
+            )
         self.stream.flush()
         self.lines = 0

@@ -1,4 +1,5 @@
 """``megatron-slim simulate``: simulate a recipe's pipeline schedule(s) before spending cluster time."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from megatron_slim.plan.sim.costs import RecipeCosts
 from megatron_slim.plan.sim.engine import SimResult, simulate
 from megatron_slim.plan.variants import schedule_variant
 
-_GIB = 2 ** 30
+_GIB = 2**30
 
 
 @dataclass
@@ -66,11 +67,19 @@ def table(runs: list[Simulated]) -> str:
     for run in runs:
         res = run.result
         worst = max(res.ranks, key=lambda r: r.peak_memory_bytes)
-        rows.append((run.label, f"{res.iteration_time_s:.3f}", f"{100 * res.bubble_ratio:.1f}%",
-                     f"{100 * res.mfu:.1f}%", f"{worst.peak_memory_bytes / _GIB:.1f} (r{worst.rank})",
-                     f"{worst.peak_activation_bytes / _GIB:.1f}", f"{worst.peak_kv_bytes / _GIB:.2f}",
-                     f"{worst.static_bytes / _GIB:.1f}",
-                     "yes" if worst.peak_memory_bytes <= res.hbm_bytes else "NO (OOM)"))
+        rows.append(
+            (
+                run.label,
+                f"{res.iteration_time_s:.3f}",
+                f"{100 * res.bubble_ratio:.1f}%",
+                f"{100 * res.mfu:.1f}%",
+                f"{worst.peak_memory_bytes / _GIB:.1f} (r{worst.rank})",
+                f"{worst.peak_activation_bytes / _GIB:.1f}",
+                f"{worst.peak_kv_bytes / _GIB:.2f}",
+                f"{worst.static_bytes / _GIB:.1f}",
+                "yes" if worst.peak_memory_bytes <= res.hbm_bytes else "NO (OOM)",
+            )
+        )
     return format_table(header, rows)
 
 
@@ -86,37 +95,50 @@ def main(args) -> int:
     note = world_size_note(args.recipe, args.set, recipe)
     if getattr(args, "cp_engine", None) or getattr(args, "lengths", None):
         from megatron_slim.commands import simulate_cp
+
         return simulate_cp.run(args, recipe, calibration, note)
     if args.seed is not None:
-        raise ConfigError(f"--seed {args.seed}: it seeds the sequence lengths drawn for --lengths, and a pipeline "
-                          "simulation draws none (allowed: --seed with --lengths/--cp-engine, or no --seed)")
+        raise ConfigError(
+            f"--seed {args.seed}: it seeds the sequence lengths drawn for --lengths, and a pipeline "
+            "simulation draws none (allowed: --seed with --lengths/--cp-engine, or no --seed)"
+        )
     kinds = [k.strip() for k in (args.compare or "").split(",")]
     if args.compare is not None and not all(kinds):
-        raise ConfigError(f"--compare {args.compare!r}: an empty schedule name (allowed: a comma list of "
-                          "1f1b, interleaved, slimpipe with nothing empty, e.g. 1f1b,slimpipe)")
+        raise ConfigError(
+            f"--compare {args.compare!r}: an empty schedule name (allowed: a comma list of "
+            "1f1b, interleaved, slimpipe with nothing empty, e.g. 1f1b,slimpipe)"
+        )
     kinds = kinds if args.compare is not None else []
     variants = [schedule_variant(recipe, k) for k in kinds] if kinds else [recipe]
     prepare_outputs(*output_flags(args))
     with ProgressLine("megatron-slim simulate") as line:
         runs = [run_one(v, calibration, schedule_progress(line, v, i, len(variants))) for i, v in enumerate(variants)]
-    payload = runs[0].to_json() if not kinds else {
-        "recipe": recipe.name, "hardware": recipe.hardware, "results": [r.to_json() for r in runs]}
+    payload = (
+        runs[0].to_json()
+        if not kinds
+        else {"recipe": recipe.name, "hardware": recipe.hardware, "results": [r.to_json() for r in runs]}
+    )
     payload["calibration"] = args.calibration
     out = emit_json(payload, args.json)
     if note:
         print(note, file=out)
-    print(f"recipe {recipe.name} on {recipe.hardware}: {recipe.parallel.world_size} GPUs "
-          f"(tp{recipe.parallel.tp} pp{recipe.parallel.pp} cp{recipe.parallel.cp} dp{recipe.parallel.dp}), "
-          f"{recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens", file=out)
+    print(
+        f"recipe {recipe.name} on {recipe.hardware}: {recipe.parallel.world_size} GPUs "
+        f"(tp{recipe.parallel.tp} pp{recipe.parallel.pp} cp{recipe.parallel.cp} dp{recipe.parallel.dp}), "
+        f"{recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens",
+        file=out,
+    )
     print(table(runs), file=out)
     if args.json and args.json != "-":
         print(f"wrote {args.json}", file=out)
     if args.trace:
         from megatron_slim.plan.sim.trace import write_chrome_trace_many
+
         write_chrome_trace_many([(r.label, r.result) for r in runs], args.trace)
         print(f"wrote trace {args.trace} (open in https://ui.perfetto.dev)", file=out)
     if args.plot:
         from megatron_slim.plan.sim.plot import plot_results
+
         plot_results([(r.label, r.result) for r in runs], args.plot)
         print(f"wrote plot {args.plot}", file=out)
     return 0

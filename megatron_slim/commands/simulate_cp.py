@@ -10,7 +10,10 @@ every engine runs the same packs. Without ``--cp-engine`` the recipe's ``cp.engi
 (``plan/sim/cp/trace.py``); ``--plot``: per engine and per rank, attention / linear / idle time
 (``plan/sim/cp/plot.py``); ``--calibration``: measured kernel rates, as for pipeline simulation.
 """
+
 from __future__ import annotations
+
+from typing import TextIO
 
 from megatron_slim.commands.output import emit_json, format_table, prepare_outputs
 from megatron_slim.commands.progress import ProgressLine
@@ -43,18 +46,31 @@ def table(results: list[CPSimResult]) -> str:
         idle = sum(r.idle_s for r in res.ranks) / n
         inter = sum(r.inter_node_bytes for r in res.ranks) / n / 1e9
         speed = f"{ring.iteration_time_s / res.iteration_time_s:.2f}x" if ring else "-"
-        rows.append([res.engine + (" +remap" if res.remap else ""), f"{res.iteration_time_s:.3f}",
-                     f"{res.tokens_per_s:,.0f}", f"{100 * res.mfu:.1f}%", speed, f"{busy:.3f} s",
-                     f"{100 * idle / res.iteration_time_s:.0f}%", f"{inter:.1f}"])
+        rows.append(
+            [
+                res.engine + (" +remap" if res.remap else ""),
+                f"{res.iteration_time_s:.3f}",
+                f"{res.tokens_per_s:,.0f}",
+                f"{100 * res.mfu:.1f}%",
+                speed,
+                f"{busy:.3f} s",
+                f"{100 * idle / res.iteration_time_s:.0f}%",
+                f"{inter:.1f}",
+            ]
+        )
     return format_table(header, rows)
 
 
 def engine_progress(line: ProgressLine, engines: tuple[str, ...], index: int) -> Progress:
     """The simulator's per-pack calls as a line: engine, packs planned and simulated; the ETA runs
     over every engine's packs."""
+
     def progress(_phase: str, done: int, total: int) -> None:
-        line.update(f"engine {engines[index]} ({index + 1}/{len(engines)}): {done}/{total} packs planned and "
-                    "simulated", index * total + done, len(engines) * total)
+        line.update(
+            f"engine {engines[index]} ({index + 1}/{len(engines)}): {done}/{total} packs planned and simulated",
+            index * total + done,
+            len(engines) * total,
+        )
 
     return progress
 
@@ -63,8 +79,9 @@ def run(args, recipe: Recipe, calibration: Calibration | None, note: str | None 
     """``simulate`` with ``--cp-engine``/``--lengths``: ``recipe`` and ``calibration`` are already
     loaded; every other input is checked here before the first pack is simulated."""
     if getattr(args, "compare", None):
-        raise ConfigError("--compare: pipeline schedules cannot be combined with --cp-engine/--lengths "
-                          "(allowed: one of them)")
+        raise ConfigError(
+            "--compare: pipeline schedules cannot be combined with --cp-engine/--lengths (allowed: one of them)"
+        )
     if not args.lengths:
         raise ConfigError(f"--lengths: required with --cp-engine (allowed: {' | '.join(SPEC_FORMS)})")
     engines = parse_engines(args.cp_engine) if args.cp_engine else (recipe.cp.engine,)
@@ -73,10 +90,26 @@ def run(args, recipe: Recipe, calibration: Calibration | None, note: str | None 
     prepare_outputs(("--json", args.json), ("--trace", args.trace), ("--plot", args.plot))
     packs = make_packs(source, recipe.model.seq_length, recipe.num_microbatches, seed)
     with ProgressLine("megatron-slim simulate") as line:
-        results = [simulate_cp(recipe, e, packs, topo=topo, costs=costs, record=bool(args.trace),
-                               progress=engine_progress(line, engines, i)) for i, e in enumerate(engines)]
-    payload: dict = {"recipe": recipe.name, "hardware": recipe.hardware, "lengths": args.lengths,
-                     "seed": seed, "calibration": args.calibration, "pack_lengths": [list(p) for p in packs]}
+        results = [
+            simulate_cp(
+                recipe,
+                e,
+                packs,
+                topo=topo,
+                costs=costs,
+                record=bool(args.trace),
+                progress=engine_progress(line, engines, i),
+            )
+            for i, e in enumerate(engines)
+        ]
+    payload: dict = {
+        "recipe": recipe.name,
+        "hardware": recipe.hardware,
+        "lengths": args.lengths,
+        "seed": seed,
+        "calibration": args.calibration,
+        "pack_lengths": [list(p) for p in packs],
+    }
     if len(results) == 1:
         payload.update(results[0].to_json())
     else:
@@ -86,17 +119,27 @@ def run(args, recipe: Recipe, calibration: Calibration | None, note: str | None 
     seqs = sum(len(pk) for pk in packs)
     if note:
         print(note, file=out)
-    print(f"recipe {recipe.name} on {recipe.hardware}: cp={p.cp} (tp{p.tp}), {len(packs)} packs of "
-          f"{recipe.model.seq_length} tokens, {seqs} sequences from {args.lengths} (seed {seed})", file=out)
+    print(
+        f"recipe {recipe.name} on {recipe.hardware}: cp={p.cp} (tp{p.tp}), {len(packs)} packs of "
+        f"{recipe.model.seq_length} tokens, {seqs} sequences from {args.lengths} (seed {seed})",
+        file=out,
+    )
     print(table(results), file=out)
+    _write_files(args, results, out)
+    return 0
+
+
+def _write_files(args, results: list, out: TextIO) -> None:
+    """The trace and plot files asked for, and a line naming each file written."""
     if args.json and args.json != "-":
         print(f"wrote {args.json}", file=out)
     if args.trace:
         from megatron_slim.plan.sim.cp.trace import write_cp_trace
+
         write_cp_trace(results, args.trace)
         print(f"wrote trace {args.trace} (one decoder layer per pack; open in https://ui.perfetto.dev)", file=out)
     if args.plot:
         from megatron_slim.plan.sim.cp.plot import plot_cp_results
+
         plot_cp_results(results, args.plot)
         print(f"wrote plot {args.plot}", file=out)
-    return 0

@@ -15,6 +15,7 @@ pack of the documents between ``eod`` tokens, attention inside each document onl
 ``document_masking: true`` and per iteration the plans' counts (sequences local / intra-node /
 inter-node, packs that left a CP rank without tokens, tokens per rank).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from megatron_slim.commands.output import prepare_outputs
 from megatron_slim.plan.recipe import load_recipe, world_size_note
+from megatron_slim.plan.schema import ConfigError
 
 # training stopped on a non-finite loss or gradient norm (2 is a bad recipe or flag, 1 a crash)
 STOPPED_EXIT_CODE = 3
@@ -32,17 +34,29 @@ STOPPED_EXIT_CODE = 3
 
 def _stage_entries(reports, pp: int) -> list[dict]:
     by_stage = {r.pp_rank: r for r in reports if r.dp_rank == 0 and r.tp_rank == 0 and r.cp_rank == 0}
-    return [{"stage": s, "peak_activation_bytes": int(by_stage[s].peak_activation_bytes),
-             "peak_kv_bytes": int(by_stage[s].peak_kv_bytes)} for s in range(pp)]
+    return [
+        {
+            "stage": s,
+            "peak_activation_bytes": int(by_stage[s].peak_activation_bytes),
+            "peak_kv_bytes": int(by_stage[s].peak_kv_bytes),
+        }
+        for s in range(pp)
+    ]
 
 
 def _cp_entry(recipe, reporter) -> dict:
     from megatron_slim.train.cp import cp_topology
 
     topo, _ = cp_topology(recipe)
-    return {"size": recipe.parallel.cp, "engine": recipe.cp.engine, "remap": recipe.cp.remap,
-            "nodes": topo.num_nodes, "ranks_per_node": topo.ranks_per_node, "document_masking": True,
-            "iterations": reporter.cp_iterations}
+    return {
+        "size": recipe.parallel.cp,
+        "engine": recipe.cp.engine,
+        "remap": recipe.cp.remap,
+        "nodes": topo.num_nodes,
+        "ranks_per_node": topo.ranks_per_node,
+        "document_masking": True,
+        "iterations": reporter.cp_iterations,
+    }
 
 
 def check_data(recipe) -> None:
@@ -50,17 +64,20 @@ def check_data(recipe) -> None:
     256 bytes and the end-of-document token (``data.path``/``data.tokenizer`` are checked as they load)."""
     from megatron_slim.data.corpus import STDLIB
     from megatron_slim.data.tokenizer import MIN_VOCAB_SIZE
-    from megatron_slim.plan.schema import ConfigError
 
     d = recipe.data
     if d.path:
         return
     if d.corpus != STDLIB and not Path(d.corpus).expanduser().is_dir():
-        raise ConfigError(f"data.corpus: {d.corpus!r} is not a directory (allowed: {STDLIB!r}, the Python standard "
-                          "library's sources, or a directory of UTF-8 text files)")
+        raise ConfigError(
+            f"data.corpus: {d.corpus!r} is not a directory (allowed: {STDLIB!r}, the Python standard "
+            "library's sources, or a directory of UTF-8 text files)"
+        )
     if not d.tokenizer and recipe.model.vocab_size < MIN_VOCAB_SIZE:
-        raise ConfigError(f"model.vocab_size: got {recipe.model.vocab_size}; the tokenizer trained on the corpus needs "
-                          f"the 256 bytes and the end-of-document token (allowed: an integer >= {MIN_VOCAB_SIZE})")
+        raise ConfigError(
+            f"model.vocab_size: got {recipe.model.vocab_size}; the tokenizer trained on the corpus needs "
+            f"the 256 bytes and the end-of-document token (allowed: an integer >= {MIN_VOCAB_SIZE})"
+        )
 
 
 def _prepare(recipe, say: bool, log=sys.stdout):
@@ -73,21 +90,33 @@ def _prepare(recipe, say: bool, log=sys.stdout):
         prepared = prepare_megatron_data(d.path, d.tokenizer, vocab_size)
     else:
         tokenizer = load_tokenizer(d.tokenizer, vocab_size) if d.tokenizer else None
-        prepared = prepare_corpus(corpus=d.corpus, cache_dir=d.cache_dir or None, vocab_size=vocab_size,
-                                  max_files=d.max_files, tokenizer=tokenizer)
+        prepared = prepare_corpus(
+            corpus=d.corpus,
+            cache_dir=d.cache_dir or None,
+            vocab_size=vocab_size,
+            max_files=d.max_files,
+            tokenizer=tokenizer,
+        )
     if say:
-        print(f"data: {prepared.num_documents} documents, {prepared.num_tokens:,} tokens from {prepared.source} "
-              f"({'cached' if prepared.cache_hit else 'prepared'} in {time.perf_counter() - began:.1f}s, "
-              f"tokenizer vocab {prepared.vocab_size})", file=log, flush=True)
+        print(
+            f"data: {prepared.num_documents} documents, {prepared.num_tokens:,} tokens from {prepared.source} "
+            f"({'cached' if prepared.cache_hit else 'prepared'} in {time.perf_counter() - began:.1f}s, "
+            f"tokenizer vocab {prepared.vocab_size})",
+            file=log,
+            flush=True,
+        )
     return prepared
 
 
 def _print_plan(recipe, where: str, log=sys.stdout) -> None:
     p, t = recipe.parallel, recipe.train
-    print(f"recipe {recipe.name}: {p.world_size} CPU ranks {where}(tp{p.tp} pp{p.pp} vpp{p.vpp} cp{p.cp} dp{p.dp}), "
-          f"schedule {recipe.schedule.kind} with {recipe.schedule.num_slices} {recipe.schedule.slice_policy} "
-          f"slice(s), {recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens, {t.iters} iterations",
-          file=log, flush=True)
+    print(
+        f"recipe {recipe.name}: {p.world_size} CPU ranks {where}(tp{p.tp} pp{p.pp} vpp{p.vpp} cp{p.cp} dp{p.dp}), "
+        f"schedule {recipe.schedule.kind} with {recipe.schedule.num_slices} {recipe.schedule.slice_policy} "
+        f"slice(s), {recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens, {t.iters} iterations",
+        file=log,
+        flush=True,
+    )
     if p.cp > 1:
         from megatron_slim.train.cp import describe
 
@@ -100,15 +129,14 @@ def _is_reporter(report, pp: int) -> bool:
 
 def check_world_size(recipe, job) -> None:
     """A launched job must have exactly the recipe's ranks."""
-    from megatron_slim.plan.schema import ConfigError
-
     p = recipe.parallel
     if job.world_size != p.world_size:
         raise ConfigError(
             f"WORLD_SIZE: {job.launcher} started {job.world_size} rank(s) but recipe {recipe.name} needs "
             f"tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp} = {p.world_size} (got {job.world_size}; allowed: "
             f"{p.world_size}: launch that many ranks, e.g. torchrun --nproc_per_node {p.world_size}, or change "
-            f"parallel.* with --set)")
+            f"parallel.* with --set)"
+        )
 
 
 def _check_checkpoint_dir(args, recipe, say: bool, log):
@@ -121,20 +149,23 @@ def _check_checkpoint_dir(args, recipe, say: bool, log):
     check_checkpoint_dir(args.checkpoint_dir)
     if args.no_resume:
         return None
-    return check_resumable(args.checkpoint_dir, recipe.to_dict(),
-                           say=(lambda line: print(line, file=log, flush=True)) if say else (lambda line: None))
+    return check_resumable(
+        args.checkpoint_dir,
+        recipe.to_dict(),
+        say=(lambda line: print(line, file=log, flush=True)) if say else (lambda line: None),
+    )
 
 
 def check_exit_interval(exit_interval, iters: int, resumed_from: int) -> None:
     """``--exit-interval N`` stops after iteration N: one this run trains, or it would never act."""
-    from megatron_slim.plan.schema import ConfigError
-
     if exit_interval is None:
         return
     where = f" (it resumes from the checkpoint at iteration {resumed_from})" if resumed_from else ""
     if not resumed_from < exit_interval <= iters:
-        raise ConfigError(f"--exit-interval {exit_interval}: this run trains iterations {resumed_from + 1}..{iters}"
-                          f"{where}; allowed: {resumed_from + 1}..{iters}")
+        raise ConfigError(
+            f"--exit-interval {exit_interval}: this run trains iterations {resumed_from + 1}..{iters}"
+            f"{where}; allowed: {resumed_from + 1}..{iters}"
+        )
 
 
 def main(args) -> int:
@@ -156,9 +187,15 @@ def main(args) -> int:
     note = world_size_note(args.recipe, args.set, recipe, unit="ranks")
     if note and (job is None or job.rank == 0):
         print(note, file=log, flush=True)
-    options = TrainOptions(checkpoint_dir=args.checkpoint_dir, resume=not args.no_resume, resume_from=resume_from,
-                           exit_interval=args.exit_interval or 0, quiet=args.json == "-", metrics=metrics,
-                           profile=profile)
+    options = TrainOptions(
+        checkpoint_dir=args.checkpoint_dir,
+        resume=not args.no_resume,
+        resume_from=resume_from,
+        exit_interval=args.exit_interval or 0,
+        quiet=args.json == "-",
+        metrics=metrics,
+        profile=profile,
+    )
     if job is not None:
         return _run_launched(args, recipe, options, job, began, log)
 
@@ -169,8 +206,9 @@ def main(args) -> int:
     prepared = _prepare(recipe, say=True, log=log)
     _print_plan(recipe, "", log)
     threads = max(1, (os.cpu_count() or 1) // p.world_size)
-    reports = run_ranks(train_rank, p.world_size, recipe.to_dict(), prepared, options,
-                        threads_per_rank=threads, timeout_s=None)
+    reports = run_ranks(
+        train_rank, p.world_size, recipe.to_dict(), prepared, options, threads_per_rank=threads, timeout_s=None
+    )
     return _report(args, recipe, reports, began)
 
 
@@ -181,8 +219,11 @@ def _observability(args, recipe):
     from megatron_slim.train.profiler import profile_options
 
     metrics, profile = metrics_options(args), profile_options(args, recipe)
-    prepare_output_dirs(("--tensorboard-dir", args.tensorboard_dir), ("--wandb-save-dir", args.wandb_save_dir),
-                        ("--profile", args.profile))
+    prepare_output_dirs(
+        ("--tensorboard-dir", args.tensorboard_dir),
+        ("--wandb-save-dir", args.wandb_save_dir),
+        ("--profile", args.profile),
+    )
     return metrics, profile
 
 
@@ -215,14 +256,22 @@ def _report(args, recipe, reports, began) -> int:
     seconds = sum(reporter.iteration_seconds)
     iterations = len(reporter.iteration_seconds)
     payload = {
-        "recipe": recipe.name, "schedule": recipe.schedule.kind, "num_slices": recipe.schedule.num_slices,
-        "schedule_digest": reporter.schedule_digest, "attention_backend": reporter.attention_backend,
-        "losses": [loss for _, loss in reporter.losses], "loss_iterations": [i for i, _ in reporter.losses],
+        "recipe": recipe.name,
+        "schedule": recipe.schedule.kind,
+        "num_slices": recipe.schedule.num_slices,
+        "schedule_digest": reporter.schedule_digest,
+        "attention_backend": reporter.attention_backend,
+        "losses": [loss for _, loss in reporter.losses],
+        "loss_iterations": [i for i, _ in reporter.losses],
         "tokens_per_s": (t.global_batch_size * recipe.model.seq_length * iterations / seconds) if seconds else 0.0,
-        "iteration_time_s": reporter.iteration_seconds, "skipped_steps": reporter.skipped_steps,
-        "resumed_from": reporter.resumed_from, "last_iteration": reporter.last_iteration,
-        "skipped_iterations": reporter.skipped_iterations, "stopped": reporter.stopped or None,
-        "stages": _stage_entries(reports, p.pp), "wall_time_s": time.perf_counter() - began,
+        "iteration_time_s": reporter.iteration_seconds,
+        "skipped_steps": reporter.skipped_steps,
+        "resumed_from": reporter.resumed_from,
+        "last_iteration": reporter.last_iteration,
+        "skipped_iterations": reporter.skipped_iterations,
+        "stopped": reporter.stopped or None,
+        "stages": _stage_entries(reports, p.pp),
+        "wall_time_s": time.perf_counter() - began,
     }
     if p.cp > 1:
         payload["cp"] = _cp_entry(recipe, reporter)
@@ -235,10 +284,15 @@ def _report(args, recipe, reports, began) -> int:
         print(f"megatron-slim train: error: {reporter.stopped}", file=sys.stderr, flush=True)
     if args.json != "-" and payload["losses"]:
         first, last = payload["losses"][0], payload["losses"][-1]
-        print(f"{'stopped' if reporter.stopped else 'done'}: loss {first:.4f} -> {last:.4f} over iterations "
-              f"{payload['loss_iterations'][0]}..{payload['loss_iterations'][-1]}, {payload['tokens_per_s']:,.0f} "
-              f"tokens/s, attention backend {reporter.attention_backend}", file=sys.stdout)
+        print(
+            f"{'stopped' if reporter.stopped else 'done'}: loss {first:.4f} -> {last:.4f} over iterations "
+            f"{payload['loss_iterations'][0]}..{payload['loss_iterations'][-1]}, {payload['tokens_per_s']:,.0f} "
+            f"tokens/s, attention backend {reporter.attention_backend}",
+            file=sys.stdout,
+        )
         for s in payload["stages"]:
-            print(f"  stage {s['stage']}: peak activations {s['peak_activation_bytes'] / 2**20:.2f} MiB, "
-                  f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB")
+            print(
+                f"  stage {s['stage']}: peak activations {s['peak_activation_bytes'] / 2**20:.2f} MiB, "
+                f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB"
+            )
     return STOPPED_EXIT_CODE if reporter.stopped else 0

@@ -8,6 +8,7 @@ tokenizer, a build-once cache. Imports no megatron and no torch.
 Writing the tokens in megatron-core's indexed format, caching the prepared corpus and drawing
 ``GPTDataset`` samples from it need megatron-core: ``megatron_slim.megatron.data``.
 """
+
 from megatron_slim.data.cache import default_cache_dir
 from megatron_slim.data.corpus import Corpus, Document, list_corpus, stdlib_root
 from megatron_slim.data.tokenizer import CorpusTokenizer, train_tokenizer

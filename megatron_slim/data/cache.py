@@ -4,6 +4,7 @@ A cache entry is a directory that appears in one ``rename`` only after its conte
 While one process builds an entry, the others block on a per-entry ``flock`` and then find it
 built, so N ranks starting together tokenize once, not N times.
 """
+
 from __future__ import annotations
 
 import fcntl

@@ -11,6 +11,7 @@ Files are taken in sorted order of their POSIX relative path; unreadable, non-UT
 (NUL bytes) and empty files are skipped. The fingerprint hashes the relative paths and bytes of
 exactly the documents read, so it changes whenever the corpus content does.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,8 +52,9 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def list_corpus(source: str | os.PathLike = STDLIB, *, max_files: int = 0, max_bytes: int = 0,
-                suffixes: Sequence[str] | None = None) -> Corpus:
+def list_corpus(
+    source: str | os.PathLike = STDLIB, *, max_files: int = 0, max_bytes: int = 0, suffixes: Sequence[str] | None = None
+) -> Corpus:
     """Read the corpus ``source`` (``"stdlib"`` or a directory path).
 
     ``max_files`` / ``max_bytes`` (0 = no bound) keep the first documents in order until either

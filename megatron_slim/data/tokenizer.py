@@ -10,6 +10,7 @@ takes ``eod`` from ``eos_token_id``), so a corpus prepared here can be trained o
 Byte-level: the base alphabet is the 256 bytes, so any text round-trips. Only ``tokenizers`` is
 needed at run time; ``transformers`` is needed only by Megatron's loader.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,9 @@ MIN_VOCAB_SIZE = 257  # the 256 bytes and the end-of-document token
 
 def check_vocab_size(vocab_size: object) -> None:
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size={vocab_size!r}: must be an integer >= {MIN_VOCAB_SIZE} "
-                         "(256 bytes + the end-of-document token)")
+        raise ValueError(
+            f"vocab_size={vocab_size!r}: must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + the end-of-document token)"
+        )
 
 
 class CorpusTokenizer:
@@ -68,9 +70,14 @@ class CorpusTokenizer:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``."""
         directory = Path(directory)
         self.hf.save(str(directory / TOKENIZER_FILE))
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eod_token,
-                  "bos_token": self.eod_token, "unk_token": None, "model_max_length": 1 << 30,
-                  "clean_up_tokenization_spaces": False}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": self.eod_token,
+            "bos_token": self.eod_token,
+            "unk_token": None,
+            "model_max_length": 1 << 30,
+            "clean_up_tokenization_spaces": False,
+        }
         (directory / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
 
     @classmethod
@@ -103,7 +110,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> CorpusTokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKEN],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return CorpusTokenizer(tokenizer)

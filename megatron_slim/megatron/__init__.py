@@ -4,6 +4,7 @@
 ``install(args)`` hooks the schedule and layer specs into ``megatron.training``. Importing this
 package imports neither megatron nor torch; the submodules that need them import them.
 """
+
 from megatron_slim.megatron.launch.flags import add_arguments
 
 

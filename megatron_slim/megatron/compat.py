@@ -20,6 +20,7 @@ The historical shapes (see ``/work/shared/notes/megatron-core.md``):
   0.16-0.18 ``+ padding_mask=None``, 0.19 ``+ packed_seq_params=None``.
 - building from a spec: ``build_module(spec, ...)`` everywhere; ``ModuleSpec.__call__`` from 0.16.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +36,7 @@ GRAD_FINALIZE_KEYWORDS = ("pg_collection", "grad_finalize_pgs")
 
 
 # --------------------------------------------------------------------------- signature helpers
+
 
 def _parameters(fn: Callable) -> Mapping[str, inspect.Parameter]:
     return inspect.signature(fn).parameters
@@ -75,6 +77,7 @@ def _first_declared(fn: Callable, candidates: tuple[str, ...]) -> Optional[str]:
 
 # --------------------------------------------------------------------------- version
 
+
 def mcore_version() -> tuple[int, int, int]:
     """The installed megatron-core version as ``(major, minor, patch)``."""
     from megatron.core import package_info
@@ -85,13 +88,21 @@ def mcore_version() -> tuple[int, int, int]:
 
 # --------------------------------------------------------------------------- pipeline steps
 
+
 def _schedules():
     return importlib.import_module("megatron.core.pipeline_parallel.schedules")
 
 
-def backward_step(input_tensor, output_tensor, output_tensor_grad, config, *,
-                  model_type: Any = None, pipeline_model_parallel_size: int = 1,
-                  fn: Optional[Callable] = None):
+def backward_step(
+    input_tensor,
+    output_tensor,
+    output_tensor_grad,
+    config,
+    *,
+    model_type: Any = None,
+    pipeline_model_parallel_size: int = 1,
+    fn: Optional[Callable] = None,
+):
     """megatron's ``backward_step`` with the arguments the installed version expects.
 
     ``model_type`` defaults to ``ModelType.encoder_or_decoder`` where it is still required.
@@ -116,8 +127,9 @@ def forward_step(*, fn: Optional[Callable] = None, **kwargs: Any):
     return call_with_supported(fn, **kwargs)
 
 
-def finalize_model_grads_kwargs(fn: Callable, groups: Any = None,
-                                force_all_reduce: Optional[bool] = None) -> dict[str, Any]:
+def finalize_model_grads_kwargs(
+    fn: Callable, groups: Any = None, force_all_reduce: Optional[bool] = None
+) -> dict[str, Any]:
     """Keyword arguments for ``fn`` (a ``finalize_model_grads``-like callable).
 
     ``groups`` may be our :class:`~megatron_slim.megatron.model.parallel.ParallelGroups` (converted to
@@ -129,20 +141,30 @@ def finalize_model_grads_kwargs(fn: Callable, groups: Any = None,
         if keyword is None and takes_var_keywords(fn):
             keyword = GRAD_FINALIZE_KEYWORDS[0]
         if keyword is None:
-            raise TypeError(f"{getattr(fn, '__name__', fn)!r} takes no process-group keyword "
-                            f"(looked for {', '.join(GRAD_FINALIZE_KEYWORDS)})")
+            raise TypeError(
+                f"{getattr(fn, '__name__', fn)!r} takes no process-group keyword "
+                f"(looked for {', '.join(GRAD_FINALIZE_KEYWORDS)})"
+            )
         kwargs[keyword] = _convert_groups(groups, lambda: _grad_finalize_groups_class(keyword))
     if force_all_reduce is not None:
         if has_parameter(fn, "force_all_reduce") or takes_var_keywords(fn):
             kwargs["force_all_reduce"] = force_all_reduce
         elif force_all_reduce:
-            raise ValueError("force_all_reduce=True: allowed only with megatron-core >= 0.16 (the "
-                             "installed finalize_model_grads has no such keyword); use None/False")
+            raise ValueError(
+                "force_all_reduce=True: allowed only with megatron-core >= 0.16 (the "
+                "installed finalize_model_grads has no such keyword); use None/False"
+            )
     return kwargs
 
 
-def finalize_model_grads(model_chunks: list, num_tokens=None, *, groups: Any = None,
-                         force_all_reduce: Optional[bool] = None, fn: Optional[Callable] = None):
+def finalize_model_grads(
+    model_chunks: list,
+    num_tokens=None,
+    *,
+    groups: Any = None,
+    force_all_reduce: Optional[bool] = None,
+    fn: Optional[Callable] = None,
+):
     """Call ``finalize_model_grads`` (or ``config.finalize_model_grads_func``) portably."""
     if fn is None:
         fn = importlib.import_module("megatron.core.distributed").finalize_model_grads
@@ -150,6 +172,7 @@ def finalize_model_grads(model_chunks: list, num_tokens=None, *, groups: Any = N
 
 
 # --------------------------------------------------------------------------- process groups
+
 
 def _process_groups_config():
     return importlib.import_module("megatron.core.process_groups_config")
@@ -213,6 +236,7 @@ def core_attention_groups_keyword(attention_cls: Optional[type] = None) -> Optio
 
 # --------------------------------------------------------------------------- layer specs
 
+
 def local_layer_submodules(normalization: str = "RMSNorm", *, specs_module: Any = None):
     """``TransformerLayerSubmodules`` of megatron's local (non-TE) GPT layer."""
     if specs_module is None:
@@ -233,8 +257,7 @@ def build(spec_or_module: Any, *args: Any, spec_utils: Any = None, **kwargs: Any
     return spec_or_module(*args, **kwargs)  # ModuleSpec.__call__ (0.16+) or a plain class
 
 
-def forward_mlp(layer: Any, hidden_states, *, inference_context=None, padding_mask=None,
-                packed_seq_params=None):
+def forward_mlp(layer: Any, hidden_states, *, inference_context=None, padding_mask=None, packed_seq_params=None):
     """``layer._forward_mlp`` with the keywords its version knows.
 
     A keyword the installed version lacks may be omitted only while it is None: silently dropping
@@ -242,13 +265,18 @@ def forward_mlp(layer: Any, hidden_states, *, inference_context=None, padding_ma
     """
     fn = layer._forward_mlp
     kwargs: dict[str, Any] = {}
-    for name, value in (("inference_context", inference_context), ("padding_mask", padding_mask),
-                        ("packed_seq_params", packed_seq_params)):
+    for name, value in (
+        ("inference_context", inference_context),
+        ("padding_mask", padding_mask),
+        ("packed_seq_params", packed_seq_params),
+    ):
         if has_parameter(fn, name):
             kwargs[name] = value
         elif value is not None:
-            raise ValueError(f"{name}: allowed value is None with the installed megatron-core "
-                             "(its TransformerLayer._forward_mlp does not take it)")
+            raise ValueError(
+                f"{name}: allowed value is None with the installed megatron-core "
+                "(its TransformerLayer._forward_mlp does not take it)"
+            )
     return fn(hidden_states, **kwargs)
 
 

@@ -29,6 +29,7 @@ engine's context and normalise the loss CP-wide, and ``get_batch_on_this_cp_rank
 ``install(args)`` is the explicit form for a script that parsed its args itself (see
 ``patches/pretrain_gpt.patch``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,12 @@ from megatron_slim.megatron.launch.flags import add_arguments, check_megatron_ar
 from megatron_slim.megatron.rebind import replace_everywhere as _replace_everywhere
 from megatron_slim.megatron.slimpipe.hooks import SlimPipeHookState, with_slice_attention, with_slice_length
 
-SPEC_BUILDERS = ("get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec",
-                 "get_gpt_layer_with_transformer_engine_submodules", "get_gpt_layer_local_submodules")
+SPEC_BUILDERS = (
+    "get_gpt_layer_with_transformer_engine_spec",
+    "get_gpt_layer_local_spec",
+    "get_gpt_layer_with_transformer_engine_submodules",
+    "get_gpt_layer_local_submodules",
+)
 _MARK = "_megatron_slim_hook"
 
 
@@ -86,6 +91,7 @@ def _patch_arguments() -> None:
     importlib.import_module("megatron.training.initialize")
     original_parse = arguments.parse_args
     if not getattr(original_parse, _MARK, False):
+
         @functools.wraps(original_parse)
         def parse_args(extra_args_provider=None, *args, **kwargs):
             return original_parse(_with_our_flags(extra_args_provider), *args, **kwargs)
@@ -95,6 +101,7 @@ def _patch_arguments() -> None:
 
     original_validate = arguments.validate_args
     if not getattr(original_validate, _MARK, False):
+
         @functools.wraps(original_validate)
         def validate_args(args, *rest, **kwargs):
             result = original_validate(args, *rest, **kwargs)
@@ -132,8 +139,9 @@ TP_BATCH_MODULES = ("megatron.training.utils", "megatron.core.utils")
 
 
 def _patch_tp_batch(slim_state: SlimPipeHookState) -> None:
-    _wrap_where_defined(TP_BATCH_MODULES, "get_batch_on_this_tp_rank",
-                        lambda original: with_slice_length(original, slim_state))
+    _wrap_where_defined(
+        TP_BATCH_MODULES, "get_batch_on_this_tp_rank", lambda original: with_slice_length(original, slim_state)
+    )
 
 
 # ---- layer specs -----------------------------------------------------------------------------
@@ -193,7 +201,8 @@ def install(args: Any = None) -> None:
     """For scripts that parsed their args already (``extra_args_provider=add_arguments``)."""
     args = args if args is not None else _megatron_args()
     if args is None:
-        raise RuntimeError("install(args): Megatron's args are not parsed yet; pass them or call after "
-                           "initialize_megatron")
+        raise RuntimeError(
+            "install(args): Megatron's args are not parsed yet; pass them or call after initialize_megatron"
+        )
     check_megatron_args(args)
     _install_all(lambda: args)

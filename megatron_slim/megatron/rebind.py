@@ -1,4 +1,5 @@
 """Swap a function for its replacement wherever Python code can reach it by name."""
+
 from __future__ import annotations
 
 import sys

@@ -4,6 +4,7 @@ UTF-8 text and YAML whose every problem is a ``ConfigError`` naming the flag or 
 YAML mappings may not repeat a key: PyYAML keeps the last value silently, which would let a recipe
 say ``lr`` twice and train with whichever came last.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,9 +24,10 @@ def read_text(path: Path, where: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
-        raise ConfigError(f"{where}: not UTF-8 text (byte {data[exc.start]:#04x} at line {line}; allowed: a "
-                          "UTF-8 text file)") from None
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{where}: not UTF-8 text (byte {data[exc.start]:#04x} at line {line}; allowed: a UTF-8 text file)"
+        ) from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -36,8 +38,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             line = key_node.start_mark.line + 1
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice (lines {seen[key]} and {line}); allowed: each key once",
-                    key_node.start_mark)
+                    None,
+                    None,
+                    f"key {key!r} appears twice (lines {seen[key]} and {line}); allowed: each key once",
+                    key_node.start_mark,
+                )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
@@ -56,6 +61,5 @@ def load_yaml_mapping(path: Path, where: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping of keys to values at the top level (got "
-                          f"{type(data).__name__})")
+        raise ConfigError(f"{where}: expected a mapping of keys to values at the top level (got {type(data).__name__})")
     return data

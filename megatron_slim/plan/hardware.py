@@ -4,6 +4,7 @@ Profiles live in ``megatron_slim/configs/hardware/<name>.yaml`` and cite the spe
 Efficiencies are the fraction of peak a kernel class reaches; a calibration file of measured
 times (see ``plan/cost/calibration.py``) replaces them where a GPU has been measured.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,8 +53,13 @@ class HardwareProfile:
 
     def __post_init__(self) -> None:
         positive = (
-            "peak_bf16_flops", "hbm_bytes", "hbm_bandwidth", "gpus_per_node", "nics_per_node",
-            "nvlink_bandwidth", "nic_bandwidth",
+            "peak_bf16_flops",
+            "hbm_bytes",
+            "hbm_bandwidth",
+            "gpus_per_node",
+            "nics_per_node",
+            "nvlink_bandwidth",
+            "nic_bandwidth",
         )
         for name in positive:
             if getattr(self, name) <= 0:

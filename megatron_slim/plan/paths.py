@@ -4,6 +4,7 @@ They ship inside the package (``megatron_slim/configs/*.yaml`` and ``megatron_sl
 declared as package data in ``pyproject.toml``), so an installed wheel finds them exactly as a
 source checkout does. ``$MEGATRON_SLIM_CONFIGS`` points at another folder of the same layout.
 """
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ A planner or simulator that can take seconds accepts ``progress: Progress | None
 ``progress(phase, done, total)`` now and then (every ``EVERY`` steps of a loop, or once per pack);
 the command layer (``megatron_slim.commands.progress``) decides whether and how to show it.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional

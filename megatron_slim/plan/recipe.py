@@ -4,6 +4,7 @@ A recipe is YAML in ``megatron_slim/configs/<name>.yaml`` (``paths.config_dir()`
 builds it, applies ``--set`` overrides and checks every cross-field rule before any work starts.
 Megatron-LM flags are derived from a recipe (``megatron_slim.megatron.launch.args``), never written twice.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from megatron_slim.plan.cost.slicing import max_slices, slice_alignment, splits_
 from megatron_slim.plan.files import load_yaml_mapping
 from megatron_slim.plan.hardware import HardwareProfile, load_hardware
 from megatron_slim.plan.paths import config_dir
-from megatron_slim.plan.recipe_sections import (  # noqa: F401  (re-exported: callers import them from here)
+from megatron_slim.plan.recipe_sections import (
     MAX_SEED,
     CPConfig,
     CPEngine,
@@ -28,6 +29,26 @@ from megatron_slim.plan.recipe_sections import (  # noqa: F401  (re-exported: ca
     TrainConfig,
 )
 from megatron_slim.plan.schema import ConfigError, apply_overrides, build, fail, parse_override, to_dict
+
+# The section dataclasses live in recipe_sections; callers import them from here, with the recipe.
+__all__ = [
+    "MAX_SEED",
+    "CPConfig",
+    "CPEngine",
+    "DataConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "Recipe",
+    "ScheduleConfig",
+    "ScheduleKind",
+    "SlicePolicy",
+    "TrainConfig",
+    "available_recipes",
+    "load_recipe",
+    "recipe_from_dict",
+    "recipe_path",
+    "world_size_note",
+]
 
 
 @dataclass(frozen=True)
@@ -53,9 +74,11 @@ class Recipe:
         chunks = p.pp * p.vpp
         if m.num_layers % chunks:
             field_name = "parallel.vpp" if p.vpp > 1 and m.num_layers % p.pp == 0 else "parallel.pp"
-            raise fail(field_name, getattr(p, field_name.split(".")[1]),
-                       f"values with pp*vpp dividing model.num_layers={m.num_layers} "
-                       f"(now pp*vpp={chunks})")
+            raise fail(
+                field_name,
+                getattr(p, field_name.split(".")[1]),
+                f"values with pp*vpp dividing model.num_layers={m.num_layers} (now pp*vpp={chunks})",
+            )
         if m.num_attention_heads % p.tp:
             raise fail("parallel.tp", p.tp, f"a divisor of model.num_attention_heads={m.num_attention_heads}")
         if m.num_query_groups % p.tp:
@@ -63,15 +86,19 @@ class Recipe:
         if m.ffn_hidden_size % p.tp:
             raise fail("parallel.tp", p.tp, f"a divisor of model.ffn_hidden_size={m.ffn_hidden_size}")
         if p.cp > 1 and m.seq_length % (2 * p.cp):
-            raise fail("model.seq_length", m.seq_length,
-                       f"a multiple of 2*parallel.cp={2 * p.cp} (zigzag context parallelism)")
+            raise fail(
+                "model.seq_length", m.seq_length, f"a multiple of 2*parallel.cp={2 * p.cp} (zigzag context parallelism)"
+            )
 
     def _check_batch(self) -> None:
         t, p = self.train, self.parallel
         per_step = t.micro_batch_size * p.dp
         if t.global_batch_size % per_step:
-            raise fail("train.global_batch_size", t.global_batch_size,
-                       f"a multiple of train.micro_batch_size*parallel.dp={per_step}")
+            raise fail(
+                "train.global_batch_size",
+                t.global_batch_size,
+                f"a multiple of train.micro_batch_size*parallel.dp={per_step}",
+            )
 
     def _check_schedule(self) -> None:
         s, p, m = self.schedule, self.parallel, self.model
@@ -86,20 +113,29 @@ class Recipe:
             if s.num_slices != 1:
                 raise fail("schedule.num_slices", s.num_slices, "1 with schedule.kind=interleaved (use slimpipe)")
         if s.kind == "slimpipe" and p.cp > 1 and (self.cp.engine != "ring" or self.cp.remap):
-            raise fail("cp.engine", self.cp.engine,
-                       "ring (the default) with cp.remap=false when schedule.kind=slimpipe: SlimPipe runs context "
-                       "parallelism itself, as query-out attention over its K/V cache; cp.engine selects the "
-                       "engine for 1f1b/interleaved runs")
+            raise fail(
+                "cp.engine",
+                self.cp.engine,
+                "ring (the default) with cp.remap=false when schedule.kind=slimpipe: SlimPipe runs context "
+                "parallelism itself, as query-out attention over its K/V cache; cp.engine selects the "
+                "engine for 1f1b/interleaved runs",
+            )
         unit = self.slice_alignment
         if s.slice_policy == "uniform":
             if not splits_uniformly(m.seq_length, s.num_slices, unit):
-                raise fail("schedule.num_slices", s.num_slices,
-                           f"a count whose slices divide model.seq_length={m.seq_length} into equal parts "
-                           f"that are multiples of {unit} tokens (or use schedule.slice_policy=balanced)")
+                raise fail(
+                    "schedule.num_slices",
+                    s.num_slices,
+                    f"a count whose slices divide model.seq_length={m.seq_length} into equal parts "
+                    f"that are multiples of {unit} tokens (or use schedule.slice_policy=balanced)",
+                )
         elif not splits_aligned(m.seq_length, s.num_slices, unit):
-            raise fail("schedule.num_slices", s.num_slices,
-                       f"at most model.seq_length/{unit}={max_slices(m.seq_length, unit)} slices, with "
-                       f"model.seq_length a multiple of {unit}")
+            raise fail(
+                "schedule.num_slices",
+                s.num_slices,
+                f"at most model.seq_length/{unit}={max_slices(m.seq_length, unit)} slices, with "
+                f"model.seq_length a multiple of {unit}",
+            )
 
     @property
     def slice_alignment(self) -> int:
@@ -151,8 +187,9 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
     return build(Recipe, data)
 
 
-def world_size_note(name_or_path: str, overrides: Optional[list[str]], recipe: Recipe,
-                    unit: str = "GPUs") -> Optional[str]:
+def world_size_note(
+    name_or_path: str, overrides: Optional[list[str]], recipe: Recipe, unit: str = "GPUs"
+) -> Optional[str]:
     """A line saying so when ``--set`` overrides change the GPU count (``tp*pp*cp*dp``) from the
     recipe file's, e.g. ``note: --set parallel.pp=8 changes the job from 64 to 128 GPUs (tp4 pp8 cp1
     dp4)``; None when they do not. Overrides keep every other key as written (``parallel.dp``
@@ -176,8 +213,10 @@ def world_size_note(name_or_path: str, overrides: Optional[list[str]], recipe: R
     sizes = [(o.strip(), parse_override(o)[0]) for o in overrides]
     sizes = [(text, path) for text, path in sizes if path in (["parallel", k] for k in ("tp", "pp", "cp", "dp"))]
     changed = [text for text, _ in sizes]
-    note = (f"note: --set {' '.join(changed)} changes the job from {base} to {p.world_size} {unit} "
-            f"(tp{p.tp} pp{p.pp} cp{p.cp} dp{p.dp})")
+    note = (
+        f"note: --set {' '.join(changed)} changes the job from {base} to {p.world_size} {unit} "
+        f"(tp{p.tp} pp{p.pp} cp{p.cp} dp{p.dp})"
+    )
     model_parallel = p.tp * p.pp * p.cp
     if base % model_parallel == 0 and not any(path == ["parallel", "dp"] for _, path in sizes):
         dp = base // model_parallel

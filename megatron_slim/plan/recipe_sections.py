@@ -2,6 +2,7 @@
 dataclasses that each check their own fields. Rules spanning sections live on ``Recipe``
 (``megatron_slim.plan.recipe``), which re-exports these names.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,16 +39,31 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = True
 
     def __post_init__(self) -> None:
-        _require_positive("model", self, (
-            "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-            "num_query_groups", "vocab_size", "seq_length",
-        ))
+        _require_positive(
+            "model",
+            self,
+            (
+                "num_layers",
+                "hidden_size",
+                "ffn_hidden_size",
+                "num_attention_heads",
+                "num_query_groups",
+                "vocab_size",
+                "seq_length",
+            ),
+        )
         if self.hidden_size % self.num_attention_heads:
-            raise fail("model.num_attention_heads", self.num_attention_heads,
-                       f"a divisor of model.hidden_size={self.hidden_size}")
+            raise fail(
+                "model.num_attention_heads",
+                self.num_attention_heads,
+                f"a divisor of model.hidden_size={self.hidden_size}",
+            )
         if self.num_attention_heads % self.num_query_groups:
-            raise fail("model.num_query_groups", self.num_query_groups,
-                       f"a divisor of model.num_attention_heads={self.num_attention_heads}")
+            raise fail(
+                "model.num_query_groups",
+                self.num_query_groups,
+                f"a divisor of model.num_attention_heads={self.num_attention_heads}",
+            )
         if self.rotary_base <= 1:  # RoPE's frequencies are base**(-2i/d): base <= 1 does not rotate
             raise fail("model.rotary_base", self.rotary_base, "a number > 1 (Llama: 10000 or 500000)")
         if not 0 < self.norm_epsilon < 1:
@@ -152,5 +168,7 @@ class DataConfig:
         if self.max_files < 0:
             raise fail("data.max_files", self.max_files, "an integer >= 0 (0: every file)")
         if self.path and self.corpus != "stdlib":
-            raise ConfigError(f"data.corpus: {self.corpus!r} with data.path {list(self.path)!r} (allowed: one "
-                              "source: data.path (existing Megatron data) or data.corpus (text to tokenize))")
+            raise ConfigError(
+                f"data.corpus: {self.corpus!r} with data.path {list(self.path)!r} (allowed: one "
+                "source: data.path (existing Megatron data) or data.corpus (text to tokenize))"
+            )

@@ -3,6 +3,7 @@
 Recipes (YAML) and ``--set key=value`` overrides both go through here, so every user-caused
 config error has the same shape: ``<dotted.field>: <problem> (got <value>; allowed: ...)``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 
 class ConfigError(ValueError):
     """A recipe, override or argument names a field, value or combination that is not allowed."""
+
 
 T = TypeVar("T", bound="DataclassInstance")
 
@@ -78,7 +80,7 @@ def _coerce_union(tp: Any, value: Any, field: str) -> Any:
     raise fail(field, value, _describe(tp))
 
 
-def _coerce_tuple(tp: Any, value: Any, field: str) -> tuple:
+def _coerce_tuple(tp: Any, value: Any, field: str) -> tuple[Any, ...]:
     (item_tp, *_rest) = get_args(tp)
     if isinstance(value, str):
         value = [v for v in value.split(",") if v.strip()]
@@ -151,8 +153,7 @@ def build(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     if unknown:
         where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
         raise ConfigError(
-            f"{where}: unknown key (allowed keys{' in ' + prefix if prefix else ''}: "
-            f"{', '.join(fields)})"
+            f"{where}: unknown key (allowed keys{' in ' + prefix if prefix else ''}: {', '.join(fields)})"
         )
     kwargs = {}
     for name, f in fields.items():

@@ -1,4 +1,5 @@
 """Turn a recipe into the same run under another pipeline schedule, for side-by-side comparison."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,10 @@ def _smallest_vpp(recipe: Recipe) -> int:
     for v in range(2, per_rank + 1):
         if per_rank % v == 0:
             return v
-    raise ConfigError(f"--compare interleaved: model.num_layers={recipe.model.num_layers} leaves "
-                      f"{per_rank} layer(s) per pipeline rank, too few for two chunks")
+    raise ConfigError(
+        f"--compare interleaved: model.num_layers={recipe.model.num_layers} leaves "
+        f"{per_rank} layer(s) per pipeline rank, too few for two chunks"
+    )
 
 
 def _default_slices(recipe: Recipe) -> int:

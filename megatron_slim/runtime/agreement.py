@@ -6,6 +6,7 @@ hang or compute garbage. ``check_agreement`` all-gathers up to 240 bits of the d
 words (a tensor collective: it runs on the GPU under NCCL, no pickling) and raises on every rank,
 naming the ranks that differ, so the failure is loud and simultaneous.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,14 +17,19 @@ SHOWN_HEX = 16  # digest characters a disagreement names per rank
 
 
 def _words(digest: str) -> list[str]:
-    head = digest[:_HEX_PER_WORD * _MAX_WORDS]
-    return [head[i:i + _HEX_PER_WORD] for i in range(0, len(head), _HEX_PER_WORD)]
+    head = digest[: _HEX_PER_WORD * _MAX_WORDS]
+    return [head[i : i + _HEX_PER_WORD] for i in range(0, len(head), _HEX_PER_WORD)]
 
 
-def check_agreement(digest: str, group: dist.ProcessGroup | None, *, device: torch.device | str = "cpu",
-                    ranks: str = "CP ranks", what: str = "context-parallel plan",
-                    remedy: str = "every rank must build the same plan from the same pack, topology and "
-                                  "planner settings") -> None:
+def check_agreement(
+    digest: str,
+    group: dist.ProcessGroup | None,
+    *,
+    device: torch.device | str = "cpu",
+    ranks: str = "CP ranks",
+    what: str = "context-parallel plan",
+    remedy: str = "every rank must build the same plan from the same pack, topology and planner settings",
+) -> None:
     """Collective over ``group``: raise ``RuntimeError`` on every rank unless all hold ``digest``
     (a hex string of the same length on every rank). ``ranks`` / ``what`` / ``remedy`` word the error."""
     size = dist.get_world_size(group)

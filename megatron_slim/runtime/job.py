@@ -9,6 +9,7 @@ sets this rank's CPU threads and tears the group down afterwards. :func:`local_f
 something on local rank 0 of each node before the others (e.g. preparing a cache the others then
 read). The own-spawn counterpart is :func:`megatron_slim.runtime.spawn.run_ranks`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,10 @@ def launched_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[Launc
         return None
     missing = [k for k in REQUIRED if not env.get(k)]
     if missing:
-        raise ConfigError(f"{', '.join(missing)}: not set, but TORCHELASTIC_RUN_ID={run_id!r} says torchrun "
-                          f"started this process; allowed: run under torchrun, or unset TORCHELASTIC_RUN_ID")
+        raise ConfigError(
+            f"{', '.join(missing)}: not set, but TORCHELASTIC_RUN_ID={run_id!r} says torchrun "
+            f"started this process; allowed: run under torchrun, or unset TORCHELASTIC_RUN_ID"
+        )
 
     def integer(name: str, default: Optional[int] = None, low: int = 0) -> int:
         text = env.get(name)
@@ -72,11 +75,19 @@ def launched_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[Launc
     local_rank = integer("LOCAL_RANK", default=rank)
     local_world_size = integer("LOCAL_WORLD_SIZE", default=world_size, low=1)
     if rank >= world_size or local_rank >= local_world_size:
-        raise ConfigError(f"RANK={rank} LOCAL_RANK={local_rank}: outside WORLD_SIZE={world_size} / "
-                          f"LOCAL_WORLD_SIZE={local_world_size}; allowed: 0 <= RANK < WORLD_SIZE")
-    return LaunchedRank(rank=rank, world_size=world_size, local_rank=local_rank,
-                        local_world_size=local_world_size, master_addr=env["MASTER_ADDR"],
-                        master_port=integer("MASTER_PORT", low=1), run_id=run_id)
+        raise ConfigError(
+            f"RANK={rank} LOCAL_RANK={local_rank}: outside WORLD_SIZE={world_size} / "
+            f"LOCAL_WORLD_SIZE={local_world_size}; allowed: 0 <= RANK < WORLD_SIZE"
+        )
+    return LaunchedRank(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        master_addr=env["MASTER_ADDR"],
+        master_port=integer("MASTER_PORT", low=1),
+        run_id=run_id,
+    )
 
 
 def threads_per_rank(ranks_on_this_machine: int) -> int:
@@ -95,8 +106,9 @@ def joined(job: LaunchedRank, backend: str = "gloo", timeout_s: float = 600.0) -
     import torch.distributed as dist
 
     torch.set_num_threads(threads_per_rank(job.local_world_size))
-    dist.init_process_group(backend, init_method="env://", rank=job.rank, world_size=job.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, init_method="env://", rank=job.rank, world_size=job.world_size, timeout=timedelta(seconds=timeout_s)
+    )
     try:
         yield
     finally:

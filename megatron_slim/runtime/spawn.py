@@ -15,6 +15,7 @@ and SIGINT in the parent stop every rank (terminate, then kill after a short gra
 :class:`Interrupted`. Ranks ignore SIGINT themselves: Ctrl-C reaches the whole foreground process
 group and the parent decides.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -88,15 +89,32 @@ def host_rendezvous(host: str = HOST, timeout_s: float = 600.0) -> dist.TCPStore
     return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
-def _worker(rank: int, world_size: int, port: int, parent_pid: int, backend: str, threads: int,
-            timeout_s: float, fn: Callable, args: tuple, queue: Any) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    parent_pid: int,
+    backend: str,
+    threads: int,
+    timeout_s: float,
+    fn: Callable,
+    args: tuple,
+    queue: Any,
+) -> None:
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):  # started with SIGINT blocked (see run_ranks); now ignored instead
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # What torchrun would set; an env:// init_process_group in here joins the parent's store as a client.
-    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(
+        MASTER_ADDR=HOST,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
     torch.set_num_threads(threads)
     try:
         timeout = timedelta(seconds=timeout_s)
@@ -190,9 +208,15 @@ def _stop_all(procs: list) -> None:
         raise
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
-              threads_per_rank: int = 1, timeout_s: Optional[float] = 600.0,
-              collective_timeout_s: float = 600.0) -> list[Any]:
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    threads_per_rank: int = 1,
+    timeout_s: Optional[float] = 600.0,
+    collective_timeout_s: float = 600.0,
+) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
 
     ``fn`` must be importable (module level) and its result picklable. ``timeout_s`` bounds the
@@ -203,45 +227,73 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store = host_rendezvous(timeout_s=collective_timeout_s)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, os.getpid(), backend, threads_per_rank,
-                                               collective_timeout_s, fn, args, queue), daemon=True)
-             for r in range(world_size)]
-    results: dict[int, Any] = {}
-    failure = None
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                r,
+                world_size,
+                store.port,
+                os.getpid(),
+                backend,
+                threads_per_rank,
+                collective_timeout_s,
+                fn,
+                args,
+                queue,
+            ),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
     with stop_on_signals() as gate:
         try:
             with gate.held(), _sigint_blocked_in_children():  # every started rank is in procs, to be stopped
                 for p in procs:
                     p.start()
-            while len(results) < world_size and failure is None:
-                try:
-                    rank, ok, payload = queue.get(timeout=2.0)
-                except queue_module.Empty:
-                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
-                    if dead:
-                        failure = (f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]}) "
-                                   "without a result")
-                    elif deadline is not None and time.monotonic() > deadline:
-                        failure = (f"ranks {sorted(set(range(world_size)) - set(results))} produced no result "
-                                   f"within {timeout_s:.0f}s")
-                    continue
-                if ok:
-                    results[rank] = pickle.loads(payload)
-                else:
-                    failure = f"rank {rank} failed:\n{payload}"
+            results, failure = _collect_results(procs, queue, timeout_s)
         except BaseException:
             _stop_all([p for p in procs if p.pid is not None])
             raise
-        if failure is not None:
-            _stop_all(procs)
-        else:
-            try:
-                _reap(procs, stop=False, wait_s=30.0)
-            except Interrupted:
-                _stop_all(procs)
-                raise
+        _finish(procs, failure)
     del store
     if failure is not None:
         raise RankFailed(failure)
     return [results[r] for r in range(world_size)]
+
+
+def _collect_results(procs: list, queue: Any, timeout_s: Optional[float]) -> tuple[dict[int, Any], Optional[str]]:
+    """Each rank's result as it arrives, until all are in or one fails (then the reason why)."""
+    world_size = len(procs)
+    results: dict[int, Any] = {}
+    failure = None
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while len(results) < world_size and failure is None:
+        try:
+            rank, ok, payload = queue.get(timeout=2.0)
+        except queue_module.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+            if dead:
+                failure = f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]}) without a result"
+            elif deadline is not None and time.monotonic() > deadline:
+                failure = (
+                    f"ranks {sorted(set(range(world_size)) - set(results))} produced no result within {timeout_s:.0f}s"
+                )
+            continue
+        if ok:
+            results[rank] = pickle.loads(payload)
+        else:
+            failure = f"rank {rank} failed:\n{payload}"
+    return results, failure
+
+
+def _finish(procs: list, failure: Optional[str]) -> None:
+    """Stop the ranks after a failure; otherwise let them exit on their own (stopped if interrupted)."""
+    if failure is not None:
+        _stop_all(procs)
+        return
+    try:
+        _reap(procs, stop=False, wait_s=30.0)
+    except Interrupted:
+        _stop_all(procs)
+        raise

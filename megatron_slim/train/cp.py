@@ -17,6 +17,7 @@ count, so the schedule's per-microbatch normalisation and the loop's gradient *a
 x context parallel ranks give the single-process reference's gradients (mean over each pack's loss
 tokens, averaged over microbatches and data-parallel ranks).
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,8 +51,13 @@ def cp_topology(recipe: Recipe):
     p, hw = recipe.parallel, recipe.hardware_profile
     span = p.cp * p.tp
     if p.dp * p.pp > 1 and hw.gpus_per_node % span and span % hw.gpus_per_node:
-        raise fail("parallel.cp", p.cp, f"a size whose CP group (cp*tp={span} GPUs) divides or is a multiple of "
-                   f"hardware.gpus_per_node={hw.gpus_per_node}", "CP groups would straddle node boundaries")
+        raise fail(
+            "parallel.cp",
+            p.cp,
+            f"a size whose CP group (cp*tp={span} GPUs) divides or is a multiple of "
+            f"hardware.gpus_per_node={hw.gpus_per_node}",
+            "CP groups would straddle node boundaries",
+        )
     return CPTopology.from_hardware(hw, p.cp, p.tp), CPCosts.from_recipe(recipe)
 
 
@@ -61,8 +67,10 @@ def cp_layer_classes(recipe: Recipe) -> dict[str, Optional[type]]:
     from megatron_slim.megatron.cp.remap_layer import RemapTransformerLayer
     from megatron_slim.megatron.cp.schedule import CPScheduledCoreAttention
 
-    return {"core_attention": CPScheduledCoreAttention,
-            "transformer_layer": RemapTransformerLayer if recipe.cp.remap else None}
+    return {
+        "core_attention": CPScheduledCoreAttention,
+        "transformer_layer": RemapTransformerLayer if recipe.cp.remap else None,
+    }
 
 
 class CPTrainStep:
@@ -83,16 +91,21 @@ class CPTrainStep:
 
         for c in chunks:
             if attach_context_parallel(c, self.context) == 0:
-                raise RuntimeError("cp.engine: the model chunk has no CPCoreAttention (build it with "
-                                   "train.cp.cp_layer_classes)")
+                raise RuntimeError(
+                    "cp.engine: the model chunk has no CPCoreAttention (build it with train.cp.cp_layer_classes)"
+                )
 
     def plan_iteration(self, microbatches: list[dict]) -> list[dict]:
         """Plan every microbatch window of this iteration; returns the windows tagged with their index."""
         from megatron_slim.megatron.cp.data import plan_microbatch
         from megatron_slim.megatron.cp.lengths import document_lengths
 
-        self.plans = [plan_microbatch(document_lengths(b["tokens"], self.eod), self.topo, self.costs,
-                                      engine=self.engine, remap=self.remap) for b in microbatches]
+        self.plans = [
+            plan_microbatch(
+                document_lengths(b["tokens"], self.eod), self.topo, self.costs, engine=self.engine, remap=self.remap
+            )
+            for b in microbatches
+        ]
         return [{**b, MICROBATCH_KEY: k} for k, b in enumerate(microbatches)]
 
     def forward_step(self, data_iterator, model):
@@ -109,8 +122,17 @@ class CPTrainStep:
     def summary(self) -> dict[str, int]:
         """This iteration's plans in counts: packs, sequences by scope, packs that leave a CP rank
         without tokens (``padded``: it runs a masked padding row), tokens per rank."""
-        out = {"packs": len(self.plans), "sequences": 0, "local": 0, "intra": 0, "inter": 0, "padded": 0,
-               "max_tokens_per_rank": 0, "min_tokens_per_rank": 0, "remapped_tokens": 0}
+        out = {
+            "packs": len(self.plans),
+            "sequences": 0,
+            "local": 0,
+            "intra": 0,
+            "inter": 0,
+            "padded": 0,
+            "max_tokens_per_rank": 0,
+            "min_tokens_per_rank": 0,
+            "remapped_tokens": 0,
+        }
         lows = []
         for plan, _, remap in self.plans:
             out["sequences"] += len(plan.lengths)
@@ -143,8 +165,10 @@ def reduce_summary(summary: dict[str, int], dp_group: Any, dp_size: int) -> dict
 
 def summary_text(engine: str, s: dict[str, int]) -> str:
     """``cp zeppelin: 9 seqs 6 local/2 intra/1 inter, 96-160 tok/rank`` (+ packs leaving a rank empty)."""
-    text = (f"cp {engine}: {s['sequences']} seqs {s['local']} local/{s['intra']} intra/{s['inter']} inter, "
-            f"{s['min_tokens_per_rank']}-{s['max_tokens_per_rank']} tok/rank")
+    text = (
+        f"cp {engine}: {s['sequences']} seqs {s['local']} local/{s['intra']} intra/{s['inter']} inter, "
+        f"{s['min_tokens_per_rank']}-{s['max_tokens_per_rank']} tok/rank"
+    )
     if s["padded"]:
         text += f", {s['padded']} pack(s) left a CP rank without tokens (it ran a masked padding row)"
     return text
@@ -154,10 +178,20 @@ def describe(recipe: Recipe) -> str:
     """One line for the start of a run: engine, topology and the document-masking semantics."""
     topo, _ = cp_topology(recipe)
     remap = " with remap" if recipe.cp.remap else ""
-    return (f"context parallel: cp{recipe.parallel.cp} engine {recipe.cp.engine}{remap} on {topo.num_nodes} node(s) "
-            f"x {topo.ranks_per_node} CP ranks (hardware {recipe.hardware_profile.name}); each microbatch is a "
-            "pack of the documents between eod tokens, attention stays inside each document")
+    return (
+        f"context parallel: cp{recipe.parallel.cp} engine {recipe.cp.engine}{remap} on {topo.num_nodes} node(s) "
+        f"x {topo.ranks_per_node} CP ranks (hardware {recipe.hardware_profile.name}); each microbatch is a "
+        "pack of the documents between eod tokens, attention stays inside each document"
+    )
 
 
-__all__ = ["CPTrainStep", "MICROBATCH_KEY", "check_cp_trainable", "cp_layer_classes", "cp_topology",
-           "describe", "reduce_summary", "summary_text"]
+__all__ = [
+    "CPTrainStep",
+    "MICROBATCH_KEY",
+    "check_cp_trainable",
+    "cp_layer_classes",
+    "cp_topology",
+    "describe",
+    "reduce_summary",
+    "summary_text",
+]

@@ -1,18 +1,17 @@
 """One rank of ``megatron-slim train``: megatron-core chunks trained with the schedule interpreter.
 
-Global batch ``G`` samples per iteration; data-parallel rank ``d`` takes samples
-``it*G + d*m*b .. + m*b`` as ``m`` microbatches of ``b``, so the data order depends only on the
-iteration: a resumed run reads exactly what the uninterrupted run would have read.
+Each iteration reads its microbatches in an order that depends only on the iteration
+(``megatron_slim.train.microbatch``), so a resumed run reads what the uninterrupted run would have.
 
 With ``parallel.cp > 1`` every microbatch is a pack of documents run by the recipe's CP engine
 (``megatron_slim.train.cp``); gradients are then averaged over data x context parallel ranks.
 """
+
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -21,6 +20,7 @@ from megatron_slim.plan.recipe import Recipe, recipe_from_dict
 from megatron_slim.plan.sim.costs import slice_lengths
 from megatron_slim.train import checkpoint
 from megatron_slim.train.metrics import MetricsOptions, open_metrics
+from megatron_slim.train.microbatch import dp_mean, forward_step, microbatches, summed_loss
 from megatron_slim.train.profiler import IterationProfiler, ProfileOptions
 from megatron_slim.train.step import (
     average_data_parallel,
@@ -29,6 +29,9 @@ from megatron_slim.train.step import (
     nonfinite_reason,
     sum_tied_embedding_grads,
 )
+
+if TYPE_CHECKING:  # the schedule imports megatron; loop.py imports it only when a run starts
+    from megatron_slim.megatron.slimpipe.schedule import ForwardBackwardFunc
 
 
 @dataclass(frozen=True)
@@ -62,29 +65,6 @@ class RankReport:
     skipped_iterations: list = field(default_factory=list)
     stopped: str = ""  # why training stopped early (a non-finite loss or gradient norm); "" = it did not
     cp_iterations: list = field(default_factory=list)  # per iteration: train.cp.CPTrainStep.summary()
-
-
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Megatron's pretrain_gpt loss: (sum of masked token losses, token count, report)."""
-    losses = output_tensor.float()
-    loss = torch.sum(losses.reshape(-1) * loss_mask.reshape(-1))
-    num_tokens = loss_mask.sum().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
-
-
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, functools.partial(loss_func, batch["loss_mask"])
-
-
-def _microbatches(dataset, recipe: Recipe, iteration: int, dp_rank: int):
-    t, m = recipe.train, recipe.num_microbatches
-    base = iteration * t.global_batch_size + dp_rank * m * t.micro_batch_size
-    for k in range(m):
-        samples = [dataset[base + k * t.micro_batch_size + i] for i in range(t.micro_batch_size)]
-        yield {name: torch.stack([torch.as_tensor(s[name]) for s in samples])
-               for name in ("tokens", "labels", "loss_mask", "position_ids")}
 
 
 def check_trainable(recipe: Recipe) -> None:
@@ -128,10 +108,28 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     optimizer, scheduler = build_optimizer(chunks, t)
     forward_backward = make_forward_backward_func(pipeline_settings(recipe, options.measure_memory))
     dataset = build_gpt_dataset(prepared, recipe.model.seq_length, t.global_batch_size * t.iters, seed=t.seed)
-    report = RankReport(rank, groups.pp_rank, groups.dp_rank, groups.tp_rank, groups.cp_rank,
-                        attention_backend=_backend_text(choose_backend(None, torch.device("cpu"), torch.float32)))
-    training = _RankTraining(recipe, recipe_data, options, rank, groups, chunks, optimizer, scheduler,
-                             forward_backward, dataset, cp_step, report)
+    report = RankReport(
+        rank,
+        groups.pp_rank,
+        groups.dp_rank,
+        groups.tp_rank,
+        groups.cp_rank,
+        attention_backend=_backend_text(choose_backend(None, torch.device("cpu"), torch.float32)),
+    )
+    training = _RankTraining(
+        recipe,
+        recipe_data,
+        options,
+        rank,
+        groups,
+        chunks,
+        optimizer,
+        scheduler,
+        forward_backward,
+        dataset,
+        cp_step,
+        report,
+    )
     start = training.resume()
     training.metrics = open_metrics(options.metrics, recipe, training.reporter)
     training.profiler = IterationProfiler(options.profile, rank, recipe, groups)
@@ -155,7 +153,7 @@ class _RankTraining:
     chunks: list
     optimizer: Any
     scheduler: Any
-    forward_backward: Callable
+    forward_backward: ForwardBackwardFunc
     dataset: Any
     cp_step: Any
     report: RankReport
@@ -175,8 +173,15 @@ class _RankTraining:
         options, report = self.options, self.report
         if not (options.checkpoint_dir and options.resume and options.resume_from is not None):
             return 0
-        saved = checkpoint.load(options.checkpoint_dir, options.resume_from, self.rank, self.chunks, self.optimizer,
-                                self.scheduler, self.recipe_data)
+        saved = checkpoint.load(
+            options.checkpoint_dir,
+            options.resume_from,
+            self.rank,
+            self.chunks,
+            self.optimizer,
+            self.scheduler,
+            self.recipe_data,
+        )
         start = report.resumed_from = report.last_iteration = options.resume_from
         report.losses = [tuple(x) for x in saved.get("losses", [])]
         report.cp_iterations = list(saved.get("cp_iterations", []))
@@ -197,8 +202,9 @@ class _RankTraining:
         if cp_summary is not None and self.reporter:
             report.cp_iterations.append(cp_summary)
         finite = loss_is_finite(reports)
-        stepped, norm = clip_and_step(self.params, self.optimizer, self.scheduler, t.clip_grad, groups.mp,
-                                      groups.tp_rank, finite)
+        stepped, norm = clip_and_step(
+            self.params, self.optimizer, self.scheduler, t.clip_grad, groups.mp, groups.tp_rank, finite
+        )
         if not stepped and not t.skip_nonfinite_steps:
             report.stopped = nonfinite_reason(number, finite, norm)
             return False
@@ -208,14 +214,14 @@ class _RankTraining:
         elapsed = time.perf_counter() - began
         self._record(number, elapsed)
         if self.reporter:
-            loss = _dp_mean(_summed_loss(reports), self.grad_group, self.grad_size)
+            loss = dp_mean(summed_loss(reports), self.grad_group, self.grad_size)
             report.losses.append((number, loss))
             if self.metrics:
                 self.metrics.log(number, loss, self.optimizer.param_groups[0]["lr"], norm, elapsed, report)
             if not self.options.quiet and (number % t.log_interval == 0 or number == t.iters or not stepped):
                 self._print(number, loss, norm, stepped, elapsed, cp_summary)
         elif self.grad_size > 1 and self.last_stage:
-            _dp_mean(_summed_loss(reports), self.grad_group, self.grad_size)
+            dp_mean(summed_loss(reports), self.grad_group, self.grad_size)
         report.last_iteration = number
         self._save_if_due(number)
         return number != self.options.exit_interval
@@ -223,14 +229,18 @@ class _RankTraining:
     def _forward_backward(self, number: int) -> list:
         self.profiler.before(number)
         self.optimizer.zero_grad(set_to_none=True)
-        batches = list(_microbatches(self.dataset, self.recipe, number - 1, self.groups.dp_rank))
+        batches = list(microbatches(self.dataset, self.recipe, number - 1, self.groups.dp_rank))
         step_func = forward_step
         if self.cp_step:
             batches, step_func = self.cp_step.plan_iteration(batches), self.cp_step.forward_step
-        return self.forward_backward(forward_step_func=step_func, data_iterator=[iter(batches) for _ in self.chunks],
-                                     model=self.chunks, num_microbatches=self.recipe.num_microbatches,
-                                     seq_length=self.recipe.model.seq_length,
-                                     micro_batch_size=self.recipe.train.micro_batch_size)
+        return self.forward_backward(
+            forward_step_func=step_func,
+            data_iterator=[iter(batches) for _ in self.chunks],
+            model=self.chunks,
+            num_microbatches=self.recipe.num_microbatches,
+            seq_length=self.recipe.model.seq_length,
+            micro_batch_size=self.recipe.train.micro_batch_size,
+        )
 
     def _record(self, number: int, elapsed: float) -> None:
         report, stats = self.report, self.forward_backward.stats
@@ -246,32 +256,30 @@ class _RankTraining:
         t = self.recipe.train
         tok_s = t.global_batch_size * self.recipe.model.seq_length / elapsed
         cp_text = f" | {summary_text(self.recipe.cp.engine, cp_summary)}" if cp_summary else ""
-        print(f"iter {number:4d}/{t.iters} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e} | "
-              f"grad norm {norm:.3f}{'' if stepped else ' (skipped: not finite)'} | {elapsed:.2f} s/it | "
-              f"{tok_s:,.0f} tokens/s{cp_text}", flush=True)
+        print(
+            f"iter {number:4d}/{t.iters} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e} | "
+            f"grad norm {norm:.3f}{'' if stepped else ' (skipped: not finite)'} | {elapsed:.2f} s/it | "
+            f"{tok_s:,.0f} tokens/s{cp_text}",
+            flush=True,
+        )
 
     def _save_if_due(self, number: int) -> None:
         t, options = self.recipe.train, self.options
         done = number == t.iters or (options.exit_interval and number == options.exit_interval)
         if options.checkpoint_dir and (done or (t.save_interval and number % t.save_interval == 0)):
-            saved_report = ({"losses": self.report.losses, "cp_iterations": self.report.cp_iterations}
-                            if self.reporter else None)
-            checkpoint.save(options.checkpoint_dir, number, self.rank, self.chunks, self.optimizer, self.scheduler,
-                            self.recipe_data, report=saved_report)
-
-
-def _summed_loss(reports: list) -> torch.Tensor:
-    """The microbatches' ``lm loss`` reports summed: (sum of token losses, token count)."""
-    return torch.stack([r["lm loss"] for r in reports]).sum(0)
-
-
-def _dp_mean(total: torch.Tensor, group, size: int) -> float:
-    """Token-weighted loss over the data (x context) parallel ranks (Megatron's ``lm loss`` reduction)."""
-    import torch.distributed as dist
-
-    if size > 1:
-        dist.all_reduce(total, group=group)
-    return (total[0] / total[1].clamp(min=1)).item()
+            saved_report = (
+                {"losses": self.report.losses, "cp_iterations": self.report.cp_iterations} if self.reporter else None
+            )
+            checkpoint.save(
+                options.checkpoint_dir,
+                number,
+                self.rank,
+                self.chunks,
+                self.optimizer,
+                self.scheduler,
+                self.recipe_data,
+                report=saved_report,
+            )
 
 
 def _backend_text(choice) -> str:

@@ -14,6 +14,7 @@ copies; ``samples vs steps`` as Megatron logs it).
 ``tensorboard`` (the ``metrics`` extra) and ``wandb`` are optional: asking for either without it
 installed is a named error before any work.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -43,8 +44,9 @@ def metrics_options(args) -> MetricsOptions:
     options = MetricsOptions(args.tensorboard_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir)
     for flag, value in (("--wandb-exp-name", options.wandb_exp_name), ("--wandb-save-dir", options.wandb_save_dir)):
         if value is not None and not options.wandb_project:
-            raise ConfigError(f"{flag} {value}: takes effect only with --wandb-project NAME; allowed: add "
-                              "--wandb-project, or drop it")
+            raise ConfigError(
+                f"{flag} {value}: takes effect only with --wandb-project NAME; allowed: add --wandb-project, or drop it"
+            )
     if options.wandb_project is not None and not options.wandb_project.strip():
         raise ConfigError("--wandb-project '': empty project name; allowed: a W&B project name")
     if options.tensorboard_dir is not None:
@@ -58,20 +60,36 @@ def _require(module: str, flag: str, package: str, pip_spec: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError as exc:
-        raise ConfigError(f"{flag}: needs the {package} package, which is not installed ({exc}); allowed: "
-                          f"install it (pip install {pip_spec}), or drop {flag}") from None
+        raise ConfigError(
+            f"{flag}: needs the {package} package, which is not installed ({exc}); allowed: "
+            f"install it (pip install {pip_spec}), or drop {flag}"
+        ) from None
 
 
-def iteration_scalars(recipe, flops_per_iteration: float, loss: float, learning_rate: float, grad_norm: float,
-                      seconds: float, peak_activation_bytes: int, peak_kv_bytes: int) -> dict[str, float]:
+def iteration_scalars(
+    recipe,
+    flops_per_iteration: float,
+    loss: float,
+    learning_rate: float,
+    grad_norm: float,
+    seconds: float,
+    peak_activation_bytes: int,
+    peak_kv_bytes: int,
+) -> dict[str, float]:
     """One iteration's values under their tags (see the module docstring)."""
     tokens = recipe.train.global_batch_size * recipe.model.seq_length
     per_second = 1.0 / seconds if seconds > 0 else 0.0
-    return {"lm loss": loss, "learning-rate": learning_rate, "grad-norm": grad_norm,
-            "batch-size": float(recipe.train.global_batch_size), "iteration-time": seconds,
-            "throughput": flops_per_iteration * per_second / 1e12 / recipe.parallel.world_size,
-            "tokens-per-second": tokens * per_second,
-            "mem-peak-activation-bytes": float(peak_activation_bytes), "mem-peak-kv-bytes": float(peak_kv_bytes)}
+    return {
+        "lm loss": loss,
+        "learning-rate": learning_rate,
+        "grad-norm": grad_norm,
+        "batch-size": float(recipe.train.global_batch_size),
+        "iteration-time": seconds,
+        "throughput": flops_per_iteration * per_second / 1e12 / recipe.parallel.world_size,
+        "tokens-per-second": tokens * per_second,
+        "mem-peak-activation-bytes": float(peak_activation_bytes),
+        "mem-peak-kv-bytes": float(peak_kv_bytes),
+    }
 
 
 def model_flops_per_iteration(recipe) -> float:
@@ -105,10 +123,17 @@ class MetricsWriter:
             wandb.init(**kwargs)
             self.wandb = wandb
 
-    def log(self, iteration: int, loss: float, learning_rate: float, grad_norm: float, seconds: float,
-            report) -> None:
-        scalars = iteration_scalars(self.recipe, self.flops, loss, learning_rate, float(grad_norm), seconds,
-                                    report.peak_activation_bytes, report.peak_kv_bytes)
+    def log(self, iteration: int, loss: float, learning_rate: float, grad_norm: float, seconds: float, report) -> None:
+        scalars = iteration_scalars(
+            self.recipe,
+            self.flops,
+            loss,
+            learning_rate,
+            float(grad_norm),
+            seconds,
+            report.peak_activation_bytes,
+            report.peak_kv_bytes,
+        )
         samples = iteration * self.recipe.train.global_batch_size
         if self.tensorboard is not None:
             for tag, value in scalars.items():

@@ -9,6 +9,7 @@ schedule digest, the iteration and a run id shared by the run's ranks, which
 ``megatron-slim overlay`` uses to lay it beside the simulated timeline. Files are written whole
 (written beside, then renamed).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,10 @@ def profile_options(args, recipe) -> Optional[ProfileOptions]:
     run trains (after any checkpoint it resumes from, up to ``--exit-interval``)."""
     if args.profile is None:
         if args.profile_iteration is not None:
-            raise ConfigError(f"--profile-iteration {args.profile_iteration}: takes effect only with --profile DIR; "
-                              "allowed: add --profile DIR, or drop it")
+            raise ConfigError(
+                f"--profile-iteration {args.profile_iteration}: takes effect only with --profile DIR; "
+                "allowed: add --profile DIR, or drop it"
+            )
         return None
     last = recipe.train.iters
     if args.exit_interval and 0 < args.exit_interval < last:
@@ -49,11 +52,15 @@ def profile_options(args, recipe) -> Optional[ProfileOptions]:
     iteration = last if args.profile_iteration is None else args.profile_iteration
     where = f" (it resumes from the checkpoint at iteration {first - 1})" if first > 1 else ""
     if first > last:
-        raise ConfigError(f"--profile {args.profile}: this run trains no iteration{where}; allowed: a run that "
-                          "trains, e.g. with --no-resume or a larger train.iters")
+        raise ConfigError(
+            f"--profile {args.profile}: this run trains no iteration{where}; allowed: a run that "
+            "trains, e.g. with --no-resume or a larger train.iters"
+        )
     if not first <= iteration <= last:
-        raise ConfigError(f"--profile-iteration {iteration}: this run trains iterations {first}..{last}{where}; "
-                          f"allowed: {first}..{last}")
+        raise ConfigError(
+            f"--profile-iteration {iteration}: this run trains iterations {first}..{last}{where}; "
+            f"allowed: {first}..{last}"
+        )
     return ProfileOptions(args.profile, iteration, uuid.uuid4().hex[:12])
 
 
@@ -76,9 +83,16 @@ class IterationProfiler:
         self.options, self.rank = options, rank
         self._prof: Any = None  # a torch.profiler.profile while one iteration is traced
         p = recipe.parallel
-        self.identity = {"rank": rank, "world_size": p.world_size, "pp_rank": groups.pp_rank,
-                         "tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank, "dp_rank": groups.dp_rank,
-                         "recipe": recipe.to_dict(), "run_id": options.run_id if options else ""}
+        self.identity = {
+            "rank": rank,
+            "world_size": p.world_size,
+            "pp_rank": groups.pp_rank,
+            "tp_rank": groups.tp_rank,
+            "cp_rank": groups.cp_rank,
+            "dp_rank": groups.dp_rank,
+            "recipe": recipe.to_dict(),
+            "run_id": options.run_id if options else "",
+        }
 
     def before(self, iteration: int) -> None:
         if self.options is None or iteration != self.options.iteration:
@@ -92,8 +106,9 @@ class IterationProfiler:
         if self._prof is None:
             return
         prof, self._prof = self._prof, None
-        prof.add_metadata_json(METADATA_KEY, json.dumps(
-            {**self.identity, "iteration": iteration, "schedule_digest": schedule_digest}))
+        prof.add_metadata_json(
+            METADATA_KEY, json.dumps({**self.identity, "iteration": iteration, "schedule_digest": schedule_digest})
+        )
         prof.stop()
         assert self.options is not None  # a trace was started for it
         path = trace_path(self.options.directory, self.rank)

@@ -2,6 +2,7 @@
 copies, data-parallel averaging of gradients, global-norm clipping over every model-parallel rank,
 and skipping a step whose gradients are not finite, so a failed step leaves model and optimizer
 state as they were."""
+
 from __future__ import annotations
 
 import math
@@ -50,7 +51,7 @@ def average_data_parallel(params: Sequence[torch.nn.Parameter], dp_group, dp_siz
     flat /= dp_size
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -81,16 +82,20 @@ def loss_is_finite(reports: Sequence[dict]) -> bool:
 
 
 def nonfinite_reason(iteration: int, loss_finite: bool, norm: float) -> str:
-    what = " and ".join(w for w, bad in (("the loss", not loss_finite), (f"the gradient norm ({norm})",
-                                                                         not math.isfinite(norm))) if bad)
-    return (f"iteration {iteration}: {what} is not finite; training stopped before the update, so model and "
-            "optimizer state are those after the previous iteration and nothing of this step was saved "
-            "(Megatron's --check-for-nan-in-loss-and-grad); lower train.lr, check the data, or set "
-            "train.skip_nonfinite_steps=true to skip such steps")
+    what = " and ".join(
+        w for w, bad in (("the loss", not loss_finite), (f"the gradient norm ({norm})", not math.isfinite(norm))) if bad
+    )
+    return (
+        f"iteration {iteration}: {what} is not finite; training stopped before the update, so model and "
+        "optimizer state are those after the previous iteration and nothing of this step was saved "
+        "(Megatron's --check-for-nan-in-loss-and-grad); lower train.lr, check the data, or set "
+        "train.skip_nonfinite_steps=true to skip such steps"
+    )
 
 
-def clip_and_step(params, optimizer, scheduler, clip_grad: float, model_parallel_group, tp_rank: int,
-                  loss_finite: bool = True) -> tuple[bool, float]:
+def clip_and_step(
+    params, optimizer, scheduler, clip_grad: float, model_parallel_group, tp_rank: int, loss_finite: bool = True
+) -> tuple[bool, float]:
     """Returns (stepped, grad norm). A non-finite loss (see ``loss_is_finite``) or norm (identical on
     every rank after the all-reduce) leaves parameters, optimizer and scheduler untouched everywhere."""
     norm = global_grad_norm(params, model_parallel_group, tp_rank)

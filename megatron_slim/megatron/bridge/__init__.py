@@ -3,6 +3,7 @@
 ``installer`` patches the config's layer spec and the schedule getter; ``config`` checks the
 Bridge ``ConfigContainer`` first. See docs/megatron-bridge.md.
 """
+
 from megatron_slim.megatron.bridge.installer import BridgeInstall, install
 
 __all__ = ["BridgeInstall", "install"]

@@ -8,6 +8,7 @@ the explicit SlimPipe settings onto Megatron-LM's argument names, so the launche
 field names. ``_refuse_bridge_only`` covers what only Bridge has: settings under which Bridge would
 bypass the schedule it asked for, or undo the layer spec.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,17 +21,23 @@ GPT_MODEL_TYPES = ("GPTModelProvider", "GPTModelConfig")
 # Megatron-LM flag -> the Bridge field or install() argument it stands for, for error messages
 FIELD_NAMES = {
     "--use-slimpipe": "SlimPipe (megatron_slim.megatron.bridge.install)",
-    "--slimpipe-num-slices": "install(num_slices=...)", "--slimpipe-slice-policy": "install(slice_policy=...)",
-    "--seq-length": "model.seq_length", "--num-experts": "model.num_moe_experts",
-    "--context-parallel-size": "model.context_parallel_size", "--sequence-parallel": "model.sequence_parallel",
+    "--slimpipe-num-slices": "install(num_slices=...)",
+    "--slimpipe-slice-policy": "install(slice_policy=...)",
+    "--seq-length": "model.seq_length",
+    "--num-experts": "model.num_moe_experts",
+    "--context-parallel-size": "model.context_parallel_size",
+    "--sequence-parallel": "model.sequence_parallel",
     "--hierarchical-context-parallel-sizes": "model.hierarchical_context_parallel_sizes",
-    "--cp-comm-type": "model.cp_comm_type", "--multi-latent-attention": "model.multi_latent_attention",
-    "--cuda-graph-impl": "model.cuda_graph_impl", "--enable-cuda-graph": "model.enable_cuda_graph",
+    "--cp-comm-type": "model.cp_comm_type",
+    "--multi-latent-attention": "model.multi_latent_attention",
+    "--cuda-graph-impl": "model.cuda_graph_impl",
+    "--enable-cuda-graph": "model.enable_cuda_graph",
     "--position-embedding-type": "model.position_embedding_type",
     "--reset-attention-mask": "dataset.reset_attention_mask",
     "--hybrid-context-parallel": "model.hybrid_context_parallel",
-    "--num-microbatches-with-partial-activation-checkpoints":
-        "model.num_microbatches_with_partial_activation_checkpoints",
+    "--num-microbatches-with-partial-activation-checkpoints": (
+        "model.num_microbatches_with_partial_activation_checkpoints"
+    ),
 }
 
 
@@ -39,8 +46,15 @@ def _model_field(model: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def bridge_args(config: Any, *, num_slices: int, slice_policy: str = "uniform", hardware: str = "h100",
-                calibration: Optional[str] = None, attention_backend: str = "auto") -> argparse.Namespace:
+def bridge_args(
+    config: Any,
+    *,
+    num_slices: int,
+    slice_policy: str = "uniform",
+    hardware: str = "h100",
+    calibration: Optional[str] = None,
+    attention_backend: str = "auto",
+) -> argparse.Namespace:
     """The Megatron-LM argument namespace a Bridge ``ConfigContainer`` stands for, with megatron-slim's
     SlimPipe flags set: what the launcher's checks and slice planner read."""
     import torch
@@ -50,20 +64,28 @@ def bridge_args(config: Any, *, num_slices: int, slice_policy: str = "uniform", 
     groups = _model_field(m, "num_query_groups", heads)
     dtype = getattr(m, "params_dtype", None)
     return argparse.Namespace(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=getattr(m, "ffn_hidden_size", None),
-        num_attention_heads=heads, num_query_groups=groups, group_query_attention=groups != heads,
-        seq_length=m.seq_length, rotary_base=_model_field(m, "rotary_base", 10000),
-        vocab_size=getattr(m, "vocab_size", None), padded_vocab_size=None,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=getattr(m, "ffn_hidden_size", None),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        group_query_attention=groups != heads,
+        seq_length=m.seq_length,
+        rotary_base=_model_field(m, "rotary_base", 10000),
+        vocab_size=getattr(m, "vocab_size", None),
+        padded_vocab_size=None,
         tensor_model_parallel_size=_model_field(m, "tensor_model_parallel_size", 1),
         pipeline_model_parallel_size=_model_field(m, "pipeline_model_parallel_size", 1),
         virtual_pipeline_model_parallel_size=getattr(m, "virtual_pipeline_model_parallel_size", None),
-        context_parallel_size=_model_field(m, "context_parallel_size", 1), data_parallel_size=None,
+        context_parallel_size=_model_field(m, "context_parallel_size", 1),
+        data_parallel_size=None,
         sequence_parallel=bool(getattr(m, "sequence_parallel", False)),
         hierarchical_context_parallel_sizes=getattr(m, "hierarchical_context_parallel_sizes", None),
         cp_comm_type=getattr(m, "cp_comm_type", None),
         hybrid_context_parallel=bool(getattr(m, "hybrid_context_parallel", False)),
         num_microbatches_with_partial_activation_checkpoints=getattr(
-            m, "num_microbatches_with_partial_activation_checkpoints", None),
+            m, "num_microbatches_with_partial_activation_checkpoints", None
+        ),
         num_experts=getattr(m, "num_moe_experts", None),
         multi_latent_attention=bool(getattr(m, "multi_latent_attention", False)),
         cuda_graph_impl=getattr(m, "cuda_graph_impl", None),
@@ -71,12 +93,28 @@ def bridge_args(config: Any, *, num_slices: int, slice_policy: str = "uniform", 
         mtp_num_layers=getattr(m, "mtp_num_layers", None),
         position_embedding_type=getattr(m, "position_embedding_type", None),
         reset_attention_mask=bool(getattr(dataset, "reset_attention_mask", False)),
-        bf16=bool(getattr(m, "bf16", False)) or dtype == torch.bfloat16, fp16=bool(getattr(m, "fp16", False)),
+        bf16=bool(getattr(m, "bf16", False)) or dtype == torch.bfloat16,
+        fp16=bool(getattr(m, "fp16", False)),
         recompute_granularity=getattr(m, "recompute_granularity", None),
-        micro_batch_size=train.micro_batch_size, global_batch_size=getattr(train, "global_batch_size", None),
-        use_slimpipe=True, slimpipe_num_slices=num_slices, slimpipe_slice_policy=slice_policy,
-        slimpipe_hardware=hardware, slimpipe_calibration=calibration, cp_engine="te", cp_remap=False,
-        megatron_slim_attention_backend=attention_backend, rank=0,
+        micro_batch_size=train.micro_batch_size,
+        global_batch_size=getattr(train, "global_batch_size", None),
+        **_slimpipe_flags(num_slices, slice_policy, hardware, calibration, attention_backend),
+    )
+
+
+def _slimpipe_flags(
+    num_slices: int, slice_policy: str, hardware: str, calibration: Optional[str], attention_backend: str
+) -> dict[str, Any]:
+    return dict(
+        use_slimpipe=True,
+        slimpipe_num_slices=num_slices,
+        slimpipe_slice_policy=slice_policy,
+        slimpipe_hardware=hardware,
+        slimpipe_calibration=calibration,
+        cp_engine="te",
+        cp_remap=False,
+        megatron_slim_attention_backend=attention_backend,
+        rank=0,
     )
 
 
@@ -91,28 +129,40 @@ def _refuse_bridge_only(config: Any) -> None:
     model, dataset = config.model, getattr(config, "dataset", None)
     kinds = [cls.__name__ for cls in type(model).__mro__]
     if not any(kind in GPT_MODEL_TYPES for kind in kinds) or not hasattr(model, "transformer_layer_spec"):
-        raise ConfigError(f"config.model: {type(model).__name__} is not supported by SlimPipe under Megatron-Bridge; "
-                          f"allowed: a GPTModelProvider (or subclass, e.g. LlamaModelProvider) or GPTModelConfig")
+        raise ConfigError(
+            f"config.model: {type(model).__name__} is not supported by SlimPipe under Megatron-Bridge; "
+            f"allowed: a GPTModelProvider (or subclass, e.g. LlamaModelProvider) or GPTModelConfig"
+        )
     backend = getattr(model, "attention_backend", None)
     if str(getattr(backend, "name", backend)).lower().endswith("local"):
-        raise ConfigError(f"model.attention_backend: got {backend}; Bridge replaces the core attention with "
-                          "DotProductAttention for 'local', which would drop SlimPipe's; allowed: any other "
-                          "backend (SlimPipe's kernels are chosen by install(attention_backend=...))")
+        raise ConfigError(
+            f"model.attention_backend: got {backend}; Bridge replaces the core attention with "
+            "DotProductAttention for 'local', which would drop SlimPipe's; allowed: any other "
+            "backend (SlimPipe's kernels are chosen by install(attention_backend=...))"
+        )
     if getattr(model, "use_transformer_engine_full_layer_spec", False):
-        raise ConfigError("model.use_transformer_engine_full_layer_spec: got True; the full-TE layer has no core "
-                          "attention slot for SlimPipe; allowed: False")
+        raise ConfigError(
+            "model.use_transformer_engine_full_layer_spec: got True; the full-TE layer has no core "
+            "attention slot for SlimPipe; allowed: False"
+        )
     if getattr(getattr(model, "dist_train", None), "use_dist_train", False):
-        raise ConfigError("model.dist_train.use_dist_train: got True; Bridge then calls its own 1F1B schedule "
-                          "directly, bypassing SlimPipe; allowed: False")
+        raise ConfigError(
+            "model.dist_train.use_dist_train: got True; Bridge then calls its own 1F1B schedule "
+            "directly, bypassing SlimPipe; allowed: False"
+        )
     loader = getattr(dataset, "dataloader_type", None)
     if loader == "batch":
-        raise ConfigError("dataset.dataloader_type: got 'batch'; its batches change the sequence length every "
-                          "step, and SlimPipe's slice plan covers model.seq_length; allowed: 'single', 'cyclic', "
-                          "'external'")
+        raise ConfigError(
+            "dataset.dataloader_type: got 'batch'; its batches change the sequence length every "
+            "step, and SlimPipe's slice plan covers model.seq_length; allowed: 'single', 'cyclic', "
+            "'external'"
+        )
     for name in ("packed_sequence_specs", "offline_packing_specs", "enable_offline_packing", "enable_in_batch_packing"):
         if getattr(dataset, name, None):
-            raise ConfigError(f"dataset.{name}: got {getattr(dataset, name)!r}; SlimPipe does not support packed "
-                              "(THD) sequences yet; allowed: None/False")
+            raise ConfigError(
+                f"dataset.{name}: got {getattr(dataset, name)!r}; SlimPipe does not support packed "
+                "(THD) sequences yet; allowed: None/False"
+            )
 
 
 def check_config(config: Any, **slimpipe: Any) -> argparse.Namespace:

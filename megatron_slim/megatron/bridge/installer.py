@@ -22,6 +22,7 @@ launcher's TP hook has nothing to do) and cuts each slice over context-parallel 
 megatron-core's ``get_batch_on_this_cp_rank``, as SlimPipe expects. ``BridgeInstall.remove()`` puts
 the config's spec and the function back. See docs/megatron-bridge.md.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -89,8 +90,15 @@ class BridgeInstall:
         replace_everywhere(self.getter, self.original_getter)
 
 
-def install(config: Any, *, num_slices: int, slice_policy: str = "uniform", hardware: str = "h100",
-            calibration: Optional[str] = None, attention_backend: str = "auto") -> BridgeInstall:
+def install(
+    config: Any,
+    *,
+    num_slices: int,
+    slice_policy: str = "uniform",
+    hardware: str = "h100",
+    calibration: Optional[str] = None,
+    attention_backend: str = "auto",
+) -> BridgeInstall:
     """Make Bridge's ``pretrain(config, ...)`` run SlimPipe with ``num_slices`` slices per microbatch
     (``slice_policy`` ``uniform`` or ``balanced``: equal work under the causal mask, from the cost
     model of ``hardware`` / measured ``calibration``). Raises ``ConfigError`` before changing
@@ -98,14 +106,22 @@ def install(config: Any, *, num_slices: int, slice_policy: str = "uniform", hard
     from megatron_slim.megatron.slimpipe.hooks import slimpipe_settings
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
 
-    args = check_config(config, num_slices=num_slices, slice_policy=slice_policy, hardware=hardware,
-                        calibration=calibration, attention_backend=attention_backend)
+    args = check_config(
+        config,
+        num_slices=num_slices,
+        slice_policy=slice_policy,
+        hardware=hardware,
+        calibration=calibration,
+        attention_backend=attention_backend,
+    )
     settings = slimpipe_settings(args)
     schedules = importlib.import_module(SCHEDULES_MODULE)
     original_getter = schedules.get_forward_backward_func
     if getattr(original_getter, _MARK, False):
-        raise RuntimeError("megatron_slim.megatron.bridge.install: already installed in this process; call "
-                           "remove() on the BridgeInstall it returned first")
+        raise RuntimeError(
+            "megatron_slim.megatron.bridge.install: already installed in this process; call "
+            "remove() on the BridgeInstall it returned first"
+        )
     function = make_forward_backward_func(settings)
     getter = _schedule_getter(function)
     model = config.model
@@ -113,6 +129,9 @@ def install(config: Any, *, num_slices: int, slice_policy: str = "uniform", hard
     model.transformer_layer_spec = slice_attention_spec(handle.original_spec)
     replace_everywhere(original_getter, getter)
     if os.environ.get("RANK", "0") == "0":
-        print(f"megatron-slim: SlimPipe under Megatron-Bridge, {settings.num_slices} {slice_policy} slice(s) per "
-              f"microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}", flush=True)
+        print(
+            f"megatron-slim: SlimPipe under Megatron-Bridge, {settings.num_slices} {slice_policy} slice(s) per "
+            f"microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}",
+            flush=True,
+        )
     return handle

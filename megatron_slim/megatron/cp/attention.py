@@ -16,9 +16,10 @@ while the plan changes every microbatch:
 ``RemapTransformerLayer`` of a chunk and wraps its rotary embedding. ``cp_layer_spec`` /
 ``cp_layer_classes`` give the spec pieces (``--cp-engine zeppelin``, ``--cp-remap``).
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 import torch
 
@@ -54,14 +55,18 @@ class CPContext:
     def rank(self) -> int:
         return self.engine.rank
 
-    def set_plan(self, plan: CPPlan, *, routing: Optional[RoutingPlan] = None,
-                 remap: Optional[RemapPlan] = None) -> str:
+    def set_plan(
+        self, plan: CPPlan, *, routing: Optional[RoutingPlan] = None, remap: Optional[RemapPlan] = None
+    ) -> str:
         """Collective: make ``plan`` (with its routing and remap plans) current on this rank."""
         if remap is not None and tuple(remap.source_tokens) != plan.tokens_per_rank():
-            raise ValueError(f"remap plan moves from {remap.source_tokens} tokens per rank, the CP plan holds "
-                             f"{plan.tokens_per_rank()}: it was made for another plan")
-        digest = self.engine.prepare(plan, routing, device=self.device,
-                                     extra=remap.digest() if remap is not None else "no-remap")
+            raise ValueError(
+                f"remap plan moves from {remap.source_tokens} tokens per rank, the CP plan holds "
+                f"{plan.tokens_per_rank()}: it was made for another plan"
+            )
+        digest = self.engine.prepare(
+            plan, routing, device=self.device, extra=remap.digest() if remap is not None else "no-remap"
+        )
         self.plan, self.routing, self.remap = plan, routing, remap
         self.remap_back = remap.inverse() if remap is not None else None
         self.padding = padding_rows(plan, self.rank)
@@ -71,15 +76,20 @@ class CPContext:
     @property
     def planned_tokens(self) -> int:
         """Tokens the current plan gives this rank (its model input holds ``padding`` rows more)."""
-        return self.plan.ranks[self.rank].num_tokens
+        return self._current_plan().ranks[self.rank].num_tokens
+
+    def _current_plan(self) -> CPPlan:
+        if self.plan is None:
+            raise RuntimeError("CPContext has no plan: call set_plan(...) on every CP rank first")
+        return self.plan
 
     def position_ids(self) -> torch.Tensor:
         """Positions of this rank's tokens inside their sequences, in attention-layout order."""
-        if self.plan is None:
-            raise RuntimeError("CPContext has no plan: call set_plan(...) on every CP rank first")
+        plan = self._current_plan()
         if self._positions is None:
-            self._positions = torch.tensor(self.plan.ranks[self.rank].position_ids() + [0] * self.padding,
-                                           dtype=torch.long, device=self.device)
+            self._positions = torch.tensor(
+                plan.ranks[self.rank].position_ids() + [0] * self.padding, dtype=torch.long, device=self.device
+            )
         return self._positions
 
 
@@ -93,12 +103,16 @@ class CPCoreAttention(SlimCoreAttention):
         if ctx is None or ctx.plan is None:
             cp = self.cp_group
             if cp is not None and cp.size() > 1:
-                raise RuntimeError(f"layer {self.layer_number}: context-parallel attention has no plan; call "
-                                   "attach_context_parallel(chunk, context) and context.set_plan(...)")
+                raise RuntimeError(
+                    f"layer {self.layer_number}: context-parallel attention has no plan; call "
+                    "attach_context_parallel(chunk, context) and context.set_plan(...)"
+                )
             return super().attend(q, k, v)
         if q.shape[0] != 1:
-            raise ValueError(f"layer {self.layer_number}: a CP plan describes one pack per microbatch; got "
-                             f"micro-batch size {q.shape[0]} (allowed: 1; pack sequences instead)")
+            raise ValueError(
+                f"layer {self.layer_number}: a CP plan describes one pack per microbatch; got "
+                f"micro-batch size {q.shape[0]} (allowed: 1; pack sequences instead)"
+            )
         (q, padding), (k, _), (v, _) = (split_padding(x[0], ctx.planned_tokens) for x in (q, k, v))
         out = ctx.engine(q, k, v, softmax_scale=self.softmax_scale, backend=self.attention_backend(q))
         if padding.shape[0]:  # a padding row attends to nothing (cp_padding)
@@ -113,8 +127,9 @@ class CPRotary(RotaryWrapper):
         if self.context.plan is None:
             return self.inner(max_seq_len, offset, *args, **kwargs)
         if offset:
-            raise ValueError(f"rotary offset={offset}: allowed 0 under context parallelism (positions come "
-                             "from the plan)")
+            raise ValueError(
+                f"rotary offset={offset}: allowed 0 under context parallelism (positions come from the plan)"
+            )
         return rope_table(self.inner, self.context.position_ids())
 
 
@@ -135,7 +150,14 @@ def attach_context_parallel(chunk: torch.nn.Module, context: CPContext) -> int:
     return found
 
 
-def cp_layer_classes(*, remap: bool) -> dict[str, type]:
+class LayerClasses(TypedDict):
+    """Keyword arguments of ``model.gpt.layer_spec`` / ``build_chunk``."""
+
+    core_attention: type
+    transformer_layer: Optional[type]
+
+
+def cp_layer_classes(*, remap: bool) -> LayerClasses:
     """Keyword arguments for ``model.gpt.build_chunk`` / ``model.gpt.layer_spec``: the CP core attention and,
     with ``remap`` (``--cp-remap`` / recipe ``cp.remap``), the remapping transformer layer."""
     return {"core_attention": CPCoreAttention, "transformer_layer": RemapTransformerLayer if remap else None}

@@ -29,6 +29,7 @@ megatron-core's ``forward_step`` (3-tuple form, 0.14+) needs for the gradients t
 ``[local_sum, local_count]`` in both cases: megatron sums report pairs over data x
 context parallel ranks before dividing, which gives the pack's mean loss.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
@@ -45,14 +46,28 @@ from megatron_slim.plan.cp.routing import RoutingPlan, plan_routing
 from megatron_slim.plan.cp.topology import CPTopology
 
 
-def plan_microbatch(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *, engine: str = "zeppelin",
-                    remap: bool = False, routing: bool = True, hierarchical: bool = True
-                    ) -> tuple[CPPlan, Optional[RoutingPlan], Optional[RemapPlan]]:
+def plan_microbatch(
+    lengths: tuple[int, ...],
+    topo: CPTopology,
+    costs: CPCosts,
+    *,
+    engine: str = "zeppelin",
+    remap: bool = False,
+    routing: bool = True,
+    hierarchical: bool = True,
+) -> tuple[CPPlan, Optional[RoutingPlan], Optional[RemapPlan]]:
     """The plans of one pack exactly as the CP simulator builds them (``plan.sim.cp_sim``): placement,
     routing (Zeppelin only; K/V bytes per row from ``costs``) and remap (Zeppelin with ``remap``).
     Pure and deterministic: every CP rank computes the same values from the same lengths."""
-    plan = plan_pack(engine, tuple(lengths), topo, costs, remap=uses_remap(engine, remap),
-                     routing=routing and engine == "zeppelin", hierarchical=hierarchical)
+    plan = plan_pack(
+        engine,
+        tuple(lengths),
+        topo,
+        costs,
+        remap=uses_remap(engine, remap),
+        routing=routing and engine == "zeppelin",
+        hierarchical=hierarchical,
+    )
     routes = plan_routing(plan, topo, costs.kv_bytes) if routing and engine == "zeppelin" else None
     moves = plan_remap_for(plan, topo) if uses_remap(engine, remap) else None
     return plan, routes, moves
@@ -60,8 +75,9 @@ def plan_microbatch(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, 
 
 def layout_index(plan: CPPlan, rank: int, device: Optional[torch.device | str] = None) -> torch.Tensor:
     """Pack positions of ``rank``'s tokens in its attention-layout order."""
-    return torch.tensor([s.pack_start + i for s in plan.ranks[rank].segments for i in range(s.length)],
-                        dtype=torch.long, device=device)
+    return torch.tensor(
+        [s.pack_start + i for s in plan.ranks[rank].segments for i in range(s.length)], dtype=torch.long, device=device
+    )
 
 
 def cp_batch(batch: Mapping[str, Any], plan: CPPlan, rank: int) -> dict[str, Any]:
@@ -72,8 +88,10 @@ def cp_batch(batch: Mapping[str, Any], plan: CPPlan, rank: int) -> dict[str, Any
     L = plan.pack_length
     padded = padding_rows(plan, rank)
     if padded and torch.is_tensor(batch.get("labels")) and not torch.is_tensor(batch.get("loss_mask")):
-        raise ValueError(f"CP rank {rank} holds no token of the pack and runs a padding row, which needs a "
-                         "loss_mask to keep it out of the loss; allowed: a batch with loss_mask beside labels")
+        raise ValueError(
+            f"CP rank {rank} holds no token of the pack and runs a padding row, which needs a "
+            "loss_mask to keep it out of the loss; allowed: a batch with loss_mask beside labels"
+        )
     out: dict[str, Any] = {}
     index = None
     for name, value in batch.items():
@@ -84,11 +102,16 @@ def cp_batch(batch: Mapping[str, Any], plan: CPPlan, rank: int) -> dict[str, Any
             continue
         flat = value.reshape(-1) if value.dim() == 2 and value.shape[0] == 1 else value
         if flat.dim() != 1 or flat.shape[0] != L:
-            raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)}; allowed: [{L}] or [1, {L}] "
-                             f"(one pack of the plan's {L} tokens)")
+            raise ValueError(
+                f"batch[{name!r}] has shape {tuple(value.shape)}; allowed: [{L}] or [1, {L}] "
+                f"(one pack of the plan's {L} tokens)"
+            )
         if index is None:
-            index = layout_index(plan, rank, flat.device) if not padded else \
-                torch.zeros(padded, dtype=torch.long, device=flat.device)
+            index = (
+                layout_index(plan, rank, flat.device)
+                if not padded
+                else torch.zeros(padded, dtype=torch.long, device=flat.device)
+            )
         out[name] = flat[index].unsqueeze(0)
         if padded and name == "loss_mask":
             out[name] = torch.zeros_like(out[name])
@@ -98,8 +121,7 @@ def cp_batch(batch: Mapping[str, Any], plan: CPPlan, rank: int) -> dict[str, Any
     return out
 
 
-def cp_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group, *,
-                 per_token_loss: bool = False):
+def cp_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group, *, per_token_loss: bool = False):
     """megatron-style ``(loss, num_tokens, report)`` of this CP rank (see the module docstring)."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.float().reshape(-1)
@@ -109,8 +131,9 @@ def cp_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group,
     return cp_normalised(local_sum, local_count, report, cp_group, per_token_loss=per_token_loss)
 
 
-def cp_normalised(local_sum: torch.Tensor, local_count: torch.Tensor, report: Any, cp_group, *,
-                  per_token_loss: bool = False):
+def cp_normalised(
+    local_sum: torch.Tensor, local_count: torch.Tensor, report: Any, cp_group, *, per_token_loss: bool = False
+):
     """A local ``(loss_sum, num_tokens, report)`` turned into what megatron's normalisation needs
     under CP (module docstring): ``(cp * loss_sum, CP-wide count, report)``; unchanged with
     ``per_token_loss`` (megatron then sums counts over data x context parallel ranks itself)."""

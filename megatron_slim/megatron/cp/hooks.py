@@ -33,21 +33,31 @@ local_count]``: ``train_step`` sums it over data x context parallel ranks before
 legacy 2-tuple (a rank's mean loss, which megatron multiplies by ``cp``) cannot be made exact and
 is refused.
 """
+
 from __future__ import annotations
 
 import functools
 from collections import Counter
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_slim.megatron.model.layer_specs import LayerSwap, with_core_attention
+
+if TYPE_CHECKING:  # imported where first used: the hooks load before megatron is set up
+    from megatron_slim.megatron.cp.attention import CPContext
+    from megatron_slim.plan.cp.costs import CPCosts
+    from megatron_slim.plan.cp.topology import CPTopology
 
 THD_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "packed_seq_params")
 
 
 def cp_engine_active(args: Any) -> bool:
     """True when the parsed Megatron args ask for a megatron-slim CP engine."""
-    return (args is not None and getattr(args, "cp_engine", "te") not in (None, "te")
-            and (getattr(args, "context_parallel_size", 1) or 1) > 1 and not getattr(args, "use_slimpipe", False))
+    return (
+        args is not None
+        and getattr(args, "cp_engine", "te") not in (None, "te")
+        and (getattr(args, "context_parallel_size", 1) or 1) > 1
+        and not getattr(args, "use_slimpipe", False)
+    )
 
 
 def with_cp_attention(spec: Any, *, remap: bool) -> Any:
@@ -89,9 +99,11 @@ def cp_wide_loss(loss_func: Callable, cp_group, per_token_loss: bool, output_ten
     if kwargs.get("non_loss_data"):
         return outputs
     if not isinstance(outputs, tuple) or len(outputs) != 3:
-        raise ValueError("--cp-engine: the loss function must return (loss_sum, num_tokens, report) as "
-                         "pretrain_gpt.loss_func does; a mean loss cannot be normalised over CP ranks holding "
-                         "different token counts")
+        raise ValueError(
+            "--cp-engine: the loss function must return (loss_sum, num_tokens, report) as "
+            "pretrain_gpt.loss_func does; a mean loss cannot be normalised over CP ranks holding "
+            "different token counts"
+        )
     loss, num_tokens, report = outputs
     return cp_normalised(loss, num_tokens, report, cp_group, per_token_loss=per_token_loss)
 
@@ -102,8 +114,8 @@ class CPHookState:
 
     def __init__(self, args_getter: Callable[[], Any]) -> None:
         self.args_getter = args_getter
-        self.context = None
-        self._setup = None
+        self.context: Optional[CPContext] = None
+        self._setup: Optional[tuple[CPTopology, CPCosts]] = None
         self.plans_set = 0
         self.padded = 0  # packs that left a CP rank without tokens (it ran a padding row)
         self.length_sources: Counter = Counter()
@@ -113,7 +125,7 @@ class CPHookState:
         args = self.args_getter()
         return args if cp_engine_active(args) else None
 
-    def cp_context(self):
+    def cp_context(self) -> CPContext:
         if self.context is None:
             from megatron.core import parallel_state
 
@@ -122,7 +134,7 @@ class CPHookState:
             self.context = CPContext(parallel_state.get_context_parallel_group())
         return self.context
 
-    def plan_inputs(self, args):
+    def plan_inputs(self, args: Any) -> tuple[CPTopology, CPCosts]:
         if self._setup is None:
             from megatron_slim.megatron.launch.args import recipe_from_megatron_args
             from megatron_slim.plan.cp.costs import CPCosts
@@ -140,12 +152,13 @@ class CPHookState:
 
         context = self.cp_context()
         if cp_group is not None and cp_group.size() != context.comm.size:
-            raise ValueError(f"get_batch_on_this_cp_rank(cp_group of {cp_group.size()} ranks): the model's CP "
-                             f"group has {context.comm.size}")
+            raise ValueError(
+                f"get_batch_on_this_cp_rank(cp_group of {cp_group.size()} ranks): the model's CP "
+                f"group has {context.comm.size}"
+            )
         lengths, source = pack_lengths(batch)
         topo, costs = self.plan_inputs(args)
-        plan, routing, remap = plan_microbatch(lengths, topo, costs, engine=args.cp_engine,
-                                               remap=bool(args.cp_remap))
+        plan, routing, remap = plan_microbatch(lengths, topo, costs, engine=args.cp_engine, remap=bool(args.cp_remap))
         context.set_plan(plan, routing=routing, remap=remap)
         self.plans_set += 1
         self.padded += int(min(plan.tokens_per_rank()) == 0)
@@ -160,8 +173,9 @@ class CPHookState:
                 return original(batch, *args, **kwargs)
             return self.split(parsed, batch, kwargs.get("cp_group", args[0] if args else None))
 
-        get_batch_on_this_cp_rank.cp_state = self
-        return get_batch_on_this_cp_rank
+        wrapped: Any = get_batch_on_this_cp_rank  # carries the state it shares with the other hooks
+        wrapped.cp_state = self
+        return wrapped
 
     # ---- forward-backward -----------------------------------------------------------------------
     def attach(self, chunks: list) -> None:
@@ -175,15 +189,20 @@ class CPHookState:
                 continue
             found = attach_context_parallel(chunk, context)
             if found == 0:
-                raise ValueError("--cp-engine: the model has no CPCoreAttention; its layer spec did not come from "
-                                 "megatron-core's GPT layer-spec builders (with --spec, build it with "
-                                 "megatron_slim.megatron.cp.attention.cp_layer_spec)")
+                raise ValueError(
+                    "--cp-engine: the model has no CPCoreAttention; its layer spec did not come from "
+                    "megatron-core's GPT layer-spec builders (with --spec, build it with "
+                    "megatron_slim.megatron.cp.attention.cp_layer_spec)"
+                )
             if not self.attached and torch.distributed.get_rank() == 0:
                 args = self.args_getter()
-                print(f"megatron-slim: --cp-engine {args.cp_engine}{' --cp-remap' if args.cp_remap else ''}: CP "
-                      f"attention in {found} layers of the first chunk; every microbatch is planned from its sequence "
-                      "lengths (cu_seqlens, else position-id resets, else the whole row), attention stays inside "
-                      "each sequence", flush=True)
+                print(
+                    f"megatron-slim: --cp-engine {args.cp_engine}{' --cp-remap' if args.cp_remap else ''}: CP "
+                    f"attention in {found} layers of the first chunk; every microbatch is planned from its sequence "
+                    "lengths (cu_seqlens, else position-id resets, else the whole row), attention stays inside "
+                    "each sequence",
+                    flush=True,
+                )
             self.attached.append(id(chunk))
 
     def wrap_forward_backward(self, forward_backward: Callable) -> Callable:

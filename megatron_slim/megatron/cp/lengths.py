@@ -15,6 +15,7 @@ the batch itself. Three sources, in this order:
 ``document_lengths`` is the training job's form of 2: documents end at (and include) each
 ``eod`` token, as Megatron's ``--reset-position-ids --reset-attention-mask`` would cut them.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
@@ -26,8 +27,10 @@ def _row(value: torch.Tensor, name: str) -> torch.Tensor:
     if value.dim() == 2 and value.shape[0] == 1:
         return value[0]
     if value.dim() != 1:
-        raise ValueError(f"{name} has shape {tuple(value.shape)}; allowed: [L] or [1, L] (one pack per "
-                         "microbatch: --micro-batch-size 1)")
+        raise ValueError(
+            f"{name} has shape {tuple(value.shape)}; allowed: [L] or [1, L] (one pack per "
+            "microbatch: --micro-batch-size 1)"
+        )
     return value
 
 
@@ -44,8 +47,10 @@ def lengths_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> tuple[int, 
             lengths.append(b - previous)
         previous = b
     if previous != total:
-        raise ValueError(f"cu_seqlens ends at {previous} tokens, the pack holds {total}; allowed: boundaries "
-                         f"ending at the pack length {total}")
+        raise ValueError(
+            f"cu_seqlens ends at {previous} tokens, the pack holds {total}; allowed: boundaries "
+            f"ending at the pack length {total}"
+        )
     return tuple(lengths)
 
 
@@ -83,8 +88,10 @@ def pack_lengths(batch: Mapping[str, Any]) -> tuple[tuple[int, ...], str]:
     ``source`` is ``"cu_seqlens"``, ``"position_ids"`` or ``"row"``."""
     tokens = batch.get("tokens")
     if not torch.is_tensor(tokens):
-        raise ValueError("batch has no 'tokens' tensor: context-parallel engines need the pack on every CP rank "
-                         "(pipeline stages other than the first and last are not supported)")
+        raise ValueError(
+            "batch has no 'tokens' tensor: context-parallel engines need the pack on every CP rank "
+            "(pipeline stages other than the first and last are not supported)"
+        )
     total = int(_row(tokens, "tokens").numel())
     cu = _cu_seqlens_of(batch)
     if cu is not None:
@@ -93,7 +100,8 @@ def pack_lengths(batch: Mapping[str, Any]) -> tuple[tuple[int, ...], str]:
     if torch.is_tensor(pos):
         lengths = lengths_from_position_ids(pos)
         if sum(lengths) != total:
-            raise ValueError(f"position_ids hold {sum(lengths)} positions, tokens {total}; allowed: one position "
-                             "per token")
+            raise ValueError(
+                f"position_ids hold {sum(lengths)} positions, tokens {total}; allowed: one position per token"
+            )
         return lengths, "position_ids"
     return (total,), "row"

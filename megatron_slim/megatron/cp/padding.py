@@ -15,6 +15,7 @@ input is one padding row, which changes no result:
 
 Its loss is masked and nothing reads its activations, so every gradient it adds is exactly zero.
 """
+
 from __future__ import annotations
 
 import torch

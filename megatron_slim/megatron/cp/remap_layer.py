@@ -12,6 +12,7 @@ Without a remap plan in its context the layer is exactly ``TransformerLayer``. T
 attached after the build by ``cp.attention.attach_context_parallel``. CUDA graphs must be off:
 their ``__call__`` paths bypass ``forward``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,13 +33,18 @@ class RemapTransformerLayer(TransformerLayer):
         hidden_states, context = self._forward_attention(*args, **kwargs)
         ctx = self.cp_context
         remap = getattr(ctx, "remap", None)
-        mlp_kwargs = dict(inference_context=kwargs.get("inference_context"), padding_mask=kwargs.get("padding_mask"),
-                          packed_seq_params=kwargs.get("packed_seq_params"))
+        mlp_kwargs = dict(
+            inference_context=kwargs.get("inference_context"),
+            padding_mask=kwargs.get("padding_mask"),
+            packed_seq_params=kwargs.get("packed_seq_params"),
+        )
         if remap is None:
             return compat.forward_mlp(self, hidden_states, **mlp_kwargs), context
         if self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1:
-            raise ValueError("--cp-remap with --sequence-parallel: not supported (each tensor-parallel rank holds "
-                             "a slice of the CP rank's tokens; the remap plan moves whole CP-rank layouts)")
+            raise ValueError(
+                "--cp-remap with --sequence-parallel: not supported (each tensor-parallel rank holds "
+                "a slice of the CP rank's tokens; the remap plan moves whole CP-rank layouts)"
+            )
         if mlp_kwargs["padding_mask"] is not None:
             raise ValueError("padding_mask: allowed value is None with the remap layer (it is in the attention layout)")
         planned, padding = split_padding(hidden_states, ctx.planned_tokens)

@@ -10,6 +10,7 @@ adapter attaches is kept apart (``slice_context``) and ``context`` stays the ``C
 Splitting a microbatch into several SlimPipe slices under a CP engine is not supported
 (``megatron_slim.train.cp.check_cp_trainable`` rejects it).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,6 +38,8 @@ class CPScheduledCoreAttention(CPCoreAttention, SliceCoreAttention):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.context is None or self.context.plan is None:
-            raise RuntimeError(f"layer {self.layer_number}: context-parallel attention has no plan; the forward step "
-                               "must call context.set_plan(...) before every microbatch")
+            raise RuntimeError(
+                f"layer {self.layer_number}: context-parallel attention has no plan; the forward step "
+                "must call context.set_plan(...) before every microbatch"
+            )
         return CPCoreAttention.attend(self, q, k, v)

@@ -28,6 +28,7 @@ lock and reuse it) or the launcher calls it once before spawning them; ``build_g
 needs no collective and no shared files, so it behaves the same with or without
 ``torch.distributed`` initialized.
 """
+
 from megatron_slim.megatron.data.dataset import PreparedCorpus, prepare_corpus
 from megatron_slim.megatron.data.gpt_dataset import build_gpt_dataset
 from megatron_slim.megatron.data.indexed import (

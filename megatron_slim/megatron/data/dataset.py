@@ -6,6 +6,7 @@ change to the corpus content or settings gives a new entry and an unchanged one 
 entry appears atomically (``cache.build_once``): concurrent ranks wait for the first one to
 build it, and an interrupted build leaves nothing that a later run would trust.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,6 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 
@@ -50,10 +52,16 @@ class PreparedCorpus:
         return self.tokenizer.vocab_size
 
 
-def prepare_corpus(corpus: str | os.PathLike = STDLIB, cache_dir: str | os.PathLike | None = None,
-                   vocab_size: int = DEFAULT_VOCAB_SIZE, max_files: int = 0, *, max_bytes: int = 0,
-                   tokenizer_train_bytes: int = DEFAULT_TOKENIZER_TRAIN_BYTES,
-                   tokenizer: CorpusTokenizer | None = None) -> PreparedCorpus:
+def prepare_corpus(
+    corpus: str | os.PathLike = STDLIB,
+    cache_dir: str | os.PathLike | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    max_files: int = 0,
+    *,
+    max_bytes: int = 0,
+    tokenizer_train_bytes: int = DEFAULT_TOKENIZER_TRAIN_BYTES,
+    tokenizer: CorpusTokenizer | None = None,
+) -> PreparedCorpus:
     """Tokenize ``corpus`` (``"stdlib"`` or a directory) into a cached indexed dataset.
 
     ``max_files``/``max_bytes`` bound the corpus (0 = all; see ``list_corpus``). The tokenizer
@@ -63,17 +71,9 @@ def prepare_corpus(corpus: str | os.PathLike = STDLIB, cache_dir: str | os.PathL
     """
     check_vocab_size(vocab_size)
     if not isinstance(tokenizer_train_bytes, int) or tokenizer_train_bytes < 1:
-        raise ValueError(f"tokenizer_train_bytes={tokenizer_train_bytes!r}: "
-                         "must be an integer >= 1")
+        raise ValueError(f"tokenizer_train_bytes={tokenizer_train_bytes!r}: must be an integer >= 1")
     docs = list_corpus(corpus, max_files=max_files, max_bytes=max_bytes)
-    settings = {
-        "pipeline_version": PIPELINE_VERSION,
-        "corpus_fingerprint": docs.fingerprint,
-        "tokenizer_format": {"library": "tokenizers", "version": tokenizers.__version__, "model": "byte-level BPE"},
-        "vocab_size": vocab_size,
-        "tokenizer_train_bytes": tokenizer_train_bytes,
-        "given_tokenizer": (hashlib.sha256(tokenizer.hf.to_str().encode()).hexdigest() if tokenizer else None),
-    }
+    settings = _cache_settings(docs, vocab_size, tokenizer_train_bytes, tokenizer)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     entry = root / "corpora" / f"{_label(docs)}-{key}"
@@ -83,18 +83,44 @@ def prepare_corpus(corpus: str | os.PathLike = STDLIB, cache_dir: str | os.PathL
         used = tokenizer or train_tokenizer(sample, vocab_size)
         used.save(staging)
         stats = write_tokenized_corpus(staging / DATA_PREFIX, docs.texts(), used)
-        meta = {**settings, "source": docs.source, "root": str(docs.root),
-                "num_documents": stats.num_documents, "num_tokens": stats.num_tokens,
-                "num_bytes": docs.num_bytes, "tokenizer_vocab_size": used.vocab_size}
+        meta = {
+            **settings,
+            "source": docs.source,
+            "root": str(docs.root),
+            "num_documents": stats.num_documents,
+            "num_tokens": stats.num_tokens,
+            "num_bytes": docs.num_bytes,
+            "tokenizer_vocab_size": used.vocab_size,
+        }
         (staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
     built = build_once(entry, build)
     meta = json.loads((entry / META_FILE).read_text(encoding="utf-8"))
     return PreparedCorpus(
-        source=docs.source, directory=entry, path_prefix=str(entry / DATA_PREFIX),
-        tokenizer=CorpusTokenizer.load(entry), num_documents=meta["num_documents"],
-        num_tokens=meta["num_tokens"], num_bytes=meta["num_bytes"],
-        corpus_fingerprint=docs.fingerprint, cache_hit=not built)
+        source=docs.source,
+        directory=entry,
+        path_prefix=str(entry / DATA_PREFIX),
+        tokenizer=CorpusTokenizer.load(entry),
+        num_documents=meta["num_documents"],
+        num_tokens=meta["num_tokens"],
+        num_bytes=meta["num_bytes"],
+        corpus_fingerprint=docs.fingerprint,
+        cache_hit=not built,
+    )
+
+
+def _cache_settings(
+    docs: Corpus, vocab_size: int, tokenizer_train_bytes: int, tokenizer: CorpusTokenizer | None
+) -> dict[str, Any]:
+    """Everything the cached corpus depends on: its cache key hashes these."""
+    return {
+        "pipeline_version": PIPELINE_VERSION,
+        "corpus_fingerprint": docs.fingerprint,
+        "tokenizer_format": {"library": "tokenizers", "version": tokenizers.__version__, "model": "byte-level BPE"},
+        "vocab_size": vocab_size,
+        "tokenizer_train_bytes": tokenizer_train_bytes,
+        "given_tokenizer": (hashlib.sha256(tokenizer.hf.to_str().encode()).hexdigest() if tokenizer else None),
+    }
 
 
 def _label(docs: Corpus) -> str:

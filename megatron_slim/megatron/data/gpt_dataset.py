@@ -12,6 +12,7 @@ every rank gets identical samples without any collective or shared file, with or
 ``torch.distributed``; building them takes milliseconds at this project's corpus sizes
 (~1e7 tokens). The tokens themselves stay memory-mapped from the prepared ``.bin`` file.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,9 +28,15 @@ from megatron.core.datasets.utils import Split
 from megatron_slim.megatron.data.dataset import PreparedCorpus
 
 
-def build_gpt_dataset(prepared: PreparedCorpus, seq_length: int, num_samples: int | None,
-                      seed: int = 1234, *, eod_mask_loss: bool = False,
-                      create_attention_mask: bool = False) -> GPTDataset | BlendedDataset:
+def build_gpt_dataset(
+    prepared: PreparedCorpus,
+    seq_length: int,
+    num_samples: int | None,
+    seed: int = 1234,
+    *,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = False,
+) -> GPTDataset | BlendedDataset:
     """``num_samples`` samples (``None``: one epoch) of ``seq_length`` tokens, shuffled by ``seed``.
 
     Each sample is a dict of CPU tensors of length ``seq_length``: ``tokens`` and ``labels``
@@ -41,8 +48,7 @@ def build_gpt_dataset(prepared: PreparedCorpus, seq_length: int, num_samples: in
     if not isinstance(seq_length, int) or seq_length < 1:
         raise ValueError(f"seq_length={seq_length!r}: must be an integer >= 1")
     if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 1):
-        raise ValueError(f"num_samples={num_samples!r}: "
-                         "must be None (one epoch) or an integer >= 1")
+        raise ValueError(f"num_samples={num_samples!r}: must be None (one epoch) or an integer >= 1")
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r}: must be an integer >= 0")
     config = GPTDatasetConfig(
@@ -61,9 +67,11 @@ def build_gpt_dataset(prepared: PreparedCorpus, seq_length: int, num_samples: in
     else:
         dataset = _one_prefix(prepared.path_prefix, num_samples, config)
     if len(dataset) == 0:
-        raise ValueError(f"seq_length={seq_length} leaves no sample: the corpus at "
-                         f"{prepared.path_prefix} has {prepared.num_tokens} tokens; "
-                         f"use seq_length < {prepared.num_tokens} or a larger corpus")
+        raise ValueError(
+            f"seq_length={seq_length} leaves no sample: the corpus at "
+            f"{prepared.path_prefix} has {prepared.num_tokens} tokens; "
+            f"use seq_length < {prepared.num_tokens} or a larger corpus"
+        )
     return dataset
 
 
@@ -80,8 +88,9 @@ def _blended(prepared: PreparedCorpus, num_samples: int | None, config: GPTDatas
     them by weight, with its index built in memory as the single datasets' are."""
     if num_samples is None:
         raise ValueError("num_samples: a blend (data.path with weights) needs a sample count; allowed: an integer >= 1")
-    parts = [_one_prefix(prefix, int(math.ceil(weight * num_samples * 1.005)), config)
-             for weight, prefix in prepared.blend]
+    parts = [
+        _one_prefix(prefix, int(math.ceil(weight * num_samples * 1.005)), config) for weight, prefix in prepared.blend
+    ]
     with _without_megatron_cache_warning():
         return BlendedDataset(parts, [w for w, _ in prepared.blend], num_samples, config)
 

@@ -4,6 +4,7 @@ One document per corpus file, one sequence per document, the tokenizer's ``eod``
 each: the layout Megatron-LM's ``tools/preprocess_data.py`` writes with ``--append-eod`` and
 that ``GPTDataset`` reads.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,7 @@ def token_dtype(vocab_size: int) -> type[numpy.number]:
     return numpy.uint16 if vocab_size <= numpy.iinfo(numpy.uint16).max + 1 else numpy.int32
 
 
-def write_token_documents(prefix: str | Path, documents: Iterable[Sequence[int]],
-                          vocab_size: int) -> IndexedStats:
+def write_token_documents(prefix: str | Path, documents: Iterable[Sequence[int]], vocab_size: int) -> IndexedStats:
     """Write each id sequence in ``documents`` as one document; return the counts."""
     dtype = token_dtype(vocab_size)
     builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=dtype)
@@ -49,8 +49,7 @@ def write_token_documents(prefix: str | Path, documents: Iterable[Sequence[int]]
     return IndexedStats(num_documents, num_tokens)
 
 
-def write_tokenized_corpus(prefix: str | Path, texts: Iterable[str],
-                           tokenizer: CorpusTokenizer) -> IndexedStats:
+def write_tokenized_corpus(prefix: str | Path, texts: Iterable[str], tokenizer: CorpusTokenizer) -> IndexedStats:
     """Encode each text, append ``eod`` and write them all as an indexed dataset at ``prefix``."""
     return write_token_documents(prefix, _encoded_documents(texts, tokenizer), tokenizer.vocab_size)
 
@@ -72,4 +71,3 @@ def read_token_documents(prefix: str | Path) -> list[numpy.ndarray]:
     documents = [numpy.asarray(dataset[i], dtype=numpy.int64) for i in range(len(dataset))]
     del dataset
     return documents
-

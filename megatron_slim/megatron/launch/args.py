@@ -4,6 +4,7 @@ CP engines' topology) and the start-up rules' ``Settings`` view.
 Both the launcher's flag checks (``flags``) and the CP engine checks (``cp_checks``) read it; it
 imports neither, so neither imports the other through it. Imports no megatron and no torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,43 +23,75 @@ def recipe_from_megatron_args(args: argparse.Namespace) -> Recipe:
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     dp = getattr(args, "data_parallel_size", None) or 1
     data = {
-        "name": "megatron-args", "hardware": args.slimpipe_hardware,
-        "model": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-                  "ffn_hidden_size": args.ffn_hidden_size or 4 * args.hidden_size, "num_attention_heads": heads,
-                  "num_query_groups": groups, "vocab_size": vocab, "seq_length": args.seq_length,
-                  "rotary_base": float(getattr(args, "rotary_base", 10000) or 10000)},
-        "parallel": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size, "vpp": vpp,
-                     "cp": args.context_parallel_size or 1, "dp": dp,
-                     "sequence_parallel": bool(getattr(args, "sequence_parallel", False))
-                     and args.tensor_model_parallel_size > 1},
-        "train": {"global_batch_size": args.global_batch_size or args.micro_batch_size * dp,
-                  "micro_batch_size": args.micro_batch_size,
-                  "precision": "bf16" if getattr(args, "bf16", False) or getattr(args, "fp16", False) else "fp32",
-                  "recompute": "full" if getattr(args, "recompute_granularity", None) == "full" else "none"},
-        "schedule": {"kind": "slimpipe", "num_slices": args.slimpipe_num_slices,
-                     "slice_policy": args.slimpipe_slice_policy},
+        "name": "megatron-args",
+        "hardware": args.slimpipe_hardware,
+        "model": {
+            "num_layers": args.num_layers,
+            "hidden_size": args.hidden_size,
+            "ffn_hidden_size": args.ffn_hidden_size or 4 * args.hidden_size,
+            "num_attention_heads": heads,
+            "num_query_groups": groups,
+            "vocab_size": vocab,
+            "seq_length": args.seq_length,
+            "rotary_base": float(getattr(args, "rotary_base", 10000) or 10000),
+        },
+        "parallel": {
+            "tp": args.tensor_model_parallel_size,
+            "pp": args.pipeline_model_parallel_size,
+            "vpp": vpp,
+            "cp": args.context_parallel_size or 1,
+            "dp": dp,
+            "sequence_parallel": bool(getattr(args, "sequence_parallel", False))
+            and args.tensor_model_parallel_size > 1,
+        },
+        "train": {
+            "global_batch_size": args.global_batch_size or args.micro_batch_size * dp,
+            "micro_batch_size": args.micro_batch_size,
+            "precision": "bf16" if getattr(args, "bf16", False) or getattr(args, "fp16", False) else "fp32",
+            "recompute": "full" if getattr(args, "recompute_granularity", None) == "full" else "none",
+        },
+        "schedule": {
+            "kind": "slimpipe",
+            "num_slices": args.slimpipe_num_slices,
+            "slice_policy": args.slimpipe_slice_policy,
+        },
     }
     return recipe_from_dict(data)
 
 
 def settings_from_megatron_args(args: argparse.Namespace) -> Settings:
     """The start-up rules' view of a parsed Megatron-LM namespace (a flag it lacks keeps its default)."""
+
     def flag(name: str, default: Any = None) -> Any:
         value = getattr(args, name, default)
         return default if value is None else value
 
     return Settings(
-        cp=flag("context_parallel_size", 1), tp=flag("tensor_model_parallel_size", 1),
-        pp=flag("pipeline_model_parallel_size", 1), micro_batch_size=flag("micro_batch_size", 1),
-        sequence_parallel=bool(flag("sequence_parallel")), cp_engine=flag("cp_engine", NO_CP_ENGINE),
-        cp_remap=bool(flag("cp_remap")), slimpipe=bool(flag("use_slimpipe")), num_slices=flag("slimpipe_num_slices", 1),
-        slice_policy=flag("slimpipe_slice_policy", "uniform"), seq_length=flag("seq_length", 0),
-        recompute=flag("recompute_granularity"), hierarchical_cp_sizes=flag("hierarchical_context_parallel_sizes"),
-        cp_comm_type=flag("cp_comm_type"), hybrid_cp=bool(flag("hybrid_context_parallel")),
+        cp=flag("context_parallel_size", 1),
+        tp=flag("tensor_model_parallel_size", 1),
+        pp=flag("pipeline_model_parallel_size", 1),
+        micro_batch_size=flag("micro_batch_size", 1),
+        sequence_parallel=bool(flag("sequence_parallel")),
+        cp_engine=flag("cp_engine", NO_CP_ENGINE),
+        cp_remap=bool(flag("cp_remap")),
+        slimpipe=bool(flag("use_slimpipe")),
+        num_slices=flag("slimpipe_num_slices", 1),
+        slice_policy=flag("slimpipe_slice_policy", "uniform"),
+        seq_length=flag("seq_length", 0),
+        recompute=flag("recompute_granularity"),
+        hierarchical_cp_sizes=flag("hierarchical_context_parallel_sizes"),
+        cp_comm_type=flag("cp_comm_type"),
+        hybrid_cp=bool(flag("hybrid_context_parallel")),
         partial_checkpoints=flag("num_microbatches_with_partial_activation_checkpoints"),
-        reset_attention_mask=bool(flag("reset_attention_mask")), reset_position_ids=bool(flag("reset_position_ids")),
-        num_experts=flag("num_experts"), multi_latent_attention=bool(flag("multi_latent_attention")),
-        cuda_graph_impl=flag("cuda_graph_impl"), enable_cuda_graph=bool(flag("enable_cuda_graph")),
-        external_cuda_graph=bool(flag("external_cuda_graph")), mtp_num_layers=flag("mtp_num_layers"),
-        sequence_packing=bool(flag("sequence_packing")), position_embedding=flag("position_embedding_type"),
-        attention_dropout=float(flag("attention_dropout", 0.0)))
+        reset_attention_mask=bool(flag("reset_attention_mask")),
+        reset_position_ids=bool(flag("reset_position_ids")),
+        num_experts=flag("num_experts"),
+        multi_latent_attention=bool(flag("multi_latent_attention")),
+        cuda_graph_impl=flag("cuda_graph_impl"),
+        enable_cuda_graph=bool(flag("enable_cuda_graph")),
+        external_cuda_graph=bool(flag("external_cuda_graph")),
+        mtp_num_layers=flag("mtp_num_layers"),
+        sequence_packing=bool(flag("sequence_packing")),
+        position_embedding=flag("position_embedding_type"),
+        attention_dropout=float(flag("attention_dropout", 0.0)),
+    )

@@ -1,18 +1,19 @@
 """Start-up checks for ``--cp-engine`` (megatron-slim's CP engines) on a parsed Megatron-LM namespace.
 
-The rules themselves live in ``plan.startup.rules`` (``CP_ENGINE_RULES``, shared with
+The rules themselves live in ``plan.startup.rules_cp`` (``CP_ENGINE_RULES``, shared with
 ``megatron-slim train``); here they are applied to Megatron-LM's flags, followed by the head
 counts each engine needs on the hardware profile's topology. ``check_cp_args(args)`` does nothing
 unless a megatron-slim engine runs (``--cp-engine`` not ``te``, ``--context-parallel-size > 1``, no
 ``--use-slimpipe``). Each rejection says why and what to change. Imports no torch.
 """
+
 from __future__ import annotations
 
 import argparse
 
 from megatron_slim.megatron.launch.args import recipe_from_megatron_args, settings_from_megatron_args
 from megatron_slim.plan.startup import LAUNCHER, check
-from megatron_slim.plan.startup.rules import CP_ENGINE_RULES
+from megatron_slim.plan.startup.rules_cp import CP_ENGINE_RULES
 
 
 def check_cp_args(args: argparse.Namespace) -> None:

@@ -4,6 +4,7 @@
 hand in scripts); ``add_arguments`` registers megatron-slim's flags on Megatron's parser (pass it
 as ``extra_args_provider``). Importing this module imports no megatron and no torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,24 +29,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     if "--use-slimpipe" in parser._option_string_actions:
         return parser
     g = parser.add_argument_group("megatron-slim")
-    g.add_argument("--use-slimpipe", action="store_true",
-                   help="run the SlimPipe slice-level pipeline schedule (K/V cache across slices)")
-    g.add_argument("--slimpipe-num-slices", type=int, default=1,
-                   help="slices per microbatch (default 1: no slicing)")
-    g.add_argument("--slimpipe-slice-policy", choices=SLICE_POLICIES, default="uniform",
-                   help="uniform: equal slices; balanced: equal forward+backward work under the causal mask")
-    g.add_argument("--slimpipe-hardware", default="h100",
-                   help="hardware profile the balanced policy's cost model uses "
-                        "(megatron_slim/configs/hardware)")
-    g.add_argument("--slimpipe-calibration", default=None,
-                   help="measured kernel rates for the balanced policy's cost model")
-    g.add_argument("--cp-engine", choices=CP_ENGINES, default="te",
-                   help="context-parallel attention: te = Megatron's own (default); the others are "
-                        "megatron-slim engines")
-    g.add_argument("--cp-remap", action="store_true",
-                   help="with --cp-engine zeppelin: token-balanced layout for the MLP (remap layer)")
-    g.add_argument("--megatron-slim-attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="attention kernels for megatron-slim's core attention (auto: flash > te > sdpa)")
+    g.add_argument(
+        "--use-slimpipe",
+        action="store_true",
+        help="run the SlimPipe slice-level pipeline schedule (K/V cache across slices)",
+    )
+    g.add_argument("--slimpipe-num-slices", type=int, default=1, help="slices per microbatch (default 1: no slicing)")
+    g.add_argument(
+        "--slimpipe-slice-policy",
+        choices=SLICE_POLICIES,
+        default="uniform",
+        help="uniform: equal slices; balanced: equal forward+backward work under the causal mask",
+    )
+    g.add_argument(
+        "--slimpipe-hardware",
+        default="h100",
+        help="hardware profile the balanced policy's cost model uses (megatron_slim/configs/hardware)",
+    )
+    g.add_argument(
+        "--slimpipe-calibration", default=None, help="measured kernel rates for the balanced policy's cost model"
+    )
+    g.add_argument(
+        "--cp-engine",
+        choices=CP_ENGINES,
+        default="te",
+        help="context-parallel attention: te = Megatron's own (default); the others are megatron-slim engines",
+    )
+    g.add_argument(
+        "--cp-remap",
+        action="store_true",
+        help="with --cp-engine zeppelin: token-balanced layout for the MLP (remap layer)",
+    )
+    g.add_argument(
+        "--megatron-slim-attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="attention kernels for megatron-slim's core attention (auto: flash > te > sdpa)",
+    )
     return parser
 
 
@@ -54,8 +74,12 @@ def _data_flags(data) -> list:
     if data.tokenizer:
         where = Path(data.tokenizer).expanduser()
         # Megatron's HuggingFaceTokenizer loads a directory (AutoTokenizer.from_pretrained)
-        out += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-                str(where.parent if where.name == "tokenizer.json" else where)]
+        out += [
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            str(where.parent if where.name == "tokenizer.json" else where),
+        ]
     return out
 
 
@@ -72,28 +96,54 @@ def _refuse_what_megatron_cannot_run(recipe: Recipe) -> None:
     t = recipe.train
     if t.warmup_iters and t.warmup_iters >= t.iters:
         # Megatron's OptimizerParamScheduler asserts warmup < decay steps (train iterations) at start-up
-        raise ConfigError(f"train.warmup_iters: got {t.warmup_iters} with train.iters={t.iters}; Megatron-LM needs "
-                          f"fewer warmup than training iterations; allowed: an integer in [0, {t.iters})")
+        raise ConfigError(
+            f"train.warmup_iters: got {t.warmup_iters} with train.iters={t.iters}; Megatron-LM needs "
+            f"fewer warmup than training iterations; allowed: an integer in [0, {t.iters})"
+        )
     if t.seed == 0:
         # Megatron-LM's _set_random_seed raises "Seed (0) should be a positive integer" at start-up
-        raise ConfigError("train.seed: got 0; Megatron-LM needs a positive seed; "
-                          f"allowed: an integer in [1, {MAX_SEED}]")
+        raise ConfigError(
+            f"train.seed: got 0; Megatron-LM needs a positive seed; allowed: an integer in [1, {MAX_SEED}]"
+        )
     if t.skip_nonfinite_steps:
-        raise ConfigError("train.skip_nonfinite_steps: got true; Megatron-LM cannot skip a step whose loss or "
-                          "gradient norm is nan/inf in fp32 or bf16 (its --check-for-nan-in-loss-and-grad stops "
-                          "training, as megatron-slim train does by default); allowed: false")
+        raise ConfigError(
+            "train.skip_nonfinite_steps: got true; Megatron-LM cannot skip a step whose loss or "
+            "gradient norm is nan/inf in fp32 or bf16 (its --check-for-nan-in-loss-and-grad stops "
+            "training, as megatron-slim train does by default); allowed: false"
+        )
     check(megatron_args_settings(recipe), MEGATRON_ARGS)
 
 
 def _model_flags(m: ModelConfig) -> list:
     out = [
-        "--num-layers", m.num_layers, "--hidden-size", m.hidden_size,
-        "--ffn-hidden-size", m.ffn_hidden_size, "--num-attention-heads", m.num_attention_heads,
-        "--seq-length", m.seq_length, "--max-position-embeddings", m.seq_length,
-        "--position-embedding-type", "rope", "--rotary-base", _number(m.rotary_base),
-        "--normalization", "RMSNorm", "--norm-epsilon", _number(m.norm_epsilon),
-        "--swiglu", "--disable-bias-linear", "--attention-dropout", 0, "--hidden-dropout", 0,
-        "--vocab-size", m.vocab_size,
+        "--num-layers",
+        m.num_layers,
+        "--hidden-size",
+        m.hidden_size,
+        "--ffn-hidden-size",
+        m.ffn_hidden_size,
+        "--num-attention-heads",
+        m.num_attention_heads,
+        "--seq-length",
+        m.seq_length,
+        "--max-position-embeddings",
+        m.seq_length,
+        "--position-embedding-type",
+        "rope",
+        "--rotary-base",
+        _number(m.rotary_base),
+        "--normalization",
+        "RMSNorm",
+        "--norm-epsilon",
+        _number(m.norm_epsilon),
+        "--swiglu",
+        "--disable-bias-linear",
+        "--attention-dropout",
+        0,
+        "--hidden-dropout",
+        0,
+        "--vocab-size",
+        m.vocab_size,
     ]
     if m.num_query_groups != m.num_attention_heads:
         out += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
@@ -104,8 +154,14 @@ def _model_flags(m: ModelConfig) -> list:
 
 def _parallel_flags(recipe: Recipe) -> list:
     m, p = recipe.model, recipe.parallel
-    out: list = ["--tensor-model-parallel-size", p.tp, "--pipeline-model-parallel-size", p.pp,
-                 "--context-parallel-size", p.cp]
+    out: list = [
+        "--tensor-model-parallel-size",
+        p.tp,
+        "--pipeline-model-parallel-size",
+        p.pp,
+        "--context-parallel-size",
+        p.cp,
+    ]
     if p.vpp > 1:
         out += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // (p.pp * p.vpp)]
     if p.sequence_parallel:
@@ -115,11 +171,29 @@ def _parallel_flags(recipe: Recipe) -> list:
 
 def _train_flags(t: TrainConfig) -> list:
     out: list = [
-        "--micro-batch-size", t.micro_batch_size, "--global-batch-size", t.global_batch_size,
-        "--train-iters", t.iters, "--lr", _number(t.lr), "--min-lr", _number(t.min_lr),
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", t.warmup_iters,
-        "--weight-decay", _number(t.weight_decay), "--clip-grad", _number(t.clip_grad),
-        "--seed", t.seed, "--log-interval", t.log_interval]
+        "--micro-batch-size",
+        t.micro_batch_size,
+        "--global-batch-size",
+        t.global_batch_size,
+        "--train-iters",
+        t.iters,
+        "--lr",
+        _number(t.lr),
+        "--min-lr",
+        _number(t.min_lr),
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        t.warmup_iters,
+        "--weight-decay",
+        _number(t.weight_decay),
+        "--clip-grad",
+        _number(t.clip_grad),
+        "--seed",
+        t.seed,
+        "--log-interval",
+        t.log_interval,
+    ]
     if t.precision == "bf16":
         out += ["--bf16"]
     if t.distributed_optimizer:
@@ -128,8 +202,14 @@ def _train_flags(t: TrainConfig) -> list:
         out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     # Megatron requires --save-interval whenever --save is given, and --eval-interval always
     # (0.16-0.19 fail inside the loop otherwise); a recipe's 0 means "once, at the end".
-    out += ["--save-interval", t.save_interval or t.iters, "--eval-interval", t.eval_interval or t.iters,
-            "--eval-iters", t.eval_iters]
+    out += [
+        "--save-interval",
+        t.save_interval or t.iters,
+        "--eval-interval",
+        t.eval_interval or t.iters,
+        "--eval-iters",
+        t.eval_iters,
+    ]
     # Megatron's data loader would build a [b, 1, s, s] mask per microbatch (16 GiB at 64K tokens);
     # causal attention needs none (its kernels mask by position) and megatron-slim's engines read
     # documents from position-id resets.
@@ -141,12 +221,25 @@ def _schedule_flags(recipe: Recipe) -> list:
     s, p = recipe.schedule, recipe.parallel
     out: list = []
     if s.kind == "slimpipe":
-        out += ["--use-slimpipe", "--slimpipe-num-slices", s.num_slices, "--slimpipe-slice-policy",
-                s.slice_policy, "--slimpipe-hardware", recipe.hardware]
+        out += [
+            "--use-slimpipe",
+            "--slimpipe-num-slices",
+            s.num_slices,
+            "--slimpipe-slice-policy",
+            s.slice_policy,
+            "--slimpipe-hardware",
+            recipe.hardware,
+        ]
     if p.cp > 1 and s.kind != "slimpipe":
         # megatron-slim's engines plan each pack of documents: positions and masks reset at each one
-        out += ["--cp-engine", recipe.cp.engine, "--reset-position-ids", "--reset-attention-mask",
-                "--slimpipe-hardware", recipe.hardware] + (["--cp-remap"] if recipe.cp.remap else [])
+        out += [
+            "--cp-engine",
+            recipe.cp.engine,
+            "--reset-position-ids",
+            "--reset-attention-mask",
+            "--slimpipe-hardware",
+            recipe.hardware,
+        ] + (["--cp-remap"] if recipe.cp.remap else [])
     return out
 
 

@@ -2,6 +2,7 @@
 Megatron-Bridge recipe: ``megatron.bridge.training.pretrain`` takes a ``ConfigContainer``) would
 leave every hook a silent no-op while the user's megatron-slim flags are ignored. ``guarded``
 turns that into an error the first time a hook asks for the args."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,8 @@ def guarded(get_args: Callable[[], Optional[Any]], argv: Sequence[str]) -> Calla
                 "how Megatron-Bridge runs (megatron.bridge.training.pretrain reads a ConfigContainer). For Bridge, "
                 "drop the flags and the launcher and call megatron_slim.megatron.bridge.install(config, "
                 "num_slices=...) before pretrain() (docs/megatron-bridge.md); allowed here: a script that parses "
-                "Megatron-LM's arguments, such as pretrain_gpt.py")
+                "Megatron-LM's arguments, such as pretrain_gpt.py"
+            )
         return args
 
     return args_or_refuse

@@ -11,6 +11,7 @@ attention_type=, cp_comm_type=, softmax_scale=, pg_collection=)`` (0.15+; 0.14 p
 ``model_comm_pgs=`` instead of ``pg_collection=``). Unknown keywords are accepted and kept in
 ``self.extra_kwargs`` so a newer megatron adding one does not break construction.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,17 +32,28 @@ class SlimCoreAttention(MegatronModule):
 
     _backend: Optional[AttentionBackend]  # chosen on first use (attention_backend)
 
-    def __init__(self, config, layer_number: int, attn_mask_type=AttnMaskType.causal,
-                 attention_type: str = "self", attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection: Any = None, model_comm_pgs: Any = None, **extra_kwargs: Any):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Any = None,
+        model_comm_pgs: Any = None,
+        **extra_kwargs: Any,
+    ):
         super().__init__(config=config)
         if attention_type != "self":
             raise ValueError(f"attention_type={attention_type!r}: allowed values are 'self'")
         config_dropout = getattr(config, "attention_dropout", 0.0)
         if attention_dropout not in (None, 0, 0.0) or config_dropout:
-            raise ValueError(f"attention_dropout={attention_dropout or config.attention_dropout!r}: "
-                             "allowed value is 0 (this core attention has no dropout)")
+            raise ValueError(
+                f"attention_dropout={attention_dropout or config.attention_dropout!r}: "
+                "allowed value is 0 (this core attention has no dropout)"
+            )
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -60,17 +72,26 @@ class SlimCoreAttention(MegatronModule):
     def tp_group(self):
         return getattr(self.pg_collection, "tp", None)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor], attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **unused: Any) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **unused: Any,
+    ) -> torch.Tensor:
         """``query [sq, b, np, hn]``, ``key``/``value [sk, b, ng, hn]`` -> ``[sq, b, np*hn]``.
 
         ``attention_mask`` is ignored: the mask type is causal, which needs no explicit mask.
         """
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if mask_type not in SUPPORTED_MASK_TYPES:
-            raise ValueError(f"attn_mask_type={mask_type!r}: allowed values are "
-                             f"{', '.join(str(m) for m in SUPPORTED_MASK_TYPES)}")
+            raise ValueError(
+                f"attn_mask_type={mask_type!r}: allowed values are {', '.join(str(m) for m in SUPPORTED_MASK_TYPES)}"
+            )
         if attention_bias is not None:
             raise ValueError("attention_bias: allowed value is None (not supported)")
         if packed_seq_params is not None:
@@ -100,4 +121,3 @@ class SlimCoreAttention(MegatronModule):
 
         out = attention(q, k, v, causal=True, softmax_scale=self.softmax_scale, backend=self.attention_backend(q))
         return cast(torch.Tensor, out)  # without return_lse: the output alone
-

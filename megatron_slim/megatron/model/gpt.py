@@ -14,6 +14,7 @@ holding exactly ``len(layers)`` layers, and each layer is given its global numbe
 splits a rebalancer produces. This also keeps megatron's tied-embedding set-up for pipelined
 models (``weight.data.cuda()`` plus an all-reduce) out of CPU runs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,11 +62,9 @@ def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:
             raise ValueError(f"{name}={value!r}: allowed values are integers >= 1")
     stages = pp * vpp
     if num_layers % stages:
-        raise ValueError(f"num_layers={num_layers}: allowed values are multiples of "
-                         f"pp*vpp={stages}")
+        raise ValueError(f"num_layers={num_layers}: allowed values are multiples of pp*vpp={stages}")
     per_stage = num_layers // stages
-    return [[range((c * pp + r) * per_stage, (c * pp + r + 1) * per_stage) for c in range(vpp)]
-            for r in range(pp)]
+    return [[range((c * pp + r) * per_stage, (c * pp + r + 1) * per_stage) for c in range(vpp)] for r in range(pp)]
 
 
 def chunk_roles(pp_rank: int, chunk: int, pp: int, vpp: int = 1) -> tuple[bool, bool]:
@@ -73,8 +72,7 @@ def chunk_roles(pp_rank: int, chunk: int, pp: int, vpp: int = 1) -> tuple[bool, 
     return (pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vpp - 1)
 
 
-def transformer_config(model: ModelConfig, *, tp: int = 1, cp: int = 1,
-                       **overrides) -> TransformerConfig:
+def transformer_config(model: ModelConfig, *, tp: int = 1, cp: int = 1, **overrides) -> TransformerConfig:
     """megatron's ``TransformerConfig`` for a Llama-style chunk of ``model`` (see module doc for
     why it says ``pipeline_model_parallel_size=1``). ``overrides`` are further config fields."""
     fields = dict(
@@ -125,20 +123,29 @@ class _GlobalLayerNumber:
 
 @functools.cache
 def _globally_numbered(layer_cls: type) -> type:
-    return type(layer_cls.__name__, (_GlobalLayerNumber, layer_cls),
-                {"__module__": layer_cls.__module__, "__qualname__": layer_cls.__qualname__})
+    return type(
+        layer_cls.__name__,
+        (_GlobalLayerNumber, layer_cls),
+        {"__module__": layer_cls.__module__, "__qualname__": layer_cls.__qualname__},
+    )
 
 
-def layer_spec(core_attention: type = SlimCoreAttention,
-               transformer_layer: Optional[type] = None, *, layer_offset: int = 0) -> ModuleSpec:
+def layer_spec(
+    core_attention: type = SlimCoreAttention, transformer_layer: Optional[type] = None, *, layer_offset: int = 0
+) -> ModuleSpec:
     """Spec of one Llama layer: megatron's local layer with ``core_attention`` plugged in, built
     as ``transformer_layer`` (default ``TransformerLayer``) numbered from ``layer_offset + 1``."""
     layer_cls = transformer_layer or TransformerLayer
     if not (isinstance(layer_cls, type) and issubclass(layer_cls, TransformerLayer)):
-        raise ValueError(f"transformer_layer={layer_cls!r}: allowed values are subclasses of "
-                         "megatron.core.transformer.transformer_layer.TransformerLayer")
-    spec = ModuleSpec(module=_globally_numbered(layer_cls), submodules=compat.local_layer_submodules("RMSNorm"),
-                      params={"layer_offset": layer_offset})
+        raise ValueError(
+            f"transformer_layer={layer_cls!r}: allowed values are subclasses of "
+            "megatron.core.transformer.transformer_layer.TransformerLayer"
+        )
+    spec = ModuleSpec(
+        module=_globally_numbered(layer_cls),
+        submodules=compat.local_layer_submodules("RMSNorm"),
+        params={"layer_offset": layer_offset},
+    )
     return with_core_attention(spec, core_attention, flag="layer_spec(core_attention=...)")
 
 
@@ -149,10 +156,18 @@ def _check_layers(layers: range, num_layers: int) -> None:
         raise ValueError(f"layers={layers!r}: allowed values lie within range(0, {num_layers})")
 
 
-def build_chunk(model: ModelConfig, groups: ParallelGroups, *, layers: range, pre_process: bool,
-                post_process: bool, core_attention: type = SlimCoreAttention,
-                transformer_layer: Optional[type] = None, seed: int = 1234,
-                **config_overrides) -> GPTModel:
+def build_chunk(
+    model: ModelConfig,
+    groups: ParallelGroups,
+    *,
+    layers: range,
+    pre_process: bool,
+    post_process: bool,
+    core_attention: type = SlimCoreAttention,
+    transformer_layer: Optional[type] = None,
+    seed: int = 1234,
+    **config_overrides,
+) -> GPTModel:
     """Build the chunk of ``model`` holding global ``layers`` on CPU, initialised by ``seed``.
 
     Tensor- and context-parallel sizes come from ``groups``. Initial weights depend only on
@@ -162,8 +177,7 @@ def build_chunk(model: ModelConfig, groups: ParallelGroups, *, layers: range, pr
     _check_layers(layers, model.num_layers)
     config = transformer_config(model, tp=groups.tp_size, cp=groups.cp_size, **config_overrides)
     block = TransformerBlockSubmodules(
-        layer_specs=[layer_spec(core_attention, transformer_layer, layer_offset=layers.start)]
-        * len(layers),
+        layer_specs=[layer_spec(core_attention, transformer_layer, layer_offset=layers.start)] * len(layers),
         layer_norm=compat.local_layer_submodules("RMSNorm").input_layernorm,
     )
     tied = not model.untie_embeddings_and_output_weights
@@ -181,12 +195,21 @@ def build_chunk(model: ModelConfig, groups: ParallelGroups, *, layers: range, pr
         **compat.model_groups_kwargs(GPTModel, groups),
     )
     chunk.rotary_pos_emb = make_cpu_rotary_embedding(
-        kv_channels=model.head_dim, rotary_percent=1.0, rotary_base=model.rotary_base,
-        use_cpu_initialization=True, cp_group=groups.cp)
-    chunk.slim_chunk_info = ChunkInfo(layers=layers, pre_process=pre_process,
-                                      post_process=post_process, num_layers=model.num_layers,
-                                      tied_embeddings=tied, tp_rank=groups.tp_rank,
-                                      tp_size=groups.tp_size)
+        kv_channels=model.head_dim,
+        rotary_percent=1.0,
+        rotary_base=model.rotary_base,
+        use_cpu_initialization=True,
+        cp_group=groups.cp,
+    )
+    chunk.slim_chunk_info = ChunkInfo(
+        layers=layers,
+        pre_process=pre_process,
+        post_process=post_process,
+        num_layers=model.num_layers,
+        tied_embeddings=tied,
+        tp_rank=groups.tp_rank,
+        tp_size=groups.tp_size,
+    )
     init_chunk_weights(chunk, seed=seed, std=config.init_method_std)
     if tied and post_process and not pre_process:
         # the last stage's copy of the first stage's embedding: megatron's mark for "count once"
@@ -201,8 +224,7 @@ def build_rank_chunks(model: ModelConfig, groups: ParallelGroups, **kwargs) -> l
     chunks = []
     for c, layers in enumerate(ranges):
         pre, post = chunk_roles(groups.pp_rank, c, pp, vpp)
-        chunks.append(build_chunk(model, groups, layers=layers, pre_process=pre, post_process=post,
-                                  **kwargs))
+        chunks.append(build_chunk(model, groups, layers=layers, pre_process=pre, post_process=post, **kwargs))
     return chunks
 
 
@@ -215,7 +237,15 @@ from megatron_slim.megatron.model.weights import (  # noqa: E402
 )
 
 __all__ = [
-    "ChunkInfo", "build_chunk", "build_rank_chunks", "chunk_roles", "global_grads",
-    "global_named_parameters", "global_state_dict", "layer_spec", "load_global_state_dict",
-    "stage_layers", "transformer_config",
+    "ChunkInfo",
+    "build_chunk",
+    "build_rank_chunks",
+    "chunk_roles",
+    "global_grads",
+    "global_named_parameters",
+    "global_state_dict",
+    "layer_spec",
+    "load_global_state_dict",
+    "stage_layers",
+    "transformer_config",
 ]

@@ -1,6 +1,7 @@
 """The one rewriter of megatron-core layer specs: plug a core attention (and optionally a layer
 class) into every layer of a spec, as SlimPipe (``SliceCoreAttention``), the CP engines
 (``CPCoreAttention``, ``RemapTransformerLayer``) and ``model.gpt.layer_spec`` need."""
+
 from __future__ import annotations
 
 import copy
@@ -26,14 +27,18 @@ def with_core_attention(spec: Any, core_attention: type, *, flag: str, swap: Opt
         sub = getattr(layer, "submodules", layer)
         attention_sub = getattr(getattr(sub, "self_attention", None), "submodules", None)
         if attention_sub is None or not hasattr(attention_sub, "core_attention"):
-            raise ValueError(f"{flag}: this layer spec has no self_attention.core_attention slot to put "
-                             f"{core_attention.__name__} in ({type(layer).__name__})")
+            raise ValueError(
+                f"{flag}: this layer spec has no self_attention.core_attention slot to put "
+                f"{core_attention.__name__} in ({type(layer).__name__})"
+            )
         attention_sub.core_attention = core_attention
         if swap is not None and hasattr(layer, "module") and hasattr(layer, "submodules"):
             if layer.module not in swap.replaces + (swap.module,):
                 built = getattr(layer.module, "__name__", layer.module)
                 allowed = " or ".join(f"megatron-core's {m.__name__}" for m in swap.replaces)
-                raise ValueError(f"{swap.flag}: the layer spec builds {built}; allowed: {allowed} (the "
-                                 f"{swap.module.__name__} subclasses it)")
+                raise ValueError(
+                    f"{swap.flag}: the layer spec builds {built}; allowed: {allowed} (the "
+                    f"{swap.module.__name__} subclasses it)"
+                )
             layer.module = swap.module
     return spec

@@ -6,6 +6,7 @@ Megatron's parameter groups (no weight decay on norms and biases) and megatron-c
 ``OptimizerParamScheduler`` (warmup, cosine decay). Gradient clipping and data-parallel averaging
 live in ``megatron_slim.train.step``.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -25,8 +26,10 @@ def param_groups(chunks: Iterable[torch.nn.Module], weight_decay: float) -> list
             (no_decay if p.dim() == 1 or name.endswith(".bias") else decay).append(p)
     # megatron's scheduler reads these keys on every group
     common = {"lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
-    return [dict(params=decay, weight_decay=weight_decay, wd_mult=1.0, **common),
-            dict(params=no_decay, weight_decay=0.0, wd_mult=0.0, **common)]
+    return [
+        dict(params=decay, weight_decay=weight_decay, wd_mult=1.0, **common),
+        dict(params=no_decay, weight_decay=0.0, wd_mult=0.0, **common),
+    ]
 
 
 class _SchedulerTarget:
@@ -45,12 +48,27 @@ def build_optimizer(chunks: list[torch.nn.Module], train: TrainConfig):
     """``(torch AdamW, megatron-core OptimizerParamScheduler)`` for ``train``'s schedule."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    optimizer = torch.optim.AdamW(param_groups(chunks, train.weight_decay), lr=train.lr, betas=(0.9, 0.95),
-                                  eps=1e-8, weight_decay=train.weight_decay)
+    optimizer = torch.optim.AdamW(
+        param_groups(chunks, train.weight_decay),
+        lr=train.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=train.weight_decay,
+    )
     decay_steps = max(train.iters, train.warmup_iters + 1)
     scheduler = OptimizerParamScheduler(
-        _SchedulerTarget(optimizer), init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
-        lr_warmup_steps=train.warmup_iters, lr_decay_steps=decay_steps, lr_decay_style="cosine",
-        start_wd=train.weight_decay, end_wd=train.weight_decay, wd_incr_steps=decay_steps,
-        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+        _SchedulerTarget(optimizer),
+        init_lr=0.0,
+        max_lr=train.lr,
+        min_lr=train.min_lr,
+        lr_warmup_steps=train.warmup_iters,
+        lr_decay_steps=decay_steps,
+        lr_decay_style="cosine",
+        start_wd=train.weight_decay,
+        end_wd=train.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )
     return optimizer, scheduler

@@ -11,6 +11,7 @@ The groups come back as :class:`ParallelGroups`, a small frozen value that calle
 explicitly; it converts itself into whichever process-group dataclass the installed megatron-core
 expects (``ProcessGroupCollection`` 0.15+, ``ModelCommProcessGroups`` 0.14).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -81,8 +82,10 @@ def _check_sizes(world_size: int, tp: int, pp: int, cp: int, vpp: int, dp: Optio
             raise ValueError(f"{name}={value!r}: allowed values are integers >= 1")
     model_size = tp * pp * cp
     if world_size % model_size:
-        raise ValueError(f"tp*pp*cp={model_size} does not divide the world size {world_size}; "
-                         f"allowed: sizes whose product divides {world_size}")
+        raise ValueError(
+            f"tp*pp*cp={model_size} does not divide the world size {world_size}; "
+            f"allowed: sizes whose product divides {world_size}"
+        )
     if dp is not None and dp != world_size // model_size:
         raise ValueError(f"dp={dp!r}: allowed value is world_size/(tp*pp*cp)={world_size // model_size}")
     if vpp > 1 and pp == 1:
@@ -112,9 +115,16 @@ def groups_from_parallel_state(vpp: int = 1) -> ParallelGroups:
     )
 
 
-def init_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int = 1,
-                        dp: Optional[int] = None, seed: Optional[int] = None,
-                        timeout: timedelta = timedelta(minutes=10)) -> ParallelGroups:
+def init_model_parallel(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vpp: int = 1,
+    dp: Optional[int] = None,
+    seed: Optional[int] = None,
+    timeout: timedelta = timedelta(minutes=10),
+) -> ParallelGroups:
     """Initialise megatron-core's ``parallel_state`` for (tp, pp, cp, dp, vpp) on this rank.
 
     Must run on every rank of an initialised default process group. ``dp`` is implied by the world
@@ -122,8 +132,10 @@ def init_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int = 1,
     :func:`megatron_slim.megatron.model.rng.seed_model_parallel_rng`). Undo with :func:`teardown`.
     """
     if not dist.is_initialized():
-        raise RuntimeError("init_model_parallel needs torch.distributed initialised first "
-                           "(e.g. inside megatron_slim.runtime.spawn.run_ranks)")
+        raise RuntimeError(
+            "init_model_parallel needs torch.distributed initialised first "
+            "(e.g. inside megatron_slim.runtime.spawn.run_ranks)"
+        )
     _check_sizes(dist.get_world_size(), tp, pp, cp, vpp, dp)
     ps = _parallel_state()
     if ps.model_parallel_is_initialized():

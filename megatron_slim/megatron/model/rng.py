@@ -11,6 +11,7 @@ data-parallel state ``seed``, tensor-parallel state ``seed + 2718 + tp_rank``, e
 ``seed + 1024 + 100 * ep_rank + etp_rank``. Weight initialisation in
 :mod:`megatron_slim.megatron.model.weights` does not use these streams at all (it seeds per parameter).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,8 +73,9 @@ def _cpu_tracker_class():
     return CpuRNGStatesTracker
 
 
-def seed_model_parallel_rng(seed: int, *, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0,
-                            device: str = "cpu") -> None:
+def seed_model_parallel_rng(
+    seed: int, *, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0, device: str = "cpu"
+) -> None:
     """Seed torch and megatron's model-parallel RNG tracker for this rank.
 
     ``device="cuda"`` defers to megatron's own ``model_parallel_cuda_manual_seed``.

@@ -6,6 +6,7 @@ constructor and ``get_rotary_seq_len`` and replaces only ``forward``, the one me
 calls to get the table. ``positions`` is the seam for callers that need non-contiguous or offset
 positions (sequence slices, other context-parallel layouts).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -34,8 +35,9 @@ class CpuRotaryEmbedding(RotaryEmbedding):
         """Absolute positions of the tokens (before any context-parallel split), in order."""
         return torch.arange(max_seq_len, device=self.inv_freq.device) + offset
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
-                cp_group: Optional[Any] = None, **unused: Any) -> torch.Tensor:
+    def forward(
+        self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Optional[Any] = None, **unused: Any
+    ) -> torch.Tensor:
         positions = self.positions(max_seq_len, offset)
         cp_group = cp_group if cp_group is not None else getattr(self, "cp_group", None)
         if cp_group is not None and cp_group.size() > 1 and not packed_seq:

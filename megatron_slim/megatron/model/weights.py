@@ -12,6 +12,7 @@ Tensor-parallel shards are cut from the full tensor using megatron's own paramet
 (``partition_dim``, ``partition_stride``), so a fused SwiGLU ``linear_fc1`` (stride 2:
 ``[gate_r; up_r]`` on rank r) comes out right.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,7 @@ def global_name(chunk, local_name: str) -> str:
     match = _LAYER_PREFIX.match(local_name)
     if match:
         layer = chunk.decoder.layers[int(match.group(1))]
-        return f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end():]
+        return f"decoder.layers.{layer.layer_number - 1}." + local_name[match.end() :]
     if local_name == TIED_OUTPUT and _chunk_info(chunk).tied_embeddings:
         return TIED_EMBEDDING
     return local_name
@@ -64,8 +65,10 @@ def global_state_dict(chunk) -> dict[str, torch.Tensor]:
 
 def global_grads(chunk) -> dict[str, torch.Tensor | None]:
     """``{whole-model name: grad}`` (``None`` for parameters without a gradient)."""
-    return {name: (None if p.grad is None else p.grad.detach().clone())
-            for name, p in global_named_parameters(chunk).items()}
+    return {
+        name: (None if p.grad is None else p.grad.detach().clone())
+        for name, p in global_named_parameters(chunk).items()
+    }
 
 
 def tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -86,8 +89,7 @@ def full_shape(param: torch.nn.Parameter, tp_size: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def load_global_state_dict(chunk, full_state_dict: Mapping[str, torch.Tensor], *,
-                           strict: bool = True) -> None:
+def load_global_state_dict(chunk, full_state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
     """Copy a whole (unsharded, unpipelined) model's weights into ``chunk`` by whole-model name.
 
     With ``strict``, every parameter of ``chunk`` must be found with the full shape.
@@ -102,8 +104,7 @@ def load_global_state_dict(chunk, full_state_dict: Mapping[str, torch.Tensor], *
             full = full_state_dict[name]
             expected = full_shape(param, info.tp_size)
             if tuple(full.shape) != expected:
-                raise ValueError(f"full_state_dict[{name!r}] has shape {tuple(full.shape)}; "
-                                 f"allowed: {expected}")
+                raise ValueError(f"full_state_dict[{name!r}] has shape {tuple(full.shape)}; allowed: {expected}")
             param.copy_(tp_shard(full.to(param.dtype), param, info.tp_rank, info.tp_size))
 
 
@@ -111,8 +112,9 @@ def _seed_for(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}/{name}".encode())
 
 
-def init_full_tensor(name: str, shape: tuple[int, ...], *, seed: int, num_layers: int,
-                     std: float = 0.02) -> torch.Tensor:
+def init_full_tensor(
+    name: str, shape: tuple[int, ...], *, seed: int, num_layers: int, std: float = 0.02
+) -> torch.Tensor:
     """The whole-model initial value of parameter ``name``: a function of (seed, name) only, so
     any pipeline/tensor split of the model starts from the same weights."""
     if name.endswith("norm.weight"):
@@ -130,6 +132,7 @@ def init_chunk_weights(chunk, *, seed: int, std: float = 0.02) -> None:
     info = _chunk_info(chunk)
     with torch.no_grad():
         for name, param in global_named_parameters(chunk).items():
-            full = init_full_tensor(name, full_shape(param, info.tp_size), seed=seed,
-                                    num_layers=info.num_layers, std=std)
+            full = init_full_tensor(
+                name, full_shape(param, info.tp_size), seed=seed, num_layers=info.num_layers, std=std
+            )
             param.copy_(tp_shard(full, param, info.tp_rank, info.tp_size).to(param.dtype))

@@ -1,4 +1,5 @@
 """Wrapping megatron-core modules in place: strip DDP-style wrappers, wrap a rotary embedding."""
+
 from __future__ import annotations
 
 from typing import Any

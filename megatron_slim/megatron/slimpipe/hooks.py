@@ -3,6 +3,7 @@ from the parsed flags, the schedule function per parsed args with the ``SliceCon
 under, the TP batch broadcast sized for the current slice, and layer specs with
 ``SliceCoreAttention``. Megatron-Bridge's ``bridge.install`` reuses the plan and the spec rewrite.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,9 @@ def slimpipe_settings(args) -> "SlimPipeSettings":
     from megatron_slim.plan.sim.costs import slice_lengths
 
     recipe = recipe_from_megatron_args(args)
-    calibration = (load_calibration(args.slimpipe_calibration, "--slimpipe-calibration")
-                   if args.slimpipe_calibration else None)
+    calibration = (
+        load_calibration(args.slimpipe_calibration, "--slimpipe-calibration") if args.slimpipe_calibration else None
+    )
     lengths = slice_lengths(recipe, CostModel(recipe, calibration=calibration))
     backend = None if args.megatron_slim_attention_backend == "auto" else args.megatron_slim_attention_backend
     return SlimPipeSettings(lengths, attention_backend=backend)
@@ -54,8 +56,11 @@ class SlimPipeHookState:
             settings = slimpipe_settings(args)
             self._functions[id(args)] = make_forward_backward_func(settings, context=self.context)
             if int(getattr(args, "rank", 0) or 0) == 0:
-                print(f"megatron-slim: SlimPipe schedule, {settings.num_slices} {args.slimpipe_slice_policy} slice(s) "
-                      f"per microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}", flush=True)
+                print(
+                    f"megatron-slim: SlimPipe schedule, {settings.num_slices} {args.slimpipe_slice_policy} slice(s) "
+                    f"per microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}",
+                    flush=True,
+                )
         return self._functions[id(args)]
 
 

@@ -13,6 +13,7 @@ from the offset ``SliceRotary`` adds, then cut zigzag-wise, so a rank's tokens g
 ``slice start + their zigzag positions within the slice``. Outside a schedule under CP the local
 tokens are taken as the zigzag shard of one whole sequence (uncached CP attention).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -37,17 +38,37 @@ class SliceCoreAttention(SlimCoreAttention):
         under_cp = cp_group is not None and cp_group.size() > 1
         if info is None:
             if under_cp:
-                return cp_sliced_attention(q, k, v, backend=self.attention_backend(q),
-                                           softmax_scale=self.softmax_scale, group=cp_group)
+                return cp_sliced_attention(
+                    q, k, v, backend=self.attention_backend(q), softmax_scale=self.softmax_scale, group=cp_group
+                )
             return super().attend(q, k, v)
         if self.store is None:
-            raise RuntimeError(f"layer {self.layer_number}: slice attention has no K/V cache store attached "
-                               "(call megatron_slim.megatron.slimpipe.slicing.attach_slicing)")
+            raise RuntimeError(
+                f"layer {self.layer_number}: slice attention has no K/V cache store attached "
+                "(call megatron_slim.megatron.slimpipe.slicing.attach_slicing)"
+            )
         if under_cp:
-            return cp_sliced_attention(q, k, v, backend=self.attention_backend(q), softmax_scale=self.softmax_scale,
-                                       group=cp_group, store=self.store, info=info, layer=self.layer_number)
-        return sliced_attention(q, k, v, backend=self.attention_backend(q), softmax_scale=self.softmax_scale,
-                                store=self.store, info=info, layer=self.layer_number)
+            return cp_sliced_attention(
+                q,
+                k,
+                v,
+                backend=self.attention_backend(q),
+                softmax_scale=self.softmax_scale,
+                group=cp_group,
+                store=self.store,
+                info=info,
+                layer=self.layer_number,
+            )
+        return sliced_attention(
+            q,
+            k,
+            v,
+            backend=self.attention_backend(q),
+            softmax_scale=self.softmax_scale,
+            store=self.store,
+            info=info,
+            layer=self.layer_number,
+        )
 
 
 class SliceRotary(RotaryWrapper):
@@ -59,8 +80,9 @@ class SliceRotary(RotaryWrapper):
         return self.inner(max_seq_len, offset + start, *args, **kwargs)
 
 
-def attach_slicing(chunk: torch.nn.Module, context: SliceContext, store: KVCacheStore,
-                   preferred_backend: Optional[str] = None) -> int:
+def attach_slicing(
+    chunk: torch.nn.Module, context: SliceContext, store: KVCacheStore, preferred_backend: Optional[str] = None
+) -> int:
     """Point ``chunk``'s slice attentions at ``context``/``store``; wrap its rotary embedding.
 
     Returns how many slice attentions were found (0 means the spec lacks SliceCoreAttention:

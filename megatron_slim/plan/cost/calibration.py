@@ -16,6 +16,7 @@ For a kernel of a given size the achieved rate is interpolated linearly in log(w
 measurements of its class and held constant beyond the smallest and largest; a class without
 measurements keeps the profile's efficiency.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -77,8 +78,7 @@ def load_calibration(path: str | Path, flag: str = "--calibration") -> Calibrati
     path = Path(path)
     where = f"{flag} {path}"
     if not path.exists():
-        raise ConfigError(f"{where}: file does not exist (allowed: a YAML or JSON file, format in "
-                          "docs/calibration.md)")
+        raise ConfigError(f"{where}: file does not exist (allowed: a YAML or JSON file, format in docs/calibration.md)")
     if not path.is_file():
         what = "a directory" if path.is_dir() else "not a regular file"
         raise ConfigError(f"{where}: is {what} (allowed: a YAML or JSON file)")

@@ -7,6 +7,7 @@ tokens (zigzag, so causal attention work is balanced across CP ranks).
 Attention cost depends on the prefix: a slice of ``s`` tokens whose first token sits at position
 ``P`` under a causal mask scores ``s * P + s * (s + 1) / 2`` query-key pairs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,11 @@ class OpWork:
     memory_bytes: float = 0.0
 
     def __add__(self, other: "OpWork") -> "OpWork":
-        return OpWork(self.gemm_flops + other.gemm_flops, self.attention_flops + other.attention_flops,
-                      self.memory_bytes + other.memory_bytes)
+        return OpWork(
+            self.gemm_flops + other.gemm_flops,
+            self.attention_flops + other.attention_flops,
+            self.memory_bytes + other.memory_bytes,
+        )
 
     def scale(self, factor: float) -> "OpWork":
         return OpWork(self.gemm_flops * factor, self.attention_flops * factor, self.memory_bytes * factor)
@@ -55,11 +59,23 @@ class LayerShape:
     layer_impl: str = "te"  # "te" (fused GPU kernels) or "local" (megatron-core local spec)
 
     @classmethod
-    def from_configs(cls, model: ModelConfig, parallel: ParallelConfig, micro_batch: int,
-                     element_bytes: int, layer_impl: str = "te") -> "LayerShape":
-        return cls(model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
-                   model.num_query_groups, model.head_dim, model.vocab_size, parallel.tp, parallel.cp,
-                   parallel.sequence_parallel, micro_batch, element_bytes, layer_impl)
+    def from_configs(
+        cls, model: ModelConfig, parallel: ParallelConfig, micro_batch: int, element_bytes: int, layer_impl: str = "te"
+    ) -> "LayerShape":
+        return cls(
+            model.hidden_size,
+            model.ffn_hidden_size,
+            model.num_attention_heads,
+            model.num_query_groups,
+            model.head_dim,
+            model.vocab_size,
+            parallel.tp,
+            parallel.cp,
+            parallel.sequence_parallel,
+            micro_batch,
+            element_bytes,
+            layer_impl,
+        )
 
     @property
     def sp(self) -> int:

@@ -7,6 +7,7 @@ also holds the embedding, the last stage the final norm, output layer and loss. 
 GPU placement follows Megatron's rank order (tp fastest, then cp, dp, pp): two GPUs share a node
 when their global indices agree after integer division by ``gpus_per_node``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,15 +30,17 @@ class Link:
 
 
 class CostModel:
-    def __init__(self, recipe: Recipe, hardware: Optional[HardwareProfile] = None,
-                 calibration: Optional[Calibration] = None) -> None:
+    def __init__(
+        self, recipe: Recipe, hardware: Optional[HardwareProfile] = None, calibration: Optional[Calibration] = None
+    ) -> None:
         self.recipe = recipe
         self.hw = hardware or recipe.hardware_profile
         self.calibration = calibration
         p = recipe.parallel
         self.element_bytes = 2 if recipe.train.precision == "bf16" else 4
-        self.shape = LayerShape.from_configs(recipe.model, p, recipe.train.micro_batch_size, self.element_bytes,
-                                             self.hw.layer_impl)
+        self.shape = LayerShape.from_configs(
+            recipe.model, p, recipe.train.micro_batch_size, self.element_bytes, self.hw.layer_impl
+        )
         self.num_stages = p.pp * p.vpp
         self.layers_per_stage = recipe.model.num_layers // self.num_stages
         self.recompute = recipe.train.recompute
@@ -51,8 +54,11 @@ class CostModel:
         eff = self.hw.efficiency
         if op == "memory_bound":
             return self.hw.hbm_bandwidth * eff.memory_bound
-        factor = {"gemm": eff.gemm, "attention_forward": eff.attention_forward,
-                  "attention_backward": eff.attention_backward}[op]
+        factor = {
+            "gemm": eff.gemm,
+            "attention_forward": eff.attention_forward,
+            "attention_backward": eff.attention_backward,
+        }[op]
         return self.hw.peak_bf16_flops * factor
 
     def kernel_time(self, work: OpWork, backward: bool) -> float:

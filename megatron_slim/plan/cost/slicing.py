@@ -7,6 +7,7 @@
   ``C(X) = a·X + b·X(X+1)/2``; boundary k solves ``C(X_k) = k/n · C(S)``. Earlier slices come out
   longer. Boundaries are rounded to the alignment unit (zigzag CP chunks, SP shards).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,19 +42,28 @@ def splits_aligned(seq_length: int, num_slices: int, alignment: int) -> bool:
 
 def uniform_slices(seq_length: int, num_slices: int, alignment: int = 1) -> tuple[int, ...]:
     if not splits_uniformly(seq_length, num_slices, alignment):
-        raise fail("schedule.num_slices", num_slices,
-                   f"a count that splits {seq_length} tokens into equal multiples of {alignment}")
+        raise fail(
+            "schedule.num_slices",
+            num_slices,
+            f"a count that splits {seq_length} tokens into equal multiples of {alignment}",
+        )
     return (seq_length // num_slices,) * num_slices
 
 
-def balanced_slices(seq_length: int, num_slices: int, per_token: float, per_pair: float,
-                    alignment: int = 1) -> tuple[int, ...]:
+def balanced_slices(
+    seq_length: int, num_slices: int, per_token: float, per_pair: float, alignment: int = 1
+) -> tuple[int, ...]:
     if not splits_aligned(seq_length, num_slices, alignment):
-        raise fail("schedule.num_slices", num_slices,
-                   f"at most {max_slices(seq_length, alignment)} slices of {alignment}-token units")
+        raise fail(
+            "schedule.num_slices",
+            num_slices,
+            f"at most {max_slices(seq_length, alignment)} slices of {alignment}-token units",
+        )
     if per_token < 0 or per_pair < 0 or per_token + per_pair <= 0:
-        raise ValueError(f"balanced_slices: costs must be non-negative and not both zero "
-                         f"(got per_token={per_token}, per_pair={per_pair})")
+        raise ValueError(
+            f"balanced_slices: costs must be non-negative and not both zero "
+            f"(got per_token={per_token}, per_pair={per_pair})"
+        )
     units = seq_length // alignment
 
     def cost(x: float) -> float:

@@ -13,6 +13,7 @@
 
 The simulator that prices these plans is ``megatron_slim.plan.sim.cp.sim``.
 """
+
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.engines import ENGINES, plan_pack
 from megatron_slim.plan.cp.layout import CPGroup, CPPlan, RankLayout, Segment
@@ -23,7 +24,26 @@ from megatron_slim.plan.cp.routing import Route, RoutedHop, RoutePart, RoutingPl
 from megatron_slim.plan.cp.topology import CPTopology
 
 __all__ = [
-    "CPCosts", "CPGroup", "CPPlan", "CPTopology", "ENGINES", "LengthSource", "RankLayout", "RemapPlan",
-    "Route", "RoutePart", "RoutedHop", "RoutingPlan", "Segment", "Transfer", "make_packs", "parse_lengths",
-    "plan_pack", "plan_remap", "plan_remap_for", "plan_routing", "plan_zeppelin", "route_transfer",
+    "CPCosts",
+    "CPGroup",
+    "CPPlan",
+    "CPTopology",
+    "ENGINES",
+    "LengthSource",
+    "RankLayout",
+    "RemapPlan",
+    "Route",
+    "RoutePart",
+    "RoutedHop",
+    "RoutingPlan",
+    "Segment",
+    "Transfer",
+    "make_packs",
+    "parse_lengths",
+    "plan_pack",
+    "plan_remap",
+    "plan_remap_for",
+    "plan_routing",
+    "plan_zeppelin",
+    "route_transfer",
 ]

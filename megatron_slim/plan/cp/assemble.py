@@ -5,6 +5,7 @@ order and the group numbering come from here, so all engines share one definitio
 Groups are numbered by scope priority (inter-node, intra-node, local), keeping the planner's order
 inside a priority.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +44,9 @@ def _a2a_size(spec: GroupSpec) -> int:
     return len(spec.ranks) if spec.kind == "ulysses" else 1
 
 
-def _segments(spec: GroupSpec, index: int, member: int, lengths: tuple[int, ...],
-              offsets: tuple[int, ...]) -> list[Segment]:
+def _segments(
+    spec: GroupSpec, index: int, member: int, lengths: tuple[int, ...], offsets: tuple[int, ...]
+) -> list[Segment]:
     out: list[Segment] = []
     if spec.kind == "local":
         return [Segment(i, 0, lengths[i], offsets[i], index) for i in spec.seqs if lengths[i]]
@@ -79,8 +81,18 @@ def assemble(engine: str, lengths: tuple[int, ...], topo: CPTopology, specs: lis
     per_rank: list[list[Segment]] = [[] for _ in range(topo.num_ranks)]
     for index, (_, _, spec) in enumerate(scoped):
         scope = scope_of(spec.ranks, topo)
-        groups.append(CPGroup(index, spec.kind, scope, tuple(spec.ranks), tuple(spec.seqs),
-                              _ring_size(spec), _a2a_size(spec), spec.routed and scope == "inter"))
+        groups.append(
+            CPGroup(
+                index,
+                spec.kind,
+                scope,
+                tuple(spec.ranks),
+                tuple(spec.seqs),
+                _ring_size(spec),
+                _a2a_size(spec),
+                spec.routed and scope == "inter",
+            )
+        )
         for member, rank in enumerate(spec.ranks):
             per_rank[rank].extend(_segments(spec, index, member, lengths, tuple(offsets)))
     layouts = tuple(RankLayout(r, tuple(segs)) for r, segs in enumerate(per_rank))

@@ -19,6 +19,7 @@
   none, the block with most room). Sequences on the same block share one ring; no routing, no
   remapping.
 """
+
 from __future__ import annotations
 
 from megatron_slim.plan.cp.assemble import GroupSpec, assemble
@@ -41,9 +42,11 @@ def plan_ring(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
 
 def check_heads(engine: str, heads: int, ways: int, what: str) -> None:
     if heads % ways:
-        raise ConfigError(f"--cp-engine {engine}: model.num_attention_heads={heads} (per TP rank) is not "
-                          f"divisible by {what}={ways} (allowed: engines ring, zeppelin, allgather, dynamic, "
-                          f"or a head count that {what} divides)")
+        raise ConfigError(
+            f"--cp-engine {engine}: model.num_attention_heads={heads} (per TP rank) is not "
+            f"divisible by {what}={ways} (allowed: engines ring, zeppelin, allgather, dynamic, "
+            f"or a head count that {what} divides)"
+        )
 
 
 def plan_ulysses(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> CPPlan:

@@ -13,6 +13,7 @@ Token work is split in three parts because they run in different layouts:
 The QKV/O GEMM FLOPs split in proportion ``(h + 2 kv) : h``; all elementwise traffic of the
 attention half is booked on ``pre``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,13 +68,19 @@ class CPCosts:
         return cls(
             pair_fwd_s=cost.kernel_time(attn, False) / pairs,
             pair_bwd_s=cost.kernel_time(bwd_attn, True) / pairs,
-            pre_fwd_s=per_token(pre, False) + tp_comm, pre_bwd_s=per_token(pre, True) + tp_comm,
-            post_fwd_s=per_token(post, False), post_bwd_s=per_token(post, True),
-            mlp_fwd_s=per_token(mlp, False) + 2 * tp_comm, mlp_bwd_s=per_token(mlp, True) + 2 * tp_comm,
-            kv_bytes=shape.kv_bytes(1.0), q_bytes=h / tp * shape.element_bytes,
+            pre_fwd_s=per_token(pre, False) + tp_comm,
+            pre_bwd_s=per_token(pre, True) + tp_comm,
+            post_fwd_s=per_token(post, False),
+            post_bwd_s=per_token(post, True),
+            mlp_fwd_s=per_token(mlp, False) + 2 * tp_comm,
+            mlp_bwd_s=per_token(mlp, True) + 2 * tp_comm,
+            kv_bytes=shape.kv_bytes(1.0),
+            q_bytes=h / tp * shape.element_bytes,
             hidden_bytes=h / shape.sp * shape.element_bytes,
-            heads=shape.heads // tp, kv_heads=max(1, shape.groups // tp),
-            flops_per_token=tp * (full.gemm_flops / n), flops_per_pair=tp * per_pair,
+            heads=shape.heads // tp,
+            kv_heads=max(1, shape.groups // tp),
+            flops_per_token=tp * (full.gemm_flops / n),
+            flops_per_pair=tp * per_pair,
         )
 
     # ---- helpers ---------------------------------------------------------------------------------

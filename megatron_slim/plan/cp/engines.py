@@ -1,4 +1,5 @@
 """One entry point for every CP engine's placement of a pack."""
+
 from __future__ import annotations
 
 from megatron_slim.plan.cp.baselines import (
@@ -51,8 +52,16 @@ def uses_remap(engine: str, remap: bool) -> bool:
     return engine == "zeppelin" and remap
 
 
-def plan_pack(engine: str, lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *,
-              remap: bool = True, routing: bool = True, hierarchical: bool = True) -> CPPlan:
+def plan_pack(
+    engine: str,
+    lengths: tuple[int, ...],
+    topo: CPTopology,
+    costs: CPCosts,
+    *,
+    remap: bool = True,
+    routing: bool = True,
+    hierarchical: bool = True,
+) -> CPPlan:
     """``remap``/``routing``/``hierarchical`` switch Zeppelin's layers (ablations); baselines ignore them."""
     check_engine(engine)
     if engine == "zeppelin":

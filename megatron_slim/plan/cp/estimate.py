@@ -17,6 +17,7 @@ all-to-alls over NVLink per pass; they need the heads to divide over the node's 
 Estimates are per rank and pessimistic: exposed communication is charged in full, although the
 attention engine fills it with other groups' and local work.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,7 @@ class SplitOption:
     est_s: float  # forward + backward seconds per member of one layer for this sequence
 
 
-def _ring(steps: int, compute_f: float, hop_f: float, compute_b: float, hop_b: float,
-          final_b: float) -> float:
+def _ring(steps: int, compute_f: float, hop_f: float, compute_b: float, hop_b: float, final_b: float) -> float:
     fwd = compute_f + (steps - 1) * max(compute_f, hop_f)
     bwd = compute_b + (steps - 1) * max(compute_b, hop_b) + final_b
     return fwd + bwd
@@ -52,8 +52,7 @@ def local_time(s: int, topo: CPTopology, costs: CPCosts, remap: bool) -> float:
     return token_time(s, topo, costs, remap) + pairs * costs.pair_s()
 
 
-def zigzag_time(s: int, g: int, topo: CPTopology, costs: CPCosts, remap: bool, *, inter: bool,
-                routed: bool) -> float:
+def zigzag_time(s: int, g: int, topo: CPTopology, costs: CPCosts, remap: bool, *, inter: bool, routed: bool) -> float:
     if g == 1:
         return local_time(s, topo, costs, remap)
     pairs = s * s / (2 * g * g)
@@ -62,8 +61,9 @@ def zigzag_time(s: int, g: int, topo: CPTopology, costs: CPCosts, remap: bool, *
     def hop(nbytes: float) -> float:
         return topo.inter_hop_time(nbytes, routed) if inter else topo.nvlink.transfer_time(nbytes)
 
-    ring = _ring(g, costs.attention_s(pairs, False), hop(block), costs.attention_s(pairs, True),
-                 hop(2 * block), hop(block))
+    ring = _ring(
+        g, costs.attention_s(pairs, False), hop(block), costs.attention_s(pairs, True), hop(2 * block), hop(block)
+    )
     return ring + token_time(s / g, topo, costs, remap)
 
 
@@ -79,9 +79,14 @@ def hierarchical_time(s: int, nodes: int, topo: CPTopology, costs: CPCosts, rema
     a2a_total = 2 * a2a(costs.q_bytes + costs.kv_bytes) + 2 * a2a(costs.q_bytes)
     pairs = s * s / (2 * nodes * nodes) / m
     block = s / nodes * costs.kv_bytes / m
-    ring = _ring(nodes, costs.attention_s(pairs, False), topo.nic.transfer_time(block),
-                 costs.attention_s(pairs, True), topo.nic.transfer_time(2 * block),
-                 topo.nic.transfer_time(block))
+    ring = _ring(
+        nodes,
+        costs.attention_s(pairs, False),
+        topo.nic.transfer_time(block),
+        costs.attention_s(pairs, True),
+        topo.nic.transfer_time(2 * block),
+        topo.nic.transfer_time(block),
+    )
     return ring + a2a_total + token_time(per_rank, topo, costs, remap)
 
 
@@ -90,8 +95,9 @@ def hierarchical_allowed(topo: CPTopology, costs: CPCosts) -> bool:
     return m > 1 and costs.heads % m == 0
 
 
-def split_options(s: int, topo: CPTopology, costs: CPCosts, *, remap: bool, routing: bool,
-                  hierarchical: bool) -> list[SplitOption]:
+def split_options(
+    s: int, topo: CPTopology, costs: CPCosts, *, remap: bool, routing: bool, hierarchical: bool
+) -> list[SplitOption]:
     """Every placement Zeppelin considers for a sequence of ``s`` tokens, by increasing span."""
     m, n = topo.ranks_per_node, topo.num_nodes
     out = [SplitOption("local", 1, 1, local_time(s, topo, costs, remap))]

@@ -31,6 +31,7 @@ A pack is ``L`` tokens made of whole sequences; sequence ``i`` occupies pack pos
   chunk index, then part.
 * ``CPPlan``: everything above plus a ``digest()`` ranks compare before running it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -91,9 +92,11 @@ class CPGroup:
         return self.ranks[(i - 1) % g], self.ranks[(i + 1) % g]
 
     def text(self) -> str:
-        return (f"G{self.index} {self.kind} {self.scope} ranks={','.join(map(str, self.ranks))} "
-                f"ring={self.ring_size} a2a={self.a2a_size} routed={int(self.routed)} "
-                f"seqs={','.join(map(str, self.seqs))}")
+        return (
+            f"G{self.index} {self.kind} {self.scope} ranks={','.join(map(str, self.ranks))} "
+            f"ring={self.ring_size} a2a={self.a2a_size} routed={int(self.routed)} "
+            f"seqs={','.join(map(str, self.seqs))}"
+        )
 
 
 @dataclass(frozen=True)
@@ -149,8 +152,10 @@ class CPPlan:
         return tuple(g for g in self.groups if rank in g.ranks)
 
     def canonical_text(self) -> str:
-        lines = [f"engine={self.engine} ranks={self.num_ranks} per_node={self.ranks_per_node}",
-                 "lengths=" + ",".join(map(str, self.lengths))]
+        lines = [
+            f"engine={self.engine} ranks={self.num_ranks} per_node={self.ranks_per_node}",
+            "lengths=" + ",".join(map(str, self.lengths)),
+        ]
         lines += [g.text() for g in self.groups]
         lines += [f"R{r.rank} " + " ".join(s.text() for s in r.segments) for r in self.ranks]
         return "\n".join(lines) + "\n"
@@ -165,6 +170,12 @@ class CPPlan:
             key = g.kind if g.kind != "zigzag" else f"zigzag-{g.scope}"
             by_kind[key] = by_kind.get(key, 0) + len(g.seqs)
         tokens = self.tokens_per_rank()
-        return {"engine": self.engine, "sequences": len(self.lengths), "groups": len(self.groups),
-                "sequences_by_kind": by_kind, "max_tokens_per_rank": max(tokens),
-                "min_tokens_per_rank": min(tokens), "digest": self.digest()[:16]}
+        return {
+            "engine": self.engine,
+            "sequences": len(self.lengths),
+            "groups": len(self.groups),
+            "sequences_by_kind": by_kind,
+            "max_tokens_per_rank": max(tokens),
+            "min_tokens_per_rank": min(tokens),
+            "digest": self.digest()[:16],
+        }

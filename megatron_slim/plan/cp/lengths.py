@@ -26,6 +26,7 @@ gap. Only when the set-aside sequences run out are further sequences drawn, each
 truncated to what is left of the gap. Unused set-aside sequences are dropped. So every pack
 holds exactly ``L`` tokens, and the result depends only on (source, L, packs, seed).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,13 @@ from typing import Iterator
 
 from megatron_slim.plan.schema import ConfigError, fail
 
-SPEC_FORMS = ("lognormal:mean=..,sigma=..,min=..,max=..", "uniform:min=..,max=..", "fixed:length=..",
-              "mix:W*KIND(k=v,..)+W*KIND(..)", "a file with one length per line")
+SPEC_FORMS = (
+    "lognormal:mean=..,sigma=..,min=..,max=..",
+    "uniform:min=..,max=..",
+    "fixed:length=..",
+    "mix:W*KIND(k=v,..)+W*KIND(..)",
+    "a file with one length per line",
+)
 _PARAMS = {"lognormal": ("mean", "sigma", "min", "max"), "uniform": ("min", "max"), "fixed": ("length",)}
 _MAX_REJECTIONS = 100_000
 
@@ -65,8 +71,10 @@ class Distribution:
             value = int(round(rng.lognormvariate(mu, sigma)))
             if lo <= value <= hi:
                 return value
-        raise ConfigError(f"--lengths lognormal: [min={lo}, max={hi}] holds almost none of the "
-                          f"distribution's mass (allowed: a window around mean={self.param('mean')})")
+        raise ConfigError(
+            f"--lengths lognormal: [min={lo}, max={hi}] holds almost none of the "
+            f"distribution's mass (allowed: a window around mean={self.param('mean')})"
+        )
 
 
 @dataclass(frozen=True)
@@ -106,8 +114,7 @@ def _parse_params(kind: str, body: str, where: str) -> Distribution:
             raise fail(f"{where} {kind}.{key}", raw, "a number") from None
     missing = [k for k in _PARAMS[kind] if k not in values]
     if missing:
-        raise fail(f"{where} {kind}.{missing[0]}", None, f"all of {', '.join(_PARAMS[kind])}",
-                   problem="missing key")
+        raise fail(f"{where} {kind}.{missing[0]}", None, f"all of {', '.join(_PARAMS[kind])}", problem="missing key")
     _check_params(kind, values, where)
     return Distribution(kind, tuple((k, values[k]) for k in _PARAMS[kind]))
 
@@ -149,8 +156,7 @@ def _parse_mix(body: str) -> tuple[tuple[float, Distribution], ...]:
     for i, part in enumerate(_split_top_level(body, "+")):
         m = _COMPONENT.match(part)
         if not m:
-            raise fail(f"--lengths mix[{i}]", part, "W*KIND(k=v,...) joined by '+', KIND one of "
-                       + ", ".join(_PARAMS))
+            raise fail(f"--lengths mix[{i}]", part, "W*KIND(k=v,...) joined by '+', KIND one of " + ", ".join(_PARAMS))
         try:
             weight = float(m.group(1))
         except ValueError:

@@ -32,6 +32,7 @@ and a rank, for single-rank pieces, at most one piece above its node's average; 
 largest piece)`` on many random packs; on the benchmark's packs the busiest rank's estimated load
 is typically 5-25% above ``total / C``.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -74,26 +75,37 @@ def _target(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, remap: b
     return sum(local_time(s, topo, costs, remap) for s in lengths) / topo.num_ranks
 
 
-def partition_pack(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *, remap: bool = True,
-                   routing: bool = True, hierarchical: bool = True) -> tuple[
-                       list[SplitOption], list[tuple[int, ...]], list[float]]:
+def partition_pack(
+    lengths: tuple[int, ...],
+    topo: CPTopology,
+    costs: CPCosts,
+    *,
+    remap: bool = True,
+    routing: bool = True,
+    hierarchical: bool = True,
+) -> tuple[list[SplitOption], list[tuple[int, ...]], list[float]]:
     """Steps 1-3 and the refinement: every sequence's split, its members, every rank's load."""
-    options = [split_options(s, topo, costs, remap=remap, routing=routing, hierarchical=hierarchical)
-               for s in lengths]
+    options = [split_options(s, topo, costs, remap=remap, routing=routing, hierarchical=hierarchical) for s in lengths]
     target = _target(lengths, topo, costs, remap)
     # A token beyond its node's share crosses a NIC 4 times a layer (to and from the MLP layout, in
     # forward and backward) inside a collective every rank waits for; in the worst case one rank's
     # NIC share carries a node's whole overflow, and node loads add ``m`` ranks' seconds.
-    overflow_s = 4 * costs.hidden_bytes / topo.nic.bandwidth * topo.ranks_per_node \
-        if remap and topo.num_nodes > 1 else 0.0
+    overflow_s = (
+        4 * costs.hidden_bytes / topo.nic.bandwidth * topo.ranks_per_node if remap and topo.num_nodes > 1 else 0.0
+    )
     choice = [opts.index(choose_split(opts, target)) for opts in options]
     splits = [options[i][c] for i, c in enumerate(choice)]
     members, loads = partition(lengths, splits, topo, overflow_s)
     for _ in range(_REFINE_ROUNDS):
-        worst = sorted(range(len(loads)), key=lambda r: (-loads[r], r))[:topo.ranks_per_node]
-        growable = [i for r in worst for i in sorted(
-            (i for i, ranks in enumerate(members) if r in ranks and choice[i] + 1 < len(options[i])),
-            key=lambda i: (-splits[i].est_s, i))]
+        worst = sorted(range(len(loads)), key=lambda r: (-loads[r], r))[: topo.ranks_per_node]
+        growable = [
+            i
+            for r in worst
+            for i in sorted(
+                (i for i, ranks in enumerate(members) if r in ranks and choice[i] + 1 < len(options[i])),
+                key=lambda i: (-splits[i].est_s, i),
+            )
+        ]
         for i in list(dict.fromkeys(growable))[:_REFINE_TRIES]:
             trial = list(splits)
             trial[i] = options[i][choice[i] + 1]
@@ -112,8 +124,9 @@ def _least_loaded(loads: list[float], candidates: tuple[int, ...] | range, count
     return tuple(sorted(picked))
 
 
-def partition(lengths: tuple[int, ...], splits: list[SplitOption], topo: CPTopology,
-              overflow_s: float = 0.0) -> tuple[list[tuple[int, ...]], list[float]]:
+def partition(
+    lengths: tuple[int, ...], splits: list[SplitOption], topo: CPTopology, overflow_s: float = 0.0
+) -> tuple[list[tuple[int, ...]], list[float]]:
     """Steps 2 and 3: members of every sequence (ascending ranks, hence node-major) and the
     estimated load of every rank. ``overflow_s``: what a token beyond a node's balanced share
     ``ceil(L / N)`` costs the node (the remap must move it across nodes); a node-local sequence
@@ -135,6 +148,7 @@ def partition(lengths: tuple[int, ...], splits: list[SplitOption], topo: CPTopol
         for r in members[i]:
             rank_load[r] += splits[i].est_s
     for i in (i for i in by_total if splits[i].nodes == 1):
+
         def after(k: int) -> float:
             return node_load[k] + overflow_s * max(0.0, node_tokens[k] + lengths[i] - cap)  # noqa: B023 (used now)
 
@@ -152,8 +166,13 @@ def partition(lengths: tuple[int, ...], splits: list[SplitOption], topo: CPTopol
     return members, rank_load
 
 
-def _polish(ranks: tuple[int, ...], items: list[int], splits: list[SplitOption],
-            members: list[tuple[int, ...]], load: list[float]) -> None:
+def _polish(
+    ranks: tuple[int, ...],
+    items: list[int],
+    splits: list[SplitOption],
+    members: list[tuple[int, ...]],
+    load: list[float],
+) -> None:
     """Local search inside a node after the greedy pass: move one member of a piece from the
     busiest rank to the idlest (or swap two pieces between them) while that lowers the pair's
     maximum; a bounded number of moves, each the one closest to halving the gap."""
@@ -191,12 +210,18 @@ def _polish(ranks: tuple[int, ...], items: list[int], splits: list[SplitOption],
             load[dst] += splits[moved].est_s
 
 
-def plan_zeppelin(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *, remap: bool = True,
-                  routing: bool = True, hierarchical: bool = True) -> CPPlan:
+def plan_zeppelin(
+    lengths: tuple[int, ...],
+    topo: CPTopology,
+    costs: CPCosts,
+    *,
+    remap: bool = True,
+    routing: bool = True,
+    hierarchical: bool = True,
+) -> CPPlan:
     lengths = tuple(lengths)
     check_lengths(lengths)
-    splits, members, _ = partition_pack(lengths, topo, costs, remap=remap, routing=routing,
-                                        hierarchical=hierarchical)
+    splits, members, _ = partition_pack(lengths, topo, costs, remap=remap, routing=routing, hierarchical=hierarchical)
     groups: dict[tuple[GroupKind, tuple[int, ...]], list[int]] = {}
     for i, ranks in enumerate(members):
         kind: GroupKind = "local" if len(ranks) == 1 else splits[i].kind
@@ -204,6 +229,13 @@ def plan_zeppelin(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, *,
     specs = []
     for (kind, ranks), seqs in groups.items():
         inter = len({topo.node_of(r) for r in ranks}) > 1
-        specs.append(GroupSpec(kind, ranks, tuple(seqs), a2a_size=topo.ranks_per_node if kind == "hierarchical" else 1,
-                               routed=routing and inter and kind == "zigzag"))
+        specs.append(
+            GroupSpec(
+                kind,
+                ranks,
+                tuple(seqs),
+                a2a_size=topo.ranks_per_node if kind == "hierarchical" else 1,
+                routed=routing and inter and kind == "zigzag",
+            )
+        )
     return assemble("zeppelin", lengths, topo, specs)

@@ -17,6 +17,7 @@ all-to-alls of the forward, ``DO``/``DQKV`` those of the backward, ``GATHER``/``
 all-gather and the dK/dV reduce-scatter, ``DKV`` the ring's dK/dV hand-on (step ``g``: home).
 A task's text is ``G3:zigzag/inter(member)``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -185,8 +186,10 @@ def lower_rank(plan: CPPlan, rank: int, routing: Optional[RoutingPlan] = None) -
             tasks.append(group_task(plan, group, rank))
     covered = sum(plan.group_tokens(t.group, rank) for t in tasks if t.member)
     if covered != plan.ranks[rank].num_tokens:
-        raise ValueError(f"rank {rank}: its groups cover {covered} of its {plan.ranks[rank].num_tokens} tokens; "
-                         "the plan is inconsistent")
+        raise ValueError(
+            f"rank {rank}: its groups cover {covered} of its {plan.ranks[rank].num_tokens} tokens; "
+            "the plan is inconsistent"
+        )
     return RankSteps(rank, plan.ranks[rank].num_tokens, tuple(tasks))
 
 

@@ -17,6 +17,7 @@ source layout of ``src`` (its ``RankLayout`` segments flattened), destination of
 layout of ``dst``, which is its kept tokens followed by what it receives in transfer order. A
 runtime gathers them into one all-to-all; ``inverse()`` is the plan that moves them back.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,8 +63,9 @@ class RemapPlan:
         return sum(t.tokens for t in self.transfers if not t.intra_node)
 
     def inverse(self) -> "RemapPlan":
-        back = tuple(Transfer(t.dst, t.dst_start, t.dst_end, t.src, t.src_start, t.src_end, t.intra_node)
-                     for t in self.transfers)
+        back = tuple(
+            Transfer(t.dst, t.dst_start, t.dst_end, t.src, t.src_start, t.src_end, t.intra_node) for t in self.transfers
+        )
         return RemapPlan(self.target_tokens, self.source_tokens, self.keep, back)
 
     def send_counts(self) -> tuple[tuple[int, ...], ...]:
@@ -74,8 +76,7 @@ class RemapPlan:
         return tuple(tuple(row) for row in counts)
 
     def digest(self) -> str:
-        text = ";".join(f"{t.src}:{t.src_start}-{t.src_end}>{t.dst}:{t.dst_start}-{t.dst_end}"
-                        for t in self.transfers)
+        text = ";".join(f"{t.src}:{t.src_start}-{t.src_end}>{t.dst}:{t.dst_start}-{t.dst_end}" for t in self.transfers)
         return hashlib.sha256(f"{self.source_tokens}|{self.target_tokens}|{text}".encode()).hexdigest()
 
 

@@ -13,6 +13,7 @@ topology's estimate says routing is faster for its bytes (small messages go dire
 backward's last hop that returns each block's dK/dV to its owner, so the simulator and the runtime
 read the same parts.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

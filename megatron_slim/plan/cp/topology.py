@@ -12,6 +12,7 @@ Link classes:
   share only. The routing layer (``routing.py``) spreads one transfer over the shares of all ranks
   of the node.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,9 +36,12 @@ class CPTopology:
         if self.ranks_per_node < 1:
             raise fail("hardware.gpus_per_node", self.ranks_per_node, "at least parallel.tp GPUs per node")
         if self.num_ranks > self.ranks_per_node and self.num_ranks % self.ranks_per_node:
-            raise fail("parallel.cp", self.num_ranks,
-                       f"at most {self.ranks_per_node} or a multiple of {self.ranks_per_node} "
-                       "(CP ranks per node = gpus_per_node / tp), so nodes are filled evenly")
+            raise fail(
+                "parallel.cp",
+                self.num_ranks,
+                f"at most {self.ranks_per_node} or a multiple of {self.ranks_per_node} "
+                "(CP ranks per node = gpus_per_node / tp), so nodes are filled evenly",
+            )
 
     @classmethod
     def from_hardware(cls, hw: HardwareProfile, cp: int, tp: int = 1) -> "CPTopology":
@@ -45,16 +49,31 @@ class CPTopology:
             raise fail("parallel.tp", tp, f"a divisor of hardware.gpus_per_node={hw.gpus_per_node}")
         per_node = max(1, hw.gpus_per_node // tp)
         share = min(1.0, hw.nics_per_node / hw.gpus_per_node)
-        return cls(cp, min(per_node, cp), Link(hw.nvlink_bandwidth, hw.nvlink_latency, True),
-                   Link(hw.nic_bandwidth * share, hw.nic_latency, False), tp)
+        return cls(
+            cp,
+            min(per_node, cp),
+            Link(hw.nvlink_bandwidth, hw.nvlink_latency, True),
+            Link(hw.nic_bandwidth * share, hw.nic_latency, False),
+            tp,
+        )
 
     @classmethod
-    def uniform(cls, nodes: int, ranks_per_node: int, nvlink_bandwidth: float = 200e9,
-                nic_bandwidth: float = 50e9, nvlink_latency: float = 3e-6,
-                nic_latency: float = 8e-6) -> "CPTopology":
+    def uniform(
+        cls,
+        nodes: int,
+        ranks_per_node: int,
+        nvlink_bandwidth: float = 200e9,
+        nic_bandwidth: float = 50e9,
+        nvlink_latency: float = 3e-6,
+        nic_latency: float = 8e-6,
+    ) -> "CPTopology":
         """A test topology: ``nodes`` full nodes of ``ranks_per_node`` ranks."""
-        return cls(nodes * ranks_per_node, ranks_per_node, Link(nvlink_bandwidth, nvlink_latency, True),
-                   Link(nic_bandwidth, nic_latency, False))
+        return cls(
+            nodes * ranks_per_node,
+            ranks_per_node,
+            Link(nvlink_bandwidth, nvlink_latency, True),
+            Link(nic_bandwidth, nic_latency, False),
+        )
 
     # ---- placement ------------------------------------------------------------------------------
     @property
@@ -107,5 +126,7 @@ class CPTopology:
         return min(direct, self.routed_transfer_time(nbytes)) if routed else direct
 
     def describe(self) -> str:
-        return (f"{self.num_nodes} node(s) x {self.ranks_per_node} CP ranks; NVLink "
-                f"{self.nvlink.bandwidth / 1e9:.0f} GB/s, NIC share {self.nic.bandwidth / 1e9:.0f} GB/s per rank")
+        return (
+            f"{self.num_nodes} node(s) x {self.ranks_per_node} CP ranks; NVLink "
+            f"{self.nvlink.bandwidth / 1e9:.0f} GB/s, NIC share {self.nic.bandwidth / 1e9:.0f} GB/s per rank"
+        )

@@ -6,6 +6,7 @@ are empty (the plan then lists no segment for them; the member still takes part 
 Member ``i`` holds chunks ``i`` and ``2g-1-i``; pairing an early with a late chunk gives every
 member the same causal work up to rounding.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -59,8 +60,9 @@ def member_ranges(length: int, ring: int, member: int) -> tuple[tuple[int, int, 
     return tuple(out)
 
 
-def hierarchical_ranges(length: int, nodes: int, per_node: int, node: int,
-                        local: int) -> tuple[tuple[int, int, int, int], ...]:
+def hierarchical_ranges(
+    length: int, nodes: int, per_node: int, node: int, local: int
+) -> tuple[tuple[int, int, int, int], ...]:
     """``(chunk, part, start, end)``: part ``local`` of each of the node's two zigzag chunks."""
     b = chunk_bounds(length, 2 * nodes)
     out = []

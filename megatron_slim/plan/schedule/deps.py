@@ -10,6 +10,7 @@ runtime checks):
   ``F(S-1, m, n-1)``); and ``B(s, m, j+1)``, whose backward finishes slice j's dK/dV.
 * ``W(s, m, j)`` needs ``I(s, m, j)``.
 """
+
 from __future__ import annotations
 
 from typing import Iterator

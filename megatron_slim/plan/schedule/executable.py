@@ -6,6 +6,7 @@ lowered (``lower.lower``), validated, and checked to carry each link's messages 
 same way. The simulator times the same lowering of the same generated schedule, so a runtime
 plan's ``digest()`` equals the simulated one's.
 """
+
 from __future__ import annotations
 
 from megatron_slim.plan.schedule.generators import generate

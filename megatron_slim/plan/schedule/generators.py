@@ -18,6 +18,7 @@ last chunk wraps around the ring once more). For one chunk this keeps ``n + p - 
 flight on rank ``r``: stage 0 holds ``A (1 + (p - 1) / n)``, below the SlimPipe paper's interleaved
 bound ``A (1 + 2 (p - 1) / (n v))`` at ``v = 1``, at the same bubble.
 """
+
 from __future__ import annotations
 
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
@@ -68,15 +69,15 @@ def _chunked_orders(pp: int, vpp: int, num_microbatches: int, num_slices: int) -
     if num_slices >= pp:
         g = _group_size(num_slices, pp)
         for mb in range(num_microbatches):
-            mb_order = [(c, mb, j) for start in range(0, num_slices, g)
-                        for c in range(vpp) for j in range(start, start + g)]
+            mb_order = [
+                (c, mb, j) for start in range(0, num_slices, g) for c in range(vpp) for j in range(start, start + g)
+            ]
             forwards += mb_order
             backwards += mb_order[::-1]
         return forwards, backwards
     for group in _microbatch_groups(num_microbatches, -(-pp // num_slices)):
         forwards += [(c, mb, j) for c in range(vpp) for mb in group for j in range(num_slices)]
-        backwards += [(c, mb, j) for c in reversed(range(vpp)) for mb in group
-                      for j in reversed(range(num_slices))]
+        backwards += [(c, mb, j) for c in reversed(range(vpp)) for mb in group for j in reversed(range(num_slices))]
     return forwards, backwards
 
 
@@ -87,10 +88,7 @@ def _build(kind: str, pp: int, vpp: int, num_microbatches: int, num_slices: int)
     # for its own backwards to follow their forwards; the first backward sets it for even groups.
     local_warmup = max(position[u] - k for k, u in enumerate(backwards))
     round_trip = 1 if vpp == 1 else 2
-    ranks = tuple(
-        _one_f_one_b(forwards, backwards, local_warmup + round_trip * (pp - r - 1))
-        for r in range(pp)
-    )
+    ranks = tuple(_one_f_one_b(forwards, backwards, local_warmup + round_trip * (pp - r - 1)) for r in range(pp))
     return Schedule(kind, pp, vpp, num_microbatches, num_slices, ranks)
 
 

@@ -10,6 +10,7 @@ microbatch 0, slice 7 on chunk 1; ``SEND_F3.2`` sends F3.2's output to the next 
 Stages: with ``pp`` ranks and ``vpp`` chunks per rank, chunk ``c`` of rank ``r`` is global stage
 ``c * pp + r`` (Megatron's interleaved layout), so stage ``s`` feeds stage ``s + 1``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -123,14 +124,23 @@ class Schedule:
         return (a for a in self.ranks[rank] if a.kind.is_compute)
 
     def replace_ranks(self, ranks: Iterable[Iterable[Action]]) -> "Schedule":
-        return Schedule(self.kind, self.pp, self.vpp, self.num_microbatches, self.num_slices,
-                        tuple(tuple(row) for row in ranks), self.forward_only)
+        return Schedule(
+            self.kind,
+            self.pp,
+            self.vpp,
+            self.num_microbatches,
+            self.num_slices,
+            tuple(tuple(row) for row in ranks),
+            self.forward_only,
+        )
 
     def to_text(self) -> str:
         """One line per rank, actions comma-separated; ``from_text`` reads it back."""
-        header = (f"# kind={self.kind} pp={self.pp} vpp={self.vpp} "
-                  f"microbatches={self.num_microbatches} slices={self.num_slices}"
-                  + (" forward_only=1" if self.forward_only else ""))
+        header = (
+            f"# kind={self.kind} pp={self.pp} vpp={self.vpp} "
+            f"microbatches={self.num_microbatches} slices={self.num_slices}"
+            + (" forward_only=1" if self.forward_only else "")
+        )
         rows = [",".join(str(a) for a in row) for row in self.ranks]
         return "\n".join([header, *rows]) + "\n"
 
@@ -141,8 +151,15 @@ class Schedule:
             raise ValueError("schedule text must start with a '# kind=... pp=...' header line")
         meta = dict(tok.split("=", 1) for tok in lines[0][1:].split())
         rows = tuple(tuple(Action.parse(t) for t in ln.split(",") if t.strip()) for ln in lines[1:])
-        return cls(meta["kind"], int(meta["pp"]), int(meta["vpp"]), int(meta["microbatches"]),
-                   int(meta["slices"]), rows, meta.get("forward_only") == "1")
+        return cls(
+            meta["kind"],
+            int(meta["pp"]),
+            int(meta["vpp"]),
+            int(meta["microbatches"]),
+            int(meta["slices"]),
+            rows,
+            meta.get("forward_only") == "1",
+        )
 
     def digest(self) -> str:
         """Content hash that ranks compare to agree on the plan."""

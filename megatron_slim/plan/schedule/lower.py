@@ -6,6 +6,7 @@
 * ``split_backward`` / ``merge_backward``: ``B`` <-> ``I`` followed by ``W``.
 * ``forward_only``: the forwards and their messages alone (evaluation), in the training order.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,7 +48,7 @@ def add_communication(schedule: Schedule, progress: Optional[Progress] = None) -
             else:
                 row.append(a)
         rows.append(row)
-        report(progress, "adding communication", sum(map(len, schedule.ranks[:rank + 1])), _actions(schedule))
+        report(progress, "adding communication", sum(map(len, schedule.ranks[: rank + 1])), _actions(schedule))
     return schedule.replace_ranks(rows)
 
 
@@ -59,8 +60,9 @@ def forward_only(schedule: Schedule) -> Schedule:
     """Drop every backward action and gradient message. Applied to a lowered schedule, each link
     keeps its forward messages in the order it sent them, so the result is as NCCL-safe as its input."""
     forwards = (Kind.F, Kind.SEND_F, Kind.RECV_F)
-    return dataclasses.replace(schedule.replace_ranks([a for a in row if a.kind in forwards]
-                                                      for row in schedule.ranks), forward_only=True)
+    return dataclasses.replace(
+        schedule.replace_ranks([a for a in row if a.kind in forwards] for row in schedule.ranks), forward_only=True
+    )
 
 
 def split_backward(schedule: Schedule) -> Schedule:
@@ -87,8 +89,10 @@ def merge_backward(schedule: Schedule) -> Schedule:
             if a.kind is Kind.I:
                 pending[a.unit] = len(out)
                 out.append(a)
-            elif a.kind is Kind.W and a.unit in pending and all(
-                not x.kind.is_compute for x in out[pending[a.unit] + 1:]
+            elif (
+                a.kind is Kind.W
+                and a.unit in pending
+                and all(not x.kind.is_compute for x in out[pending[a.unit] + 1 :])
             ):
                 out[pending.pop(a.unit)] = a.with_kind(Kind.B)
             else:
@@ -137,7 +141,7 @@ def order_receives_by_link(schedule: Schedule, progress: Optional[Progress] = No
                 keys[m] = (w, 0, k)
             row = sorted(row, key=keys.__getitem__)
         rows.append(row)
-        report(progress, "ordering receives", sum(map(len, schedule.ranks[:rank + 1])), _actions(schedule))
+        report(progress, "ordering receives", sum(map(len, schedule.ranks[: rank + 1])), _actions(schedule))
     return schedule.replace_ranks(rows)
 
 

@@ -5,6 +5,7 @@ the rules the simulator shares (``walk.py``): a compute action waits for its dep
 (``deps.py``); ``SEND`` never blocks; ``RECV`` blocks until the matching ``SEND`` has been
 issued. On failure, ``ScheduleError`` carries a rank x step grid with the offending actions marked.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -74,21 +75,25 @@ def _check_complete(schedule: Schedule, progress: Optional[Progress] = None) -> 
                 raise ScheduleError(
                     f"rank {rank} step {step}: {a} is outside the schedule (chunk < {schedule.vpp}, "
                     f"microbatch < {schedule.num_microbatches}, slice < {schedule.num_slices})",
-                    format_grid(schedule, {rank: step}))
+                    format_grid(schedule, {rank: step}),
+                )
             if a.kind.is_compute:
                 seen[(rank, a)] += 1
                 if seen[(rank, a)] > 1:
-                    raise ScheduleError(f"rank {rank} step {step}: {a} appears twice",
-                                        format_grid(schedule, {rank: step}))
+                    raise ScheduleError(
+                        f"rank {rank} step {step}: {a} appears twice", format_grid(schedule, {rank: step})
+                    )
                 if (rank, a) not in expected:
                     hint = "a forward-only schedule has no backward" if schedule.forward_only else "mixing B with I/W?"
-                    raise ScheduleError(f"rank {rank} step {step}: unexpected action {a} ({hint})",
-                                        format_grid(schedule, {rank: step}))
+                    raise ScheduleError(
+                        f"rank {rank} step {step}: unexpected action {a} ({hint})", format_grid(schedule, {rank: step})
+                    )
     missing = sorted((expected - seen).keys(), key=lambda x: (x[0], x[1]))
     if missing:
         rank, a = missing[0]
-        raise ScheduleError(f"{len(missing)} compute action(s) missing, first: {a} on rank {rank}",
-                            format_grid(schedule))
+        raise ScheduleError(
+            f"{len(missing)} compute action(s) missing, first: {a} on rank {rank}", format_grid(schedule)
+        )
     if schedule.is_lowered:
         _check_communication_pairs(schedule)
 
@@ -113,22 +118,27 @@ def _check_communication_pairs(schedule: Schedule) -> None:
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
                 k = _comm_key(schedule, rank, a)
                 if not 0 <= k[1] < schedule.num_stages:
-                    raise ScheduleError(f"rank {rank} step {step}: {a} has no peer stage",
-                                        format_grid(schedule, {rank: step}))
+                    raise ScheduleError(
+                        f"rank {rank} step {step}: {a} has no peer stage", format_grid(schedule, {rank: step})
+                    )
                 sends[k] += 1
                 where[("s",) + k] = (rank, step)
             elif a.kind in (Kind.RECV_F, Kind.RECV_B):
                 k = _comm_key(schedule, rank, a)
                 recvs[k] += 1
                 where[("r",) + k] = (rank, step)
-    for k in (sends - recvs):
+    for k in sends - recvs:
         rank, step = where[("s",) + k]
-        raise ScheduleError(f"rank {rank} step {step}: {schedule.ranks[rank][step]} has no matching RECV",
-                            format_grid(schedule, {rank: step}))
-    for k in (recvs - sends):
+        raise ScheduleError(
+            f"rank {rank} step {step}: {schedule.ranks[rank][step]} has no matching RECV",
+            format_grid(schedule, {rank: step}),
+        )
+    for k in recvs - sends:
         rank, step = where[("r",) + k]
-        raise ScheduleError(f"rank {rank} step {step}: {schedule.ranks[rank][step]} has no matching SEND",
-                            format_grid(schedule, {rank: step}))
+        raise ScheduleError(
+            f"rank {rank} step {step}: {schedule.ranks[rank][step]} has no matching SEND",
+            format_grid(schedule, {rank: step}),
+        )
 
 
 def _waits_for(walker: Walker, rank: int, a: Action) -> str:
@@ -144,10 +154,14 @@ def validate(schedule: Schedule, progress: Optional[Progress] = None) -> Schedul
     walker = Walker(schedule)
     stuck = walker.run(lambda rank, a, ready: 0.0, progress, "checking dependencies")
     if stuck:
-        reasons = [f"  rank {r} step {step} {schedule.ranks[r][step]} waits for: "
-                   + _waits_for(walker, r, schedule.ranks[r][step]) for r, step in stuck.items()]
-        raise ScheduleError("schedule deadlocks or breaks a dependency:\n" + "\n".join(reasons),
-                            format_grid(schedule, stuck))
+        reasons = [
+            f"  rank {r} step {step} {schedule.ranks[r][step]} waits for: "
+            + _waits_for(walker, r, schedule.ranks[r][step])
+            for r, step in stuck.items()
+        ]
+        raise ScheduleError(
+            "schedule deadlocks or breaks a dependency:\n" + "\n".join(reasons), format_grid(schedule, stuck)
+        )
     return schedule
 
 
@@ -180,7 +194,9 @@ def check_link_order(schedule: Schedule) -> Schedule:
             if m_s != m_r:
                 src, dst = link
                 marks = {src: where[(src, m_s)], dst: where[(dst, m_r)]}
-                raise ScheduleError(f"link rank {src} -> rank {dst}: message {i} is sent as {m_s} but "
-                                    f"received as {m_r} (order differs; NCCL would mismatch them)",
-                                    format_grid(schedule, marks))
+                raise ScheduleError(
+                    f"link rank {src} -> rank {dst}: message {i} is sent as {m_s} but "
+                    f"received as {m_r} (order differs; NCCL would mismatch them)",
+                    format_grid(schedule, marks),
+                )
     return schedule

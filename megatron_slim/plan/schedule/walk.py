@@ -18,15 +18,16 @@ An action may run when every fact it requires is available:
 each fact with the time the caller's ``step`` says it became available (the validator has no
 clock and records 0).
 """
+
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from megatron_slim.plan.progress import EVERY, Progress, report
 from megatron_slim.plan.schedule.deps import compute_dependencies, key
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 
-Fact = tuple
+Fact = tuple[Any, ...]  # a compute action's ``deps.Key``, or a comm fact (see above)
 Step = Callable[[int, Action, float], float]  # (rank, action, ready time) -> time its fact is available
 
 _RECV_FOR = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}
@@ -49,7 +50,7 @@ def required(schedule: Schedule, rank: int, a: Action) -> list[Fact]:
     """The facts ``a`` on ``rank`` waits for, in the order the validator reports them."""
     stage = schedule.stage(rank, a.chunk)
     if a.kind.is_compute:
-        facts = []
+        facts: list[Fact] = []
         for dep in compute_dependencies(schedule, rank, a):
             if schedule.is_lowered and schedule.placement(dep[1])[0] != rank:
                 facts.append(_comm(rank, _RECV_FOR[dep[0]], stage, a))

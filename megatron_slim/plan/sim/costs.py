@@ -4,6 +4,7 @@
 plan. Anything else (a packing plan with per-microbatch lengths, a test's synthetic costs) can
 implement the same methods.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -44,8 +45,7 @@ def slice_lengths(recipe: Recipe, cost: CostModel) -> tuple[int, ...]:
 class RecipeCosts:
     """Every microbatch has the recipe's sequence length, cut by the recipe's slice policy."""
 
-    def __init__(self, recipe: Recipe, cost: CostModel | None = None,
-                 lengths: tuple[int, ...] | None = None) -> None:
+    def __init__(self, recipe: Recipe, cost: CostModel | None = None, lengths: tuple[int, ...] | None = None) -> None:
         self.recipe = recipe
         self.cost = cost or CostModel(recipe)
         self.lengths = lengths or slice_lengths(recipe, self.cost)

@@ -13,6 +13,7 @@ Memory per rank, over time:
   backward and released chunk by chunk as each slice's backward consumes them;
 * static: weights, gradients and optimizer state, constant.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -51,10 +52,13 @@ class RankResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "rank": self.rank, "stage": self.rank, "stages": list(self.stages),
+            "rank": self.rank,
+            "stage": self.rank,
+            "stages": list(self.stages),
             "peak_memory_bytes": int(self.peak_memory_bytes),
             "peak_activation_bytes": int(self.peak_activation_bytes),
-            "peak_kv_bytes": int(self.peak_kv_bytes), "static_bytes": int(self.static_bytes),
+            "peak_kv_bytes": int(self.peak_kv_bytes),
+            "static_bytes": int(self.static_bytes),
             "busy_s": self.busy_s,
         }
 
@@ -73,11 +77,17 @@ class SimResult:
     def to_json(self) -> dict[str, Any]:
         peak = max(r.peak_memory_bytes for r in self.ranks)
         return {
-            "schedule": self.schedule.kind, "pp": self.schedule.pp, "vpp": self.schedule.vpp,
-            "num_microbatches": self.schedule.num_microbatches, "num_slices": self.schedule.num_slices,
-            "iteration_time_s": self.iteration_time_s, "pipeline_time_s": self.pipeline_time_s,
-            "bubble_ratio": self.bubble_ratio, "mfu": self.mfu,
-            "peak_memory_bytes": int(peak), "hbm_bytes": int(self.hbm_bytes),
+            "schedule": self.schedule.kind,
+            "pp": self.schedule.pp,
+            "vpp": self.schedule.vpp,
+            "num_microbatches": self.schedule.num_microbatches,
+            "num_slices": self.schedule.num_slices,
+            "iteration_time_s": self.iteration_time_s,
+            "pipeline_time_s": self.pipeline_time_s,
+            "bubble_ratio": self.bubble_ratio,
+            "mfu": self.mfu,
+            "peak_memory_bytes": int(peak),
+            "hbm_bytes": int(self.hbm_bytes),
             "fits_in_memory": peak <= self.hbm_bytes,
             "schedule_digest": self.schedule.digest(),
             "ranks": [r.to_json() for r in self.ranks],
@@ -89,7 +99,7 @@ class _Run:
         self.schedule = schedule
         self.costs = costs
         self.free = [0.0] * schedule.pp  # compute stream
-        self.link_free: dict = {}
+        self.link_free: dict[tuple[int, int], float] = {}
         self.events: list[Event] = []
         self.mem: list[list[tuple[float, float, float]]] = [[] for _ in range(schedule.pp)]
         self.busy = [0.0] * schedule.pp
@@ -154,8 +164,7 @@ class _Run:
     def _recv(self, rank: int, a: Action, arrival: float) -> float:
         if arrival > self.free[rank]:
             stage = self.schedule.stage(rank, a.chunk)
-            self.events.append(Event(rank, "recv", str(a), self.free[rank], arrival, stage,
-                                     a.microbatch, a.slice))
+            self.events.append(Event(rank, "recv", str(a), self.free[rank], arrival, stage, a.microbatch, a.slice))
             self.free[rank] = arrival
         return self.free[rank]
 
@@ -188,8 +197,9 @@ def simulate(schedule: Schedule, costs: PipelineCosts, progress: Optional[Progre
     pipeline_time = max(run.free + [e.end for e in run.events] + [0.0])
     ranks = []
     for r in range(schedule.pp):
-        res = RankResult(r, tuple(schedule.stage(r, c) for c in range(schedule.vpp)),
-                         costs.static_bytes(r), busy_s=run.busy[r])
+        res = RankResult(
+            r, tuple(schedule.stage(r, c) for c in range(schedule.vpp)), costs.static_bytes(r), busy_s=run.busy[r]
+        )
         _memory_peaks(res, run.mem[r])
         ranks.append(res)
     iteration = pipeline_time + max(costs.after_pipeline(r) for r in range(schedule.pp))

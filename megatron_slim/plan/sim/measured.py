@@ -9,6 +9,7 @@ Times are the profiler's wall clock (``baseTimeNanoseconds`` + ``ts``; comparabl
 processes of one machine), shifted so that zero is the iteration's first compute action on any
 pipeline rank, as the simulator's zero is.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,13 @@ TRACE_GLOB = "rank_*.trace.json"
 _ALLOWED = f"the directory `megatron-slim train --profile DIR` wrote, or its {TRACE_GLOB} files"
 _META_KEYS = {"pp_rank", "tp_rank", "cp_rank", "dp_rank", "recipe", "run_id", "iteration", "schedule_digest"}
 # what must agree between the traced run and the recipe simulated beside it
-COMPARED = {"model": None, "parallel": None, "schedule": None, "cp": None,
-            "train": ("micro_batch_size", "global_batch_size")}
+COMPARED = {
+    "model": None,
+    "parallel": None,
+    "schedule": None,
+    "cp": None,
+    "train": ("micro_batch_size", "global_batch_size"),
+}
 
 
 @dataclass(frozen=True)
@@ -72,12 +78,16 @@ def _load(path: Path) -> dict[str, Any]:
         raise ConfigError(f"--measured {path}: cannot read it as a JSON trace ({exc}); allowed: {_ALLOWED}") from None
     meta = trace.get(METADATA_KEY) if isinstance(trace, dict) else None
     if not isinstance(meta, dict) or not isinstance(trace.get("traceEvents"), list):
-        raise ConfigError(f"--measured {path}: not a trace of `megatron-slim train --profile` (no "
-                          f"'{METADATA_KEY}' entry); allowed: {_ALLOWED}")
+        raise ConfigError(
+            f"--measured {path}: not a trace of `megatron-slim train --profile` (no "
+            f"'{METADATA_KEY}' entry); allowed: {_ALLOWED}"
+        )
     missing = sorted(_META_KEYS - set(meta))
     if missing or not isinstance(meta.get("recipe"), dict):
-        raise ConfigError(f"--measured {path}: its '{METADATA_KEY}' entry lacks {', '.join(missing) or 'a recipe'} "
-                          f"(written by another megatron-slim version?); allowed: {_ALLOWED}")
+        raise ConfigError(
+            f"--measured {path}: its '{METADATA_KEY}' entry lacks {', '.join(missing) or 'a recipe'} "
+            f"(written by another megatron-slim version?); allowed: {_ALLOWED}"
+        )
     checked: dict[str, Any] = trace
     return checked
 
@@ -86,8 +96,10 @@ def _pipeline_column(traces: dict[Path, dict[str, Any]]) -> list[tuple[Path, dic
     """The trace of each pipeline rank at tp = cp = dp = 0, every pipeline rank present."""
     runs = sorted({t[METADATA_KEY]["run_id"] for t in traces.values()})
     if len(runs) > 1:
-        raise ConfigError(f"--measured: the traces come from {len(runs)} different runs ({', '.join(runs)}); "
-                          "allowed: one run's traces (give each run its own --profile directory)")
+        raise ConfigError(
+            f"--measured: the traces come from {len(runs)} different runs ({', '.join(runs)}); "
+            "allowed: one run's traces (give each run its own --profile directory)"
+        )
     column = {}
     for path, trace in traces.items():
         m = trace[METADATA_KEY]
@@ -96,8 +108,10 @@ def _pipeline_column(traces: dict[Path, dict[str, Any]]) -> list[tuple[Path, dic
     pp = next(iter(traces.values()))[METADATA_KEY]["recipe"]["parallel"]["pp"]
     missing = [r for r in range(pp) if r not in column]
     if missing:
-        raise ConfigError(f"--measured: no trace of pipeline rank(s) {missing} (tp, cp and dp rank 0) among "
-                          f"{len(traces)} file(s); allowed: {_ALLOWED}, with every rank's file")
+        raise ConfigError(
+            f"--measured: no trace of pipeline rank(s) {missing} (tp, cp and dp rank 0) among "
+            f"{len(traces)} file(s); allowed: {_ALLOWED}, with every rank's file"
+        )
     return [column[r] for r in range(pp)]
 
 
@@ -132,19 +146,38 @@ def read_measured(paths: Sequence[str]) -> MeasuredRun:
     actions = [_actions(trace, reference) for _, trace in column]
     empty = [str(path) for (path, _), acts in zip(column, actions) if not any(a.kind.is_compute for *_, a in acts)]
     if empty:
-        raise ConfigError(f"--measured {empty[0]}: no schedule actions (F3.2, B0.1, ...) in the trace; "
-                          f"allowed: {_ALLOWED}")
+        raise ConfigError(
+            f"--measured {empty[0]}: no schedule actions (F3.2, B0.1, ...) in the trace; allowed: {_ALLOWED}"
+        )
     # zero: the first compute action (stage 0's first forward), as in the simulator; a rank that
     # reached the iteration early and waits in a receive starts before it
     zero = min(start for acts in actions for start, _, a in acts if a.kind.is_compute)
     events, busy = [], []
     for rank, acts in enumerate(actions):
         busy.append(sum(dur for _, dur, a in acts if a.kind.is_compute) / 1e6)
-        events += [Event(rank, _stream(a.kind), str(a), (start - zero) / 1e6, (start + dur - zero) / 1e6,
-                         a.chunk * pp + rank, a.microbatch, a.slice) for start, dur, a in acts]
+        events += [
+            Event(
+                rank,
+                _stream(a.kind),
+                str(a),
+                (start - zero) / 1e6,
+                (start + dur - zero) / 1e6,
+                a.chunk * pp + rank,
+                a.microbatch,
+                a.slice,
+            )
+            for start, dur, a in acts
+        ]
     end = max(e.end for e in events)
-    return MeasuredRun(meta["recipe"], meta["iteration"], meta["run_id"], meta["schedule_digest"],
-                       tuple(sorted(events, key=lambda e: (e.rank, e.start))), tuple(busy), end)
+    return MeasuredRun(
+        meta["recipe"],
+        meta["iteration"],
+        meta["run_id"],
+        meta["schedule_digest"],
+        tuple(sorted(events, key=lambda e: (e.rank, e.start))),
+        tuple(busy),
+        end,
+    )
 
 
 def check_same_recipe(measured: MeasuredRun, recipe: dict[str, Any]) -> None:
@@ -157,6 +190,8 @@ def check_same_recipe(measured: MeasuredRun, recipe: dict[str, Any]) -> None:
             if ran.get(key) != given.get(key):
                 diff.append(f"{section}.{key} (traced {ran.get(key)!r}, given {given.get(key)!r})")
     if diff:
-        raise ConfigError(f"--recipe {recipe.get('name')}: differs from the traced run's recipe "
-                          f"{measured.recipe.get('name')} in {', '.join(diff)}; allowed: the traced run's "
-                          "recipe and --set overrides")
+        raise ConfigError(
+            f"--recipe {recipe.get('name')}: differs from the traced run's recipe "
+            f"{measured.recipe.get('name')} in {', '.join(diff)}; allowed: the traced run's "
+            "recipe and --set overrides"
+        )

@@ -1,5 +1,6 @@
 """Measured beside simulated: the per-rank timelines of one traced iteration and of the simulation
 of the same recipe and schedule, on one time axis from zero, and their busy time per rank."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,13 +43,20 @@ def plot_overlay(measured: MeasuredRun, simulated: SimResult, hardware: str, pat
     row = max(1.5, 0.3 * pp)
     fig, axes = plt.subplots(3, 1, figsize=(14, 2 * row + 3.4), gridspec_kw={"height_ratios": [row, row, 2.2]})
     draw_compute(axes[0], measured.events, pp, t_max)
-    axes[0].set_title(f"measured: iteration {measured.iteration} of run {measured.run_id}, pipeline "
-                      f"{measured.pipeline_time_s:.3g} s, bubble {100 * measured.bubble_ratio:.1f}%",
-                      fontsize=10, loc="left")
+    axes[0].set_title(
+        f"measured: iteration {measured.iteration} of run {measured.run_id}, pipeline "
+        f"{measured.pipeline_time_s:.3g} s, bubble {100 * measured.bubble_ratio:.1f}%",
+        fontsize=10,
+        loc="left",
+    )
     axes[0].legend(handles=compute_legend(), fontsize=8, loc="upper right")
     draw_compute(axes[1], simulated.events, pp, t_max)
-    axes[1].set_title(f"simulated on {hardware}: pipeline {simulated.pipeline_time_s:.3g} s, bubble "
-                      f"{100 * simulated.bubble_ratio:.1f}%", fontsize=10, loc="left")
+    axes[1].set_title(
+        f"simulated on {hardware}: pipeline {simulated.pipeline_time_s:.3g} s, bubble "
+        f"{100 * simulated.bubble_ratio:.1f}%",
+        fontsize=10,
+        loc="left",
+    )
     axes[1].set_xlabel("time from the iteration's first forward (s)")
     _busy_bars(axes[2], compare_ranks(measured, simulated))
     fig.tight_layout()

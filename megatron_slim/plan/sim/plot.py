@@ -1,4 +1,5 @@
 """PNG of simulations: per-rank timelines and memory curves (matplotlib, Agg backend)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,9 +11,13 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.patches import Patch
 
-_GIB = 2 ** 30
-_COLORS = {"F": ("#4C78A8", "#9ECAE9"), "B": ("#54A24B", "#88D27A"), "I": ("#54A24B", "#88D27A"),
-           "W": ("#B279A2", "#D6A5C9")}
+_GIB = 2**30
+_COLORS = {
+    "F": ("#4C78A8", "#9ECAE9"),
+    "B": ("#54A24B", "#88D27A"),
+    "I": ("#54A24B", "#88D27A"),
+    "W": ("#B279A2", "#D6A5C9"),
+}
 
 
 def _kind(name: str) -> str:
@@ -21,9 +26,13 @@ def _kind(name: str) -> str:
 
 def _timeline(ax: Axes, result: SimResult, title: str, t_max: float) -> None:
     draw_compute(ax, result.events, len(result.ranks), t_max)
-    ax.set_title(f"{title}: iteration {result.iteration_time_s:.3g} s, bubble "
-                 f"{100 * result.bubble_ratio:.1f}%, MFU {100 * result.mfu:.1f}%, peak "
-                 f"{max(r.peak_memory_bytes for r in result.ranks) / _GIB:.1f} GiB", fontsize=10, loc="left")
+    ax.set_title(
+        f"{title}: iteration {result.iteration_time_s:.3g} s, bubble "
+        f"{100 * result.bubble_ratio:.1f}%, MFU {100 * result.mfu:.1f}%, peak "
+        f"{max(r.peak_memory_bytes for r in result.ranks) / _GIB:.1f} GiB",
+        fontsize=10,
+        loc="left",
+    )
 
 
 def draw_compute(ax: Axes, events: Iterable[Event], pp: int, t_max: float) -> None:
@@ -65,8 +74,13 @@ def _memory(ax: Axes, result: SimResult, t_max: float) -> None:
             ys.append((r.static_bytes + act + kv) / _GIB)
         xs.append(t_max)
         ys.append(ys[-1])
-        ax.plot(xs, ys, color=cmap(r.rank / max(pp - 1, 1)), linewidth=1.0,
-                label=f"rank {r.rank}" if pp <= 8 or r.rank in (0, pp - 1) else None)
+        ax.plot(
+            xs,
+            ys,
+            color=cmap(r.rank / max(pp - 1, 1)),
+            linewidth=1.0,
+            label=f"rank {r.rank}" if pp <= 8 or r.rank in (0, pp - 1) else None,
+        )
     ax.axhline(result.hbm_bytes / _GIB, color="#E45756", linestyle="--", linewidth=1, label="usable HBM")
     ax.set_ylabel("memory (GiB)")
     ax.set_xlim(0, t_max)
@@ -84,8 +98,7 @@ def plot_results(results: Sequence[tuple[str, SimResult]], path: str | Path) -> 
     n = len(results)
     t_max = max(r.pipeline_time_s for _, r in results) * 1.01
     heights = [max(1.5, 0.22 * len(r.ranks)) for _, r in results] + [2.6]
-    fig, axes = plt.subplots(n + 1, 1, figsize=(14, sum(heights) + 1.2),
-                             gridspec_kw={"height_ratios": heights})
+    fig, axes = plt.subplots(n + 1, 1, figsize=(14, sum(heights) + 1.2), gridspec_kw={"height_ratios": heights})
     for ax, (title, res) in zip(axes[:n], results):
         _timeline(ax, res, title, t_max)
     axes[n - 1].set_xlabel("time (s)")
@@ -111,15 +124,24 @@ def _peak_bars(ax: Axes, results: Sequence[tuple[str, SimResult]]) -> None:
         hatch = hatches[i % len(hatches)]
         ax.bar(xs, static, width, color="#BAB0AC", hatch=hatch, label=f"{title}: static")
         ax.bar(xs, act, width, bottom=static, color="#4C78A8", hatch=hatch, label=f"{title}: activations")
-        ax.bar(xs, kv, width, bottom=[s + a for s, a in zip(static, act)], color="#F58518", hatch=hatch,
-               label=f"{title}: K/V")
+        ax.bar(
+            xs,
+            kv,
+            width,
+            bottom=[s + a for s, a in zip(static, act)],
+            color="#F58518",
+            hatch=hatch,
+            label=f"{title}: K/V",
+        )
     ax.axhline(results[0][1].hbm_bytes / _GIB, color="#E45756", linestyle="--", linewidth=1, label="usable HBM")
     ax.set_xticks(range(len(results[0][1].ranks)))
     ax.set_xlabel("pipeline rank")
     ax.set_ylabel("peak memory (GiB)")
-    ax.set_title("peak memory per rank (activations + K/V peaks stacked on static; the true peak is "
-                 "at most their sum)", fontsize=9, loc="left")
-    tallest = max(r.static_bytes + r.peak_activation_bytes + r.peak_kv_bytes
-                  for _, res in results for r in res.ranks)
+    ax.set_title(
+        "peak memory per rank (activations + K/V peaks stacked on static; the true peak is at most their sum)",
+        fontsize=9,
+        loc="left",
+    )
+    tallest = max(r.static_bytes + r.peak_activation_bytes + r.peak_kv_bytes for _, res in results for r in res.ranks)
     ax.set_ylim(0, max(tallest, results[0][1].hbm_bytes) / _GIB * 1.55)  # room for the legend
     ax.legend(fontsize=7, ncol=len(results), loc="upper right")

@@ -1,25 +1,41 @@
 """``Settings`` views of a recipe: as ``megatron-slim train`` runs it, and as the Megatron-LM flags
 ``megatron-args`` writes for it stand for it."""
+
 from __future__ import annotations
+
+from typing import Any
 
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.startup.settings import NO_CP_ENGINE, Settings
 
 
-def _common(recipe: Recipe) -> dict:
+def _common(recipe: Recipe) -> dict[str, Any]:
     m, p, s, t = recipe.model, recipe.parallel, recipe.schedule, recipe.train
-    return dict(cp=p.cp, tp=p.tp, pp=p.pp, micro_batch_size=t.micro_batch_size,
-                sequence_parallel=p.sequence_parallel, num_slices=s.num_slices, slice_policy=s.slice_policy,
-                seq_length=m.seq_length, recompute=None if t.recompute == "none" else t.recompute,
-                precision=t.precision, eval_iters=t.eval_iters)
+    return dict(
+        cp=p.cp,
+        tp=p.tp,
+        pp=p.pp,
+        micro_batch_size=t.micro_batch_size,
+        sequence_parallel=p.sequence_parallel,
+        num_slices=s.num_slices,
+        slice_policy=s.slice_policy,
+        seq_length=m.seq_length,
+        recompute=None if t.recompute == "none" else t.recompute,
+        precision=t.precision,
+        eval_iters=t.eval_iters,
+    )
 
 
 def train_settings(recipe: Recipe) -> Settings:
     """``megatron-slim train`` runs ``cp.engine`` whenever ``parallel.cp > 1``: a slimpipe recipe
     with one slice runs whole packs under it, so only several slices count as SlimPipe slicing."""
     p, s = recipe.parallel, recipe.schedule
-    return Settings(**_common(recipe), cp_engine=recipe.cp.engine if p.cp > 1 else NO_CP_ENGINE,
-                    cp_remap=recipe.cp.remap and p.cp > 1, slimpipe=s.kind == "slimpipe" and s.num_slices > 1)
+    return Settings(
+        **_common(recipe),
+        cp_engine=recipe.cp.engine if p.cp > 1 else NO_CP_ENGINE,
+        cp_remap=recipe.cp.remap and p.cp > 1,
+        slimpipe=s.kind == "slimpipe" and s.num_slices > 1,
+    )
 
 
 def megatron_args_settings(recipe: Recipe) -> Settings:
@@ -28,5 +44,9 @@ def megatron_args_settings(recipe: Recipe) -> Settings:
     p, s = recipe.parallel, recipe.schedule
     slimpipe = s.kind == "slimpipe"
     engine_runs = p.cp > 1 and not slimpipe
-    return Settings(**_common(recipe), cp_engine=recipe.cp.engine if engine_runs else NO_CP_ENGINE,
-                    cp_remap=recipe.cp.remap and engine_runs, slimpipe=slimpipe)
+    return Settings(
+        **_common(recipe),
+        cp_engine=recipe.cp.engine if engine_runs else NO_CP_ENGINE,
+        cp_remap=recipe.cp.remap and engine_runs,
+        slimpipe=slimpipe,
+    )

@@ -6,6 +6,7 @@ The launcher builds a ``Settings`` from Megatron-LM's parsed flags (``megatron.a
 names the inputs through ``Inputs``, so one message reads ``--micro-batch-size 1`` to the launcher
 and ``train.micro_batch_size=1`` to a recipe. Imports no torch and no megatron.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ class Inputs:
     """How one caller names the inputs behind ``Settings`` fields: Megatron-LM flags or recipe fields."""
 
     caller: str
-    names: dict
+    names: dict[str, str]
 
     @property
     def flags(self) -> bool:
@@ -92,19 +93,39 @@ TRAIN = "train"  # megatron-slim train, on a recipe
 MEGATRON_ARGS = "megatron-args"  # a recipe turned into Megatron-LM flags
 
 _RECIPE_NAMES = {
-    "cp": "parallel.cp", "tp": "parallel.tp", "pp": "parallel.pp", "micro_batch_size": "train.micro_batch_size",
-    "sequence_parallel": "parallel.sequence_parallel", "cp_engine": "cp.engine", "cp_remap": "cp.remap",
-    "slimpipe": "schedule.kind=slimpipe", "num_slices": "schedule.num_slices",
-    "slice_policy": "schedule.slice_policy", "seq_length": "model.seq_length", "recompute": "train.recompute",
-    "precision": "train.precision", "eval_iters": "train.eval_iters",
+    "cp": "parallel.cp",
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "micro_batch_size": "train.micro_batch_size",
+    "sequence_parallel": "parallel.sequence_parallel",
+    "cp_engine": "cp.engine",
+    "cp_remap": "cp.remap",
+    "slimpipe": "schedule.kind=slimpipe",
+    "num_slices": "schedule.num_slices",
+    "slice_policy": "schedule.slice_policy",
+    "seq_length": "model.seq_length",
+    "recompute": "train.recompute",
+    "precision": "train.precision",
+    "eval_iters": "train.eval_iters",
     "megatron_schedule": "schedule.kind=1f1b or interleaved",
 }
 _FLAG_NAMES = {
-    "cp": "--context-parallel-size", "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
-    "micro_batch_size": "--micro-batch-size", "sequence_parallel": "--sequence-parallel",
-    "cp_engine": "--cp-engine", "cp_remap": "--cp-remap", "slimpipe": "--use-slimpipe",
-    "num_slices": "--slimpipe-num-slices", "slice_policy": "--slimpipe-slice-policy", "seq_length": "--seq-length",
-    "recompute": "--recompute-granularity", "megatron_schedule": "no --use-slimpipe",
+    "cp": "--context-parallel-size",
+    "tp": "--tensor-model-parallel-size",
+    "pp": "--pipeline-model-parallel-size",
+    "micro_batch_size": "--micro-batch-size",
+    "sequence_parallel": "--sequence-parallel",
+    "cp_engine": "--cp-engine",
+    "cp_remap": "--cp-remap",
+    "slimpipe": "--use-slimpipe",
+    "num_slices": "--slimpipe-num-slices",
+    "slice_policy": "--slimpipe-slice-policy",
+    "seq_length": "--seq-length",
+    "recompute": "--recompute-granularity",
+    "megatron_schedule": "no --use-slimpipe",
 }
-INPUTS = {LAUNCHER: Inputs(LAUNCHER, _FLAG_NAMES), TRAIN: Inputs(TRAIN, _RECIPE_NAMES),
-          MEGATRON_ARGS: Inputs(MEGATRON_ARGS, _RECIPE_NAMES)}
+INPUTS = {
+    LAUNCHER: Inputs(LAUNCHER, _FLAG_NAMES),
+    TRAIN: Inputs(TRAIN, _RECIPE_NAMES),
+    MEGATRON_ARGS: Inputs(MEGATRON_ARGS, _RECIPE_NAMES),
+}

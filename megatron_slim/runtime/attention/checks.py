@@ -81,9 +81,7 @@ def varlen_lengths(
     ck = [int(x) for x in cu_seqlens_k.tolist()]
     for name, cu, total in (("cu_seqlens_q", cq, total_q), ("cu_seqlens_k", ck, total_k)):
         if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(
-                f"{name}={cu}: must start at 0, be non-decreasing and end at the token count {total}"
-            )
+            raise ValueError(f"{name}={cu}: must start at 0, be non-decreasing and end at the token count {total}")
     if causal:
         for i in range(len(cq) - 1):
             sq, sk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]

@@ -83,29 +83,61 @@ class FlashBackend(AttentionBackend):
         d, d_v = q.shape[-1], v.shape[-1]
         return dq[..., :d], dk[..., :d], dv[..., :d_v]
 
-    def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
-                       softmax_scale=None):
+    def varlen_forward(
+        self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, softmax_scale=None
+    ):
         check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
         self._check_inputs(q)
         scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
         if q.numel() == 0:
             return q.new_zeros(*q.shape[:2], v.shape[-1]), q.new_empty((q.shape[1], 0), dtype=torch.float32)
         out, lse = self.api.varlen_forward(
-            _pad(q), _pad(k), _pad(v), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-            causal, scale,
+            _pad(q),
+            _pad(k),
+            _pad(v),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            int(max_seqlen_q),
+            int(max_seqlen_k),
+            causal,
+            scale,
         )
         return out[..., : v.shape[-1]], _lse_to_ours(lse)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                        *, causal, softmax_scale=None):
+    def varlen_backward(
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        *,
+        causal,
+        softmax_scale=None,
+    ):
         check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
         self._check_inputs(q)
         scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
         if q.numel() == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dq, dk, dv = self.api.varlen_backward(
-            _pad(dout), _pad(q), _pad(k), _pad(v), _pad(out), _lse_to_flash(lse), cu_seqlens_q, cu_seqlens_k,
-            int(max_seqlen_q), int(max_seqlen_k), causal, scale,
+            _pad(dout),
+            _pad(q),
+            _pad(k),
+            _pad(v),
+            _pad(out),
+            _lse_to_flash(lse),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            int(max_seqlen_q),
+            int(max_seqlen_k),
+            causal,
+            scale,
         )
         d, d_v = q.shape[-1], v.shape[-1]
         return dq[..., :d], dk[..., :d], dv[..., :d_v]

@@ -64,36 +64,92 @@ class FlashApi:
 
     def forward(self, q, k, v, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         res = _call(
-            self._fwd, q=q, k=k, v=v, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            softcap=0.0, alibi_slopes=None, return_softmax=False, **_NO_WINDOW,
+            self._fwd,
+            q=q,
+            k=k,
+            v=v,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
+            **_NO_WINDOW,
         )
         return _out_and_lse(res, (q.shape[0], q.shape[2], q.shape[1]))
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _call(
-            self._bwd, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-            dropout_p=0.0, softmax_scale=scale, causal=causal, is_causal=causal, softcap=0.0,
-            alibi_slopes=None, deterministic=False, rng_state=None, **_NO_WINDOW,
+            self._bwd,
+            dout=dout,
+            q=q,
+            k=k,
+            v=v,
+            out=out,
+            softmax_lse=lse,
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            is_causal=causal,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=None,
+            **_NO_WINDOW,
         )
         return dq, dk, dv
 
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
         res = _call(
-            self._varlen_fwd, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale,
-            causal=causal, softcap=0.0, alibi_slopes=None, return_softmax=False,
-            block_table=None, **_NO_WINDOW,
+            self._varlen_fwd,
+            q=q,
+            k=k,
+            v=v,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
+            block_table=None,
+            **_NO_WINDOW,
         )
         return _out_and_lse(res, (q.shape[1], q.shape[0]))
 
     def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _call(
-            self._varlen_bwd, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk,
-            dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-            dropout_p=0.0, softmax_scale=scale, causal=causal, is_causal=causal, softcap=0.0,
-            alibi_slopes=None, deterministic=False, rng_state=None, **_NO_WINDOW,
+            self._varlen_bwd,
+            dout=dout,
+            q=q,
+            k=k,
+            v=v,
+            out=out,
+            softmax_lse=lse,
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            is_causal=causal,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=None,
+            **_NO_WINDOW,
         )
         return dq, dk, dv
 
@@ -102,8 +158,13 @@ def _load_fa3() -> FlashApi:
     # FA3 (hopper/) installs the top-level module flash_attn_interface; one function serves
     # dense and varlen (cu_seqlens=None for dense).
     mod = importlib.import_module("flash_attn_interface")
-    return FlashApi("flash-attn 3", mod._flash_attn_forward, mod._flash_attn_backward,
-                    mod._flash_attn_forward, mod._flash_attn_backward)
+    return FlashApi(
+        "flash-attn 3",
+        mod._flash_attn_forward,
+        mod._flash_attn_backward,
+        mod._flash_attn_forward,
+        mod._flash_attn_backward,
+    )
 
 
 def _load_fa2() -> FlashApi:
@@ -111,8 +172,13 @@ def _load_fa2() -> FlashApi:
     if version < MIN_FA2_VERSION:
         raise ImportError(f"flash-attn {'.'.join(map(str, version))} < 2.6 is not supported")
     mod = importlib.import_module("flash_attn.flash_attn_interface")
-    return FlashApi(f"flash-attn {'.'.join(map(str, version))}", mod._flash_attn_forward,
-                    mod._flash_attn_backward, mod._flash_attn_varlen_forward, mod._flash_attn_varlen_backward)
+    return FlashApi(
+        f"flash-attn {'.'.join(map(str, version))}",
+        mod._flash_attn_forward,
+        mod._flash_attn_backward,
+        mod._flash_attn_varlen_forward,
+        mod._flash_attn_varlen_backward,
+    )
 
 
 @functools.cache

@@ -40,10 +40,28 @@ class AttentionFunction(torch.autograd.Function):
 
 class VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                softmax_scale, backend: AttentionBackend):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool,
+        softmax_scale,
+        backend: AttentionBackend,
+    ):
         out, lse = backend.varlen_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal=causal,
             softmax_scale=softmax_scale,
         )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
@@ -56,8 +74,18 @@ class VarlenAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = ctx.backend.varlen_backward(
-            dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
-            causal=ctx.causal, softmax_scale=ctx.softmax_scale,
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            ctx.max_seqlen_q,
+            ctx.max_seqlen_k,
+            causal=ctx.causal,
+            softmax_scale=ctx.softmax_scale,
         )
         return dq, dk, dv, None, None, None, None, None, None, None
 
@@ -96,7 +124,15 @@ def varlen_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Packed attention, q ``[total_q, hq, d]``, k/v ``[total_k, hkv, d]``; causal per sequence."""
     out, lse = VarlenAttentionFunction.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), softmax_scale,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        bool(causal),
+        softmax_scale,
         _resolve(backend, q),
     )
     return (out, lse) if return_lse else out

@@ -22,9 +22,7 @@ def _check(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
         raise ValueError(f"lse_a {tuple(lse_a.shape)} and lse_b {tuple(lse_b.shape)} must have equal shapes")
     expected = (*out_a.shape[:-3], out_a.shape[-2], out_a.shape[-3])
     if tuple(lse_a.shape) != expected:
-        raise ValueError(
-            f"lse shape {tuple(lse_a.shape)} does not match out {tuple(out_a.shape)}: expected {expected}"
-        )
+        raise ValueError(f"lse shape {tuple(lse_a.shape)} does not match out {tuple(out_a.shape)}: expected {expected}")
 
 
 def _weights(lse_a: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor, Tensor]:

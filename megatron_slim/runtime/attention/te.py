@@ -71,21 +71,51 @@ class TeBackend(AttentionBackend):
 
     def _run_fwd(self, q, k, v, max_q, max_k, cu_q, cu_k, layout, mask, scale):
         out, aux = _call(
-            self._fa.fused_attn_fwd, is_training=True, max_seqlen_q=max_q, max_seqlen_kv=max_k,
-            cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, q=_pad(q), k=_pad(k), v=_pad(v), fake_dtype=q.dtype,
-            fused_attention_backend=self._backend, cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_k,
-            attn_scale=scale, dropout=0.0, qkv_layout=layout, attn_bias_type="no_bias", attn_mask_type=mask,
+            self._fa.fused_attn_fwd,
+            is_training=True,
+            max_seqlen_q=max_q,
+            max_seqlen_kv=max_k,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_kv=cu_k,
+            q=_pad(q),
+            k=_pad(k),
+            v=_pad(v),
+            fake_dtype=q.dtype,
+            fused_attention_backend=self._backend,
+            cu_seqlens_q_padded=cu_q,
+            cu_seqlens_kv_padded=cu_k,
+            attn_scale=scale,
+            dropout=0.0,
+            qkv_layout=layout,
+            attn_bias_type="no_bias",
+            attn_mask_type=mask,
         )
         return out[..., : v.shape[-1]], aux[0]
 
     def _run_bwd(self, dout, q, k, v, out, stats, max_q, max_k, cu_q, cu_k, layout, mask, scale):
         rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
         grads = _call(
-            self._fa.fused_attn_bwd, max_seqlen_q=max_q, max_seqlen_kv=max_k, cu_seqlens_q=cu_q,
-            cu_seqlens_kv=cu_k, q=_pad(q), k=_pad(k), v=_pad(v), o=_pad(out), d_o=_pad(dout),
-            fake_dtype=q.dtype, dqkv_dtype=self._dqkv_dtype[q.dtype], aux_ctx_tensors=[stats, rng_state],
-            fused_attention_backend=self._backend, cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_k,
-            attn_scale=scale, dropout=0.0, qkv_layout=layout, attn_bias_type="no_bias", attn_mask_type=mask,
+            self._fa.fused_attn_bwd,
+            max_seqlen_q=max_q,
+            max_seqlen_kv=max_k,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_kv=cu_k,
+            q=_pad(q),
+            k=_pad(k),
+            v=_pad(v),
+            o=_pad(out),
+            d_o=_pad(dout),
+            fake_dtype=q.dtype,
+            dqkv_dtype=self._dqkv_dtype[q.dtype],
+            aux_ctx_tensors=[stats, rng_state],
+            fused_attention_backend=self._backend,
+            cu_seqlens_q_padded=cu_q,
+            cu_seqlens_kv_padded=cu_k,
+            attn_scale=scale,
+            dropout=0.0,
+            qkv_layout=layout,
+            attn_bias_type="no_bias",
+            attn_mask_type=mask,
         )
         d, d_v = q.shape[-1], v.shape[-1]
         return grads[0][..., :d], grads[1][..., :d], grads[2][..., :d_v]
@@ -105,8 +135,16 @@ class TeBackend(AttentionBackend):
         if q.numel() == 0 or k.numel() == 0:
             return q.new_zeros(b, sq, hq, v.shape[-1]), q.new_full((b, hq, sq), float("-inf"), dtype=torch.float32)
         out, stats = self._run_fwd(
-            q, k, v, sq, sk, _dense_cu_seqlens(b, sq, q.device), _dense_cu_seqlens(b, sk, q.device),
-            "bshd_bshd_bshd", self._dense_mask(causal, sq, sk), scale,
+            q,
+            k,
+            v,
+            sq,
+            sk,
+            _dense_cu_seqlens(b, sq, q.device),
+            _dense_cu_seqlens(b, sk, q.device),
+            "bshd_bshd_bshd",
+            self._dense_mask(causal, sq, sk),
+            scale,
         )
         return out, stats.reshape(b, hq, sq).float()
 
@@ -120,8 +158,19 @@ class TeBackend(AttentionBackend):
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         stats = lse.float().reshape(b, hq, sq, 1).contiguous()
         return self._run_bwd(
-            dout, q, k, v, out, stats, sq, sk, _dense_cu_seqlens(b, sq, q.device),
-            _dense_cu_seqlens(b, sk, q.device), "bshd_bshd_bshd", self._dense_mask(causal, sq, sk), scale,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            stats,
+            sq,
+            sk,
+            _dense_cu_seqlens(b, sq, q.device),
+            _dense_cu_seqlens(b, sk, q.device),
+            "bshd_bshd_bshd",
+            self._dense_mask(causal, sq, sk),
+            scale,
         )
 
     def _stats_to_lse(self, stats: Tensor, cu_q: Tensor, total_q: int) -> Tensor:
@@ -139,8 +188,9 @@ class TeBackend(AttentionBackend):
         stats[seq, :, pos, 0] = lse.t().float()
         return stats
 
-    def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
-                       softmax_scale=None):
+    def varlen_forward(
+        self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, softmax_scale=None
+    ):
         check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
         self._check_inputs(q)
         scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
@@ -152,8 +202,22 @@ class TeBackend(AttentionBackend):
         )
         return out, self._stats_to_lse(stats, cu_seqlens_q, q.shape[0])
 
-    def varlen_backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                        *, causal, softmax_scale=None):
+    def varlen_backward(
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        *,
+        causal,
+        softmax_scale=None,
+    ):
         check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
         self._check_inputs(q)
         scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
@@ -162,8 +226,19 @@ class TeBackend(AttentionBackend):
         mask = "padding_causal_bottom_right" if causal else "padding"
         stats = self._lse_to_stats(lse, cu_seqlens_q, int(max_seqlen_q))
         return self._run_bwd(
-            dout, q, k, v, out, stats, int(max_seqlen_q), int(max_seqlen_k), cu_seqlens_q, cu_seqlens_k,
-            "thd_thd_thd", mask, scale,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            stats,
+            int(max_seqlen_q),
+            int(max_seqlen_k),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            "thd_thd_thd",
+            mask,
+            scale,
         )
 
 

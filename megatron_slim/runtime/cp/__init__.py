@@ -15,6 +15,7 @@ else; the process group is passed in. Pieces, smallest first:
   autograd function; ``agreement`` -- ranks compare the plan's hash before running it.
 * ``remap`` -- the remapping layer's all-to-all between attention and token-balanced layouts.
 """
+
 from megatron_slim.runtime.agreement import check_agreement
 from megatron_slim.runtime.cp.agreement import fingerprint
 from megatron_slim.runtime.cp.comm import Comm
@@ -24,6 +25,15 @@ from megatron_slim.runtime.cp.program import RankProgram, compile_rank
 from megatron_slim.runtime.cp.remap import move_rows, remap_rows
 
 __all__ = [
-    "CPAttentionEngine", "Comm", "HeadSplit", "RankProgram", "check_agreement", "compile_rank", "fingerprint",
-    "move_rows", "remap_rows", "run_queues", "split_heads",
+    "CPAttentionEngine",
+    "Comm",
+    "HeadSplit",
+    "RankProgram",
+    "check_agreement",
+    "compile_rank",
+    "fingerprint",
+    "move_rows",
+    "remap_rows",
+    "run_queues",
+    "split_heads",
 ]

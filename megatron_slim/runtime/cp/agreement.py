@@ -5,6 +5,7 @@ pack, another planner version, another topology) would exchange mismatched messa
 compute garbage. The engine compares ``fingerprint`` across the CP group with
 ``runtime.agreement.check_agreement`` (the helper the pipeline schedule uses too).
 """
+
 from __future__ import annotations
 
 import hashlib

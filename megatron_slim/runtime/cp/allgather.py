@@ -5,7 +5,10 @@ member blocks, so each block is attended with the same pair rule as a ring step.
 gathers the K/V again (nothing gathered is kept between passes), then sends every block's dK/dV
 share home, where the owner sums them (a reduce-scatter made of point-to-point messages).
 """
+
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -32,10 +35,13 @@ class AllGatherTask:
         pairs = [(j, m) for j in range(g) for m in range(g) if j != m]
         self.index = {pair: n for n, pair in enumerate(pairs)}  # (sender, receiver) -> hop
         rows = [block_rows(b) for b in blocks]
-        self.gather = Exchange(f"K/V all-gather of group {group.index}",
-                               tuple(Hop(ranks[j], ranks[m], rows[j], width) for j, m in pairs))
-        self.scatter = Exchange(f"dK/dV reduce-scatter of group {group.index}",
-                                tuple(Hop(ranks[j], ranks[m], rows[m], width) for j, m in pairs))
+        self.gather = Exchange(
+            f"K/V all-gather of group {group.index}", tuple(Hop(ranks[j], ranks[m], rows[j], width) for j, m in pairs)
+        )
+        self.scatter = Exchange(
+            f"dK/dV reduce-scatter of group {group.index}",
+            tuple(Hop(ranks[j], ranks[m], rows[m], width) for j, m in pairs),
+        )
 
     def involves(self, rank: int) -> bool:
         return rank in self.group.ranks
@@ -45,8 +51,9 @@ class AllGatherTask:
 
     def _gather(self, rt: RunContext, k: Tensor, v: Tensor):
         kv = pack(k, v)
-        return self.gather.post(rt.comm, {self.index[(self.i, m)]: kv for m in self._others()},
-                                dtype=rt.dtype, device=rt.device)
+        return self.gather.post(
+            rt.comm, {self.index[(self.i, m)]: kv for m in self._others()}, dtype=rt.dtype, device=rt.device
+        )
 
     def _block(self, got: dict, j: int) -> tuple[Tensor, Tensor]:
         k, v = unpack(got[self.index[(j, self.i)]], *self.kv_shapes)
@@ -71,14 +78,21 @@ class AllGatherTask:
             j = (self.i - step.step) % len(self.calls)
             kj, vj = (k, v) if j == self.i else self._block(st["got"], j)
             forward_into(rt.backend, rt.scale, self.calls[j], q, kj, vj, acc_out, acc_lse)
-        yield from self._walk(rt, self.steps.forward, {
-            ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
-            ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
-            ("C", ""): compute})
+
+        yield from self._walk(
+            rt,
+            self.steps.forward,
+            {
+                ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
+                ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
+                ("C", ""): compute,
+            },
+        )
         out = acc_out.to(rt.dtype)
         return out, (q, k, v, out, acc_lse)
 
-    def backward(self, rt: RunContext, dout: Tensor, saved):
+    def backward(self, rt: RunContext, dout: Optional[Tensor], saved):
+        assert dout is not None, "every all-gather member holds rows"
         q, k, v, out, lse = saved
         acc = rt.acc_dtype
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
@@ -94,16 +108,24 @@ class AllGatherTask:
             backward_into(rt.backend, rt.scale, self.calls[j], dout, q, kj, vj, out, lse, dq, dkj, dvj)
             st["shares"][self.index[(self.i, j)]] = pack(dkj, dvj)
 
-        def gathered(_) -> None:
+        def gathered(_: object) -> None:
+            st.update(scattered=st["pending"].wait())
             for j in self._others():
                 gk, gv = unpack(st["scattered"][self.index[(j, self.i)]], *self.kv_shapes)
                 dk.add_(gk)
                 dv.add_(gv)
-        yield from self._walk(rt, self.steps.backward, {
-            ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
-            ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
-            ("C", ""): compute,
-            ("POST", "SCATTER"): lambda _: st.update(
-                pending=self.scatter.post(rt.comm, st["shares"], dtype=acc, device=rt.device)),
-            ("WAIT", "SCATTER"): lambda _: st.update(scattered=st["pending"].wait()) or gathered(_)})
+
+        yield from self._walk(
+            rt,
+            self.steps.backward,
+            {
+                ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
+                ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
+                ("C", ""): compute,
+                ("POST", "SCATTER"): lambda _: st.update(
+                    pending=self.scatter.post(rt.comm, st["shares"], dtype=acc, device=rt.device)
+                ),
+                ("WAIT", "SCATTER"): gathered,
+            },
+        )
         return dq, dk, dv

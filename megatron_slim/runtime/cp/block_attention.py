@@ -14,6 +14,7 @@ All full pairs of a block go into one non-causal varlen call and all causal pair
 call. Forward partials are folded into float32 accumulators with the library's ``merge``; the
 backward, given the *final* output and log-sum-exp, gives each block's exact share of dQ/dK/dV.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,8 +53,9 @@ class Rows:
     def index(self, device: torch.device) -> Tensor:
         key = str(device)
         if key not in self._index:
-            self._index[key] = torch.tensor([r for first, n in self.runs for r in range(first, first + n)],
-                                            dtype=torch.long, device=device)
+            self._index[key] = torch.tensor(
+                [r for first, n in self.runs for r in range(first, first + n)], dtype=torch.long, device=device
+            )
         return self._index[key]
 
     def take(self, x: Tensor, dim: int = 0) -> Tensor:
@@ -88,8 +90,10 @@ class VarlenCall:
     def cu(self, device: torch.device) -> tuple[Tensor, Tensor]:
         key = str(device)
         if key not in self._cu:
-            self._cu[key] = (torch.tensor(self.cu_q, dtype=torch.int32, device=device),
-                             torch.tensor(self.cu_k, dtype=torch.int32, device=device))
+            self._cu[key] = (
+                torch.tensor(self.cu_q, dtype=torch.int32, device=device),
+                torch.tensor(self.cu_k, dtype=torch.int32, device=device),
+            )
         return self._cu[key]
 
     @property
@@ -105,7 +109,8 @@ def _call(causal: bool, entries: list[tuple[Span, list[Span]]]) -> VarlenCall | 
     if not entries:
         return None
     cu_q, cu_k = [0], [0]
-    q_runs, k_runs = [], []
+    q_runs: list[tuple[int, int]] = []
+    k_runs: list[tuple[int, int]] = []
     for query, keys in entries:
         q_runs.append((query.row, query.length))
         k_runs.extend((k.row, k.length) for k in keys)
@@ -131,8 +136,10 @@ def pair_calls(queries: Block, keys: Block, *, own: bool) -> tuple[VarlenCall, .
             elif own and (k.start, k.end) == (q.start, q.end):
                 same = k
             else:
-                raise ValueError(f"sequence {q.seq}: query run {q.start}-{q.end} and key run {k.start}-{k.end} "
-                                 "overlap without being the same run: the plan's blocks are inconsistent")
+                raise ValueError(
+                    f"sequence {q.seq}: query run {q.start}-{q.end} and key run {k.start}-{k.end} "
+                    "overlap without being the same run: the plan's blocks are inconsistent"
+                )
         if same is not None:
             causal.append((q, before + [same]))
         elif before:
@@ -148,28 +155,59 @@ def new_accumulators(rows: int, heads: int, head_dim: int, like: Tensor) -> tupl
     return out, lse
 
 
-def forward_into(backend: AttentionBackend, scale: float, calls: tuple[VarlenCall, ...], q: Tensor,
-                 k: Tensor, v: Tensor, acc_out: Tensor, acc_lse: Tensor) -> None:
+def forward_into(
+    backend: AttentionBackend,
+    scale: float,
+    calls: tuple[VarlenCall, ...],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    acc_out: Tensor,
+    acc_lse: Tensor,
+) -> None:
     """Fold the attention of ``q`` against ``k``/``v`` (per ``calls``) into the accumulators."""
     for c in calls:
         cu_q, cu_k = c.cu(q.device)
-        out, lse = backend.varlen_forward(c.q.take(q), c.k.take(k), c.k.take(v), cu_q, cu_k, c.max_q, c.max_k,
-                                          causal=c.causal, softmax_scale=scale)
+        out, lse = backend.varlen_forward(
+            c.q.take(q), c.k.take(k), c.k.take(v), cu_q, cu_k, c.max_q, c.max_k, causal=c.causal, softmax_scale=scale
+        )
         merged_out, merged_lse = merge(c.q.take(acc_out), c.q.take(acc_lse, 1), out, lse)
         c.q.put(acc_out, merged_out)
         c.q.put(acc_lse, merged_lse, 1)
 
 
-def backward_into(backend: AttentionBackend, scale: float, calls: tuple[VarlenCall, ...], dout: Tensor,
-                  q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dq: Tensor, dk: Tensor,
-                  dv: Tensor) -> None:
+def backward_into(
+    backend: AttentionBackend,
+    scale: float,
+    calls: tuple[VarlenCall, ...],
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+) -> None:
     """Add this key block's share of the gradients: ``dq`` (query rows), ``dk``/``dv`` (key rows).
     ``out``/``lse`` are the final (merged over every key block) forward results."""
     for c in calls:
         cu_q, cu_k = c.cu(q.device)
         dq_c, dk_c, dv_c = backend.varlen_backward(
-            c.q.take(dout).contiguous(), c.q.take(q), c.k.take(k), c.k.take(v), c.q.take(out),
-            c.q.take(lse, 1).contiguous(), cu_q, cu_k, c.max_q, c.max_k, causal=c.causal, softmax_scale=scale)
+            c.q.take(dout).contiguous(),
+            c.q.take(q),
+            c.k.take(k),
+            c.k.take(v),
+            c.q.take(out),
+            c.q.take(lse, 1).contiguous(),
+            cu_q,
+            cu_k,
+            c.max_q,
+            c.max_k,
+            causal=c.causal,
+            softmax_scale=scale,
+        )
         c.q.add(dq, dq_c)
         c.k.add(dk, dk_c)
         c.k.add(dv, dv_c)

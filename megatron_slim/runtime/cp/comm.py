@@ -7,6 +7,7 @@ fixed program order guarantees; gloo, which would honour tags, is run the same w
 tests exercise that guarantee. Sends are waited on only when the pass ends (``drain``): a rank
 never blocks on its own send.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,15 +32,22 @@ class Comm:
     def send(self, tensor: Tensor, to: int) -> None:
         if not tensor.is_contiguous():
             raise ValueError("send: tensor must be contiguous")
-        self._sends.append((dist.isend(tensor, dst=self.ranks[to], group=self.group), tensor))
+        self._sends.append((_posted(dist.isend(tensor, dst=self.ranks[to], group=self.group)), tensor))
 
     def recv(self, buffer: Tensor, frm: int) -> dist.Work:
         if not buffer.is_contiguous():
             raise ValueError("recv: buffer must be contiguous")
-        return dist.irecv(buffer, src=self.ranks[frm], group=self.group)
+        return _posted(dist.irecv(buffer, src=self.ranks[frm], group=self.group))
 
     def drain(self) -> None:
         """Wait for every send posted so far (their tensors stay alive until then)."""
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+
+
+def _posted(work: dist.Work | None) -> dist.Work:
+    """torch types isend/irecv's handle as optional: it is None only for a rank outside the group,
+    and every peer here is one of ``Comm.ranks``."""
+    assert work is not None
+    return work

@@ -15,6 +15,7 @@ own group posted in an earlier round (or earlier in the same round, within one e
 every rank runs the same tasks in the same order, so no wait can close a cycle and both ends of
 every directed pair post their messages in one order.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,8 +79,14 @@ class CPAttentionEngine:
     def rank(self) -> int:
         return self.comm.me
 
-    def prepare(self, plan: CPPlan, routing: Optional[RoutingPlan] = None, *, device: torch.device | str = "cpu",
-                extra: str = "") -> str:
+    def prepare(
+        self,
+        plan: CPPlan,
+        routing: Optional[RoutingPlan] = None,
+        *,
+        device: torch.device | str = "cpu",
+        extra: str = "",
+    ) -> str:
         """Collective: check every CP rank holds this plan (and routing, and ``extra``), make it current."""
         if plan.num_ranks != self.comm.size:
             raise ValueError(f"plan for {plan.num_ranks} CP ranks, but the CP group has {self.comm.size}")
@@ -100,18 +107,35 @@ class CPAttentionEngine:
         return self._programs[key]
 
     # ---- passes ---------------------------------------------------------------------------------
-    def forward_pass(self, q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: Optional[float] = None,
-                     backend: Optional[AttentionBackend] = None) -> tuple[Tensor, _Pass]:
+    def forward_pass(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        softmax_scale: Optional[float] = None,
+        backend: Optional[AttentionBackend] = None,
+    ) -> tuple[Tensor, _Pass]:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         program = self.program(HeadShape.of(q, k, v))
         if q.shape[0] != program.tokens or k.shape[0] != program.tokens or v.shape[0] != program.tokens:
-            raise ValueError(f"CP rank {self.rank}: q/k/v hold {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens, "
-                             f"the plan gives this rank {program.tokens}")
+            raise ValueError(
+                f"CP rank {self.rank}: q/k/v hold {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens, "
+                f"the plan gives this rank {program.tokens}"
+            )
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        rt = RunContext(self.comm, backend or select_backend(device=q.device, dtype=q.dtype), scale, q.dtype,
-                        q.device, self._walked("forward"))
-        tasks = [t.forward(rt, *((None,) * 3 if t.rows is None else (t.rows.take(x) for x in (q, k, v))))
-                 for t in program.tasks]
+        rt = RunContext(
+            self.comm,
+            backend or select_backend(device=q.device, dtype=q.dtype),
+            scale,
+            q.dtype,
+            q.device,
+            self._walked("forward"),
+        )
+        tasks = [
+            t.forward(rt, *((None,) * 3 if t.rows is None else (t.rows.take(x) for x in (q, k, v))))
+            for t in program.tasks
+        ]
         results = run_queues(tasks, _labels(program, "forward"))
         self.comm.drain()
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
@@ -123,8 +147,10 @@ class CPAttentionEngine:
     def backward_pass(self, state: _Pass, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         dout = dout.contiguous()
         rt = dataclasses.replace(state.rt, walked=self._walked("backward"))
-        tasks = [t.backward(rt, None if t.rows is None else t.rows.take(dout), s)
-                 for t, s in zip(state.program.tasks, state.saved)]
+        tasks = [
+            t.backward(rt, None if t.rows is None else t.rows.take(dout), s)
+            for t, s in zip(state.program.tasks, state.saved)
+        ]
         results = run_queues(tasks, _labels(state.program, "backward"))
         self.comm.drain()
         grads = [torch.empty(shape, dtype=rt.dtype, device=rt.device) for shape in state.shapes]
@@ -132,13 +158,21 @@ class CPAttentionEngine:
             if t.rows is not None:
                 for grad, part in zip(grads, result):
                     t.rows.put(grad, part)
-        return tuple(grads)
+        dq, dk, dv = grads
+        return dq, dk, dv
 
     def _walked(self, direction: str) -> Optional[dict]:
         return None if self.trace is None else self.trace.setdefault(direction, {})
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: Optional[float] = None,
-                 backend: Optional[AttentionBackend] = None) -> Tensor:
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        softmax_scale: Optional[float] = None,
+        backend: Optional[AttentionBackend] = None,
+    ) -> Tensor:
         """Differentiable attention of this rank's tokens under the current plan (see module doc)."""
         return _CPAttention.apply(q, k, v, self, softmax_scale, backend)
 

@@ -17,12 +17,14 @@ canonical order (hop, part), so both ends of a directed pair agree on message or
 and no wait can close a cycle. The destination's receives are waited on later, in ``Pending.wait``,
 so communication overlaps whatever the caller computes in between.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
+import torch.distributed as dist
 
 from megatron_slim.plan.cp.routing import RoutePart
 from megatron_slim.runtime.cp.comm import Comm
@@ -63,8 +65,10 @@ def _legs(index: int, hop: Hop) -> list[Leg]:
         return [Leg(index, 0, 1, hop.src, hop.dst, 0, hop.rows, True, True)]
     covered = sorted((p.start, p.end) for p in hop.parts)
     if covered[0][0] != 0 or covered[-1][1] != hop.rows or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
-        raise ValueError(f"route of hop {hop.src}->{hop.dst} ({hop.rows} rows): parts {covered} do not tile the "
-                         "message; the routing plan does not match the CP plan")
+        raise ValueError(
+            f"route of hop {hop.src}->{hop.dst} ({hop.rows} rows): parts {covered} do not tile the "
+            "message; the routing plan does not match the CP plan"
+        )
     legs = []
     for p_i, p in enumerate(hop.parts):
         chain = [hop.src] + [r for r in (p.proxy_src, p.proxy_dst) if r not in (hop.src, hop.dst)] + [hop.dst]
@@ -85,19 +89,25 @@ class Exchange:
         self._mine: dict[int, tuple[tuple[list[Leg], list[Leg]], ...]] = {}
 
     def involves(self, rank: int) -> bool:
-        return any(rank in (h.src, h.dst) for h in self.hops if h.rows) or \
-            any(rank in (leg.sender, leg.receiver) for leg in self.legs)
+        return any(rank in (h.src, h.dst) for h in self.hops if h.rows) or any(
+            rank in (leg.sender, leg.receiver) for leg in self.legs
+        )
 
     def legs_of(self, rank: int) -> tuple[tuple[list[Leg], list[Leg]], ...]:
         """Per stage 1..3: (legs ``rank`` receives, legs it sends), in canonical order."""
         if rank not in self._mine:
-            self._mine[rank] = tuple(([leg for leg in self.legs if leg.stage == s and leg.receiver == rank],
-                                      [leg for leg in self.legs if leg.stage == s and leg.sender == rank])
-                                     for s in (1, 2, 3))
+            self._mine[rank] = tuple(
+                (
+                    [leg for leg in self.legs if leg.stage == s and leg.receiver == rank],
+                    [leg for leg in self.legs if leg.stage == s and leg.sender == rank],
+                )
+                for s in (1, 2, 3)
+            )
         return self._mine[rank]
 
-    def post(self, comm: Comm, payloads: Mapping[int, Tensor], *, dtype: torch.dtype,
-             device: torch.device) -> "Pending":
+    def post(
+        self, comm: Comm, payloads: Mapping[int, Tensor], *, dtype: torch.dtype, device: torch.device
+    ) -> "Pending":
         """Post this rank's part of the exchange. ``payloads[i]``: the ``[rows, width]`` message of
         hop ``i`` for every hop this rank sends; returns what it will receive."""
         me = comm.me
@@ -106,20 +116,21 @@ class Exchange:
             if hop.src == me:
                 _check_payload(self.name, i, hop, payloads.get(i))
             if hop.dst == me:
-                outputs[i] = payloads[i] if hop.src == me else \
-                    torch.empty(hop.rows, hop.width, dtype=dtype, device=device)
+                outputs[i] = (
+                    payloads[i] if hop.src == me else torch.empty(hop.rows, hop.width, dtype=dtype, device=device)
+                )
         finals = []
-        relayed: dict[tuple[int, int], tuple[Tensor, object]] = {}
+        relayed: dict[tuple[int, int], tuple[Tensor, dist.Work]] = {}
         for receives, sends in self.legs_of(me):
             for leg in receives:
                 if leg.to_destination:
-                    finals.append(comm.recv(outputs[leg.hop][leg.start:leg.end], leg.sender))
+                    finals.append(comm.recv(outputs[leg.hop][leg.start : leg.end], leg.sender))
                 else:
                     buffer = torch.empty(leg.end - leg.start, self.hops[leg.hop].width, dtype=dtype, device=device)
                     relayed[(leg.hop, leg.part)] = (buffer, comm.recv(buffer, leg.sender))
             for leg in sends:
                 if leg.from_source:
-                    data = payloads[leg.hop][leg.start:leg.end]
+                    data = payloads[leg.hop][leg.start : leg.end]
                 else:
                     data, work = relayed.pop((leg.hop, leg.part))
                     work.wait()
@@ -131,8 +142,10 @@ def _check_payload(name: str, index: int, hop: Hop, payload: Tensor | None) -> N
     if payload is None:
         raise ValueError(f"{name}: hop {index} ({hop.src}->{hop.dst}) has no payload")
     if tuple(payload.shape) != (hop.rows, hop.width) or not payload.is_contiguous():
-        raise ValueError(f"{name}: hop {index} ({hop.src}->{hop.dst}) expects a contiguous [{hop.rows}, "
-                         f"{hop.width}] payload, got {tuple(payload.shape)}")
+        raise ValueError(
+            f"{name}: hop {index} ({hop.src}->{hop.dst}) expects a contiguous [{hop.rows}, "
+            f"{hop.width}] payload, got {tuple(payload.shape)}"
+        )
 
 
 class Pending:

@@ -5,6 +5,7 @@ every step of each; this module only attaches, per task, the runtime pieces that
 steps (exchanges, pair calls, head splits). Compiled once per (plan, routing, head shape) and
 reused by every layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@ receiver cuts its chunk from ``src`` the same way. The move is a permutation of 
 so its backward is the inverse plan's move of the gradient. Steps where nothing moves skip the
 collective on every rank (all ranks read the same plan).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -37,15 +38,19 @@ def move_rows(x: Tensor, plan: RemapPlan, comm: Comm) -> Tensor:
         return out.view(plan.target_tokens[me], *x.shape[1:])
     outgoing = [t for t in plan.transfers if t.src == me]
     incoming = [t for t in plan.transfers if t.dst == me]
-    send = torch.cat([flat[t.src_start:t.src_end] for t in sorted(outgoing, key=lambda t: t.dst)]) if outgoing \
+    send = (
+        torch.cat([flat[t.src_start : t.src_end] for t in sorted(outgoing, key=lambda t: t.dst)])
+        if outgoing
         else flat.new_empty(0, flat.shape[1])
+    )
     counts = plan.send_counts()
     received = flat.new_empty(sum(counts[s][me] for s in range(comm.size)), flat.shape[1])
-    dist.all_to_all_single(received, send.contiguous(), [counts[s][me] for s in range(comm.size)],
-                           list(counts[me]), group=comm.group)
+    dist.all_to_all_single(
+        received, send.contiguous(), [counts[s][me] for s in range(comm.size)], list(counts[me]), group=comm.group
+    )
     row = 0
     for t in sorted(incoming, key=lambda t: t.src):  # stable: plan order within one source
-        out[t.dst_start:t.dst_end] = received[row:row + t.tokens]
+        out[t.dst_start : t.dst_end] = received[row : row + t.tokens]
         row += t.tokens
     return out.view(plan.target_tokens[me], *x.shape[1:])
 

@@ -16,9 +16,10 @@ steps of the rank's program (``plan.cp.program``), the same steps the simulator 
 at each ``ROUND`` (see ``engine.run_queues``); a rank that only relays for this ring
 (``me is None``) has the same steps without the computes, so it posts at exactly the same rounds.
 """
+
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -31,8 +32,9 @@ from megatron_slim.runtime.cp.spans import Block, block_rows
 Tensor = torch.Tensor
 
 
-def route_parts(routing: Optional[RoutingPlan], group: int, step: int, src: int, dst: int,
-                rows: int) -> tuple[RoutePart, ...]:
+def route_parts(
+    routing: Optional[RoutingPlan], group: int, step: int, src: int, dst: int, rows: int
+) -> tuple[RoutePart, ...]:
     """The routed parts of one hop, or () to send it directly."""
     if routing is None or src == dst:
         return ()
@@ -40,14 +42,23 @@ def route_parts(routing: Optional[RoutingPlan], group: int, step: int, src: int,
     if route is None or not route.routed:
         return ()
     if route.src != src or route.size != rows:
-        raise ValueError(f"routing plan: group {group} step {step} hop to {dst} is {route.src}->{route.dst} with "
-                         f"{route.size} rows, but the CP plan sends {rows} rows from {src}: the routing plan was "
-                         "made for another plan")
+        raise ValueError(
+            f"routing plan: group {group} step {step} hop to {dst} is {route.src}->{route.dst} with "
+            f"{route.size} rows, but the CP plan sends {rows} rows from {src}: the routing plan was "
+            "made for another plan"
+        )
     return route.parts
 
 
-def ring_exchange(name: str, group: int, members: tuple[int, ...], blocks: tuple[Block, ...], step: int,
-                  width: int, routing: Optional[RoutingPlan]) -> Exchange:
+def ring_exchange(
+    name: str,
+    group: int,
+    members: tuple[int, ...],
+    blocks: tuple[Block, ...],
+    step: int,
+    width: int,
+    routing: Optional[RoutingPlan],
+) -> Exchange:
     g = len(members)
     hops = []
     for j in range(g):
@@ -58,17 +69,30 @@ def ring_exchange(name: str, group: int, members: tuple[int, ...], blocks: tuple
 
 
 class Ring:
-    def __init__(self, group: int, members: tuple[int, ...], blocks: tuple[Block, ...], me: Optional[int],
-                 kv_heads: int, d: int, dv: int, routing: Optional[RoutingPlan]) -> None:
+    def __init__(
+        self,
+        group: int,
+        members: tuple[int, ...],
+        blocks: tuple[Block, ...],
+        me: Optional[int],
+        kv_heads: int,
+        d: int,
+        dv: int,
+        routing: Optional[RoutingPlan],
+    ) -> None:
         self.group, self.members, self.blocks, self.me = group, members, blocks, me
         self.kv_shapes = ((kv_heads, d), (kv_heads, dv))
         g = len(members)
         width = kv_heads * (d + dv)
         self.kv = {s: ring_exchange("K/V", group, members, blocks, s, width, routing) for s in range(1, g)}
-        self.dkv = {s: ring_exchange("dK/dV", group, members, blocks, s, width, routing) for s in range(1, g + 1)} \
-            if g > 1 else {}
-        self.calls = {s: pair_calls(blocks[me], blocks[(me - s) % g], own=s == 0) for s in range(g)} \
-            if me is not None else {}
+        self.dkv = (
+            {s: ring_exchange("dK/dV", group, members, blocks, s, width, routing) for s in range(1, g + 1)}
+            if g > 1
+            else {}
+        )
+        self.calls = (
+            {s: pair_calls(blocks[me], blocks[(me - s) % g], own=s == 0) for s in range(g)} if me is not None else {}
+        )
 
     @property
     def size(self) -> int:
@@ -87,14 +111,21 @@ class Ring:
 
     # ---- step handlers: the ring's steps of ``plan.cp.program`` ------------------------------------
     def start_forward(self, rt: RunContext, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor]) -> dict:
-        st = {"rt": rt, "q": q, "k": k, "v": v, "pending": {}, "block": {}, "dtype": {"KV": rt.dtype}}
+        st: dict[str, Any] = {"rt": rt, "q": q, "k": k, "v": v, "pending": {}, "block": {}, "dtype": {"KV": rt.dtype}}
         if self.me is not None:
+            assert q is not None and v is not None, "a ring member computes: it has q, k, v"
             st["acc"] = new_accumulators(q.shape[0], q.shape[1], v.shape[2], q)
         return st
 
     def start_backward(self, rt: RunContext, dout: Optional[Tensor], saved) -> dict:
-        st = {"rt": rt, "dout": dout, "pending": {}, "block": {}, "dkv": None,
-              "dtype": {"KV": rt.dtype, "DKV": rt.acc_dtype}}
+        st: dict[str, Any] = {
+            "rt": rt,
+            "dout": dout,
+            "pending": {},
+            "block": {},
+            "dkv": None,
+            "dtype": {"KV": rt.dtype, "DKV": rt.acc_dtype},
+        }
         if self.me is not None:
             st["q"], st["k"], st["v"], st["out"], st["lse"] = saved
             st["grads"] = [torch.zeros(t.shape, dtype=rt.acc_dtype, device=t.device) for t in saved[:3]]
@@ -112,8 +143,9 @@ class Ring:
         s, rt = step.step, st["rt"]
         if step.op == "POST":
             table = self.kv if step.what == "KV" else self.dkv
-            st["pending"][(step.what, s)] = self._post(rt, table, s, self._payload(st, step.what, s),
-                                                       st["dtype"][step.what])
+            st["pending"][(step.what, s)] = self._post(
+                rt, table, s, self._payload(st, step.what, s), st["dtype"][step.what]
+            )
         elif step.op == "WAIT":
             got = st["pending"].pop((step.what, s)).wait().get(self.me)
             if step.what == "KV":
@@ -127,16 +159,40 @@ class Ring:
             forward_into(rt.backend, rt.scale, self.calls[s], st["q"], k, v, *st["acc"])
 
     def _compute_backward(self, st: dict, s: int) -> None:
-        rt, dq, dk, dv = st["rt"], *st["grads"]
+        rt = st["rt"]
+        dq, dk, dv = st["grads"]
         if s == 0:
-            backward_into(rt.backend, rt.scale, self.calls[0], st["dout"], st["q"], st["k"], st["v"], st["out"],
-                          st["lse"], dq, dk, dv)
+            backward_into(
+                rt.backend,
+                rt.scale,
+                self.calls[0],
+                st["dout"],
+                st["q"],
+                st["k"],
+                st["v"],
+                st["out"],
+                st["lse"],
+                dq,
+                dk,
+                dv,
+            )
             if self.size > 1:
                 st["dkv"] = pack(dk, dv)
             return
         dk_b, dv_b = unpack(st["dkv"], *self.kv_shapes)  # views: accumulate in place
-        backward_into(rt.backend, rt.scale, self.calls[s], st["dout"], st["q"], *self._block(st["block"][s]),
-                      st["out"], st["lse"], dq, dk_b, dv_b)
+        backward_into(
+            rt.backend,
+            rt.scale,
+            self.calls[s],
+            st["dout"],
+            st["q"],
+            *self._block(st["block"][s]),
+            st["out"],
+            st["lse"],
+            dq,
+            dk_b,
+            dv_b,
+        )
 
     def finish_forward(self, st: dict):
         """``(out, lse)`` (``None`` on a relay-only rank)."""

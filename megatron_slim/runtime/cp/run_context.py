@@ -1,4 +1,5 @@
 """What every group task needs while it runs one pass: the comm, the kernels and the tensor facts."""
+
 from __future__ import annotations
 
 import math
@@ -59,7 +60,7 @@ def unpack(message: Tensor, *shapes: tuple[int, int]) -> list[Tensor]:
     """Views ``[rows, heads, d]`` of a packed message (the inverse of ``pack``)."""
     out, col = [], 0
     for heads, d in shapes:
-        out.append(message[:, col:col + heads * d].view(message.shape[0], heads, d))
+        out.append(message[:, col : col + heads * d].view(message.shape[0], heads, d))
         col += heads * d
     if col != message.shape[1]:
         raise ValueError(f"message of width {message.shape[1]} does not hold {shapes}")

@@ -6,6 +6,7 @@ a rank's tokens of one group, the K/V block travelling on a ring, or a node's to
 head all-to-all. Everything here is plain Python read from the ``CPPlan``, so every rank can
 compute any other rank's blocks without asking it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,7 +59,8 @@ def member_block(plan: CPPlan, rank: int, group: int) -> Block:
 
 def group_rows(plan: CPPlan, rank: int, group: int) -> tuple[tuple[int, int], ...]:
     """``(first row, rows)`` runs of ``group``'s tokens inside ``rank``'s attention-layout buffer."""
-    out, row = [], 0
+    out: list[tuple[int, int]] = []
+    row = 0
     for s in plan.ranks[rank].segments:
         if s.group == group and s.length:
             if out and out[-1][0] + out[-1][1] == row:

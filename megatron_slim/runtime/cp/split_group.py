@@ -11,6 +11,7 @@ A group of ``n`` nodes x ``a`` ranks (``a = a2a_size``):
 ``local`` is ``n = a = 1``, ``zigzag`` ``a = 1``, ``ulysses`` ``n = 1``, ``hierarchical`` both > 1.
 The backward runs the same in reverse (dO in, dQ/dK/dV out; replicated K/V heads sum their dK/dV).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -34,21 +35,31 @@ def _a2a(name: str, node: tuple[int, ...], rows: list[int], width, *, to_owner: 
     """Hop ``j * a + m`` goes node member ``j -> m``. ``to_owner=False``: ``j`` sends its ``rows[j]``
     tokens (width by receiver ``m``); ``True``: ``j`` sends ``m``'s ``rows[m]`` tokens (width by sender)."""
     a = len(node)
-    hops = [Hop(node[j], node[m], rows[m] if to_owner else rows[j], width(j) if to_owner else width(m))
-            for j in range(a) for m in range(a)]
+    hops = [
+        Hop(node[j], node[m], rows[m] if to_owner else rows[j], width(j) if to_owner else width(m))
+        for j in range(a)
+        for m in range(a)
+    ]
     return Exchange(name, tuple(hops))
 
 
 class SplitGroupTask:
-    def __init__(self, plan: CPPlan, group: CPGroup, rank: int, shape: HeadShape,
-                 routing: Optional[RoutingPlan], steps: GroupTask) -> None:
+    def __init__(
+        self,
+        plan: CPPlan,
+        group: CPGroup,
+        rank: int,
+        shape: HeadShape,
+        routing: Optional[RoutingPlan],
+        steps: GroupTask,
+    ) -> None:
         if group.kind not in ("local", "zigzag", "ulysses", "hierarchical"):
             raise ValueError(f"group {group.index}: kind {group.kind!r} is not an all-to-all/ring group")
         self.group, self.shape, self.steps = group, shape, steps
         a = group.a2a_size if group.kind in ("ulysses", "hierarchical") else 1
         if len(group.ranks) % a:
             raise ValueError(f"group {group.index}: {len(group.ranks)} ranks are not whole nodes of {a}")
-        nodes = [group.ranks[j * a:(j + 1) * a] for j in range(len(group.ranks) // a)]
+        nodes = [group.ranks[j * a : (j + 1) * a] for j in range(len(group.ranks) // a)]
         member = rank in group.ranks
         node, self.local = divmod(group.ranks.index(rank), a) if member else (None, 0)
         self.a = a
@@ -56,6 +67,7 @@ class SplitGroupTask:
         blocks = tuple(concat(member_block(plan, r, group.index) for r in nodes[j]) for j in range(len(nodes)))
         hq, hkv = shape.hq, shape.hkv
         if a > 1:
+            assert node is not None, "only zigzag rings (a == 1) have relay-only ranks"
             self.heads = split_heads(hq, hkv, a, what=f"{group.kind} group {group.index}")
             hq, hkv = self.heads.q_count(self.local), self.heads.kv_count(self.local)
             self.node = nodes[node]
@@ -70,8 +82,9 @@ class SplitGroupTask:
             self.bwd_in = _a2a(f"dO {name}", self.node, self.node_rows, out_width, to_owner=False)
             self.bwd_out = _a2a(f"dQ/dK/dV {name}", self.node, self.node_rows, qkv_width, to_owner=True)
         ring_members = tuple(nodes[j][self.local] for j in range(len(nodes)))
-        self.ring = Ring(group.index, ring_members, blocks, node, hkv, shape.d, shape.dv,
-                         routing if group.kind == "zigzag" else None)
+        self.ring = Ring(
+            group.index, ring_members, blocks, node, hkv, shape.d, shape.dv, routing if group.kind == "zigzag" else None
+        )
 
     def involves(self, rank: int) -> bool:
         return rank in self.group.ranks or self.ring.involves(rank)
@@ -102,6 +115,7 @@ class SplitGroupTask:
             elif step.op == "ROUND":
                 yield
             else:
+                assert pending is not None, "an all-to-all posts before it waits"
                 return self._from_each(pending.wait())
 
     def _ring(self, rt: RunContext, steps, *args, backward: bool):
@@ -115,17 +129,28 @@ class SplitGroupTask:
             if result is None:
                 return None, None
             return result[0], (q, k, v, *result)
+        assert q is not None and k is not None and v is not None, "an all-to-all member holds rows"
         d, dv = q.shape[2], v.shape[2]
-        got = yield from self._exchange(rt, steps[:3], lambda: self._post(
-            rt, self.fwd_in, lambda m: pack(self._heads(q, m, False), self._heads(k, m, True),
-                                            self._heads(v, m, True)), rt.dtype))
+        got = yield from self._exchange(
+            rt,
+            steps[:3],
+            lambda: self._post(
+                rt,
+                self.fwd_in,
+                lambda m: pack(self._heads(q, m, False), self._heads(k, m, True), self._heads(v, m, True)),
+                rt.dtype,
+            ),
+        )
         hq, hkv = self.heads.q_count(self.local), self.heads.kv_count(self.local)
         parts = [unpack(x, (hq, d), (hkv, d), (hkv, dv)) for x in got]
         qh, kh, vh = (torch.cat([p[i] for p in parts]).contiguous() for i in range(3))
         out_h, lse_h = yield from self._ring(rt, steps[3:-3], qh, kh, vh, backward=False)
         o, r = self.offsets, self.node_rows
-        got = yield from self._exchange(rt, steps[-3:], lambda: self._post(
-            rt, self.fwd_out, lambda m: flat2d(out_h[o[m]:o[m] + r[m]]).contiguous(), rt.dtype))
+        got = yield from self._exchange(
+            rt,
+            steps[-3:],
+            lambda: self._post(rt, self.fwd_out, lambda m: flat2d(out_h[o[m] : o[m] + r[m]]).contiguous(), rt.dtype),
+        )
         n = r[self.local]
         out = torch.cat([x.view(n, self.heads.q_count(m), dv) for m, x in enumerate(got)], dim=1)
         return out, (qh, kh, vh, out_h, lse_h)
@@ -135,17 +160,28 @@ class SplitGroupTask:
         steps = self.steps.backward
         if self.a == 1:
             return (yield from self._ring(rt, steps, dout, saved, backward=True))
+        assert dout is not None, "an all-to-all member holds rows"
         qh, kh, vh, _, _ = saved
         d, dv = qh.shape[2], vh.shape[2]
-        got = yield from self._exchange(rt, steps[:3], lambda: self._post(
-            rt, self.bwd_in, lambda m: flat2d(self._heads(dout, m, False)).contiguous(), rt.dtype))
+        got = yield from self._exchange(
+            rt,
+            steps[:3],
+            lambda: self._post(rt, self.bwd_in, lambda m: flat2d(self._heads(dout, m, False)).contiguous(), rt.dtype),
+        )
         hq = self.heads.q_count(self.local)
         dout_h = torch.cat([x.view(x.shape[0], hq, dv) for x in got]).contiguous()
         dq_h, dk_h, dv_h = yield from self._ring(rt, steps[3:-3], dout_h, saved, backward=True)
         o, r = self.offsets, self.node_rows
-        got = yield from self._exchange(rt, steps[-3:], lambda: self._post(
-            rt, self.bwd_out, lambda m: pack(*(t[o[m]:o[m] + r[m]].to(rt.dtype) for t in (dq_h, dk_h, dv_h))),
-            rt.dtype))
+        got = yield from self._exchange(
+            rt,
+            steps[-3:],
+            lambda: self._post(
+                rt,
+                self.bwd_out,
+                lambda m: pack(*(t[o[m] : o[m] + r[m]].to(rt.dtype) for t in (dq_h, dk_h, dv_h))),
+                rt.dtype,
+            ),
+        )
         n, s, acc = r[self.local], self.heads, rt.acc_dtype
         hq, hkv = self.shape.hq, self.shape.hkv
         dq = torch.zeros(n, hq, d, dtype=acc, device=rt.device)

@@ -4,6 +4,7 @@ All tensors are exchanged *rank-major*: a leading dimension of size ``cp`` whose
 CP rank ``i``'s part (rank ``i`` = the group's ``i``-th rank, megatron's CP rank). Backend-neutral
 (gloo on CPU, NCCL on GPU): no device is assumed, no group is created.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -35,7 +36,7 @@ def all_gather(tensors: Sequence[Tensor], group) -> list[Tensor]:
     parts, offset = [], 0
     for t, src in zip(flat, tensors):
         size = t.numel() * (t.element_size() if unit is not None else 1)
-        piece = out[:, offset:offset + size]
+        piece = out[:, offset : offset + size]
         if unit is not None:
             piece = piece.contiguous().view(t.dtype)
         parts.append(piece.reshape(cp, *src.shape))

@@ -27,6 +27,7 @@ Memory per rank: K/V cache and dK/dV buffers are 1/cp of the unsharded ones; tra
 one slice's queries, out and lse for all cp ranks (no K/V is ever gathered). Every CP rank of a
 pipeline stage runs the same schedule, so the collectives of (microbatch, slice, layer) line up.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -110,8 +111,13 @@ def _partial_forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, prefix) -> tupl
         merge_(out, lse, *s.backend.forward(q, k_i, v_i, causal=False, softmax_scale=s.scale))
     c = s.layout.chunk
     for t, first, n, causal in s.layout.key_blocks(s.rank):
-        o, o_lse = s.backend.forward(_rows(q, first, n).contiguous(), _rows(k, t * c, c).contiguous(),
-                                     _rows(v, t * c, c).contiguous(), causal=causal, softmax_scale=s.scale)
+        o, o_lse = s.backend.forward(
+            _rows(q, first, n).contiguous(),
+            _rows(k, t * c, c).contiguous(),
+            _rows(v, t * c, c).contiguous(),
+            causal=causal,
+            softmax_scale=s.scale,
+        )
         merge_(_rows(out, first, n), _rows(lse, first, n, dim=2), o, o_lse)
     return out, lse
 
@@ -138,8 +144,9 @@ def _forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, cached: _Cached) -> tup
     return out.to(q.dtype), lse
 
 
-def _backward(s: _Setup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-              cached: _Cached) -> tuple[Tensor, Tensor, Tensor]:
+def _backward(
+    s: _Setup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cached: _Cached
+) -> tuple[Tensor, Tensor, Tensor]:
     q_all, dout_all, out_all, lse_all = all_gather([q, dout, out, lse], s.group)
     qp, doutp, outp = (_from_ranks(t, s.layout, 1) for t in (q_all, dout_all, out_all))
     lsep = _from_ranks(lse_all, s.layout, 2)
@@ -155,9 +162,15 @@ def _backward(s: _Setup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     for t, first, n, causal in s.layout.key_blocks(s.rank):
         rows = [_rows(x, first, n).contiguous() for x in (doutp, qp)]
         dq_b, dk_b, dv_b = s.backend.backward(
-            rows[0], rows[1], _rows(k, t * c, c).contiguous(), _rows(v, t * c, c).contiguous(),
-            _rows(outp, first, n).contiguous(), _rows(lsep, first, n, dim=2).contiguous(),
-            causal=causal, softmax_scale=s.scale)
+            rows[0],
+            rows[1],
+            _rows(k, t * c, c).contiguous(),
+            _rows(v, t * c, c).contiguous(),
+            _rows(outp, first, n).contiguous(),
+            _rows(lsep, first, n, dim=2).contiguous(),
+            causal=causal,
+            softmax_scale=s.scale,
+        )
         _rows(dq, first, n).add_(dq_b)
         _rows(dk, t * c, c).add_(dk_b)
         _rows(dv, t * c, c).add_(dv_b)
@@ -187,9 +200,18 @@ class _CPSliceAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def cp_sliced_attention(q: Tensor, k: Tensor, v: Tensor, *, backend: AttentionBackend, softmax_scale: float,
-                        group, store: Optional[KVCacheStore] = None, info: Optional[SliceInfo] = None,
-                        layer: int = 0) -> Tensor:
+def cp_sliced_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    backend: AttentionBackend,
+    softmax_scale: float,
+    group,
+    store: Optional[KVCacheStore] = None,
+    info: Optional[SliceInfo] = None,
+    layer: int = 0,
+) -> Tensor:
     """This CP rank's zigzag shard of one slice: ``q [b, s/cp, hq, d]``, ``k``/``v [b, s/cp, hkv, d]``
     -> ``[b, s/cp, hq, d]``, attending causally to the whole slice and to the earlier slices cached in
     ``store`` (this rank's shards). ``store``/``info`` None: the local tokens are the zigzag shard of
@@ -199,8 +221,10 @@ def cp_sliced_attention(q: Tensor, k: Tensor, v: Tensor, *, backend: AttentionBa
     local = q.shape[1]
     length = local * cp
     if info is not None and info.length != length:
-        raise ValueError(f"slice {info.slice} of microbatch {info.microbatch}: {local} local tokens x cp={cp} "
-                         f"= {length}, but the slice plan says {info.length} tokens")
+        raise ValueError(
+            f"slice {info.slice} of microbatch {info.microbatch}: {local} local tokens x cp={cp} "
+            f"= {length}, but the slice plan says {info.length} tokens"
+        )
     if (store is None) != (info is None):
         raise ValueError("store and info: pass both (a cached slice) or neither (one whole sequence)")
     setup = _Setup(backend, softmax_scale, group, dist.get_rank(group), ZigzagLayout(cp, length))

@@ -5,6 +5,7 @@ entered before the first backward. With ``grad_sync_func`` (Megatron's overlappe
 reduction), a chunk's reduction is launched right after its last backward; without it, the chunk's
 ``no_sync`` context is left just before its last backward so DDP's hooks reduce during it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,13 @@ def _per_chunk(value, num_chunks: int) -> list | None:
 
 
 class GradSync:
-    def __init__(self, no_sync_func, grad_sync_func, chunk_params: Sequence[Callable[[], object]],
-                 last_backward_step: dict[int, int]) -> None:
+    def __init__(
+        self,
+        no_sync_func,
+        grad_sync_func,
+        chunk_params: Sequence[Callable[[], object]],
+        last_backward_step: dict[int, int],
+    ) -> None:
         """``last_backward_step[chunk]`` is the step of the chunk's last backward on this rank."""
         self.num_chunks = len(chunk_params)
         self.chunk_params = chunk_params
@@ -90,8 +96,11 @@ class ParamSync:
         self.num_chunks = len(chunk_params)
         self.chunk_params = chunk_params
         funcs = _per_chunk(param_sync_func, self.num_chunks)
-        self.funcs = funcs if funcs is not None else (
-            [param_sync_func] * self.num_chunks if param_sync_func is not None else None)
+        self.funcs = (
+            funcs
+            if funcs is not None
+            else ([param_sync_func] * self.num_chunks if param_sync_func is not None else None)
+        )
         self._launched: set[int] = set()
 
     def _launch(self, chunk: int) -> None:

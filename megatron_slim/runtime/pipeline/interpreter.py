@@ -8,6 +8,7 @@ its receive, nothing left over at the end. Under torch's profiler every action r
 no label is entered. An evaluation step runs a forward-only schedule
 (``plan.schedule.executable_forward_only``): no autograd graph is kept.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -60,15 +61,27 @@ class RunState:
 
 
 class PipelineInterpreter:
-    def __init__(self, schedule: Schedule, rank: int, ops: StageOps, p2p: Optional[P2P],
-                 slice_lengths: Sequence[int], context: SliceContext, kv_stores: Sequence[KVCacheStore],
-                 loss: SlicedLoss, meter: Optional[ActivationMeter] = None,
-                 grad_sync: Optional[GradSync] = None, param_sync: Optional[ParamSync] = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        ops: StageOps,
+        p2p: Optional[P2P],
+        slice_lengths: Sequence[int],
+        context: SliceContext,
+        kv_stores: Sequence[KVCacheStore],
+        loss: SlicedLoss,
+        meter: Optional[ActivationMeter] = None,
+        grad_sync: Optional[GradSync] = None,
+        param_sync: Optional[ParamSync] = None,
+    ) -> None:
         if not schedule.is_lowered:
             raise ValueError("the interpreter runs lowered schedules (plan.schedule.add_communication)")
         if schedule.has_split_backward:
-            raise ValueError("split input/weight backward (I/W) schedules are simulated, not executed: "
-                             "merge them with plan.schedule.merge_backward")
+            raise ValueError(
+                "split input/weight backward (I/W) schedules are simulated, not executed: "
+                "merge them with plan.schedule.merge_backward"
+            )
         if len(slice_lengths) != schedule.num_slices:
             raise ValueError(f"{len(slice_lengths)} slice lengths for {schedule.num_slices} slices")
         self.schedule, self.rank, self.ops, self.p2p = schedule, rank, ops, p2p
@@ -79,9 +92,14 @@ class PipelineInterpreter:
         self.row = list(schedule.ranks[rank])
         self.state = RunState()
         self._step = 0
-        self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.SEND_F: self._send_forward,
-                          Kind.RECV_F: self._recv_forward, Kind.SEND_B: self._send_backward,
-                          Kind.RECV_B: self._recv_backward}
+        self._handlers = {
+            Kind.F: self._forward,
+            Kind.B: self._backward,
+            Kind.SEND_F: self._send_forward,
+            Kind.RECV_F: self._recv_forward,
+            Kind.SEND_B: self._send_backward,
+            Kind.RECV_B: self._recv_backward,
+        }
 
     # ---- helpers ----------------------------------------------------------------------------
     def _stage(self, a: Action) -> int:
@@ -91,12 +109,20 @@ class PipelineInterpreter:
         return 0 <= stage < self.schedule.num_stages and self.schedule.placement(stage)[0] == self.rank
 
     def _fail(self, message: str) -> PipelineStateError:
-        return PipelineStateError(f"rank {self.rank} step {self._step} {self.row[self._step]}: {message}\n"
-                                  + format_grid(self.schedule, {self.rank: self._step}))
+        return PipelineStateError(
+            f"rank {self.rank} step {self._step} {self.row[self._step]}: {message}\n"
+            + format_grid(self.schedule, {self.rank: self._step})
+        )
 
     def _slice_info(self, a: Action) -> SliceInfo:
-        return SliceInfo(a.microbatch, a.slice, self.schedule.num_slices, self.starts[a.slice],
-                         self.lengths[a.slice], self.forward_only)
+        return SliceInfo(
+            a.microbatch,
+            a.slice,
+            self.schedule.num_slices,
+            self.starts[a.slice],
+            self.lengths[a.slice],
+            self.forward_only,
+        )
 
     # ---- handlers -----------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
@@ -141,8 +167,12 @@ class PipelineInterpreter:
         assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
         stage = self._stage(a)
         src = self.schedule.placement(stage - 1)[0]
-        t = self.p2p.recv(self.ops.tensor_shape(a.microbatch, a.slice), self.ops.dtype, src,
-                          self.p2p.tag(False, stage, a.microbatch, a.slice))
+        t = self.p2p.recv(
+            self.ops.tensor_shape(a.microbatch, a.slice),
+            self.ops.dtype,
+            src,
+            self.p2p.tag(False, stage, a.microbatch, a.slice),
+        )
         self.state.inputs[a.unit] = t.requires_grad_(not self.forward_only)
 
     def _backward(self, a: Action) -> None:
@@ -185,8 +215,12 @@ class PipelineInterpreter:
         assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
         stage = self._stage(a)
         src = self.schedule.placement(stage + 1)[0]
-        self.state.grads[a.unit] = self.p2p.recv(self.ops.tensor_shape(a.microbatch, a.slice), self.ops.dtype, src,
-                                                 self.p2p.tag(True, stage, a.microbatch, a.slice))
+        self.state.grads[a.unit] = self.p2p.recv(
+            self.ops.tensor_shape(a.microbatch, a.slice),
+            self.ops.dtype,
+            src,
+            self.p2p.tag(True, stage, a.microbatch, a.slice),
+        )
 
     # ---- run ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -205,8 +239,11 @@ class PipelineInterpreter:
         self._check_drained()
 
     def _check_drained(self) -> None:
-        left = {name: sorted(getattr(self.state, name)) for name in ("inputs", "outputs", "grads", "to_send")
-                if getattr(self.state, name)}
+        left = {
+            name: sorted(getattr(self.state, name))
+            for name in ("inputs", "outputs", "grads", "to_send")
+            if getattr(self.state, name)
+        }
         stores = [f"chunk {c}: {s.describe()}" for c, s in enumerate(self.kv) if not s.is_empty()]
         if left or stores or not self.loss.is_drained():
             raise PipelineStateError(f"rank {self.rank}: state left after the schedule: {left} {stores}")

@@ -11,6 +11,7 @@ Per (microbatch, layer) the store keeps one chunk per slice, never a concatenate
 
 Bytes are counted as they come and go, so a run can report the peak K/V memory it really held.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -61,8 +62,10 @@ class KVCacheStore:
     def append(self, microbatch: int, layer: int, slice_: int, key: torch.Tensor, value: torch.Tensor) -> None:
         cache = self._layers.setdefault((microbatch, layer), _LayerCache())
         if slice_ != len(cache.keys):
-            raise RuntimeError(f"K/V cache of microbatch {microbatch} layer {layer}: slice {slice_} arrives "
-                               f"after {len(cache.keys)} cached slices (slices must run forward in order)")
+            raise RuntimeError(
+                f"K/V cache of microbatch {microbatch} layer {layer}: slice {slice_} arrives "
+                f"after {len(cache.keys)} cached slices (slices must run forward in order)"
+            )
         cache.keys.append(key.detach())
         cache.values.append(value.detach())
         self._track(_nbytes(key) + _nbytes(value))
@@ -73,8 +76,7 @@ class KVCacheStore:
             return []
         cache = self._layers.get((microbatch, layer))
         if cache is None or len(cache.keys) < slice_ or any(k is None for k in cache.keys[:slice_]):
-            raise RuntimeError(f"K/V cache of microbatch {microbatch} layer {layer} lacks the prefix of "
-                               f"slice {slice_}")
+            raise RuntimeError(f"K/V cache of microbatch {microbatch} layer {layer} lacks the prefix of slice {slice_}")
         return list(zip(cache.keys[:slice_], cache.values[:slice_]))
 
     # ---- backward --------------------------------------------------------------------------
@@ -102,32 +104,39 @@ class KVCacheStore:
         """Slice ``slice_``'s backward is done at this layer: nothing reads its K/V again."""
         cache = self._layers[(microbatch, layer)]
         if slice_ != len(cache.keys) - 1 or cache.keys[slice_] is None:
-            raise RuntimeError(f"K/V cache of microbatch {microbatch} layer {layer}: releasing slice {slice_} "
-                               f"out of reverse order")
+            raise RuntimeError(
+                f"K/V cache of microbatch {microbatch} layer {layer}: releasing slice {slice_} out of reverse order"
+            )
         self._track(-_nbytes(cache.keys[slice_]) - _nbytes(cache.values[slice_]))
         cache.keys.pop()
         cache.values.pop()
         if not cache.keys:
             if cache.grads:
-                raise RuntimeError(f"dK/dV of microbatch {microbatch} layer {layer} slices "
-                                   f"{sorted(cache.grads)} were never consumed")
+                raise RuntimeError(
+                    f"dK/dV of microbatch {microbatch} layer {layer} slices {sorted(cache.grads)} were never consumed"
+                )
             del self._layers[(microbatch, layer)]
 
     def drop_microbatch(self, microbatch: int) -> None:
         """Forward-only runs: the last slice has been forwarded, nothing will go backward."""
         for key in [k for k in self._layers if k[0] == microbatch]:
             cache = self._layers.pop(key)
-            self._track(-sum(_nbytes(t) for t in cache.keys + cache.values)
-                        - sum(_nbytes(g) for pair in cache.grads.values() for g in pair))
+            self._track(
+                -sum(_nbytes(t) for t in cache.keys + cache.values)
+                - sum(_nbytes(g) for pair in cache.grads.values() for g in pair)
+            )
 
     # ---- inspection ------------------------------------------------------------------------
     def storage_ptrs(self) -> set[int]:
-        return {t.untyped_storage().data_ptr() for c in self._layers.values()
-                for t in c.keys + c.values if t is not None}
+        return {
+            t.untyped_storage().data_ptr() for c in self._layers.values() for t in c.keys + c.values if t is not None
+        }
 
     def is_empty(self) -> bool:
         return not self._layers
 
     def describe(self) -> str:
-        return ", ".join(f"mb{mb} layer{layer}: {len(c.keys)} slice(s), {len(c.grads)} grad(s)"
-                         for (mb, layer), c in sorted(self._layers.items()))
+        return ", ".join(
+            f"mb{mb} layer{layer}: {len(c.keys)} slice(s), {len(c.grads)} grad(s)"
+            for (mb, layer), c in sorted(self._layers.items())
+        )

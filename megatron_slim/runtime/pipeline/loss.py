@@ -28,6 +28,7 @@ With a stock local-count loss function and uneven masks megatron averages per-ra
 class does the same, and the value then also depends on which tokens a rank holds (SlimPipe's
 per-slice zigzag differs from megatron's whole-sequence zigzag).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -56,12 +57,16 @@ class SlicedLoss:
 
     def add(self, microbatch: int, slice_: int, outputs, keep_graph: bool) -> None:
         if not isinstance(outputs, tuple) or len(outputs) not in (2, 3):
-            raise TypeError("loss_func must return (loss_sum, num_tokens, report) or, unsliced, (loss, report); "
-                            f"got {type(outputs).__name__}")
+            raise TypeError(
+                "loss_func must return (loss_sum, num_tokens, report) or, unsliced, (loss, report); "
+                f"got {type(outputs).__name__}"
+            )
         if len(outputs) == 2:
             if self.num_slices > 1:
-                raise ValueError("a 2-tuple loss_func (mean loss, report) cannot be normalised per microbatch "
-                                 "over slices: return (loss_sum, num_tokens, report) as pretrain_gpt.py does")
+                raise ValueError(
+                    "a 2-tuple loss_func (mean loss, report) cannot be normalised per microbatch "
+                    "over slices: return (loss_sum, num_tokens, report) as pretrain_gpt.py does"
+                )
             loss, report = outputs
             num_tokens = torch.ones((), dtype=torch.int, device=loss.device)
         else:

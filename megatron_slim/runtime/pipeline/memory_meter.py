@@ -6,6 +6,7 @@ without parameters (weights saved by matmuls are static memory) or K/V cache chu
 the cache store as K/V). They are released when the action's backward ends. This is the same
 accounting the simulator uses, so the two can be compared number for number.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -4,6 +4,7 @@ Every message is tagged with (direction, stage, microbatch, slice) so gloo match
 for NCCL, which ignores tags, the planner guarantees each directed link carries its messages in
 the same order on both ends (``plan.schedule.validate.check_link_order``).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -13,8 +14,15 @@ import torch.distributed as dist
 
 
 class P2P:
-    def __init__(self, group: dist.ProcessGroup | None, pp_ranks: Sequence[int], device: torch.device,
-                 num_stages: int, num_microbatches: int, num_slices: int) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        pp_ranks: Sequence[int],
+        device: torch.device,
+        num_stages: int,
+        num_microbatches: int,
+        num_slices: int,
+    ) -> None:
         """``pp_ranks[i]`` is the global rank of pipeline rank ``i`` in ``group``."""
         self.group = group
         self.pp_ranks = list(pp_ranks)
@@ -24,7 +32,7 @@ class P2P:
 
     def tag(self, backward: bool, stage: int, microbatch: int, slice_: int) -> int:
         stages, mbs, slices = self._dims
-        return (((int(backward) * stages + stage) * mbs + microbatch) * slices + slice_) % (2 ** 31 - 1)
+        return (((int(backward) * stages + stage) * mbs + microbatch) * slices + slice_) % (2**31 - 1)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()

@@ -8,6 +8,7 @@ cache itself stays per slice. Backward runs slices in reverse: the prefix rows o
 the store's fp32 buffers of their slices; this slice's own rows get the buffer the later slices
 filled; then the slice's cache chunk is released.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,14 +21,14 @@ from megatron_slim.runtime.pipeline.slice_context import SliceInfo
 def _joined(prefix: list[tuple[torch.Tensor, torch.Tensor]], k: torch.Tensor, v: torch.Tensor):
     if not prefix:
         return k, v
-    return (torch.cat([k_i for k_i, _ in prefix] + [k], dim=1),
-            torch.cat([v_i for _, v_i in prefix] + [v], dim=1))
+    return (torch.cat([k_i for k_i, _ in prefix] + [k], dim=1), torch.cat([v_i for _, v_i in prefix] + [v], dim=1))
 
 
 class _SliceAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, backend: AttentionBackend, scale: float, store: KVCacheStore,
-                info: SliceInfo, layer: int):
+    def forward(
+        ctx, q, k, v, backend: AttentionBackend, scale: float, store: KVCacheStore, info: SliceInfo, layer: int
+    ):
         keys, values = _joined(store.prefix(info.microbatch, layer, info.slice), k, v)
         out, lse = backend.forward(q, keys, values, causal=True, softmax_scale=scale)
         store.append(info.microbatch, layer, info.slice, k, v)
@@ -41,8 +42,9 @@ class _SliceAttention(torch.autograd.Function):
         backend, scale, store, info, layer = ctx.meta
         prefix = store.prefix(info.microbatch, layer, info.slice)
         keys, values = _joined(prefix, k, v)
-        dq, dkeys, dvalues = backend.backward(dout.contiguous(), q, keys, values, out, lse, causal=True,
-                                              softmax_scale=scale)
+        dq, dkeys, dvalues = backend.backward(
+            dout.contiguous(), q, keys, values, out, lse, causal=True, softmax_scale=scale
+        )
         start = 0
         for i, (k_i, _) in enumerate(prefix):
             rows = slice(start, start + k_i.shape[1])
@@ -57,8 +59,17 @@ class _SliceAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def sliced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: AttentionBackend,
-                     softmax_scale: float, store: KVCacheStore, info: SliceInfo, layer: int) -> torch.Tensor:
+def sliced_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    backend: AttentionBackend,
+    softmax_scale: float,
+    store: KVCacheStore,
+    info: SliceInfo,
+    layer: int,
+) -> torch.Tensor:
     """``q [b, s, hq, d]``, ``k``/``v [b, s, hkv, d]`` of slice ``info.slice`` -> ``[b, s, hq, d]``.
 
     K and V are made contiguous first: they stay in the cache until this slice's backward, and a

@@ -4,6 +4,7 @@ The interpreter sets it around every forward and backward; the slice attention (
 prefix length) and the rotary wrapper (positions) read it. One object per model-chunk set,
 injected at the edge: no module-level state.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

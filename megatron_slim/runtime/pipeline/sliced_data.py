@@ -11,6 +11,7 @@ refused rather than silently ignored. Slices are contiguous copies: loss functio
 with ``view(-1)`` (Megatron-Bridge's ``masked_next_token_loss``), which a column slice of a
 ``[b > 1, s]`` tensor does not allow.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterator, Optional, Sequence
@@ -21,29 +22,32 @@ import torch
 def _causal_rows(mask: torch.Tensor, start: int, length: int) -> bool:
     """Megatron's boolean mask marks *masked* positions; a causal mask masks exactly the keys after
     each query. Checks only the slice's rows (up to its last key)."""
-    rows = mask[..., start:start + length, :start + length]
+    rows = mask[..., start : start + length, : start + length]
     expected = torch.ones(length, start + length, dtype=torch.bool, device=mask.device).triu(start + 1)
     return mask.dtype == torch.bool and bool((rows == expected).all())
 
 
 def slice_batch(batch: Any, start: int, length: int) -> Any:
     if torch.is_tensor(batch):
-        return batch[:, start:start + length].contiguous()
+        return batch[:, start : start + length].contiguous()
     if isinstance(batch, dict):
         out = {}
         for name, value in batch.items():
             if name == "attention_mask" and value is not None:
                 if not _causal_rows(value, start, length):
-                    raise ValueError("attention_mask: SlimPipe slices support only the plain causal mask "
-                                     "(no --reset-attention-mask / document masking); got a different mask")
-                out[name] = value[..., start:start + length, start:start + length]
+                    raise ValueError(
+                        "attention_mask: SlimPipe slices support only the plain causal mask "
+                        "(no --reset-attention-mask / document masking); got a different mask"
+                    )
+                out[name] = value[..., start : start + length, start : start + length]
             elif torch.is_tensor(value) and value.dim() >= 2:
-                out[name] = value[:, start:start + length].contiguous()
+                out[name] = value[:, start : start + length].contiguous()
             else:
                 out[name] = value
         return out
-    raise TypeError(f"cannot slice a batch of type {type(batch).__name__}: expected a dict of [b, s] tensors "
-                    "or a tensor")
+    raise TypeError(
+        f"cannot slice a batch of type {type(batch).__name__}: expected a dict of [b, s] tensors or a tensor"
+    )
 
 
 class SlicedIterator:
@@ -73,9 +77,14 @@ class SlicedIterator:
 
 
 def _check_length(batch: Any, expected: int) -> None:
-    tensors = [batch] if torch.is_tensor(batch) else [
-        v for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and k != "attention_mask"]
+    tensors = (
+        [batch]
+        if torch.is_tensor(batch)
+        else [v for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and k != "attention_mask"]
+    )
     for t in tensors:
         if t.shape[1] != expected:
-            raise ValueError(f"batch sequence length {t.shape[1]} differs from the slice plan's {expected} tokens "
-                             "(--seq-length / model.seq_length)")
+            raise ValueError(
+                f"batch sequence length {t.shape[1]} differs from the slice plan's {expected} tokens "
+                "(--seq-length / model.seq_length)"
+            )

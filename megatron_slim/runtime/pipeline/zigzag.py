@@ -6,6 +6,7 @@ forward step receives). Tensors gathered over the CP group come *rank-major* (ra
 then rank 1's, ...); causal masking needs *position order*. ``ZigzagLayout`` converts between the
 two along any dimension and names which query rows a local key chunk is seen by.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,10 @@ class ZigzagLayout:
         if self.cp < 1:
             raise ValueError(f"cp={self.cp}: allowed values are integers >= 1")
         if self.length <= 0 or self.length % (2 * self.cp):
-            raise ValueError(f"slice length {self.length}: allowed values are positive multiples of "
-                             f"2*cp={2 * self.cp} (zigzag context-parallel chunks)")
+            raise ValueError(
+                f"slice length {self.length}: allowed values are positive multiples of "
+                f"2*cp={2 * self.cp} (zigzag context-parallel chunks)"
+            )
 
     @property
     def chunk(self) -> int:

@@ -12,6 +12,7 @@ after all ranks finished saving, before the folder is renamed into place. An ite
 when its manifest reads back and every file it lists has that size and hash. Pure Python: the
 command checks a directory before it starts any rank.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,22 +62,29 @@ def sha256_of(path: Path) -> str:
 
 def write_manifest(folder: Path, iteration: int) -> None:
     """Checksum every file in ``folder`` (written by all ranks) into its manifest."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
-             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
     write_atomic(folder / MANIFEST, json.dumps({"format": FORMAT, "iteration": iteration, "files": files}, indent=1))
 
 
 def _read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
     if not path.is_file():
-        raise DamagedIteration(f"{folder.name} has no {MANIFEST} (an unfinished save, or not a megatron-slim "
-                               f"{FORMAT} checkpoint)")
+        raise DamagedIteration(
+            f"{folder.name} has no {MANIFEST} (an unfinished save, or not a megatron-slim {FORMAT} checkpoint)"
+        )
     try:
         manifest = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise DamagedIteration(f"{folder.name}/{MANIFEST} is not valid JSON") from None
-    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
-            or not isinstance(manifest.get("files"), dict)):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
         raise DamagedIteration(f"{folder.name}/{MANIFEST} is not a {FORMAT} manifest")
     return manifest
 
@@ -98,8 +106,10 @@ def verify(directory: str | Path, iteration: int) -> dict:
             raise DamagedIteration(f"{folder.name}/{name} is missing")
         size = path.stat().st_size
         if size != entry.get("bytes"):
-            raise DamagedIteration(f"{folder.name}/{name} has {size} bytes, the manifest says {entry.get('bytes')} "
-                                   "(truncated or overwritten)")
+            raise DamagedIteration(
+                f"{folder.name}/{name} has {size} bytes, the manifest says {entry.get('bytes')} "
+                "(truncated or overwritten)"
+            )
         if sha256_of(path) != entry.get("sha256"):
             raise DamagedIteration(f"{folder.name}/{name} does not match its sha256 in the manifest (corrupt)")
     try:
@@ -136,6 +146,7 @@ def read_latest(directory: str | Path) -> tuple[Optional[int], str]:
 class Choice:
     """The iteration to resume from (None: nothing saved) with its recipe, and why newer ones
     were passed over."""
+
     iteration: Optional[int] = None
     recipe: Optional[dict] = None
     skipped: list[str] = field(default_factory=list)

@@ -9,6 +9,7 @@ holds. Replicas (data-parallel ranks, the two copies of a tied embedding, both n
 every holder. A tensor-parallel shard carries its shard in the key (``|tp1of2``): the checkpoint
 keeps the tensor-parallel size.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -55,7 +56,7 @@ def placeholders(chunks, saved_keys: dict) -> tuple[dict[str, torch.Tensor], lis
     optim_fields = defaultdict(list)
     for saved in saved_keys:
         if saved.startswith(OPTIM):
-            key, _, field = saved[len(OPTIM):].rpartition("/")
+            key, _, field = saved[len(OPTIM) :].rpartition("/")
             optim_fields[key].append(field)
     for key, params in named_parameters(chunks).items():
         if MODEL + key not in saved_keys:
@@ -73,7 +74,7 @@ def apply(chunks, optimizer: torch.optim.Optimizer, loaded: dict[str, torch.Tens
     optim_state: dict[str, dict] = defaultdict(dict)
     for saved, value in loaded.items():
         if saved.startswith(OPTIM):
-            key, _, field = saved[len(OPTIM):].rpartition("/")
+            key, _, field = saved[len(OPTIM) :].rpartition("/")
             optim_state[key][field] = value
     for key, params in named_parameters(chunks).items():
         with torch.no_grad():

@@ -7,6 +7,7 @@ and data-parallel ranks (the state is stored by whole-model parameter name, see
 and the optimizer settings must stay. A changed ``train.iters`` continues with the new recipe's
 learning-rate schedule from the saved step count (Megatron's ``--override-opt_param-scheduler``).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,18 @@ from typing import Callable, Optional
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.train.checkpoint.layout import choose_iteration
 
-CHANGEABLE = ("train.iters", "train.save_interval", "train.log_interval", "parallel.pp", "parallel.vpp",
-              "parallel.dp", "schedule.kind", "schedule.num_slices", "schedule.slice_policy",
-              "train.skip_nonfinite_steps")
+CHANGEABLE = (
+    "train.iters",
+    "train.save_interval",
+    "train.log_interval",
+    "parallel.pp",
+    "parallel.vpp",
+    "parallel.dp",
+    "schedule.kind",
+    "schedule.num_slices",
+    "schedule.slice_policy",
+    "train.skip_nonfinite_steps",
+)
 _IGNORED = ("name", "description")
 
 
@@ -43,9 +53,11 @@ def differing_keys(saved: dict, recipe: dict) -> list[str]:
 
 def check_checkpoint_dir(directory: str) -> None:
     """``--checkpoint-dir`` is (or can become) a writable directory."""
+
     def fail(reason: str) -> ConfigError:
-        return ConfigError(f"--checkpoint-dir {directory}: {reason}; allowed: a writable directory (created if "
-                           "missing)")
+        return ConfigError(
+            f"--checkpoint-dir {directory}: {reason}; allowed: a writable directory (created if missing)"
+        )
 
     path = Path(directory)
     if directory == "":
@@ -70,22 +82,30 @@ def check_resumable(directory: str, recipe: dict, say: Callable[[str], None] = p
     choice = choose_iteration(directory)
     if choice.iteration is None:
         if choice.skipped:
-            raise ConfigError(f"--checkpoint-dir {directory}: no intact checkpoint to resume from ("
-                              f"{'; '.join(choice.skipped)}); allowed: a directory with an intact iteration, "
-                              "another directory, or --no-resume to start from scratch")
+            raise ConfigError(
+                f"--checkpoint-dir {directory}: no intact checkpoint to resume from ("
+                f"{'; '.join(choice.skipped)}); allowed: a directory with an intact iteration, "
+                "another directory, or --no-resume to start from scratch"
+            )
         return None
     if choice.skipped:
-        say(f"checkpoint: skipped {'; '.join(choice.skipped)}; resuming from iteration {choice.iteration}, "
-            "the newest intact one")
+        say(
+            f"checkpoint: skipped {'; '.join(choice.skipped)}; resuming from iteration {choice.iteration}, "
+            "the newest intact one"
+        )
     assert choice.recipe is not None, "an intact iteration carries its recipe"
     diff = differing_keys(choice.recipe, recipe)
     if diff:
-        raise ConfigError(f"--checkpoint-dir {directory}: its checkpoint (iteration {choice.iteration}) was written "
-                          f"by a different recipe (differs in: {', '.join(diff)}); only {', '.join(CHANGEABLE)} may "
-                          "change on resume: use the same recipe otherwise, another directory, or --no-resume")
+        raise ConfigError(
+            f"--checkpoint-dir {directory}: its checkpoint (iteration {choice.iteration}) was written "
+            f"by a different recipe (differs in: {', '.join(diff)}); only {', '.join(CHANGEABLE)} may "
+            "change on resume: use the same recipe otherwise, another directory, or --no-resume"
+        )
     iters = recipe["train"]["iters"]
     if iters < choice.iteration:
-        raise ConfigError(f"train.iters: got {iters}, but --checkpoint-dir {directory} holds iteration "
-                          f"{choice.iteration}; allowed: train.iters >= {choice.iteration}, another directory, "
-                          "or --no-resume")
+        raise ConfigError(
+            f"train.iters: got {iters}, but --checkpoint-dir {directory} holds iteration "
+            f"{choice.iteration}; allowed: train.iters >= {choice.iteration}, another directory, "
+            "or --no-resume"
+        )
     return choice.iteration

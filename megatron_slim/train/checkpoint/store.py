@@ -11,6 +11,7 @@ rank's RNG states (``rng/rank<r>``). RNG states are restored only under the same
 another split rank ``r`` is another part of the model. No training step draws from them (the
 model has no dropout; weights are initialised per parameter from the seed).
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,8 +42,9 @@ def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
 
 
-def save(directory, iteration: int, rank: int, chunks, optimizer, scheduler, recipe: dict,
-         report: Optional[dict] = None) -> None:
+def save(
+    directory, iteration: int, rank: int, chunks, optimizer, scheduler, recipe: dict, report: Optional[dict] = None
+) -> None:
     """Save this rank's part of ``iteration``; ``report`` (losses, cp_iterations) comes from the
     reporting rank only."""
     partial, final = layout.partial_dir(directory, iteration), layout.iteration_dir(directory, iteration)
@@ -50,8 +52,12 @@ def save(directory, iteration: int, rank: int, chunks, optimizer, scheduler, rec
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    state = dict(naming.training_state(chunks, optimizer), scheduler=scheduler.state_dict(),
-                 layout=_layout(recipe), **{f"rng/rank{rank}": _rng_state()})
+    state = dict(
+        naming.training_state(chunks, optimizer),
+        scheduler=scheduler.state_dict(),
+        layout=_layout(recipe),
+        **{f"rng/rank{rank}": _rng_state()},
+    )
     if report is not None:
         state["report"] = report
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), planner=_SAVE_PLANNER())
@@ -83,8 +89,9 @@ def load(directory, iteration: int, rank: int, chunks, optimizer, scheduler, rec
     saved = reader.read_metadata().state_dict_metadata
     wanted, missing = naming.placeholders(chunks, saved)
     if missing:
-        raise IncompatibleCheckpoint(f"{folder} has no weights for {', '.join(missing[:5])}"
-                                     f"{' ...' if len(missing) > 5 else ''}")
+        raise IncompatibleCheckpoint(
+            f"{folder} has no weights for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+        )
     objects = [key for key in ("scheduler", "layout", "report", f"rng/rank{rank}") if key in saved]
     state: dict[str, Any] = dict(wanted, **dict.fromkeys(objects))
     # fills the tensors in place and replaces the objects' values

@@ -4,7 +4,7 @@ import dataclasses
 import torch
 
 from megatron_slim.plan.recipe import ModelConfig
-from megatron_slim.train.loop import forward_step  # the training job's own
+from megatron_slim.train.microbatch import forward_step  # the training job's own
 from tests.oracle import reference
 from tests.oracle.models import TINY_GQA_8L
 

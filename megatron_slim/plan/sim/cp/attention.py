@@ -19,6 +19,7 @@ its last participant (in group order) posts it, so every participant's earlier s
 
 ``walked[(rank, group)]`` lists the step strings in the order priced, to check against the runtime.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -28,12 +29,13 @@ from megatron_slim.plan.cp.layout import CPGroup, CPPlan
 from megatron_slim.plan.cp.program import CPProgram, Step
 from megatron_slim.plan.cp.routing import RoutingPlan
 from megatron_slim.plan.cp.zigzag import causal, member_prefix_pairs
-from megatron_slim.plan.sim.cp.events import Deps
+from megatron_slim.plan.sim.cp.events import Deps, Priority
 from megatron_slim.plan.sim.cp.network import Network
 from megatron_slim.plan.sim.cp.ring import RingPricer
 
 __all__ = ["AttentionBuilder", "rounds"]
-Pricer = Callable[[int, Step], None]
+Pricer = Callable[[int, Step], None]  # prices one step of one rank
+Finals = Callable[[], dict[int, list[int]]]  # per member, the tasks its post-attention work waits for
 
 
 def rounds(steps: tuple[Step, ...]) -> list[list[Step]]:
@@ -47,18 +49,26 @@ def rounds(steps: tuple[Step, ...]) -> list[list[Step]]:
 
 
 class AttentionBuilder:
-    def __init__(self, plan: CPPlan, costs: CPCosts, net: Network, routing: RoutingPlan | None,
-                 backward: bool, program: CPProgram) -> None:
+    def __init__(
+        self,
+        plan: CPPlan,
+        costs: CPCosts,
+        net: Network,
+        routing: RoutingPlan | None,
+        backward: bool,
+        program: CPProgram,
+    ) -> None:
         self.plan, self.costs, self.net, self.routing, self.backward = plan, costs, net, routing, backward
         self.program = program
         self.graph = net.graph
         self.walked: dict[tuple[int, int], list[str]] = {}
 
-    def attn(self, rank: int, pairs: float, deps, priority: tuple, name: str) -> int:
+    def attn(self, rank: int, pairs: float, deps: Deps, priority: Priority, name: str) -> int:
         return self.graph.compute(rank, self.costs.attention_s(pairs, self.backward), deps, priority, name=name)
 
-    def hop(self, group: CPGroup, step: int, src: int, dst: int, rows: float, per_row: float, deps,
-            name: str = "") -> int:
+    def hop(
+        self, group: CPGroup, step: int, src: int, dst: int, rows: float, per_row: float, deps: Deps, name: str = ""
+    ) -> int:
         route = self.routing.route_for(group.index, step, dst) if (self.routing and group.routed) else None
         if route is not None and route.routed:
             return self.net.routed(route, per_row, deps, f"{name} routed" if name else "")
@@ -67,11 +77,14 @@ class AttentionBuilder:
     def build(self, group: CPGroup, ready: dict[int, int]) -> dict[int, list[int]]:
         """Tasks of ``group``; ``ready[rank]`` is the task after which a member may start.
         Returns, per member, the tasks its post-attention work must wait for."""
-        price, finals = getattr(self, f"_{group.kind}")(group, ready)
-        relays = sorted(r for r in range(self.plan.num_ranks)
-                        if r not in group.ranks and self.program.task(r, group.index) is not None)
-        walkers = [(r, rounds(self.program.task(r, group.index).steps(self.backward)))
-                   for r in (*group.ranks, *relays)]
+        pricers: Callable[[CPGroup, dict[int, int]], tuple[Pricer, Finals]] = getattr(self, f"_{group.kind}")
+        price, finals = pricers(group, ready)
+        relays = sorted(
+            r
+            for r in range(self.plan.num_ranks)
+            if r not in group.ranks and self.program.task(r, group.index) is not None
+        )
+        walkers = [(r, self._rounds(r, group)) for r in (*group.ranks, *relays)]
         for k in range(max(len(w) for _, w in walkers)):
             for rank, steps in walkers:
                 for step in steps[k] if k < len(steps) else ():
@@ -79,36 +92,63 @@ class AttentionBuilder:
                     self.walked.setdefault((rank, group.index), []).append(str(step))
         return finals()
 
+    def _rounds(self, rank: int, group: CPGroup) -> list[list[Step]]:
+        task = self.program.task(rank, group.index)
+        assert task is not None, f"rank {rank} has no task in group {group.index}"
+        return rounds(task.steps(self.backward))
+
     # ---- kinds ------------------------------------------------------------------------------------
-    def _local(self, group: CPGroup, ready: dict[int, int]):
-        rank, out = group.ranks[0], {}
+    def _local(self, group: CPGroup, ready: dict[int, int]) -> tuple[Pricer, Finals]:
+        rank = group.ranks[0]
+        out: dict[int, list[int]] = {}
 
         def price(r: int, step: Step) -> None:
             if step.op == "C":
-                out[r] = [self.attn(r, causal(self.plan.lengths[i]), (ready[r],), (group.priority, group.index, k),
-                                    f"local seq {i} ({self.plan.lengths[i]} tokens)")
-                          for k, i in enumerate(group.seqs)]
+                out[r] = [
+                    self.attn(
+                        r,
+                        causal(self.plan.lengths[i]),
+                        (ready[r],),
+                        (group.priority, group.index, k),
+                        f"local seq {i} ({self.plan.lengths[i]} tokens)",
+                    )
+                    for k, i in enumerate(group.seqs)
+                ]
+
         return price, lambda: {rank: out.get(rank, [])}
 
-    def _zigzag(self, group: CPGroup, ready: dict[int, int]):
-        ring = RingPricer(self, group, list(group.ranks), [self.plan.lengths[i] for i in group.seqs], ready,
-                          [self.plan.group_tokens(group.index, r) for r in group.ranks], 1.0, 1.0, 0)
+    def _zigzag(self, group: CPGroup, ready: dict[int, int]) -> tuple[Pricer, Finals]:
+        ring = RingPricer(
+            self,
+            group,
+            list(group.ranks),
+            [self.plan.lengths[i] for i in group.seqs],
+            ready,
+            [self.plan.group_tokens(group.index, r) for r in group.ranks],
+            1.0,
+            1.0,
+            0,
+        )
         return ring.price, ring.finals
 
     def _node_a2a(self, ranks: list[int], rows: list[int], per_row: float, deps: Deps, gather: bool, name: str) -> int:
         """All-to-all inside one node: a member's rows split evenly over the heads of the others
         (``gather=False``: members send their own rows' heads out; ``True``: return outputs)."""
         a = len(ranks)
-        flows = [(ranks[s], ranks[d], (rows[d] if gather else rows[s]) * per_row / a)
-                 for s in range(a) for d in range(a) if s != d]
+        flows = [
+            (ranks[s], ranks[d], (rows[d] if gather else rows[s]) * per_row / a)
+            for s in range(a)
+            for d in range(a)
+            if s != d
+        ]
         return self.net.all_to_all(flows, deps, name)
 
-    def _hierarchical(self, group: CPGroup, ready: dict[int, int]):
+    def _hierarchical(self, group: CPGroup, ready: dict[int, int]) -> tuple[Pricer, Finals]:
         a, n = group.a2a_size, group.ring_size
         c = self.costs
         rows = [self.plan.group_tokens(group.index, r) for r in group.ranks]
-        node_ranks = [list(group.ranks[j * a:(j + 1) * a]) for j in range(n)]
-        node_rows = [rows[j * a:(j + 1) * a] for j in range(n)]
+        node_ranks = [list(group.ranks[j * a : (j + 1) * a]) for j in range(n)]
+        node_rows = [rows[j * a : (j + 1) * a] for j in range(n)]
         kv_share = max(1.0 / a, 1.0 / c.kv_heads)  # K/V heads replicate when fewer than ranks
         qkv = c.q_bytes + c.kv_bytes * kv_share * a  # per row before the a2a splits it over a heads
         in_bytes = c.q_bytes if self.backward else qkv
@@ -123,32 +163,55 @@ class AttentionBuilder:
             if step.what in ("QKV", "DO", "OUT", "DQKV") and local < a - 1:
                 return
             if step.op == "POST" and step.what in ("QKV", "DO"):
-                first[j] = self._node_a2a(node_ranks[j], node_rows[j], in_bytes, [ready[r] for r in node_ranks[j]],
-                                          False, f"hierarchical g{group.index} a2a in")
+                first[j] = self._node_a2a(
+                    node_ranks[j],
+                    node_rows[j],
+                    in_bytes,
+                    [ready[r] for r in node_ranks[j]],
+                    False,
+                    f"hierarchical g{group.index} a2a in",
+                )
             elif step.op == "POST" and step.what in ("OUT", "DQKV"):
                 ends = [t for sub, ring in enumerate(rings) for t in ring.final(node_ranks[j][sub])]
-                done = self._node_a2a(node_ranks[j], node_rows[j], out_bytes, ends, True,
-                                      f"hierarchical g{group.index} a2a out")
+                done = self._node_a2a(
+                    node_ranks[j], node_rows[j], out_bytes, ends, True, f"hierarchical g{group.index} a2a out"
+                )
                 out.update({r: [done] for r in node_ranks[j]})
             elif step.op == "C" or step.what in ("KV", "DKV"):
                 if not rings:
-                    rings.extend(RingPricer(self, group, [node_ranks[m][sub] for m in range(n)], lengths,
-                                            {node_ranks[m][sub]: first[m] for m in range(n)},
-                                            [float(sum(r)) for r in node_rows], 1.0 / a, kv_share, sub)
-                                 for sub in range(a))
+                    rings.extend(
+                        RingPricer(
+                            self,
+                            group,
+                            [node_ranks[m][sub] for m in range(n)],
+                            lengths,
+                            {node_ranks[m][sub]: first[m] for m in range(n)},
+                            [float(sum(r)) for r in node_rows],
+                            1.0 / a,
+                            kv_share,
+                            sub,
+                        )
+                        for sub in range(a)
+                    )
                 rings[local].price(rank, step)
+
         return price, lambda: out
 
-    def _ulysses(self, group: CPGroup, ready: dict[int, int]):
+    def _ulysses(self, group: CPGroup, ready: dict[int, int]) -> tuple[Pricer, Finals]:
         c, ranks = self.costs, group.ranks
         p = len(ranks)
         rows = [self.plan.group_tokens(group.index, r) for r in ranks]
         kv_share = max(1.0 / p, 1.0 / c.kv_heads)  # K/V heads replicate when fewer than ranks
-        in_bytes: Callable[[int, int], float] = (lambda s, d: rows[s] * c.q_bytes / p) if self.backward else \
-            (lambda s, d: rows[s] * (c.q_bytes / p + c.kv_bytes * kv_share))
+        in_bytes: Callable[[int, int], float] = (
+            (lambda s, d: rows[s] * c.q_bytes / p)
+            if self.backward
+            else (lambda s, d: rows[s] * (c.q_bytes / p + c.kv_bytes * kv_share))
+        )
         out_bytes: Callable[[int, int], float] = (
-            lambda s, d: rows[d] * (c.q_bytes / p + c.kv_bytes * kv_share)) if self.backward else \
-            (lambda s, d: rows[d] * c.q_bytes / p)
+            (lambda s, d: rows[d] * (c.q_bytes / p + c.kv_bytes * kv_share))
+            if self.backward
+            else (lambda s, d: rows[d] * c.q_bytes / p)
+        )
         pairs = sum(causal(self.plan.lengths[i]) for i in group.seqs) / p
         tids: dict[str, int] = {}
         comp: list[int] = []
@@ -158,14 +221,16 @@ class AttentionBuilder:
                 flows = [(ranks[s], ranks[d], in_bytes(s, d)) for s in range(p) for d in range(p) if s != d]
                 tids["in"] = self.net.all_to_all(flows, [ready[r] for r in ranks], f"ulysses g{group.index} a2a in")
             elif step.op == "C":
-                comp.append(self.attn(rank, pairs, (tids["in"],), (group.priority, group.index, 0),
-                                      f"ulysses g{group.index}"))
+                comp.append(
+                    self.attn(rank, pairs, (tids["in"],), (group.priority, group.index, 0), f"ulysses g{group.index}")
+                )
             elif step.op == "POST" and step.what in ("OUT", "DQKV") and rank == ranks[-1]:
                 flows = [(ranks[s], ranks[d], out_bytes(s, d)) for s in range(p) for d in range(p) if s != d]
                 tids["out"] = self.net.all_to_all(flows, comp, f"ulysses g{group.index} a2a out")
+
         return price, lambda: {r: [tids["out"]] for r in ranks}
 
-    def _allgather(self, group: CPGroup, ready: dict[int, int]):
+    def _allgather(self, group: CPGroup, ready: dict[int, int]) -> tuple[Pricer, Finals]:
         ranks, g = group.ranks, len(group.ranks)
         blocks = [self.plan.group_tokens(group.index, r) * self.costs.kv_bytes for r in ranks]
         tids: dict[str, int] = {}
@@ -174,13 +239,17 @@ class AttentionBuilder:
         def price(rank: int, step: Step) -> None:
             i = ranks.index(rank)
             if step.op == "POST" and step.what == "GATHER" and i == g - 1:
-                tids["gather"] = self.net.all_gather(ranks, blocks, [ready[r] for r in ranks],
-                                                     f"allgather g{group.index} K/V")
+                tids["gather"] = self.net.all_gather(
+                    ranks, blocks, [ready[r] for r in ranks], f"allgather g{group.index} K/V"
+                )
             elif step.op == "C" and step.step == 0:
                 pairs = sum(member_prefix_pairs(self.plan.lengths[s], g, i) for s in group.seqs)
-                comp[rank] = self.attn(rank, pairs, (tids["gather"],), (group.priority, group.index, 0),
-                                       f"allgather g{group.index}")
+                comp[rank] = self.attn(
+                    rank, pairs, (tids["gather"],), (group.priority, group.index, 0), f"allgather g{group.index}"
+                )
             elif step.op == "POST" and step.what == "SCATTER" and i == g - 1:  # same traffic as the gather
-                tids["scatter"] = self.net.all_gather(ranks, blocks, [comp[r] for r in ranks],
-                                                      f"allgather g{group.index} dK/dV reduce-scatter")
+                tids["scatter"] = self.net.all_gather(
+                    ranks, blocks, [comp[r] for r in ranks], f"allgather g{group.index} dK/dV reduce-scatter"
+                )
+
         return price, lambda: {r: [tids["scatter"] if self.backward else comp[r]] for r in ranks}

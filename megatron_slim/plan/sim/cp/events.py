@@ -16,6 +16,7 @@ Two kinds of task:
 Collectives are single comm tasks whose dependencies are every participant's preceding work: the
 participants synchronise there.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -46,16 +47,23 @@ class TaskGraph:
     num_ranks: int
     tasks: list[Task] = field(default_factory=list)
 
-    def compute(self, rank: int, duration: float, deps: Deps, priority: Priority, category: str = "attention",
-                name: str = "") -> int:
+    def compute(
+        self, rank: int, duration: float, deps: Deps, priority: Priority, category: str = "attention", name: str = ""
+    ) -> int:
         self.tasks.append(Task(rank, max(0.0, duration), (), 0.0, tuple(deps), priority, category, name))
         return len(self.tasks) - 1
 
-    def comm(self, loads: dict[Resource, float] | tuple[tuple[Resource, float], ...], latency: float, deps: Deps,
-             name: str = "") -> int:
+    def comm(
+        self,
+        loads: dict[Resource, float] | tuple[tuple[Resource, float], ...],
+        latency: float,
+        deps: Deps,
+        name: str = "",
+    ) -> int:
         items = tuple(sorted(loads.items())) if isinstance(loads, dict) else tuple(loads)
-        self.tasks.append(Task(-1, 0.0, tuple((r, s) for r, s in items if s > 0), latency, tuple(deps), (), "comm",
-                               name))
+        self.tasks.append(
+            Task(-1, 0.0, tuple((r, s) for r, s in items if s > 0), latency, tuple(deps), (), "comm", name)
+        )
         return len(self.tasks) - 1
 
 
@@ -80,8 +88,14 @@ def _dependents(tasks: list[Task]) -> list[list[int]]:
     return dependents
 
 
-def _queue_loads(tid: int, task: Task, now: float, free_at: dict[Resource, float],
-                 resource_busy: dict[Resource, float], occupancy: list) -> float:
+def _queue_loads(
+    tid: int,
+    task: Task,
+    now: float,
+    free_at: dict[Resource, float],
+    resource_busy: dict[Resource, float],
+    occupancy: list[tuple[int, Resource, float, float]],
+) -> float:
     """Queue comm task ``tid``'s loads on their resources from ``now``; returns when the last one ends."""
     finish = now
     for res, seconds in task.loads:
@@ -170,8 +184,10 @@ class Span:
 
 def spans(graph: TaskGraph, timeline: Timeline) -> list[Span]:
     """Every interval of ``timeline`` with positive length, compute tasks then resource loads."""
-    out = [Span(t.rank, "compute", t.category, t.name, timeline.start[i], timeline.end[i])
-           for i, t in enumerate(graph.tasks) if t.rank >= 0 and timeline.end[i] > timeline.start[i]]
-    out += [Span(res[1], res[0], "comm", graph.tasks[i].name, s, e)
-            for i, res, s, e in timeline.occupancy if e > s]
+    out = [
+        Span(t.rank, "compute", t.category, t.name, timeline.start[i], timeline.end[i])
+        for i, t in enumerate(graph.tasks)
+        if t.rank >= 0 and timeline.end[i] > timeline.start[i]
+    ]
+    out += [Span(res[1], res[0], "comm", graph.tasks[i].name, s, e) for i, res, s, e in timeline.occupancy if e > s]
     return out

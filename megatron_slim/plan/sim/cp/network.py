@@ -10,6 +10,7 @@
   crosses the network once per other node, spread over the node's NIC shares, and is then
   forwarded over NVLink -- with ring latencies (one per node and one per rank hop).
 """
+
 from __future__ import annotations
 
 from typing import Iterable

@@ -5,6 +5,7 @@ time (waiting on communication or on other ranks), averaged over ranks. Below, o
 engine: each rank's attention and linear time against the iteration time, which shows how evenly
 the engine spreads the work.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,8 +45,12 @@ def plot_cp_results(results: Sequence[CPSimResult], path: str | Path) -> None:
     top.set_xlim(0, max(r.iteration_time_s for r in results) * 1.35)
     top.set_xlabel("seconds per iteration (mean over ranks)")
     first = results[0]
-    top.set_title(f"{first.recipe} on {first.hardware}: {first.num_ranks} CP ranks, {len(first.packs)} packs of "
-                  f"{first.pack_length} tokens", fontsize=10, loc="left")
+    top.set_title(
+        f"{first.recipe} on {first.hardware}: {first.num_ranks} CP ranks, {len(first.packs)} packs of "
+        f"{first.pack_length} tokens",
+        fontsize=10,
+        loc="left",
+    )
     top.legend(fontsize=8, loc="lower right")
     for ax, res in zip(axes[1:], results):
         ranks = [r.rank for r in res.ranks]
@@ -58,8 +63,12 @@ def plot_cp_results(results: Sequence[CPSimResult], path: str | Path) -> None:
         ax.set_ylim(0, res.iteration_time_s * 1.12)
         ax.set_xlim(-0.6, len(ranks) - 0.4)
         ax.set_ylabel("s", fontsize=8)
-        ax.set_title(f"{_label(res)}: busy time per rank (dashed: iteration {res.iteration_time_s:.3g} s; "
-                     "the gap above a bar is that rank's idle time)", fontsize=9, loc="left")
+        ax.set_title(
+            f"{_label(res)}: busy time per rank (dashed: iteration {res.iteration_time_s:.3g} s; "
+            "the gap above a bar is that rank's idle time)",
+            fontsize=9,
+            loc="left",
+        )
         ax.tick_params(labelsize=7)
     axes[-1].set_xlabel("CP rank")
     fig.tight_layout()

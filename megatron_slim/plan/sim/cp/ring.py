@@ -17,11 +17,17 @@ Member ``i`` (see ``plan.cp.program``):
   inter-node hops through the routing plan's parts; a relay rank's steps cost nothing itself (the
   parts it carries are priced with the receiver's hop).
 """
+
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from megatron_slim.plan.cp.layout import CPGroup
 from megatron_slim.plan.cp.program import Step
 from megatron_slim.plan.cp.zigzag import causal, chunk_bounds
+
+if TYPE_CHECKING:  # attention imports this module
+    from megatron_slim.plan.sim.cp.attention import AttentionBuilder
 
 
 def ring_pairs(lengths: list[int], ring: int) -> list[list[int]]:
@@ -42,8 +48,18 @@ def ring_pairs(lengths: list[int], ring: int) -> list[list[int]]:
 
 
 class RingPricer:
-    def __init__(self, builder, group: CPGroup, ranks: list[int], lengths: list[int], ready: dict[int, int],
-                 block_rows: list[float], head_share: float, kv_share: float, sub: int) -> None:
+    def __init__(
+        self,
+        builder: AttentionBuilder,
+        group: CPGroup,
+        ranks: list[int],
+        lengths: list[int],
+        ready: dict[int, int],
+        block_rows: list[float],
+        head_share: float,
+        kv_share: float,
+        sub: int,
+    ) -> None:
         self.b, self.group, self.ranks, self.ready = builder, group, ranks, ready
         self.block_rows, self.head_share, self.sub = block_rows, head_share, sub
         self.position = {r: i for i, r in enumerate(ranks)}
@@ -66,23 +82,59 @@ class RingPricer:
         prev, hop = (i - 1) % g, self.b.hop
         if step.op == "C":
             deps = (self.ready[rank],) if t == 0 else (self.kv[(i, t)], self.comp[(i, t - 1)])
-            self.comp[(i, t)] = self.b.attn(rank, self.pairs[i][(i - t) % g] * self.head_share, deps,
-                                            (self.group.priority, self.group.index, t, self.sub),
-                                            f"{self.tag} step {t}")
+            self.comp[(i, t)] = self.b.attn(
+                rank,
+                self.pairs[i][(i - t) % g] * self.head_share,
+                deps,
+                (self.group.priority, self.group.index, t, self.sub),
+                f"{self.tag} step {t}",
+            )
             if g == 1 and self.b.backward:  # a one-member ring hands its dK/dV "home" to itself
-                self.home[i] = hop(self.group, 1, rank, rank, self.block_rows[0], self.kvb,
-                                   self._grad_ready(0, 0), f"{self.tag} dK/dV home")
+                self.home[i] = hop(
+                    self.group,
+                    1,
+                    rank,
+                    rank,
+                    self.block_rows[0],
+                    self.kvb,
+                    self._grad_ready(0, 0),
+                    f"{self.tag} dK/dV home",
+                )
         elif step.what == "KV":
             buffer = (self.comp[(i, t - 2)],) if t >= 2 else ()
             have = (self.ready[self.ranks[prev]],) if t == 1 else (self.kv[(prev, t - 1)],)
-            self.kv[(i, t)] = hop(self.group, t, self.ranks[prev], rank, self.block_rows[(i - t) % g], self.kvb,
-                                  have + buffer, f"{self.tag} K/V step {t}")
+            self.kv[(i, t)] = hop(
+                self.group,
+                t,
+                self.ranks[prev],
+                rank,
+                self.block_rows[(i - t) % g],
+                self.kvb,
+                have + buffer,
+                f"{self.tag} K/V step {t}",
+            )
         elif t < g:
-            self.dkv[(i, t)] = hop(self.group, t, self.ranks[prev], rank, self.block_rows[(i - t) % g], self.kvb,
-                                   self._grad_ready(prev, t - 1), f"{self.tag} dK/dV step {t}")
+            self.dkv[(i, t)] = hop(
+                self.group,
+                t,
+                self.ranks[prev],
+                rank,
+                self.block_rows[(i - t) % g],
+                self.kvb,
+                self._grad_ready(prev, t - 1),
+                f"{self.tag} dK/dV step {t}",
+            )
         else:
-            self.home[i] = hop(self.group, g, self.ranks[prev], rank, self.block_rows[i], self.kvb,
-                               self._grad_ready(prev, g - 1), f"{self.tag} dK/dV home")
+            self.home[i] = hop(
+                self.group,
+                g,
+                self.ranks[prev],
+                rank,
+                self.block_rows[i],
+                self.kvb,
+                self._grad_ready(prev, g - 1),
+                f"{self.tag} dK/dV home",
+            )
 
     def final(self, rank: int) -> list[int]:
         """What ``rank``'s post-attention work waits for: its last kernel (and, backward, its own

@@ -10,6 +10,7 @@ The time axis shows **one decoder layer per pack**: pack 0's forward pass, its b
 pack 1's, and so on, back to back. Every layer of a pack repeats its pass, so the iteration is
 ``num_layers`` times longer than the trace (the ``packs`` events say so).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,13 @@ from typing import Any, Sequence
 
 from megatron_slim.plan.sim.cp.sim import CPSimResult
 
-_THREADS = {"compute": (0, "compute"), "nvl_out": (1, "NVLink out"), "nvl_in": (2, "NVLink in"),
-            "nic_out": (3, "NIC out"), "nic_in": (4, "NIC in")}
+_THREADS = {
+    "compute": (0, "compute"),
+    "nvl_out": (1, "NVLink out"),
+    "nvl_in": (2, "NVLink in"),
+    "nic_out": (3, "NIC out"),
+    "nic_in": (4, "NIC in"),
+}
 
 
 def cp_chrome_trace(results: Sequence[CPSimResult]) -> dict[str, Any]:
@@ -33,8 +39,7 @@ def cp_chrome_trace(results: Sequence[CPSimResult]) -> dict[str, Any]:
         label = res.engine + (" +remap" if res.remap else "")
         for r in range(res.num_ranks):
             pid = base + r
-            events.append({"ph": "M", "name": "process_name", "pid": pid,
-                           "args": {"name": f"{res.engine} rank {r}"}})
+            events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{res.engine} rank {r}"}})
             events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
             for tid, name in _THREADS.values():
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
@@ -44,19 +49,37 @@ def cp_chrome_trace(results: Sequence[CPSimResult]) -> dict[str, Any]:
         offset = 0.0
         for layer_pass in res.passes:
             pack = res.packs[layer_pass.pack]
-            events.append({"ph": "X", "name": f"pack {layer_pass.pack} {layer_pass.phase} "
-                                              f"(1 of {res.num_layers} layers)",
-                           "cat": "pack", "pid": packs_pid, "tid": 0, "ts": offset * 1e6,
-                           "dur": layer_pass.time_s * 1e6,
-                           "args": {"sequences": pack.num_sequences, "longest": pack.longest,
-                                    "plan_digest": pack.digest}})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": f"pack {layer_pass.pack} {layer_pass.phase} (1 of {res.num_layers} layers)",
+                    "cat": "pack",
+                    "pid": packs_pid,
+                    "tid": 0,
+                    "ts": offset * 1e6,
+                    "dur": layer_pass.time_s * 1e6,
+                    "args": {"sequences": pack.num_sequences, "longest": pack.longest, "plan_digest": pack.digest},
+                }
+            )
             for s in layer_pass.spans:  # microseconds to the nanosecond: keeps a 6-engine trace small
-                events.append({"ph": "X", "name": s.name or s.category, "cat": s.category, "pid": base + s.rank,
-                               "tid": _THREADS[s.stream][0], "ts": round((offset + s.start) * 1e6, 3),
-                               "dur": round((s.end - s.start) * 1e6, 3)})
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": s.name or s.category,
+                        "cat": s.category,
+                        "pid": base + s.rank,
+                        "tid": _THREADS[s.stream][0],
+                        "ts": round((offset + s.start) * 1e6, 3),
+                        "dur": round((s.end - s.start) * 1e6, 3),
+                    }
+                )
             offset += layer_pass.time_s
-        other[label] = {"iteration_time_s": res.iteration_time_s, "num_layers": res.num_layers,
-                        "packs": len(res.packs), "traced_s": offset}
+        other[label] = {
+            "iteration_time_s": res.iteration_time_s,
+            "num_layers": res.num_layers,
+            "packs": len(res.packs),
+            "traced_s": offset,
+        }
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 

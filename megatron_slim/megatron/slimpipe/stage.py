@@ -1,0 +1,169 @@
+"""This rank's model chunks in one SlimPipe call, and how the interpreter reaches into them:
+megatron's forward and backward steps (``stage_ops``), the chunks' K/V stores, gradient and
+parameter syncs, megatron's timers and its gradient finalisation."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megatron_slim.megatron import compat
+from megatron_slim.megatron.slimpipe.slicing import attach_slicing
+from megatron_slim.plan.cost.slicing import is_aligned, slice_alignment
+from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
+from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter, StageOps, last_backward_steps
+from megatron_slim.runtime.pipeline.kv_cache import ByteLedger, KVCacheStore
+from megatron_slim.runtime.pipeline.slice_context import SliceContext
+
+
+class NonLossData:
+    """``collect_non_loss_data``: keep what ``loss_func(output, non_loss_data=True)`` returns."""
+
+    def __init__(self) -> None:
+        self.reports: list = []
+
+    def add(self, microbatch, slice_, outputs, keep_graph):
+        self.reports.append(outputs)
+
+    def is_drained(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """This rank's model chunks for one call, and what their config says about running them."""
+
+    models: list
+    config: Any
+    first_param: torch.Tensor  # its device is the rank's; its dtype the default pipeline dtype
+    cp: int
+    sp_tp: int  # tensor-parallel size under sequence parallelism, else 1: stages pass [slice/cp/sp_tp, b, h]
+
+
+def model_chunks(model) -> Chunks:
+    from megatron.core.utils import get_model_config
+
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    config = get_model_config(models[0])
+    sp_tp = getattr(config, "tensor_model_parallel_size", 1) if getattr(config, "sequence_parallel", False) else 1
+    return Chunks(models, config, next(models[0].parameters()), getattr(config, "context_parallel_size", 1) or 1, sp_tp)
+
+
+def attach_kv_stores(
+    chunks: Chunks, context: SliceContext, slice_lengths: tuple[int, ...], attention_backend: Optional[str]
+) -> tuple[ByteLedger, list[KVCacheStore]]:
+    """One K/V cache per chunk, all counted by one ledger; the chunks' slice attention reads them."""
+    ledger = ByteLedger()
+    stores = [KVCacheStore(ledger) for _ in chunks.models]
+    for m, store in zip(chunks.models, stores):
+        if attach_slicing(m, context, store, attention_backend) == 0:
+            raise ValueError(
+                "--use-slimpipe: the model has no SliceCoreAttention; build it with "
+                "megatron_slim's layer spec (megatron_slim.megatron.hooks patches the spec)"
+            )
+    _check_slice_alignment(slice_lengths, chunks.cp, chunks.sp_tp)
+    if getattr(chunks.config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
+        raise ValueError(
+            "--num-microbatches-with-partial-activation-checkpoints: not supported by SlimPipe "
+            "(its forward steps are slices, not microbatches); drop it"
+        )
+    return ledger, stores
+
+
+def stage_ops(
+    chunks: Chunks,
+    forward_step_func,
+    sliced: list,
+    non_loss_only: bool,
+    slice_lengths: tuple[int, ...],
+    micro_batch_size: int,
+) -> StageOps:
+    """Megatron's forward step, backward step and output deallocation, as the interpreter calls them."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    models, config, device = chunks.models, chunks.config, chunks.first_param.device
+
+    def forward(chunk: int, inp):
+        get_attr_wrapped_model(models[chunk], "set_input_tensor")(inp)
+        autocast = (
+            torch.autocast(device.type, dtype=config.autocast_dtype)
+            if getattr(config, "enable_autocast", False)
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            # megatron passes a third argument only for partial activation checkpointing
+            # (refused above); in 0.19 a third positional is ``return_schedule_plan``.
+            output, loss_func = forward_step_func(sliced[chunk], models[chunk])
+        if non_loss_only and loss_func is not None:
+            loss_func = functools.partial(loss_func, non_loss_data=True)
+        return output, loss_func
+
+    def backward(inp, out, grad):
+        grads = compat.backward_step(inp, out, grad, config)
+        return grads[0] if isinstance(grads, (list, tuple)) else grads
+
+    def release(out):
+        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
+        deallocate_output_tensor(out, getattr(config, "deallocate_pipeline_outputs", False))
+
+    return StageOps(
+        forward=forward,
+        backward=backward,
+        release_output=release,
+        dtype=config.pipeline_dtype or chunks.first_param.dtype,
+        tensor_shape=lambda mb, j: (
+            slice_lengths[j] // chunks.cp // chunks.sp_tp,
+            micro_batch_size,
+            config.hidden_size,
+        ),
+    )
+
+
+def syncs(chunks: Chunks, rank_steps, forward_only: bool) -> tuple[GradSync, Optional[ParamSync]]:
+    config = chunks.config
+    chunk_params = [functools.partial(lambda m: m.parameters(), m) for m in chunks.models]
+    grad_sync = GradSync(
+        config.no_sync_func, config.grad_sync_func, chunk_params, last_backward_steps(rank_steps, len(chunks.models))
+    )
+    param_sync = ParamSync(getattr(config, "param_sync_func", None), chunk_params) if not forward_only else None
+    return grad_sync, param_sync
+
+
+def run_timed(interpreter: PipelineInterpreter, config) -> None:
+    timer = config.timers("forward-backward", log_level=1) if getattr(config, "timers", None) else None
+    if timer is not None:
+        timer.start(barrier=getattr(config, "barrier_with_L1_time", False))
+    interpreter.run()
+    if timer is not None:
+        timer.stop()
+
+
+def finalize_grads(chunks: Chunks, loss, groups, force_all_reduce) -> None:
+    per_token = getattr(chunks.config, "calculate_per_token_loss", False)
+    tokens = loss.total_num_tokens if per_token else None
+    if per_token and tokens is None:
+        tokens = torch.zeros((), dtype=torch.int, device=chunks.first_param.device)  # not the last stage
+    compat.finalize_model_grads(
+        chunks.models,
+        tokens,
+        groups=groups,
+        force_all_reduce=force_all_reduce or None,
+        fn=chunks.config.finalize_model_grads_func,
+    )
+
+
+def _check_slice_alignment(lengths, cp: int, sp_tp: int) -> None:
+    """Each slice is cut into 2*cp zigzag chunks, and (sequence parallel) each CP shard into ``sp_tp``."""
+    unit = slice_alignment(cp, sp_tp, sequence_parallel=True)
+    bad = sorted({n for n in lengths if not is_aligned(n, unit)})
+    if bad:
+        raise ValueError(
+            f"SlimPipe slice lengths {tuple(lengths)}: {bad} are not multiples of {unit} tokens "
+            f"(context parallel size {cp}, sequence-parallel tp {sp_tp}); allowed: slice lengths "
+            f"that are multiples of {unit} (recipes: slice_alignment)"
+        )

@@ -1,0 +1,141 @@
+"""Start-up rules of SlimPipe runs (``--use-slimpipe``, ``schedule.num_slices``)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from megatron_slim.plan.cost.slicing import is_aligned, max_slices, slice_alignment, splits_uniformly
+from megatron_slim.plan.startup.rule import Rule, cp_comm_type_set, engine_input
+from megatron_slim.plan.startup.settings import LAUNCHER, MEGATRON_ARGS, NO_CP_ENGINE, Settings
+
+
+def _on_slimpipe(name: str, broken: Callable[[Settings], bool], message: str) -> Rule:
+    """A launcher rule for ``--use-slimpipe`` runs with a fixed message."""
+    return Rule(name, (LAUNCHER,), lambda s: s.slimpipe and broken(s), lambda s, i: message)
+
+
+def _unit(s: Settings) -> int:
+    return slice_alignment(s.cp, s.tp, s.sequence_parallel)
+
+
+SLIMPIPE_RULES = [
+    Rule(
+        "slices-need-slimpipe",
+        (LAUNCHER,),
+        lambda s: not s.slimpipe and s.num_slices != 1,
+        lambda s, i: "--slimpipe-num-slices: needs --use-slimpipe",
+    ),
+    Rule(
+        "slice-count",
+        (LAUNCHER,),
+        lambda s: s.slimpipe and s.num_slices < 1,
+        lambda s, i: f"--slimpipe-num-slices: got {s.num_slices}; allowed: an integer >= 1",
+    ),
+    _on_slimpipe(
+        "slimpipe-hierarchical-cp",
+        lambda s: bool(s.hierarchical_cp_sizes),
+        "--use-slimpipe runs context parallelism as query-out attention on the flat CP group: drop "
+        "--hierarchical-context-parallel-sizes",
+    ),
+    _on_slimpipe(
+        "slimpipe-comm-type",
+        lambda s: cp_comm_type_set(s.cp_comm_type),
+        "--use-slimpipe runs context parallelism as query-out attention (all-gather Q, all-to-all of "
+        "partial outputs): drop --cp-comm-type",
+    ),
+    _on_slimpipe(
+        "slimpipe-hybrid-cp",
+        lambda s: s.hybrid_cp,
+        "--use-slimpipe does not support hybrid context parallelism: drop --hybrid-context-parallel",
+    ),
+    _on_slimpipe(
+        "slimpipe-partial-checkpoints",
+        lambda s: s.partial_checkpoints is not None,
+        "--use-slimpipe does not support partial activation checkpointing: drop "
+        "--num-microbatches-with-partial-activation-checkpoints",
+    ),
+    _on_slimpipe(
+        "slimpipe-document-masks",
+        lambda s: s.reset_attention_mask,
+        "--use-slimpipe attends causally over the whole sequence (no document masking): drop --reset-attention-mask",
+    ),
+    Rule(
+        "slimpipe-recompute",
+        (LAUNCHER, MEGATRON_ARGS),
+        lambda s: s.slimpipe and s.recompute is not None,
+        lambda s, i: (
+            f"{i.name('recompute')}: got {s.recompute!r} with {i.setting('slimpipe', True)}; SlimPipe keeps "
+            "each slice's K/V in a cache that a recomputed forward would fill again (activation "
+            f"recomputation is not supported with it yet); allowed: {i.unset('recompute', 'none')}, or "
+            f"Megatron's own schedule ({i.name('megatron_schedule')})"
+        ),
+    ),
+    _on_slimpipe(
+        "slimpipe-moe", lambda s: bool(s.num_experts), "--use-slimpipe does not support MoE yet: drop --num-experts"
+    ),
+    _on_slimpipe(
+        "slimpipe-mla",
+        lambda s: s.multi_latent_attention,
+        "--use-slimpipe does not support MLA: drop --multi-latent-attention",
+    ),
+    _on_slimpipe(
+        "slimpipe-cuda-graph-impl",
+        lambda s: s.cuda_graph_impl not in (None, "none"),
+        "--use-slimpipe cannot run under CUDA graphs: set --cuda-graph-impl none",
+    ),
+    _on_slimpipe(
+        "slimpipe-cuda-graphs",
+        lambda s: s.enable_cuda_graph,
+        "--use-slimpipe cannot run under CUDA graphs: drop --enable-cuda-graph",
+    ),
+    _on_slimpipe(
+        "slimpipe-mtp", lambda s: bool(s.mtp_num_layers), "--use-slimpipe does not support multi-token prediction"
+    ),
+    _on_slimpipe(
+        "slimpipe-packing", lambda s: s.sequence_packing, "--use-slimpipe does not support packed (THD) sequences yet"
+    ),
+    _on_slimpipe(
+        "slimpipe-positions",
+        lambda s: s.position_embedding not in (None, "rope", "none"),
+        "--use-slimpipe needs --position-embedding-type rope (or none)",
+    ),
+    Rule(
+        "slimpipe-with-cp-engine",
+        (LAUNCHER,),
+        lambda s: s.slimpipe and s.cp > 1 and s.cp_engine != NO_CP_ENGINE,
+        lambda s, i: (
+            f"{engine_input(s, i)}: --use-slimpipe brings its own context-parallel attention (query-out over "
+            "the K/V-cached slices): drop --cp-engine and --cp-remap"
+        ),
+    ),
+    Rule(
+        "slice-alignment",
+        (LAUNCHER,),
+        lambda s: s.slimpipe and not is_aligned(s.seq_length, _unit(s)),
+        lambda s, i: (
+            f"--seq-length {s.seq_length}: SlimPipe slice boundaries are multiples of {_unit(s)} tokens (2*cp zigzag "
+            f"chunks, times tp under --sequence-parallel); allowed: a multiple of {_unit(s)}"
+        ),
+    ),
+    Rule(
+        "uniform-slices",
+        (LAUNCHER,),
+        lambda s: (
+            s.slimpipe and s.slice_policy == "uniform" and not splits_uniformly(s.seq_length, s.num_slices, _unit(s))
+        ),
+        lambda s, i: (
+            f"--slimpipe-num-slices {s.num_slices}: --seq-length {s.seq_length} does not split into "
+            f"{s.num_slices} equal slices that are multiples of {_unit(s)} tokens; allowed: a divisor of "
+            f"{max_slices(s.seq_length, _unit(s))} (or --slimpipe-slice-policy balanced)"
+        ),
+    ),
+    Rule(
+        "slices-fit",
+        (LAUNCHER,),
+        lambda s: s.slimpipe and s.num_slices > max_slices(s.seq_length, _unit(s)),
+        lambda s, i: (
+            f"--slimpipe-num-slices {s.num_slices}: at most {max_slices(s.seq_length, _unit(s))} "
+            f"slices of --seq-length {s.seq_length}"
+        ),
+    ),
+]
