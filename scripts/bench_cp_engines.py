@@ -9,6 +9,7 @@ not measured.
 
     python scripts/bench_cp_engines.py [--recipe zeppelin-7b-h800] [--seeds 0,1,2] [--out benchmarks/results]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,8 @@ from megatron_slim.plan.sim.cp.sim import cp_setup, simulate_cp
 DISTRIBUTIONS = {
     "short-skewed (lognormal mean 4K)": "lognormal:mean=4096,sigma=1.2,min=256,max=65536",
     "short-skewed (lognormal mean 8K)": "lognormal:mean=8192,sigma=1.1,min=1024,max=65536",
-    "long-tailed (90% mean 4K, 10% mean 64K up to 256K)":
-        "mix:0.9*lognormal(mean=4096,sigma=1.0,min=256,max=32768)"
-        "+0.1*lognormal(mean=65536,sigma=1.0,min=16384,max=262144)",
+    "long-tailed (90% mean 4K, 10% mean 64K up to 256K)": "mix:0.9*lognormal(mean=4096,sigma=1.0,min=256,max=32768)"
+    "+0.1*lognormal(mean=65536,sigma=1.0,min=16384,max=262144)",
 }
 # (label, engine, overrides for simulate_cp)
 VARIANTS = [(e, e, {}) for e in ENGINES] + [
@@ -57,8 +57,13 @@ def cpu_name() -> str:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -76,26 +81,46 @@ def run(recipe_name: str, seeds: list[int]) -> dict:
                 t0 = time.perf_counter()
                 res = simulate_cp(recipe, engine, packs, topo=topo, costs=costs, **extra)
                 n = len(res.ranks)
-                rows.append({
-                    "distribution": dist, "spec": spec, "seed": seed, "variant": label, "engine": engine,
-                    "iteration_time_s": res.iteration_time_s, "tokens_per_s": res.tokens_per_s, "mfu": res.mfu,
-                    "idle_fraction": sum(r.idle_s for r in res.ranks) / n / res.iteration_time_s,
-                    "inter_node_gb_per_rank": sum(r.inter_node_bytes for r in res.ranks) / n / 1e9,
-                    "busiest_rank_busy_s": max(r.attention_s + r.linear_s for r in res.ranks),
-                    "mean_rank_busy_s": sum(r.attention_s + r.linear_s for r in res.ranks) / n,
-                    "sequences": len(lengths), "longest": max(lengths), "mean_length": statistics.fmean(lengths),
-                    "plan_digests": [p.digest[:16] for p in res.packs],
-                    "wall_s": time.perf_counter() - t0,
-                })
+                rows.append(
+                    {
+                        "distribution": dist,
+                        "spec": spec,
+                        "seed": seed,
+                        "variant": label,
+                        "engine": engine,
+                        "iteration_time_s": res.iteration_time_s,
+                        "tokens_per_s": res.tokens_per_s,
+                        "mfu": res.mfu,
+                        "idle_fraction": sum(r.idle_s for r in res.ranks) / n / res.iteration_time_s,
+                        "inter_node_gb_per_rank": sum(r.inter_node_bytes for r in res.ranks) / n / 1e9,
+                        "busiest_rank_busy_s": max(r.attention_s + r.linear_s for r in res.ranks),
+                        "mean_rank_busy_s": sum(r.attention_s + r.linear_s for r in res.ranks) / n,
+                        "sequences": len(lengths),
+                        "longest": max(lengths),
+                        "mean_length": statistics.fmean(lengths),
+                        "plan_digests": [p.digest[:16] for p in res.packs],
+                        "wall_s": time.perf_counter() - t0,
+                    }
+                )
     for row in rows:
-        ring = next(r for r in rows if r["distribution"] == row["distribution"] and r["seed"] == row["seed"]
-                    and r["variant"] == "ring")
+        ring = next(
+            r
+            for r in rows
+            if r["distribution"] == row["distribution"] and r["seed"] == row["seed"] and r["variant"] == "ring"
+        )
         row["speedup_vs_ring"] = ring["iteration_time_s"] / row["iteration_time_s"]
-    return {"recipe": recipe_name, "hardware": recipe.hardware, "cp": recipe.parallel.cp,
-            "ranks_per_node": topo.ranks_per_node, "pack_length": recipe.model.seq_length,
-            "packs_per_iteration": recipe.num_microbatches,
-            "tokens_per_iteration": recipe.model.seq_length * recipe.num_microbatches,
-            "seeds": seeds, "distributions": DISTRIBUTIONS, "rows": rows}
+    return {
+        "recipe": recipe_name,
+        "hardware": recipe.hardware,
+        "cp": recipe.parallel.cp,
+        "ranks_per_node": topo.ranks_per_node,
+        "pack_length": recipe.model.seq_length,
+        "packs_per_iteration": recipe.num_microbatches,
+        "tokens_per_iteration": recipe.model.seq_length * recipe.num_microbatches,
+        "seeds": seeds,
+        "distributions": DISTRIBUTIONS,
+        "rows": rows,
+    }
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -103,47 +128,70 @@ def summarise(rows: list[dict]) -> list[dict]:
     for dist in dict.fromkeys(r["distribution"] for r in rows):
         for label, _, _ in VARIANTS:
             sel = [r for r in rows if r["distribution"] == dist and r["variant"] == label]
-            out.append({"distribution": dist, "variant": label,
-                        "iteration_time_s": statistics.fmean(r["iteration_time_s"] for r in sel),
-                        "min_s": min(r["iteration_time_s"] for r in sel),
-                        "max_s": max(r["iteration_time_s"] for r in sel),
-                        "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in sel),
-                        "mfu": statistics.fmean(r["mfu"] for r in sel),
-                        "speedup_vs_ring": statistics.fmean(r["speedup_vs_ring"] for r in sel),
-                        "idle_fraction": statistics.fmean(r["idle_fraction"] for r in sel),
-                        "inter_node_gb_per_rank": statistics.fmean(r["inter_node_gb_per_rank"] for r in sel),
-                        "imbalance": statistics.fmean(r["busiest_rank_busy_s"] / r["mean_rank_busy_s"] for r in sel)})
+            out.append(
+                {
+                    "distribution": dist,
+                    "variant": label,
+                    "iteration_time_s": statistics.fmean(r["iteration_time_s"] for r in sel),
+                    "min_s": min(r["iteration_time_s"] for r in sel),
+                    "max_s": max(r["iteration_time_s"] for r in sel),
+                    "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in sel),
+                    "mfu": statistics.fmean(r["mfu"] for r in sel),
+                    "speedup_vs_ring": statistics.fmean(r["speedup_vs_ring"] for r in sel),
+                    "idle_fraction": statistics.fmean(r["idle_fraction"] for r in sel),
+                    "inter_node_gb_per_rank": statistics.fmean(r["inter_node_gb_per_rank"] for r in sel),
+                    "imbalance": statistics.fmean(r["busiest_rank_busy_s"] / r["mean_rank_busy_s"] for r in sel),
+                }
+            )
     return out
 
 
 def markdown(data: dict, summary: list[dict], header: dict) -> str:
-    lines = ["# Context-parallel engines: simulated iteration time", "",
-             f"- command: `{header['command']}`", f"- date: {header['date']}",
-             f"- machine: {header['platform']}; CPU: {header['cpu']}; Python {header['python']}",
-             f"- commit: {header['commit']} (plus the working tree)",
-             f"- recipe `{data['recipe']}` on `{data['hardware']}`: CP over {data['cp']} GPUs "
-             f"({data['cp'] // data['ranks_per_node']} nodes x {data['ranks_per_node']}), "
-             f"{data['packs_per_iteration']} packs x {data['pack_length']} tokens = "
-             f"{data['tokens_per_iteration']:,} tokens per iteration; seeds {data['seeds']}",
-             "- numbers come from the simulator (`megatron_slim/plan/sim/cp/sim.py`), not from GPUs; "
-             "speedup = ring time / engine time per (distribution, seed), averaged", ""]
+    lines = [
+        "# Context-parallel engines: simulated iteration time",
+        "",
+        f"- command: `{header['command']}`",
+        f"- date: {header['date']}",
+        f"- machine: {header['platform']}; CPU: {header['cpu']}; Python {header['python']}",
+        f"- commit: {header['commit']} (plus the working tree)",
+        f"- recipe `{data['recipe']}` on `{data['hardware']}`: CP over {data['cp']} GPUs "
+        f"({data['cp'] // data['ranks_per_node']} nodes x {data['ranks_per_node']}), "
+        f"{data['packs_per_iteration']} packs x {data['pack_length']} tokens = "
+        f"{data['tokens_per_iteration']:,} tokens per iteration; seeds {data['seeds']}",
+        "- numbers come from the simulator (`megatron_slim/plan/sim/cp/sim.py`), not from GPUs; "
+        "speedup = ring time / engine time per (distribution, seed), averaged",
+        "",
+    ]
     for dist, spec in data["distributions"].items():
-        lines += [f"## {dist}", "", f"`--lengths {spec}`", "",
-                  "| engine | iteration s (mean) | min..max s | tokens/s | MFU | speedup vs ring | idle | "
-                  "busiest/mean busy | inter-node GB/rank |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {dist}",
+            "",
+            f"`--lengths {spec}`",
+            "",
+            "| engine | iteration s (mean) | min..max s | tokens/s | MFU | speedup vs ring | idle | "
+            "busiest/mean busy | inter-node GB/rank |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for s in (s for s in summary if s["distribution"] == dist):
-            lines.append(f"| {s['variant']} | {s['iteration_time_s']:.2f} | {s['min_s']:.2f}..{s['max_s']:.2f} | "
-                         f"{s['tokens_per_s']:,.0f} | {100 * s['mfu']:.1f}% | {s['speedup_vs_ring']:.2f}x | "
-                         f"{100 * s['idle_fraction']:.0f}% | {s['imbalance']:.2f} | "
-                         f"{s['inter_node_gb_per_rank']:.0f} |")
+            lines.append(
+                f"| {s['variant']} | {s['iteration_time_s']:.2f} | {s['min_s']:.2f}..{s['max_s']:.2f} | "
+                f"{s['tokens_per_s']:,.0f} | {100 * s['mfu']:.1f}% | {s['speedup_vs_ring']:.2f}x | "
+                f"{100 * s['idle_fraction']:.0f}% | {s['imbalance']:.2f} | "
+                f"{s['inter_node_gb_per_rank']:.0f} |"
+            )
         lines.append("")
-    lines += ["## Averages over all distributions and seeds", "",
-              "| engine | iteration s | speedup vs ring |", "|---|---|---|"]
+    lines += [
+        "## Averages over all distributions and seeds",
+        "",
+        "| engine | iteration s | speedup vs ring |",
+        "|---|---|---|",
+    ]
     for label, _, _ in VARIANTS:
         sel = [r for r in data["rows"] if r["variant"] == label]
-        lines.append(f"| {label} | {statistics.fmean(r['iteration_time_s'] for r in sel):.2f} | "
-                     f"{statistics.fmean(r['speedup_vs_ring'] for r in sel):.2f}x |")
+        lines.append(
+            f"| {label} | {statistics.fmean(r['iteration_time_s'] for r in sel):.2f} | "
+            f"{statistics.fmean(r['speedup_vs_ring'] for r in sel):.2f}x |"
+        )
     lines.append("")
     return "\n".join(lines)
 
@@ -157,10 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     started = time.perf_counter()
     data = run(args.recipe, seeds)
-    header = {"command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "platform": platform.platform(), "cpu": cpu_name(), "python": platform.python_version(),
-              "commit": git_commit(), "wall_s": round(time.perf_counter() - started, 1)}
+    header = {
+        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "platform": platform.platform(),
+        "cpu": cpu_name(),
+        "python": platform.python_version(),
+        "commit": git_commit(),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
     summary = summarise(data["rows"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

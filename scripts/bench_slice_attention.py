@@ -9,6 +9,7 @@ For each total length S: ``full`` is one causal attention over S tokens, forward
 backward in reverse with dK/dV accumulation), the SlimPipe path. Both score the same causal pairs,
 so TFLOP/s compare directly (FLOPs: forward 4·pairs·d·h, backward 2.5x, as the cost model counts).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,7 @@ def bench(total: int, slices: int, heads: int, kv_heads: int, dim: int, device, 
     k = torch.randn(1, total, kv_heads, dim, generator=g).to(device, dtype)
     v = torch.randn(1, total, kv_heads, dim, generator=g).to(device, dtype)
     dout = torch.randn(1, total, heads, dim, generator=g).to(device, dtype)
-    scale = dim ** -0.5
+    scale = dim**-0.5
 
     def full():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
@@ -66,19 +67,38 @@ def bench(total: int, slices: int, heads: int, kv_heads: int, dim: int, device, 
         for j in range(slices):
             part = slice(j * n, (j + 1) * n)
             qq, kk, vv = (t[:, part].detach().requires_grad_() for t in (q, k, v))
-            outs.append(sliced_attention(qq, kk, vv, backend=backend, softmax_scale=scale, store=store,
-                                         info=SliceInfo(0, j, slices, j * n, n), layer=1))
+            outs.append(
+                sliced_attention(
+                    qq,
+                    kk,
+                    vv,
+                    backend=backend,
+                    softmax_scale=scale,
+                    store=store,
+                    info=SliceInfo(0, j, slices, j * n, n),
+                    layer=1,
+                )
+            )
         for j in reversed(range(slices)):
-            outs[j].backward(dout[:, j * n:(j + 1) * n])
+            outs[j].backward(dout[:, j * n : (j + 1) * n])
 
     pairs = total * (total + 1) / 2
     flops = 3.5 * 4 * pairs * dim * heads
     t_full = _timed(full, device, repeats)
     t_sliced = _timed(sliced, device, repeats)
-    return {"tokens": total, "slices": slices, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
-            "backend": backend.name, "full_s": t_full, "sliced_s": t_sliced,
-            "full_tflops": flops / t_full / 1e12, "sliced_tflops": flops / t_sliced / 1e12,
-            "sliced_over_full": t_full / t_sliced}
+    return {
+        "tokens": total,
+        "slices": slices,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": dim,
+        "backend": backend.name,
+        "full_s": t_full,
+        "sliced_s": t_sliced,
+        "full_tflops": flops / t_full / 1e12,
+        "sliced_tflops": flops / t_sliced / 1e12,
+        "sliced_over_full": t_full / t_sliced,
+    }
 
 
 def main() -> None:
@@ -96,21 +116,38 @@ def main() -> None:
     a = p.parse_args()
     device = torch.device(a.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    rows = [bench(s, n, a.heads, a.kv_heads, a.head_dim, device, dtype, a.repeats)
-            for s in a.lengths for n in a.slices if s % n == 0]
+    rows = [
+        bench(s, n, a.heads, a.kv_heads, a.head_dim, device, dtype, a.repeats)
+        for s in a.lengths
+        for n in a.slices
+        if s % n == 0
+    ]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    header = (f"command: {' '.join(['python', *sys.argv])}\nmachine: {name} ({platform.platform()}), torch "
-              f"{torch.__version__}, {dtype}\ndate: {datetime.date.today().isoformat()}")
-    table = ["| tokens | slices | backend | full TFLOP/s | sliced TFLOP/s | sliced/full speed |",
-             "|---:|---:|---|---:|---:|---:|"]
-    table += [f"| {r['tokens']} | {r['slices']} | {r['backend']} | {r['full_tflops']:.3f} | "
-              f"{r['sliced_tflops']:.3f} | {r['sliced_over_full']:.2f} |" for r in rows]
+    header = (
+        f"command: {' '.join(['python', *sys.argv])}\nmachine: {name} ({platform.platform()}), torch "
+        f"{torch.__version__}, {dtype}\ndate: {datetime.date.today().isoformat()}"
+    )
+    table = [
+        "| tokens | slices | backend | full TFLOP/s | sliced TFLOP/s | sliced/full speed |",
+        "|---:|---:|---|---:|---:|---:|",
+    ]
+    table += [
+        f"| {r['tokens']} | {r['slices']} | {r['backend']} | {r['full_tflops']:.3f} | "
+        f"{r['sliced_tflops']:.3f} | {r['sliced_over_full']:.2f} |"
+        for r in rows
+    ]
     print(header + "\n\n" + "\n".join(table))
     if a.out_json:
         Path(a.out_json).write_text(json.dumps({"header": header, "rows": rows}, indent=2) + "\n")
     if a.out_md:
-        Path(a.out_md).write_text("# Slice attention vs full-sequence attention (forward + backward)\n\n"
-                                  + "```\n" + header + "\n```\n\n" + "\n".join(table) + "\n")
+        Path(a.out_md).write_text(
+            "# Slice attention vs full-sequence attention (forward + backward)\n\n"
+            + "```\n"
+            + header
+            + "\n```\n\n"
+            + "\n".join(table)
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 3. Measured on CPU ranks (`megatron-slim train`, tiny-cpu, pp=4, 8 slices, 8 microbatches): stage
    peak activations and K/V against the same run's 1F1B and against the simulator.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,8 @@ from megatron_slim.plan.recipe import available_recipes, load_recipe
 from megatron_slim.plan.variants import schedule_variant
 
 GPU_RECIPES = [r for r in available_recipes() if r.startswith("llama")]
-MIB = 2 ** 20
-GIB = 2 ** 30
+MIB = 2**20
+GIB = 2**30
 
 
 def schedules() -> list[dict]:
@@ -39,9 +40,17 @@ def schedules() -> list[dict]:
                 rows.append({"recipe": name, "schedule": kind, "error": str(exc)})
                 continue
             j = run.to_json()
-            rows.append({"recipe": name, "schedule": run.label, "iteration_time_s": j["iteration_time_s"],
-                         "bubble_ratio": j["bubble_ratio"], "mfu": j["mfu"], "peak_gib": j["peak_memory_bytes"] / GIB,
-                         "fits": j["fits_in_memory"]})
+            rows.append(
+                {
+                    "recipe": name,
+                    "schedule": run.label,
+                    "iteration_time_s": j["iteration_time_s"],
+                    "bubble_ratio": j["bubble_ratio"],
+                    "mfu": j["mfu"],
+                    "peak_gib": j["peak_memory_bytes"] / GIB,
+                    "fits": j["fits_in_memory"],
+                }
+            )
     return rows
 
 
@@ -66,23 +75,37 @@ def slice_balance() -> list[dict]:
 
 def measured(tmp: Path) -> list[dict]:
     common = ["train.iters=1", "parallel.pp=4", "train.global_batch_size=8"]
-    runs = {"slimpipe": ["schedule.kind=slimpipe", "schedule.num_slices=8"],
-            "1f1b": ["schedule.kind=1f1b", "schedule.num_slices=1"]}
+    runs = {
+        "slimpipe": ["schedule.kind=slimpipe", "schedule.num_slices=8"],
+        "1f1b": ["schedule.kind=1f1b", "schedule.num_slices=1"],
+    }
     rows = []
     for kind, sets in runs.items():
         train, sim = tmp / f"{kind}.train.json", tmp / f"{kind}.sim.json"
         cli = [sys.executable, "-m", "megatron_slim.cli"]
-        subprocess.run(cli + ["train", "--set", *common, *sets, "--json", str(train)], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        subprocess.run(cli + ["simulate", "--recipe", "tiny-cpu", "--set", *common, *sets, "--json", str(sim)],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            cli + ["train", "--set", *common, *sets, "--json", str(train)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        subprocess.run(
+            cli + ["simulate", "--recipe", "tiny-cpu", "--set", *common, *sets, "--json", str(sim)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         t, s = json.loads(train.read_text()), json.loads(sim.read_text())
         for stage, rank in zip(t["stages"], s["ranks"]):
-            rows.append({"schedule": kind, "stage": stage["stage"],
-                         "measured_activation_mib": stage["peak_activation_bytes"] / MIB,
-                         "simulated_activation_mib": rank["peak_activation_bytes"] / MIB,
-                         "measured_kv_mib": stage["peak_kv_bytes"] / MIB,
-                         "simulated_kv_mib": rank["peak_kv_bytes"] / MIB})
+            rows.append(
+                {
+                    "schedule": kind,
+                    "stage": stage["stage"],
+                    "measured_activation_mib": stage["peak_activation_bytes"] / MIB,
+                    "simulated_activation_mib": rank["peak_activation_bytes"] / MIB,
+                    "measured_kv_mib": stage["peak_kv_bytes"] / MIB,
+                    "simulated_kv_mib": rank["peak_kv_bytes"] / MIB,
+                }
+            )
     return rows
 
 
@@ -104,38 +127,68 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/slimpipe")
     a = ap.parse_args()
     machine = f"{platform.platform()}; {platform.processor() or platform.machine()}; Python {platform.python_version()}"
-    data = {"command": " ".join(["python", *sys.argv]),
-            "date": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"), "machine": machine,
-            "schedules": schedules(), "slice_balance": slice_balance()}
+    data = {
+        "command": " ".join(["python", *sys.argv]),
+        "date": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine,
+        "schedules": schedules(),
+        "slice_balance": slice_balance(),
+    }
     if not a.skip_measured:
         with tempfile.TemporaryDirectory() as tmp:
             data["measured_cpu"] = measured(Path(tmp))
     Path(a.out + ".json").write_text(json.dumps(data, indent=2) + "\n")
-    md = ["# SlimPipe: simulated schedules, slice balance, measured memory\n",
-          f"- command: `{data['command']}`\n- date: {data['date']}\n- machine: {data['machine']}\n",
-          "- parts 1 and 2 come from the simulator (cost model + hardware profile of each recipe, no "
-          "calibration file); part 3 is measured on CPU ranks.\n",
-          "\n## 1. Schedules per recipe (simulated)\n\n",
-          _md(data["schedules"], [("recipe", "recipe", ""), ("schedule", "schedule", ""),
-                                  ("iteration_time_s", "iteration s", ".2f"), ("bubble_ratio", "bubble", ".3f"),
-                                  ("mfu", "MFU", ".3f"), ("peak_gib", "peak GiB", ".1f"), ("fits", "fits", ""),
-                                  ("error", "note", "")]),
-          "\n## 2. Uniform vs balanced slices (simulated)\n\nLater uniform slices attend to longer prefixes "
-          "and cost more; the balanced policy equalises forward+backward time per slice.\n\n",
-          _md(data["slice_balance"], [("recipe", "recipe", ""), ("analytic_bubble", "analytic bubble", ".3f"),
-                                      ("uniform_bubble", "uniform bubble", ".3f"),
-                                      ("balanced_bubble", "balanced bubble", ".3f"),
-                                      ("extra_bubble_removed", "extra bubble removed", ".0%"),
-                                      ("uniform_time_s", "uniform s", ".2f"), ("balanced_time_s", "balanced s", ".2f"),
-                                      ("uniform_peak_gib", "uniform peak GiB", ".1f"),
-                                      ("balanced_peak_gib", "balanced peak GiB", ".1f")])]
+    md = [
+        "# SlimPipe: simulated schedules, slice balance, measured memory\n",
+        f"- command: `{data['command']}`\n- date: {data['date']}\n- machine: {data['machine']}\n",
+        "- parts 1 and 2 come from the simulator (cost model + hardware profile of each recipe, no "
+        "calibration file); part 3 is measured on CPU ranks.\n",
+        "\n## 1. Schedules per recipe (simulated)\n\n",
+        _md(
+            data["schedules"],
+            [
+                ("recipe", "recipe", ""),
+                ("schedule", "schedule", ""),
+                ("iteration_time_s", "iteration s", ".2f"),
+                ("bubble_ratio", "bubble", ".3f"),
+                ("mfu", "MFU", ".3f"),
+                ("peak_gib", "peak GiB", ".1f"),
+                ("fits", "fits", ""),
+                ("error", "note", ""),
+            ],
+        ),
+        "\n## 2. Uniform vs balanced slices (simulated)\n\nLater uniform slices attend to longer prefixes "
+        "and cost more; the balanced policy equalises forward+backward time per slice.\n\n",
+        _md(
+            data["slice_balance"],
+            [
+                ("recipe", "recipe", ""),
+                ("analytic_bubble", "analytic bubble", ".3f"),
+                ("uniform_bubble", "uniform bubble", ".3f"),
+                ("balanced_bubble", "balanced bubble", ".3f"),
+                ("extra_bubble_removed", "extra bubble removed", ".0%"),
+                ("uniform_time_s", "uniform s", ".2f"),
+                ("balanced_time_s", "balanced s", ".2f"),
+                ("uniform_peak_gib", "uniform peak GiB", ".1f"),
+                ("balanced_peak_gib", "balanced peak GiB", ".1f"),
+            ],
+        ),
+    ]
     if "measured_cpu" in data:
-        md += ["\n## 3. Measured on CPU ranks vs simulator (tiny-cpu, pp=4, 8 microbatches)\n\n",
-               _md(data["measured_cpu"], [("schedule", "schedule", ""), ("stage", "stage", ""),
-                                         ("measured_activation_mib", "measured act MiB", ".3f"),
-                                         ("simulated_activation_mib", "simulated act MiB", ".3f"),
-                                         ("measured_kv_mib", "measured K/V MiB", ".3f"),
-                                         ("simulated_kv_mib", "simulated K/V MiB", ".3f")])]
+        md += [
+            "\n## 3. Measured on CPU ranks vs simulator (tiny-cpu, pp=4, 8 microbatches)\n\n",
+            _md(
+                data["measured_cpu"],
+                [
+                    ("schedule", "schedule", ""),
+                    ("stage", "stage", ""),
+                    ("measured_activation_mib", "measured act MiB", ".3f"),
+                    ("simulated_activation_mib", "simulated act MiB", ".3f"),
+                    ("measured_kv_mib", "measured K/V MiB", ".3f"),
+                    ("simulated_kv_mib", "simulated K/V MiB", ".3f"),
+                ],
+            ),
+        ]
     Path(a.out + ".md").write_text("".join(md))
     print("".join(md))
 

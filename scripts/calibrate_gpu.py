@@ -9,6 +9,7 @@ and backward through megatron_slim.runtime.attention's selected backend (FLOPs c
 model counts them), and a memory-bound elementwise pass. Each point is the median of several timed
 repeats after warm-up, synchronised on CUDA.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,10 +22,16 @@ import torch
 import yaml
 
 SIZES = {
-    "small": dict(gemm=[(256, 256, 256), (512, 512, 512), (1024, 1024, 1024)], attn=[(256, 4, 64), (512, 4, 64)],
-                  mem=[2 ** 20, 2 ** 22]),
-    "gpu": dict(gemm=[(2048, 4096, 4096), (8192, 4096, 11008), (16384, 8192, 8192), (32768, 8192, 28672)],
-                attn=[(4096, 32, 128), (16384, 32, 128), (65536, 8, 128)], mem=[2 ** 26, 2 ** 28]),
+    "small": dict(
+        gemm=[(256, 256, 256), (512, 512, 512), (1024, 1024, 1024)],
+        attn=[(256, 4, 64), (512, 4, 64)],
+        mem=[2**20, 2**22],
+    ),
+    "gpu": dict(
+        gemm=[(2048, 4096, 4096), (8192, 4096, 11008), (16384, 8192, 8192), (32768, 8192, 28672)],
+        attn=[(4096, 32, 128), (16384, 32, 128), (65536, 8, 128)],
+        mem=[2**26, 2**28],
+    ),
 }
 
 
@@ -49,8 +56,9 @@ def measure(device: torch.device, dtype: torch.dtype, sizes: dict) -> list[dict]
     for m, n, k in sizes["gemm"]:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        out.append({"op": "gemm", "work": 2.0 * m * n * k, "seconds": _time(lambda: a @ b, device),
-                    "note": f"{m}x{k}@{k}x{n}"})
+        out.append(
+            {"op": "gemm", "work": 2.0 * m * n * k, "seconds": _time(lambda: a @ b, device), "note": f"{m}x{k}@{k}x{n}"}
+        )
     backend = select_backend(None, device, dtype)
     for s, heads, d in sizes["attn"]:
         q = torch.randn(1, s, heads, d, device=device, dtype=dtype)
@@ -58,24 +66,41 @@ def measure(device: torch.device, dtype: torch.dtype, sizes: dict) -> list[dict]
         v = torch.randn_like(k)
         pairs = s * (s + 1) / 2
         fwd_flops = 4.0 * pairs * d * heads
-        out.append({"op": "attention_forward", "work": fwd_flops, "note": f"{backend.name} s={s} h={heads} d={d}",
-                    "seconds": _time(lambda: backend.forward(q, k, v, causal=True), device)})
+        out.append(
+            {
+                "op": "attention_forward",
+                "work": fwd_flops,
+                "note": f"{backend.name} s={s} h={heads} d={d}",
+                "seconds": _time(lambda: backend.forward(q, k, v, causal=True), device),
+            }
+        )
         o, lse = backend.forward(q, k, v, causal=True)
         dout = torch.randn_like(o)
-        out.append({"op": "attention_backward", "work": 2.5 * fwd_flops, "note": f"{backend.name} s={s}",
-                    "seconds": _time(lambda: backend.backward(dout, q, k, v, o, lse, causal=True), device)})
+        out.append(
+            {
+                "op": "attention_backward",
+                "work": 2.5 * fwd_flops,
+                "note": f"{backend.name} s={s}",
+                "seconds": _time(lambda: backend.backward(dout, q, k, v, o, lse, causal=True), device),
+            }
+        )
     for numel in sizes["mem"]:
         x = torch.randn(numel, device=device, dtype=dtype)
         y = torch.randn_like(x)
-        out.append({"op": "memory_bound", "work": 3.0 * numel * x.element_size(), "note": "x + y",
-                    "seconds": _time(lambda: x + y, device)})
+        out.append(
+            {
+                "op": "memory_bound",
+                "work": 3.0 * numel * x.element_size(),
+                "note": "x + y",
+                "seconds": _time(lambda: x + y, device),
+            }
+        )
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hardware", required=True,
-                   help="profile name the file is for (megatron_slim/configs/hardware)")
+    p.add_argument("--hardware", required=True, help="profile name the file is for (megatron_slim/configs/hardware)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--sizes", choices=tuple(SIZES), default=None, help="default: gpu on cuda, small on cpu")
@@ -85,10 +110,12 @@ def main() -> None:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     sizes = SIZES[a.sizes or ("gpu" if device.type == "cuda" else "small")]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    data = {"hardware": a.hardware,
-            "source": f"scripts/calibrate_gpu.py on {name}, torch {torch.__version__}, {dtype}, "
-                      f"{datetime.date.today().isoformat()}",
-            "measurements": measure(device, dtype, sizes)}
+    data = {
+        "hardware": a.hardware,
+        "source": f"scripts/calibrate_gpu.py on {name}, torch {torch.__version__}, {dtype}, "
+        f"{datetime.date.today().isoformat()}",
+        "measurements": measure(device, dtype, sizes),
+    }
     with open(a.out, "w") as f:
         yaml.safe_dump(data, f, sort_keys=False)
     for m in data["measurements"]:

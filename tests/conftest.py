@@ -11,6 +11,7 @@
 ``plan`` test that imports torch, and a ``plan`` or ``single`` test that starts a spawned process,
 fail and name the marker to use.
 """
+
 from __future__ import annotations
 
 import inspect

@@ -3,6 +3,7 @@
 A function's length runs from its first decorator to its last line, nested functions included;
 nested functions are also measured on their own.
 """
+
 from __future__ import annotations
 
 import ast

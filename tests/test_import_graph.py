@@ -13,6 +13,7 @@ except the importer's own ancestors (Python has imported them before the importe
 The layer rules count every import, function-level ones included (``tests/plan/test_no_torch.py``
 checks the same at run time for ``plan`` and ``data``).
 """
+
 from __future__ import annotations
 
 import ast
@@ -35,7 +36,8 @@ MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(body: list[ast.stmt], module_level_only: bool):
@@ -93,7 +95,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str]:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -120,31 +122,44 @@ def test_no_import_cycle_between_modules():
 
 def _third_party_roots(prefix: str) -> dict[str, set[str]]:
     """Per module under ``prefix``: the top-level names of everything it imports, at any level."""
-    return {module: {name.split(".")[0] for name in _imported_names(module, module_level_only=False)}
-            for module in MODULES if module == prefix or module.startswith(prefix + ".")}
+    return {
+        module: {name.split(".")[0] for name in _imported_names(module, module_level_only=False)}
+        for module in MODULES
+        if module == prefix or module.startswith(prefix + ".")
+    }
 
 
 def _imports_of_package(prefix: str) -> dict[str, set[str]]:
-    return {module: _imported_names(module, module_level_only=False)
-            for module in MODULES if module == prefix or module.startswith(prefix + ".")}
+    return {
+        module: _imported_names(module, module_level_only=False)
+        for module in MODULES
+        if module == prefix or module.startswith(prefix + ".")
+    }
 
 
 @pytest.mark.parametrize("layer", ["megatron_slim.plan", "megatron_slim.data"])
 def test_pure_layers_import_neither_torch_nor_megatron(layer):
-    offenders = {module: sorted(roots & {"torch", "megatron", "transformer_engine", "flash_attn"})
-                 for module, roots in _third_party_roots(layer).items()}
+    offenders = {
+        module: sorted(roots & {"torch", "megatron", "transformer_engine", "flash_attn"})
+        for module, roots in _third_party_roots(layer).items()
+    }
     assert not {m: r for m, r in offenders.items() if r}
 
 
 @pytest.mark.parametrize("layer", ["megatron_slim.plan", "megatron_slim.data"])
 def test_pure_layers_import_no_torch_layer_of_the_package(layer):
     torch_layers = ("megatron_slim.megatron", "megatron_slim.runtime", "megatron_slim.train")
-    offenders = {module: sorted(n for n in names if n.startswith(torch_layers))
-                 for module, names in _imports_of_package(layer).items()}
+    offenders = {
+        module: sorted(n for n in names if n.startswith(torch_layers))
+        for module, names in _imports_of_package(layer).items()
+    }
     assert not {m: n for m, n in offenders.items() if n}
 
 
 def test_megatron_is_named_only_by_the_megatron_package():
-    offenders = sorted(module for module, roots in _third_party_roots(PACKAGE).items()
-                       if "megatron" in roots and not module.startswith("megatron_slim.megatron"))
+    offenders = sorted(
+        module
+        for module, roots in _third_party_roots(PACKAGE).items()
+        if "megatron" in roots and not module.startswith("megatron_slim.megatron")
+    )
     assert not offenders

@@ -5,6 +5,7 @@ sets ``namespaces = false``) and, of the other files, only those matching the pa
 of pyproject.toml. An editable install hides both mistakes because it reads the source tree; these
 tests catch them. ``make check-wheel`` (scripts/ci/check_wheel.sh) checks a real wheel end to end.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,9 @@ def _pyproject() -> dict:
 def _files() -> list[Path]:
     out = []
     for dirpath, dirnames, filenames in os.walk(PACKAGE):
-        dirnames[:] = [d for d in dirnames if d not in _NOT_SOURCE and not d.startswith(".")
-                       and not d.endswith(".egg-info")]
+        dirnames[:] = [
+            d for d in dirnames if d not in _NOT_SOURCE and not d.startswith(".") and not d.endswith(".egg-info")
+        ]
         out += [Path(dirpath) / f for f in filenames if not f.endswith((".pyc", ".pyo")) and not f.startswith(".")]
     return sorted(out)
 
@@ -55,8 +57,11 @@ def test_every_non_python_file_is_package_data():
     package_data: dict[str, list[str]] = config["package-data"]
     covered: set[Path] = set()
     for package, globs in package_data.items():
-        packages = ([d for d in {f.parent for f in _files()} if (d / "__init__.py").is_file()] if package == "*"
-                    else [ROOT.joinpath(*package.split("."))])
+        packages = (
+            [d for d in {f.parent for f in _files()} if (d / "__init__.py").is_file()]
+            if package == "*"
+            else [ROOT.joinpath(*package.split("."))]
+        )
         for folder in packages:
             for pattern in globs:
                 covered.update(p for p in folder.glob(pattern) if p.is_file())

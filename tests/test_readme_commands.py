@@ -8,6 +8,7 @@ temporary working directory, so relative outputs such as ``out/sim.json`` land t
 ``megatron-slim train`` lines take minutes: the slow tier runs them exactly as written; the default
 tier runs them with ``--set train.iters=1`` appended (same recipe, flags and outputs, one iteration).
 """
+
 from __future__ import annotations
 
 import re
@@ -25,7 +26,7 @@ FAST_TRAIN = ["--set", "train.iters=1"]
 def _section(text: str, heading: str) -> str:
     start = text.index(f"\n## {heading}\n")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end >= 0 else len(text)]
+    return text[start : end if end >= 0 else len(text)]
 
 
 def readme_commands() -> list[str]:
@@ -67,8 +68,9 @@ def test_the_section_documents_every_command():
     kinds = {_argv(c)[0] for c in COMMANDS}
     assert {"recipes", "simulate", "train", "megatron-args"} <= kinds, COMMANDS
     assert any("--cp-engine" in c for c in COMMANDS), "the Zeppelin simulate example"
-    assert all("[" not in " ".join(_argv(c)) and "..." not in " ".join(_argv(c)) for c in COMMANDS), \
+    assert all("[" not in " ".join(_argv(c)) and "..." not in " ".join(_argv(c)) for c in COMMANDS), (
         "commands, not synopses"
+    )
 
 
 def _id(command: str) -> str:

@@ -14,5 +14,4 @@ def tiny_cache_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_prepared(tiny_cache_dir):
     """The first 20 stdlib files with a 300-token vocabulary, shared by the read-only tests."""
-    return prepare_corpus("stdlib", cache_dir=tiny_cache_dir, vocab_size=TINY_VOCAB,
-                          max_files=TINY_FILES)
+    return prepare_corpus("stdlib", cache_dir=tiny_cache_dir, vocab_size=TINY_VOCAB, max_files=TINY_FILES)

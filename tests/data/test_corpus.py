@@ -13,8 +13,7 @@ def test_stdlib_listing_is_sorted_deterministic_and_python_only():
     assert first.fingerprint == second.fingerprint
     assert paths == sorted(paths) and len(paths) > 500
     assert all(p.endswith(".py") for p in paths)
-    assert not any(part in ("site-packages", "dist-packages", "__pycache__")
-                   for p in paths for part in Path(p).parts)
+    assert not any(part in ("site-packages", "dist-packages", "__pycache__") for p in paths for part in Path(p).parts)
     assert first.num_bytes == sum(len(d.text.encode()) for d in first.documents)
     assert first.documents[0].text == (stdlib_root() / paths[0]).read_text(encoding="utf-8")
 
@@ -26,8 +25,7 @@ def test_bounds_keep_a_prefix_of_the_full_listing():
     assert few.fingerprint != full.fingerprint
     by_bytes = list_corpus("stdlib", max_bytes=200_000)
     assert 0 < by_bytes.num_bytes <= 200_000
-    assert [d.relpath for d in by_bytes.documents] == \
-        [d.relpath for d in full.documents[: len(by_bytes)]]
+    assert [d.relpath for d in by_bytes.documents] == [d.relpath for d in full.documents[: len(by_bytes)]]
 
 
 def _make_tree(root: Path) -> None:

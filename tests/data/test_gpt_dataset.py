@@ -22,8 +22,12 @@ def test_samples_have_megatron_batch_fields(tiny_prepared):
     assert len(dataset) >= 100
     sample = dataset[0]
     assert set(sample) == {"tokens", "labels", "loss_mask", "position_ids"}
-    for name, dtype in [("tokens", torch.int64), ("labels", torch.int64),
-                        ("loss_mask", torch.float32), ("position_ids", torch.int64)]:
+    for name, dtype in [
+        ("tokens", torch.int64),
+        ("labels", torch.int64),
+        ("loss_mask", torch.float32),
+        ("position_ids", torch.int64),
+    ]:
         assert sample[name].shape == (SEQ,) and sample[name].dtype == dtype
         assert sample[name].device.type == "cpu"
     assert torch.equal(sample["position_ids"], torch.arange(SEQ))
@@ -36,8 +40,8 @@ def test_samples_are_consecutive_windows_of_the_token_stream(tiny_prepared):
     for i in range(0, len(dataset), 7):
         sample = dataset[i]
         start = int(dataset.shuffle_index[i]) * SEQ
-        assert torch.equal(sample["tokens"], stream[start:start + SEQ])
-        assert torch.equal(sample["labels"], stream[start + 1:start + SEQ + 1])
+        assert torch.equal(sample["tokens"], stream[start : start + SEQ])
+        assert torch.equal(sample["labels"], stream[start + 1 : start + SEQ + 1])
         assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])
         assert torch.equal(sample["loss_mask"], torch.ones(SEQ))
         assert int(sample["tokens"].max()) < tiny_prepared.vocab_size
@@ -87,9 +91,9 @@ def test_more_samples_than_one_epoch_repeat_the_corpus(tiny_prepared):
     assert dataset[len(dataset) - 1]["tokens"].shape == (SEQ,)
 
 
-@pytest.mark.parametrize("kwargs, name", [({"seq_length": 0}, "seq_length"),
-                                          ({"num_samples": 0}, "num_samples"),
-                                          ({"seed": -1}, "seed")])
+@pytest.mark.parametrize(
+    "kwargs, name", [({"seq_length": 0}, "seq_length"), ({"num_samples": 0}, "num_samples"), ({"seed": -1}, "seed")]
+)
 def test_bad_arguments_are_rejected(tiny_prepared, kwargs, name):
     args = {"seq_length": SEQ, "num_samples": 10, "seed": 0, **kwargs}
     with pytest.raises(ValueError, match=name):
@@ -109,7 +113,8 @@ def test_gloo_ranks_share_one_build_and_see_identical_samples(tmp_path):
     cache = str(tmp_path / "cache")
     results = run_ranks(_spawn_fns.prepare_and_sample, 2, cache, 280, 8, 32, timeout_s=300)
     assert sorted(hit for hit, _ in results) == [False, True]  # one rank built, one waited
-    reference = build_gpt_dataset(prepare_corpus("stdlib", cache_dir=cache, vocab_size=280,
-                                                 max_files=8), 32, num_samples=50, seed=3)
+    reference = build_gpt_dataset(
+        prepare_corpus("stdlib", cache_dir=cache, vocab_size=280, max_files=8), 32, num_samples=50, seed=3
+    )
     expected = [reference[i]["tokens"].tolist() for i in range(len(reference))]
     assert results[0][1] == results[1][1] == expected

@@ -22,13 +22,11 @@ def test_prepared_corpus_holds_every_document_encoded(tiny_prepared):
 
 
 def test_second_call_is_a_cache_hit_with_the_same_result(tiny_cache_dir, tiny_prepared):
-    again = prepare_corpus("stdlib", cache_dir=tiny_cache_dir, vocab_size=TINY_VOCAB,
-                           max_files=TINY_FILES)
+    again = prepare_corpus("stdlib", cache_dir=tiny_cache_dir, vocab_size=TINY_VOCAB, max_files=TINY_FILES)
     assert again.cache_hit
     assert again.path_prefix == tiny_prepared.path_prefix
     assert again.tokenizer.hf.to_str() == tiny_prepared.tokenizer.hf.to_str()
-    assert (again.num_documents, again.num_tokens) == (tiny_prepared.num_documents,
-                                                       tiny_prepared.num_tokens)
+    assert (again.num_documents, again.num_tokens) == (tiny_prepared.num_documents, tiny_prepared.num_tokens)
     meta = json.loads((again.directory / "meta.json").read_text())
     assert meta["num_tokens"] == again.num_tokens
     assert not list(again.directory.parent.glob(".*staging*"))
@@ -82,9 +80,14 @@ def test_cache_dir_defaults_to_the_environment_variable(tmp_path, monkeypatch):
     assert prepared.directory.parent == tmp_path / "env-cache" / "corpora"
 
 
-@pytest.mark.parametrize("kwargs, name", [({"vocab_size": 10}, "vocab_size"),
-                                          ({"max_files": -2}, "max_files"),
-                                          ({"tokenizer_train_bytes": 0}, "tokenizer_train_bytes")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"vocab_size": 10}, "vocab_size"),
+        ({"max_files": -2}, "max_files"),
+        ({"tokenizer_train_bytes": 0}, "tokenizer_train_bytes"),
+    ],
+)
 def test_bad_settings_are_rejected(tmp_path, kwargs, name):
     with pytest.raises(ValueError, match=name):
         prepare_corpus("stdlib", cache_dir=tmp_path, **kwargs)

@@ -1,5 +1,6 @@
 """The corpus tokenizer (Hugging Face ``tokenizers`` byte-level BPE): lossless, deterministic, and
 loadable by Megatron-LM's own ``HuggingFaceTokenizer``."""
+
 import argparse
 import random
 import sys
@@ -83,8 +84,9 @@ def test_save_load_round_trip(tmp_path, stdlib_tokenizer):
         assert (loaded.eod, loaded.vocab_size) == (stdlib_tokenizer.eod, stdlib_tokenizer.vocab_size)
 
 
-def test_megatron_lms_huggingface_tokenizer_loads_it_and_encodes_the_same_ids(tmp_path, stdlib_docs,
-                                                                             stdlib_tokenizer, monkeypatch):
+def test_megatron_lms_huggingface_tokenizer_loads_it_and_encodes_the_same_ids(
+    tmp_path, stdlib_docs, stdlib_tokenizer, monkeypatch
+):
     """Megatron-LM's own ``build_tokenizer(--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR)``,
     from the release tag that pairs with the installed megatron-core (``../shared/megatron-lm``)."""
     import transformers  # noqa: F401  (the test extra installs it: Megatron's loader needs it)
@@ -95,10 +97,19 @@ def test_megatron_lms_huggingface_tokenizer_loads_it_and_encodes_the_same_ids(tm
         monkeypatch.delitem(sys.modules, name)
     from megatron.training.tokenizer.tokenizer import build_tokenizer
 
-    args = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path), rank=0,
-                              make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
-                              vocab_extra_ids=0, trust_remote_code=False, tokenizer_hf_include_special_tokens=False,
-                              tokenizer_hf_no_use_fast=False, legacy_tokenizer=True, vocab_size=None)
+    args = argparse.Namespace(
+        tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model=str(tmp_path),
+        rank=0,
+        make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=1,
+        vocab_extra_ids=0,
+        trust_remote_code=False,
+        tokenizer_hf_include_special_tokens=False,
+        tokenizer_hf_no_use_fast=False,
+        legacy_tokenizer=True,
+        vocab_size=None,
+    )
     megatron = build_tokenizer(args)
     assert megatron.eod == stdlib_tokenizer.eod
     assert megatron.vocab_size == stdlib_tokenizer.vocab_size

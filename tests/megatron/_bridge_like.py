@@ -10,6 +10,7 @@ is checked by ``tests/real_bridge``). Each mirrors Bridge 0.6.2 / 0.3.1 as cited
   one ``next()`` per call, megatron-core's ``get_batch_on_this_cp_rank`` on the dict, the model
   called with keywords, ``masked_next_token_loss``'s 3-tuple (losses.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,9 +64,11 @@ def config_container(model: Any = None, **dataset: Any) -> SimpleNamespace:
     """The parts of a ``ConfigContainer`` install() reads (training.config.ConfigContainer)."""
     data = dict(dataloader_type="single", reset_attention_mask=False)
     data.update(dataset)
-    return SimpleNamespace(model=model if model is not None else tiny_provider(),
-                           train=SimpleNamespace(micro_batch_size=2, global_batch_size=4),
-                           dataset=SimpleNamespace(**data))
+    return SimpleNamespace(
+        model=model if model is not None else tiny_provider(),
+        train=SimpleNamespace(micro_batch_size=2, global_batch_size=4),
+        dataset=SimpleNamespace(**data),
+    )
 
 
 def masked_next_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -78,6 +81,10 @@ def masked_next_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor)
 
 def forward_step(state: Any, data_iterator, model, return_schedule_plan: bool = False):
     batch = get_batch_on_this_cp_rank(next(data_iterator), cp_group=state.cp_group)
-    output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                   attention_mask=batch.get("attention_mask"), labels=batch["labels"])
+    output = model(
+        input_ids=batch["tokens"],
+        position_ids=batch["position_ids"],
+        attention_mask=batch.get("attention_mask"),
+        labels=batch["labels"],
+    )
     return output, functools.partial(masked_next_token_loss, batch["loss_mask"])

@@ -1,4 +1,5 @@
 """Rank function for the Megatron-Bridge step test (module level so spawn can import it)."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -18,8 +19,15 @@ def _batches(provider, seed: int) -> list[dict]:
         tokens = torch.randint(0, provider.vocab_size, (2, provider.seq_length + 1), generator=g)
         mask = (torch.rand(2, provider.seq_length, generator=g) > 0.2).float()
         pos = torch.arange(provider.seq_length).expand(2, -1).contiguous()
-        out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                    "loss_mask": mask, "position_ids": pos, "attention_mask": None})
+        out.append(
+            {
+                "tokens": tokens[:, :-1].contiguous(),
+                "labels": tokens[:, 1:].contiguous(),
+                "loss_mask": mask,
+                "position_ids": pos,
+                "attention_mask": None,
+            }
+        )
     return out
 
 
@@ -30,18 +38,31 @@ def _build_model(provider, groups):
     from megatron_slim.megatron import compat
     from megatron_slim.megatron.model.rotary import make_cpu_rotary_embedding
 
-    model = GPTModel(config=provider, transformer_layer_spec=provider.layer_spec(vp_stage=None),
-                     vocab_size=provider.vocab_size, max_sequence_length=provider.seq_length, pre_process=True,
-                     post_process=True, share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                     rotary_base=provider.rotary_base, **compat.model_groups_kwargs(GPTModel, groups))
+    model = GPTModel(
+        config=provider,
+        transformer_layer_spec=provider.layer_spec(vp_stage=None),
+        vocab_size=provider.vocab_size,
+        max_sequence_length=provider.seq_length,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=provider.rotary_base,
+        **compat.model_groups_kwargs(GPTModel, groups),
+    )
     model.rotary_pos_emb = make_cpu_rotary_embedding(  # megatron-core's table moves itself to CUDA
-        kv_channels=provider.kv_channels, rotary_percent=1.0, rotary_base=provider.rotary_base,
-        use_cpu_initialization=True, cp_group=groups.cp)
+        kv_channels=provider.kv_channels,
+        rotary_percent=1.0,
+        rotary_base=provider.rotary_base,
+        use_cpu_initialization=True,
+        cp_group=groups.cp,
+    )
     return model
 
 
 def _reference(model, batches, state) -> tuple[list, dict]:
     """Unsliced: each microbatch through the whole model, Megatron's per-microbatch normalisation."""
+
     def run(batch):
         output, loss_func = _bridge_like.forward_step(state, iter([batch]), model)
         return loss_func(output)
@@ -70,16 +91,25 @@ def bridge_step(rank, world_size, num_slices, seed=5):
         batches = _batches(config.model, seed)
         reports = forward_backward_func(
             forward_step_func=lambda it, m, return_schedule_plan=False: _bridge_like.forward_step(state, it, m),
-            data_iterator=iter(batches), model=[model], num_microbatches=NUM_MICROBATCHES,
-            seq_length=config.model.seq_length, micro_batch_size=2, decoder_seq_length=config.model.seq_length,
-            forward_only=False, adjust_tensor_shapes_fn=None, p2p_communicator=None,
-            pg_collection=_pg_collection(groups))
+            data_iterator=iter(batches),
+            model=[model],
+            num_microbatches=NUM_MICROBATCHES,
+            seq_length=config.model.seq_length,
+            micro_batch_size=2,
+            decoder_seq_length=config.model.seq_length,
+            forward_only=False,
+            adjust_tensor_shapes_fn=None,
+            p2p_communicator=None,
+            pg_collection=_pg_collection(groups),
+        )
         grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
         ref_reports, ref_grads = _reference(model, batches, state)
-        facts = {"is_slimpipe": forward_backward_func is handle.forward_backward_func,
-                 "slice_attention_layers": sum(isinstance(m, SliceCoreAttention) for m in model.modules()),
-                 "slice_lengths": handle.forward_backward_func.settings.slice_lengths}
+        facts = {
+            "is_slimpipe": forward_backward_func is handle.forward_backward_func,
+            "slice_attention_layers": sum(isinstance(m, SliceCoreAttention) for m in model.modules()),
+            "slice_lengths": handle.forward_backward_func.settings.slice_lengths,
+        }
     handle.remove()
     return [r["lm loss"] for r in reports], grads, ref_reports, ref_grads, facts
 

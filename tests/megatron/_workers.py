@@ -1,5 +1,6 @@
 """Rank functions for the megatron tests (spawned by run_ranks; megatron is imported inside them
 so that importing this module stays cheap for the parent)."""
+
 from __future__ import annotations
 
 import torch
@@ -23,6 +24,7 @@ def tiny_batch(cfg: ModelConfig, batch_size: int = 2, seed: int = 0):
 
 # --------------------------------------------------------------------------- world size 1
 
+
 def single_process(rank, world_size, seed):
     """A whole model on one rank (untied and tied embeddings), plus megatron's own step functions
     and helpers called through the compat shims, plus the CPU RNG tracker."""
@@ -42,16 +44,16 @@ def _whole_model_step(cfg, groups, seed):
     from megatron_slim.megatron.model.gpt import build_chunk, global_grads, global_state_dict
 
     ids, labels = tiny_batch(cfg)
-    chunk = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True,
-                        post_process=True, seed=seed)
+    chunk = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True, post_process=True, seed=seed)
     state = global_state_dict(chunk)
     losses = chunk(ids, None, None, labels=labels)
     losses.mean().backward()
     return {
         "layer_numbers": [layer.layer_number for layer in chunk.decoder.layers],
-        "attention_layer_numbers": [
-            layer.self_attention.core_attention.layer_number for layer in chunk.decoder.layers],
-        "state": state, "losses": losses.detach(), "grads": global_grads(chunk),
+        "attention_layer_numbers": [layer.self_attention.core_attention.layer_number for layer in chunk.decoder.layers],
+        "state": state,
+        "losses": losses.detach(),
+        "grads": global_grads(chunk),
     }
 
 
@@ -65,8 +67,7 @@ def _installed_shims(cfg, groups, seed):
     from megatron_slim.megatron.model.gpt import build_chunk, global_grads
 
     ids, labels = tiny_batch(cfg)
-    chunk = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True,
-                        post_process=True, seed=seed)
+    chunk = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True, post_process=True, seed=seed)
     direct = chunk(ids, None, None, labels=labels).mean()
     direct.backward()
     direct_grads = global_grads(chunk)
@@ -83,9 +84,16 @@ def _installed_shims(cfg, groups, seed):
         return token_loss, loss_func
 
     loss, _ = compat.forward_step(
-        forward_step_func=forward_step_func, data_iterator=iter([(ids, labels)]), model=chunk,
-        num_microbatches=1, input_tensor=None, forward_data_store=[], config=chunk.config,
-        cp_group_size=1, is_last_stage=True)
+        forward_step_func=forward_step_func,
+        data_iterator=iter([(ids, labels)]),
+        model=chunk,
+        num_microbatches=1,
+        input_tensor=None,
+        forward_data_store=[],
+        config=chunk.config,
+        cp_group_size=1,
+        is_last_stage=True,
+    )
     compat.backward_step(None, loss, None, chunk.config)
 
     # _forward_mlp through its shim equals the MLP sublayer plus its residual.
@@ -97,12 +105,20 @@ def _installed_shims(cfg, groups, seed):
 
     # A core attention built from a spec with the keywords megatron's Attention would pass.
     attention = compat.build(
-        ModuleSpec(module=SlimCoreAttention), config=chunk.config, layer_number=3,
-        attn_mask_type=AttnMaskType.causal, attention_type="self", cp_comm_type=None,
-        softmax_scale=None, **compat.model_groups_kwargs(_attention_class(), groups))
+        ModuleSpec(module=SlimCoreAttention),
+        config=chunk.config,
+        layer_number=3,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        cp_comm_type=None,
+        softmax_scale=None,
+        **compat.model_groups_kwargs(_attention_class(), groups),
+    )
     return {
-        "direct_loss": direct.detach(), "direct_grads": direct_grads,
-        "shim_loss": loss.detach(), "shim_grads": global_grads(chunk),
+        "direct_loss": direct.detach(),
+        "direct_grads": direct_grads,
+        "shim_loss": loss.detach(),
+        "shim_grads": global_grads(chunk),
         "forward_mlp_err": (mlp_out - (hidden + by_hand)).abs().max().item(),
         "built_attention": (attention.layer_number, attention.cp_group is groups.cp),
     }
@@ -135,6 +151,7 @@ def _rng_streams(seed):
 
 
 # --------------------------------------------------------------------------- world size 2
+
 
 def _run_stages_by_hand(cfg, chunks_by_stage, my_rank, pp, ids, labels):
     """Forward then backward through ``pp * vpp`` stages owned round-robin by the pp ranks,
@@ -204,10 +221,8 @@ def _pipeline_case(cfg, groups, chunk_seed, full_seed):
         load_global_state_dict(c, ref["state"])
     stages = {c_idx * groups.pp_size + groups.pp_rank: c for c_idx, c in enumerate(chunks)}
     chunks_by_stage = [stages.get(s) for s in range(groups.pp_size * groups.vpp)]
-    layer_out, losses = _run_stages_by_hand(cfg, chunks_by_stage, groups.pp_rank,
-                                            groups.pp_size, ids, labels)
-    result.update(ref=ref, layer_out=layer_out, losses=losses,
-                  grads=[global_grads(c) for c in chunks])
+    layer_out, losses = _run_stages_by_hand(cfg, chunks_by_stage, groups.pp_rank, groups.pp_size, ids, labels)
+    result.update(ref=ref, layer_out=layer_out, losses=losses, grads=[global_grads(c) for c in chunks])
     return result
 
 
@@ -227,7 +242,8 @@ def two_ranks(rank, world_size, seed):
         with model_parallel(**sizes) as groups:
             out["sizes"][tuple(sorted(sizes.items()))] = {
                 name: (getattr(groups, f"{name}_size"), getattr(groups, f"{name}_rank"))
-                for name in ("tp", "pp", "cp", "dp")}
+                for name in ("tp", "pp", "cp", "dp")
+            }
     out["tp2"] = _tensor_parallel_case(seed)
     return out
 
@@ -240,12 +256,18 @@ def _tensor_parallel_case(seed):
     cfg = tiny_config()
     ids, labels = tiny_batch(cfg)
     with model_parallel(tp=2, seed=seed) as groups:
-        chunk = build_chunk(cfg, groups, layers=range(cfg.num_layers), pre_process=True,
-                            post_process=True, seed=seed + 1)
+        chunk = build_chunk(
+            cfg, groups, layers=range(cfg.num_layers), pre_process=True, post_process=True, seed=seed + 1
+        )
         full_state = reference.unsharded_state(cfg, seed)
         load_global_state_dict(chunk, full_state)
         losses = chunk(ids, None, None, labels=labels)
         losses.mean().backward()
-        return {"full_state": full_state, "state": global_state_dict(chunk),
-                "losses": losses.detach(), "grads": global_grads(chunk),
-                "tp_rank": groups.tp_rank, "tp_size": groups.tp_size}
+        return {
+            "full_state": full_state,
+            "state": global_state_dict(chunk),
+            "losses": losses.detach(),
+            "grads": global_grads(chunk),
+            "tp_rank": groups.tp_rank,
+            "tp_size": groups.tp_size,
+        }

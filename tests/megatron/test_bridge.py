@@ -1,6 +1,7 @@
 """Megatron-Bridge support (``megatron_slim.megatron.bridge``) against the installed megatron-core,
 with stand-ins for Bridge's provider and forward step (``_bridge_like``; the real package is
 checked by ``tests/real_bridge``)."""
+
 import sys
 import types
 from types import SimpleNamespace
@@ -22,8 +23,11 @@ def _getter():
 def _bind_by_name(name: str) -> types.ModuleType:
     """A module that imports the getter by name, as Bridge's train.py and eval.py do."""
     module = types.ModuleType(name)
-    exec("from megatron.core.pipeline_parallel.schedules import get_forward_backward_func\n"
-         "from megatron.core.pipeline_parallel import get_forward_backward_func as via_package\n", module.__dict__)
+    exec(
+        "from megatron.core.pipeline_parallel.schedules import get_forward_backward_func\n"
+        "from megatron.core.pipeline_parallel import get_forward_backward_func as via_package\n",
+        module.__dict__,
+    )
     sys.modules[name] = module
     return module
 
@@ -51,14 +55,23 @@ def test_every_name_bridge_calls_returns_the_slimpipe_function_and_remove_restor
     before = _bind_by_name("bridge_like_train_before")
     handle = installed(_bridge_like.config_container(), num_slices=4)
     after = _bind_by_name("bridge_like_train_after")
-    for getter in (schedules.get_forward_backward_func, pipeline_parallel.get_forward_backward_func,
-                   before.get_forward_backward_func, before.via_package, after.get_forward_backward_func,
-                   after.via_package):
+    for getter in (
+        schedules.get_forward_backward_func,
+        pipeline_parallel.get_forward_backward_func,
+        before.get_forward_backward_func,
+        before.via_package,
+        after.get_forward_backward_func,
+        after.via_package,
+    ):
         assert getter(pp_size=2, vp_size=None) is handle.forward_backward_func
     assert handle.forward_backward_func.settings.slice_lengths == (8, 8, 8, 8)
     handle.remove()
-    for getter in (schedules.get_forward_backward_func, pipeline_parallel.get_forward_backward_func,
-                   before.get_forward_backward_func, after.via_package):
+    for getter in (
+        schedules.get_forward_backward_func,
+        pipeline_parallel.get_forward_backward_func,
+        before.get_forward_backward_func,
+        after.via_package,
+    ):
         assert getter is original
 
 
@@ -79,8 +92,11 @@ def test_the_spec_bridge_resolves_has_slice_attention_in_every_form(installed, f
         return _bridge_like.local_layer_spec(config)
 
     provider = _bridge_like.tiny_provider()
-    original = {"callable": _bridge_like.local_layer_spec, "callable_with_vp_stage": with_vp_stage,
-                "module_spec": _bridge_like.local_layer_spec(provider)}[form]
+    original = {
+        "callable": _bridge_like.local_layer_spec,
+        "callable_with_vp_stage": with_vp_stage,
+        "module_spec": _bridge_like.local_layer_spec(provider),
+    }[form]
     provider.transformer_layer_spec = original
     handle = installed(_bridge_like.config_container(provider), num_slices=2)
     spec = provider.layer_spec(vp_stage=1)
@@ -97,21 +113,35 @@ def _set(obj, **values):
 
 
 REFUSED = {
-    "local_attention_backend": (lambda c: _set(c.model, attention_backend=__import__(
-        "megatron.core.transformer.enums", fromlist=["AttnBackend"]).AttnBackend.local), {}, "model.attention_backend"),
+    "local_attention_backend": (
+        lambda c: _set(
+            c.model,
+            attention_backend=__import__("megatron.core.transformer.enums", fromlist=["AttnBackend"]).AttnBackend.local,
+        ),
+        {},
+        "model.attention_backend",
+    ),
     "moe": (lambda c: _set(c.model, num_moe_experts=8), {}, "model.num_moe_experts"),
     "cuda_graphs": (lambda c: _set(c.model, cuda_graph_impl="full_iteration"), {}, "model.cuda_graph_impl"),
-    "full_te_layer": (lambda c: _set(c.model, use_transformer_engine_full_layer_spec=True), {},
-                      "model.use_transformer_engine_full_layer_spec"),
-    "dist_train": (lambda c: _set(c.model, dist_train=SimpleNamespace(use_dist_train=True)), {},
-                   "model.dist_train.use_dist_train"),
+    "full_te_layer": (
+        lambda c: _set(c.model, use_transformer_engine_full_layer_spec=True),
+        {},
+        "model.use_transformer_engine_full_layer_spec",
+    ),
+    "dist_train": (
+        lambda c: _set(c.model, dist_train=SimpleNamespace(use_dist_train=True)),
+        {},
+        "model.dist_train.use_dist_train",
+    ),
     "variable_length_batches": (lambda c: _set(c.dataset, dataloader_type="batch"), {}, "dataset.dataloader_type"),
-    "packed_sequences": (lambda c: _set(c.dataset, enable_in_batch_packing=True), {},
-                         "dataset.enable_in_batch_packing"),
+    "packed_sequences": (
+        lambda c: _set(c.dataset, enable_in_batch_packing=True),
+        {},
+        "dataset.enable_in_batch_packing",
+    ),
     "document_masks": (lambda c: _set(c.dataset, reset_attention_mask=True), {}, "dataset.reset_attention_mask"),
     "uneven_slices": (lambda c: None, {"num_slices": 5}, "model.seq_length"),
-    "cp_alignment": (lambda c: _set(c.model, context_parallel_size=2), {"num_slices": 16},
-                     "install(num_slices=...)"),
+    "cp_alignment": (lambda c: _set(c.model, context_parallel_size=2), {"num_slices": 16}, "install(num_slices=...)"),
     "zero_slices": (lambda c: None, {"num_slices": 0}, "install(num_slices=...): got 0"),
     "slice_count_type": (lambda c: None, {"num_slices": "4"}, "num_slices: got '4'"),
     "slice_policy": (lambda c: None, {"slice_policy": "even"}, "slice_policy: got 'even'"),
@@ -149,8 +179,11 @@ def test_one_bridge_shaped_step_runs_slimpipe_and_matches_the_unsliced_model():
     from tests.megatron import _bridge_workers
 
     reports, grads, ref_reports, ref_grads, facts = run_ranks(_bridge_workers.bridge_step, 1, 4)[0]
-    assert facts == {"is_slimpipe": True, "slice_attention_layers": NARROW_GQA_2L["num_layers"],
-                     "slice_lengths": (8, 8, 8, 8)}
+    assert facts == {
+        "is_slimpipe": True,
+        "slice_attention_layers": NARROW_GQA_2L["num_layers"],
+        "slice_lengths": (8, 8, 8, 8),
+    }
     for got, want in zip(reports, ref_reports, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     assert set(grads) == set(ref_grads)

@@ -1,4 +1,5 @@
 """``megatron-slim megatron-args``: the flags of a recipe, as one shell line or one flag per line."""
+
 import shlex
 
 import pytest
@@ -23,8 +24,12 @@ def test_lines_format_prints_one_flag_per_line_with_its_values(recipe, capsys):
 
 def test_lines_format_shell_quotes_values(capsys):
     from megatron_slim.commands.megatron_args import flag_lines
+
     assert flag_lines(["--num-layers", "32", "--name", "a b", "--swiglu"]) == [
-        "--num-layers 32", "--name 'a b'", "--swiglu"]
+        "--num-layers 32",
+        "--name 'a b'",
+        "--swiglu",
+    ]
 
 
 def test_shell_format_round_trips(capsys):

@@ -1,5 +1,6 @@
 """The version shims dispatch on the installed function's signature: each historical signature
 (0.14 .. 0.19) is exercised here with a fake that records what it received."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -16,11 +17,12 @@ class Recorder:
 
 # --------------------------------------------------------------------------- backward_step
 
+
 def make_backward_steps(rec):
-    def bwd_014(input_tensor, output_tensor, output_tensor_grad, model_type, config,
-                pipeline_model_parallel_size=1):
-        rec.calls.append(("0.14", input_tensor, output_tensor, output_tensor_grad, model_type,
-                          config, pipeline_model_parallel_size))
+    def bwd_014(input_tensor, output_tensor, output_tensor_grad, model_type, config, pipeline_model_parallel_size=1):
+        rec.calls.append(
+            ("0.14", input_tensor, output_tensor, output_tensor_grad, model_type, config, pipeline_model_parallel_size)
+        )
         return "grad"
 
     def bwd_015(input_tensor, output_tensor, output_tensor_grad, model_type, config):
@@ -38,8 +40,10 @@ def test_backward_step_dispatches_on_each_historical_signature():
     rec = Recorder()
     bwd_014, bwd_015, bwd_017 = make_backward_steps(rec)
     for fn in (bwd_014, bwd_015, bwd_017):
-        assert compat.backward_step("x", "y", "dy", "cfg", model_type=MODEL_TYPE,
-                                    pipeline_model_parallel_size=4, fn=fn) == "grad"
+        assert (
+            compat.backward_step("x", "y", "dy", "cfg", model_type=MODEL_TYPE, pipeline_model_parallel_size=4, fn=fn)
+            == "grad"
+        )
     assert rec.calls == [
         ("0.14", "x", "y", "dy", MODEL_TYPE, "cfg", 4),
         ("0.15", "x", "y", "dy", MODEL_TYPE, "cfg"),
@@ -58,19 +62,40 @@ def test_backward_step_defaults_model_type_where_still_required():
 
 # --------------------------------------------------------------------------- forward_step
 
+
 def test_forward_step_drops_only_keywords_the_installed_version_lacks():
     seen = {}
 
-    def old_forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
-                         forward_data_store, config, cp_group_size, collect_non_loss_data=False,
-                         checkpoint_activations_microbatch=None, is_first_microbatch=False,
-                         current_microbatch=None):
+    def old_forward_step(
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches,
+        input_tensor,
+        forward_data_store,
+        config,
+        cp_group_size,
+        collect_non_loss_data=False,
+        checkpoint_activations_microbatch=None,
+        is_first_microbatch=False,
+        current_microbatch=None,
+    ):
         seen.update(locals())
         return "out", 0
 
-    compat.forward_step(fn=old_forward_step, forward_step_func="f", data_iterator="it", model="m",
-                        num_microbatches=2, input_tensor=None, forward_data_store=[], config="c",
-                        cp_group_size=1, vp_stage=1, is_last_stage=False)
+    compat.forward_step(
+        fn=old_forward_step,
+        forward_step_func="f",
+        data_iterator="it",
+        model="m",
+        num_microbatches=2,
+        input_tensor=None,
+        forward_data_store=[],
+        config="c",
+        cp_group_size=1,
+        vp_stage=1,
+        is_last_stage=False,
+    )
     assert seen["num_microbatches"] == 2 and "vp_stage" not in seen and "is_last_stage" not in seen
 
     def kwargs_forward_step(**kwargs):
@@ -82,6 +107,7 @@ def test_forward_step_drops_only_keywords_the_installed_version_lacks():
 
 
 # --------------------------------------------------------------------------- finalize_model_grads
+
 
 def finalize_014(model, num_tokens=None, grad_finalize_pgs=None):
     return ("0.14", model, num_tokens, grad_finalize_pgs)
@@ -95,11 +121,14 @@ def finalize_016(model, num_tokens=None, pg_collection=None, force_all_reduce=Fa
     return ("0.16", model, num_tokens, pg_collection, force_all_reduce)
 
 
-@pytest.mark.parametrize("fn, expected", [
-    (finalize_014, ("0.14", ["m"], 5, "pgs")),
-    (finalize_015, ("0.15", ["m"], 5, "pgs")),
-    (finalize_016, ("0.16", ["m"], 5, "pgs", True)),
-])
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        (finalize_014, ("0.14", ["m"], 5, "pgs")),
+        (finalize_015, ("0.15", ["m"], 5, "pgs")),
+        (finalize_016, ("0.16", ["m"], 5, "pgs", True)),
+    ],
+)
 def test_finalize_model_grads_uses_each_versions_keywords(fn, expected):
     force = True if fn is finalize_016 else None
     assert compat.finalize_model_grads(["m"], 5, groups="pgs", force_all_reduce=force, fn=fn) == expected
@@ -109,7 +138,9 @@ def test_finalize_model_grads_kwargs_by_signature():
     assert compat.finalize_model_grads_kwargs(finalize_014, "g") == {"grad_finalize_pgs": "g"}
     assert compat.finalize_model_grads_kwargs(finalize_015, "g", False) == {"pg_collection": "g"}
     assert compat.finalize_model_grads_kwargs(finalize_016, "g", False) == {
-        "pg_collection": "g", "force_all_reduce": False}
+        "pg_collection": "g",
+        "force_all_reduce": False,
+    }
     assert compat.finalize_model_grads_kwargs(finalize_016) == {}
 
 
@@ -128,6 +159,7 @@ def test_our_groups_are_converted_to_the_class_the_keyword_expects():
 
 
 # --------------------------------------------------------------------------- process-group keyword
+
 
 def test_model_groups_keyword_per_version():
     class Module015:
@@ -163,13 +195,16 @@ def test_fill_groups_dataclass_sets_only_declared_fields():
 
 # --------------------------------------------------------------------------- layer specs and build
 
+
 def test_local_layer_submodules_before_and_after_017():
     calls = []
-    old = SimpleNamespace(get_gpt_layer_local_spec=lambda **kw: calls.append(("spec", kw))
-                          or SimpleNamespace(submodules="subs-from-spec"))
-    new = SimpleNamespace(get_gpt_layer_local_spec=old.get_gpt_layer_local_spec,
-                          get_gpt_layer_local_submodules=lambda **kw: calls.append(("subs", kw))
-                          or "subs")
+    old = SimpleNamespace(
+        get_gpt_layer_local_spec=lambda **kw: calls.append(("spec", kw)) or SimpleNamespace(submodules="subs-from-spec")
+    )
+    new = SimpleNamespace(
+        get_gpt_layer_local_spec=old.get_gpt_layer_local_spec,
+        get_gpt_layer_local_submodules=lambda **kw: calls.append(("subs", kw)) or "subs",
+    )
     assert compat.local_layer_submodules("RMSNorm", specs_module=old) == "subs-from-spec"
     assert compat.local_layer_submodules("RMSNorm", specs_module=new) == "subs"
     assert calls == [("spec", {"normalization": "RMSNorm"}), ("subs", {"normalization": "RMSNorm"})]
@@ -188,6 +223,7 @@ def test_build_prefers_build_module_and_falls_back_to_calling_the_spec():
 
 # --------------------------------------------------------------------------- _forward_mlp
 
+
 class Layer014:
     def _forward_mlp(self, hidden_states, inference_context=None):
         return ("0.14", hidden_states, inference_context)
@@ -199,8 +235,7 @@ class Layer016:
 
 
 class Layer019:
-    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None,
-                     packed_seq_params=None):
+    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None, packed_seq_params=None):
         return ("0.19", hidden_states, inference_context, padding_mask, packed_seq_params)
 
 
@@ -218,6 +253,7 @@ def test_forward_mlp_refuses_to_drop_a_real_argument():
 
 
 # --------------------------------------------------------------------------- the installed version
+
 
 def test_installed_megatron_core_is_dispatched_as_its_version_requires():
     from megatron.core.models.gpt import GPTModel

@@ -2,6 +2,7 @@
 
 Tolerance: fp32 attention against torch SDPA, 1e-5 absolute (same math, other summation order).
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,16 +19,25 @@ def causal_attention(q, k, v, softmax_scale):
 
 
 def config(**overrides):
-    fields = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                  attention_dropout=0.0, hidden_dropout=0.0)
+    fields = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
     fields.update(overrides)
     return TransformerConfig(**fields)
 
 
 def qkv(b=2, sq=8, sk=8, hq=4, hkv=2, d=16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, sq, hq, d, generator=g), torch.randn(b, sk, hkv, d, generator=g),
-            torch.randn(b, sk, hkv, d, generator=g))
+    return (
+        torch.randn(b, sq, hq, d, generator=g),
+        torch.randn(b, sk, hkv, d, generator=g),
+        torch.randn(b, sk, hkv, d, generator=g),
+    )
 
 
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (4, 2), (4, 1), (6, 3)])
@@ -35,8 +45,8 @@ def test_causal_attention_matches_sdpa_with_gqa(hq, hkv):
     q, k, v = qkv(hq=hq, hkv=hkv)
     out = causal_attention(q, k, v, softmax_scale=0.25)
     expected = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=0.25,
-        enable_gqa=True).transpose(1, 2)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=0.25, enable_gqa=True
+    ).transpose(1, 2)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
 
 
@@ -60,26 +70,41 @@ def test_shorter_query_block_is_the_tail_of_the_sequence():
 def test_constructor_accepts_each_versions_keywords_and_unknown_ones():
     cfg = config()
     pgs = object()
-    new = SlimCoreAttention(config=cfg, layer_number=3, attn_mask_type=AttnMaskType.causal,
-                            attention_type="self", cp_comm_type="p2p", softmax_scale=None,
-                            pg_collection=pgs)
-    old = SlimCoreAttention(config=cfg, layer_number=3, attn_mask_type=AttnMaskType.causal,
-                            attention_type="self", cp_comm_type=None, softmax_scale=0.5,
-                            model_comm_pgs=pgs, some_future_keyword=1)
+    new = SlimCoreAttention(
+        config=cfg,
+        layer_number=3,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        cp_comm_type="p2p",
+        softmax_scale=None,
+        pg_collection=pgs,
+    )
+    old = SlimCoreAttention(
+        config=cfg,
+        layer_number=3,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        cp_comm_type=None,
+        softmax_scale=0.5,
+        model_comm_pgs=pgs,
+        some_future_keyword=1,
+    )
     assert new.pg_collection is pgs and old.pg_collection is pgs
     assert new.softmax_scale == pytest.approx(1 / 4) and old.softmax_scale == 0.5
     assert old.extra_kwargs == {"some_future_keyword": 1}
     assert new.layer_number == 3 and new.cp_comm_type == "p2p"
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(attention_type="cross"), "attention_type"),
-    (dict(attention_dropout=0.1), "attention_dropout"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(attention_type="cross"), "attention_type"),
+        (dict(attention_dropout=0.1), "attention_dropout"),
+    ],
+)
 def test_constructor_rejects_what_it_cannot_honour(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        SlimCoreAttention(config=config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
-                          **kwargs)
+        SlimCoreAttention(config=config(), layer_number=1, attn_mask_type=AttnMaskType.causal, **kwargs)
 
 
 def test_forward_uses_megatron_layout_and_the_attend_seam():
@@ -101,11 +126,14 @@ def test_forward_uses_megatron_layout_and_the_attend_seam():
     torch.testing.assert_close(out, expected.transpose(0, 1).reshape(8, 2, -1), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(attn_mask_type=AttnMaskType.padding), "attn_mask_type"),
-    (dict(attention_bias=torch.zeros(1)), "attention_bias"),
-    (dict(packed_seq_params=object()), "packed_seq_params"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(attn_mask_type=AttnMaskType.padding), "attn_mask_type"),
+        (dict(attention_bias=torch.zeros(1)), "attention_bias"),
+        (dict(packed_seq_params=object()), "packed_seq_params"),
+    ],
+)
 def test_forward_rejects_unsupported_inputs(kwargs, match):
     attention = SlimCoreAttention(config=config(), layer_number=1, attn_mask_type=AttnMaskType.causal)
     q, k, v = (t.transpose(0, 1) for t in qkv())

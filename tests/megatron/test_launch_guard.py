@@ -1,5 +1,6 @@
 """The launcher refuses to be a silent no-op: megatron-slim flags given to a script whose loop never
 parses Megatron-LM's args (Megatron-Bridge) raise the first time a hook needs the args."""
+
 import pytest
 
 from megatron_slim.megatron.launch.guard import guarded, megatron_slim_flags

@@ -1,5 +1,6 @@
 """One rewriter of megatron-core layer specs (``megatron.layer_specs``) behind SlimPipe's,
 the CP engines' and ``model.layer_spec``'s core attention."""
+
 import pytest
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -41,6 +42,7 @@ def test_a_spec_without_the_slot_or_with_a_foreign_layer_is_refused_naming_the_f
     class OtherLayer(TransformerLayer):
         pass
 
-    with pytest.raises(ValueError, match="--cp-remap: the layer spec builds OtherLayer; allowed: megatron-core's "
-                                         "TransformerLayer"):
+    with pytest.raises(
+        ValueError, match="--cp-remap: the layer spec builds OtherLayer; allowed: megatron-core's TransformerLayer"
+    ):
         with_cp_attention(_layer(OtherLayer), remap=True)

@@ -1,4 +1,5 @@
 """Pure helpers of the model builder: stage assignment, roles, TP sharding, init, validation."""
+
 import pytest
 import torch
 
@@ -9,9 +10,20 @@ from megatron_slim.megatron.model.rotary import zigzag_positions
 from tests.megatron._workers import tiny_config
 
 
-@pytest.mark.parametrize("num_layers, pp, vpp", [
-    (4, 1, 1), (4, 2, 1), (4, 2, 2), (8, 2, 2), (6, 3, 1), (12, 3, 2), (8, 4, 2), (5, 5, 1), (9, 1, 3),
-])
+@pytest.mark.parametrize(
+    "num_layers, pp, vpp",
+    [
+        (4, 1, 1),
+        (4, 2, 1),
+        (4, 2, 2),
+        (8, 2, 2),
+        (6, 3, 1),
+        (12, 3, 2),
+        (8, 4, 2),
+        (5, 5, 1),
+        (9, 1, 3),
+    ],
+)
 def test_stage_layers_is_megatrons_interleaved_assignment(num_layers, pp, vpp):
     result = stage_layers(num_layers, pp, vpp)
     per_stage = num_layers // (pp * vpp)
@@ -24,9 +36,15 @@ def test_stage_layers_is_megatrons_interleaved_assignment(num_layers, pp, vpp):
     assert covered == list(range(num_layers))  # a partition of all layers
 
 
-@pytest.mark.parametrize("args, match", [
-    ((4, 3, 1), "num_layers=4"), ((4, 2, 3), "num_layers=4"), ((4, 0, 1), "pp=0"), ((4, 1, 0), "vpp=0"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((4, 3, 1), "num_layers=4"),
+        ((4, 2, 3), "num_layers=4"),
+        ((4, 0, 1), "pp=0"),
+        ((4, 1, 0), "vpp=0"),
+    ],
+)
 def test_stage_layers_rejects_bad_sizes(args, match):
     with pytest.raises(ValueError, match=match):
         stage_layers(*args)
@@ -34,14 +52,24 @@ def test_stage_layers_rejects_bad_sizes(args, match):
 
 def test_chunk_roles():
     assert [chunk_roles(r, c, 2, 2) for r in range(2) for c in range(2)] == [
-        (True, False), (False, False), (False, False), (False, True)]
+        (True, False),
+        (False, False),
+        (False, False),
+        (False, True),
+    ]
     assert chunk_roles(0, 0, 1, 1) == (True, True)
 
 
-@pytest.mark.parametrize("sizes, match", [
-    (dict(tp=3), "divide"), (dict(pp=2, tp=2, cp=2), "divide"), (dict(vpp=2), "vpp=2"),
-    (dict(dp=3), "dp=3"), (dict(cp=0), "cp=0"),
-])
+@pytest.mark.parametrize(
+    "sizes, match",
+    [
+        (dict(tp=3), "divide"),
+        (dict(pp=2, tp=2, cp=2), "divide"),
+        (dict(vpp=2), "vpp=2"),
+        (dict(dp=3), "dp=3"),
+        (dict(cp=0), "cp=0"),
+    ],
+)
 def test_parallel_sizes_are_validated(sizes, match):
     full = dict(tp=1, pp=1, cp=1, vpp=1, dp=None)
     full.update(sizes)
@@ -83,8 +111,9 @@ def test_init_depends_only_on_seed_and_name():
     c = weights.init_full_tensor("decoder.layers.2.mlp.linear_fc1.weight", (6, 4), seed=1, num_layers=4)
     d = weights.init_full_tensor("decoder.layers.3.mlp.linear_fc1.weight", (6, 4), seed=2, num_layers=4)
     assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, d)
-    assert torch.equal(weights.init_full_tensor("decoder.final_layernorm.weight", (4,), seed=1,
-                                                num_layers=4), torch.ones(4))
+    assert torch.equal(
+        weights.init_full_tensor("decoder.final_layernorm.weight", (4,), seed=1, num_layers=4), torch.ones(4)
+    )
 
 
 def test_residual_output_projections_get_scaled_init():
@@ -119,8 +148,9 @@ class FakeGroup:
 def test_cpu_rotary_table_is_rotate_half_rope_and_splits_zigzag_for_cp():
     from megatron_slim.megatron.model.rotary import make_cpu_rotary_embedding
 
-    rope = make_cpu_rotary_embedding(kv_channels=8, rotary_percent=1.0, rotary_base=500,
-                                     use_cpu_initialization=True, cp_group=None)
+    rope = make_cpu_rotary_embedding(
+        kv_channels=8, rotary_percent=1.0, rotary_base=500, use_cpu_initialization=True, cp_group=None
+    )
     table = rope(16)
     inv_freq = 1.0 / (500 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
     angles = torch.outer(torch.arange(16, dtype=torch.float32), inv_freq)

@@ -6,6 +6,7 @@ Each layer's output, the loss and every gradient must equal the unpipelined mode
 the same fp32 operations run in the same order. Tensor parallelism changes summation order, so
 it is held to 1e-5 (loss, absolute) and 1e-5 relative per gradient against the pure-torch model.
 """
+
 import pytest
 import torch
 
@@ -22,10 +23,13 @@ def ranks():
     return run_ranks(_workers.two_ranks, 2, SEED)
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("pp2", [[range(0, 2)], [range(2, 4)]]),
-    ("vpp2", [[range(0, 1), range(2, 3)], [range(1, 2), range(3, 4)]]),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("pp2", [[range(0, 2)], [range(2, 4)]]),
+        ("vpp2", [[range(0, 1), range(2, 3)], [range(1, 2), range(3, 4)]]),
+    ],
+)
 def test_each_chunk_holds_its_global_layers(ranks, case, expected):
     for rank, out in enumerate(ranks):
         c = out[case]
@@ -33,10 +37,13 @@ def test_each_chunk_holds_its_global_layers(ranks, case, expected):
         assert c["layer_numbers"] == [[i + 1 for i in layers] for layers in expected[rank]]
 
 
-@pytest.mark.parametrize("case, roles", [
-    ("pp2", [[(True, False)], [(False, True)]]),
-    ("vpp2", [[(True, False), (False, False)], [(False, False), (False, True)]]),
-])
+@pytest.mark.parametrize(
+    "case, roles",
+    [
+        ("pp2", [[(True, False)], [(False, True)]]),
+        ("vpp2", [[(True, False), (False, False)], [(False, False), (False, True)]]),
+    ],
+)
 def test_only_first_stage_embeds_and_only_last_stage_has_the_head(ranks, case, roles):
     assert [out[case]["roles"] for out in ranks] == roles
 
@@ -69,8 +76,9 @@ def test_every_gradient_equals_unpipelined_gradient_by_global_name(ranks, case):
 
 def test_load_global_state_dict_replaced_the_chunks_own_initialisation(ranks):
     c = ranks[0]["pp2"]  # chunks built with seed+1, loaded from the seed model
-    differs = [not torch.equal(t, c["ref"]["state"][n]) for n, t in c["init_state"][0].items()
-               if not n.endswith("norm.weight")]
+    differs = [
+        not torch.equal(t, c["ref"]["state"][n]) for n, t in c["init_state"][0].items() if not n.endswith("norm.weight")
+    ]
     assert all(differs)
 
 

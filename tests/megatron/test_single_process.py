@@ -4,6 +4,7 @@ independent pure-torch implementation: the loss and every parameter gradient.
 Tolerance: fp32 on CPU; the two implementations differ only in summation order, so per-token
 losses agree to 1e-5 absolute and every gradient tensor to 1e-5 relative (Frobenius norm).
 """
+
 import pytest
 import torch
 
@@ -84,7 +85,7 @@ def test_core_attention_built_through_build_shim_gets_megatron_keywords(result):
 def test_cpu_rng_tracker_is_seeded_per_tp_rank_and_restores_the_default_stream(result):
     draws, plain = result["rng"]["draws"], result["rng"]["plain"]
     (before0, inside0, after0), (before0b, inside0b, after0b) = draws[0]
-    (before1, inside1, after1), = draws[1]
+    ((before1, inside1, after1),) = draws[1]
     # Re-seeding reproduces every stream.
     for a, b in ((before0, before0b), (inside0, inside0b), (after0, after0b)):
         assert torch.equal(a, b)

@@ -1,5 +1,6 @@
 """scripts/slurm: the dry run prints, per node, the torchrun command that launches pretrain_gpt.py
 through megatron_slim.launch with the recipe's flags."""
+
 import os
 import shlex
 import subprocess
@@ -15,8 +16,13 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "pretrain_g
 
 
 def _dry_run(**env):
-    full = dict(os.environ, DRY_RUN="1", MEGATRON_SLIM=f"{sys.executable} -m megatron_slim.cli",
-                MEGATRON_LM="/opt/Megatron-LM", **env)
+    full = dict(
+        os.environ,
+        DRY_RUN="1",
+        MEGATRON_SLIM=f"{sys.executable} -m megatron_slim.cli",
+        MEGATRON_LM="/opt/Megatron-LM",
+        **env,
+    )
     full.pop("SLURM_NNODES", None)
     full.pop("SLURM_JOB_NODELIST", None)
     full.update(env)
@@ -39,9 +45,9 @@ def test_dry_run_prints_one_launch_per_node_with_the_recipe_flags(recipe, nodes)
         assert words[words.index("--rdzv_endpoint") + 1] == "node0:6123"
         start = words.index("megatron_slim.launch")
         assert words[start - 1] == "-m" and words[start + 1] == "/opt/Megatron-LM/pretrain_gpt.py"
-        rest = words[start + 2:]
-        assert rest[:len(expected_flags)] == expected_flags
-        assert rest[len(expected_flags):len(expected_flags) + 2] == ["--data-path", "/data/corpus_text_document"]
+        rest = words[start + 2 :]
+        assert rest[: len(expected_flags)] == expected_flags
+        assert rest[len(expected_flags) : len(expected_flags) + 2] == ["--data-path", "/data/corpus_text_document"]
         assert "--save" in rest and "--load" in rest
         assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in words
 
@@ -84,7 +90,7 @@ def slurm_path(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(FAKE_SBATCH)
-    cli = f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m megatron_slim.cli \"$@\"\n"
+    cli = f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m megatron_slim.cli "$@"\n'
     (bin_dir / "megatron-slim").write_text(cli)
     for f in bin_dir.iterdir():
         f.chmod(0o755)
@@ -92,25 +98,34 @@ def slurm_path(tmp_path):
 
 
 def _clean_env(path, **env):
-    full = {k: v for k, v in os.environ.items() if k not in ("RECIPE", "RECIPE_SET", "DRY_RUN", "MEGATRON_SLIM")
-            and not k.startswith("SLURM_")}
+    full = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RECIPE", "RECIPE_SET", "DRY_RUN", "MEGATRON_SLIM") and not k.startswith("SLURM_")
+    }
     full.update(PATH=path, MEGATRON_LM="/opt/Megatron-LM", **env)
     return full
 
 
 def test_without_recipe_the_batch_script_refuses_to_run(slurm_path):
     from megatron_slim.plan.recipe import available_recipes
+
     for env in ({}, {"RECIPE": ""}):
-        run = subprocess.run(["bash", str(SCRIPT)], env=_clean_env(slurm_path, DRY_RUN="1", **env),
-                             capture_output=True, text=True)
+        run = subprocess.run(
+            ["bash", str(SCRIPT)], env=_clean_env(slurm_path, DRY_RUN="1", **env), capture_output=True, text=True
+        )
         assert run.returncode == 2 and run.stdout == ""
         assert "RECIPE: not set" in run.stderr
         assert all(name in run.stderr for name in available_recipes())
 
 
 def test_submit_sh_counts_nodes_with_the_recipe_overrides(slurm_path):
-    run = subprocess.run(["bash", str(SCRIPT.parent / "submit.sh"), "llama2-7b-64k"], capture_output=True, text=True,
-                         env=_clean_env(slurm_path, RECIPE_SET="parallel.dp=2 train.global_batch_size=32"))
+    run = subprocess.run(
+        ["bash", str(SCRIPT.parent / "submit.sh"), "llama2-7b-64k"],
+        capture_output=True,
+        text=True,
+        env=_clean_env(slurm_path, RECIPE_SET="parallel.dp=2 train.global_batch_size=32"),
+    )
     assert run.returncode == 0, run.stderr
     assert len(run.stdout.strip().splitlines()) == 4
 
@@ -119,8 +134,9 @@ def _readme_slurm_lines() -> list[str]:
     text = (REPO / "README.md").read_text()
     section = text.split("### On a cluster with Megatron-LM", 1)[1].split("\n## ", 1)[0]
     blocks = section.split("```")[1::2]
-    return [ln.split("  #", 1)[0].strip() for b in blocks for ln in b.splitlines()
-            if "sbatch" in ln or "submit.sh" in ln]
+    return [
+        ln.split("  #", 1)[0].strip() for b in blocks for ln in b.splitlines() if "sbatch" in ln or "submit.sh" in ln
+    ]
 
 
 def test_readme_slurm_commands_run_as_written(slurm_path):
@@ -128,20 +144,25 @@ def test_readme_slurm_commands_run_as_written(slurm_path):
     assert any(ln.startswith("scripts/slurm/submit.sh") for ln in lines)
     assert any(" sbatch " in f" {ln} " for ln in lines) and any(ln.startswith("DRY_RUN=1") for ln in lines)
     for line in lines:
-        run = subprocess.run(["bash", "-c", line], cwd=REPO, env=_clean_env(slurm_path), capture_output=True,
-                             text=True)
+        run = subprocess.run(["bash", "-c", line], cwd=REPO, env=_clean_env(slurm_path), capture_output=True, text=True)
         assert run.returncode == 0, f"README command failed: {line}\n{run.stderr}"
         recipe = shlex.split(line.replace("$(", " ").replace(")", " "))
-        name = next(w.split("=", 1)[1] for w in recipe if w.startswith("RECIPE=")) if "RECIPE=" in line else \
-            recipe[recipe.index("scripts/slurm/submit.sh") + 1]
+        name = (
+            next(w.split("=", 1)[1] for w in recipe if w.startswith("RECIPE="))
+            if "RECIPE=" in line
+            else recipe[recipe.index("scripts/slurm/submit.sh") + 1]
+        )
         flags = recipe_to_megatron_args(load_recipe(name))
         nodes = run.stdout.strip().splitlines()
         assert nodes and all(shlex.join(flags) in ln for ln in nodes), line
 
 
 def test_extra_args_keep_quoted_values_with_spaces_whole():
-    run = _dry_run(RECIPE="llama2-7b-64k", EXTRA_ARGS='--wandb-exp-name "my long run" --exit-interval 5',
-                   TOKENIZER_ARGS="--tokenizer-type HuggingFaceTokenizer --tokenizer-model '/data/tok dir'")
+    run = _dry_run(
+        RECIPE="llama2-7b-64k",
+        EXTRA_ARGS='--wandb-exp-name "my long run" --exit-interval 5',
+        TOKENIZER_ARGS="--tokenizer-type HuggingFaceTokenizer --tokenizer-model '/data/tok dir'",
+    )
     assert run.returncode == 0, run.stderr
     first = run.stdout.splitlines()[0]
     assert r"--wandb-exp-name my\ long\ run --exit-interval 5" in first

@@ -77,7 +77,11 @@ def cu_seqlens(lengths: list[int]) -> torch.Tensor:
 
 def assert_close(actual, expected, atol: float, rtol: float, what: str, seed: int) -> None:
     torch.testing.assert_close(
-        actual.double(), expected.double(), atol=atol, rtol=rtol, equal_nan=False,
+        actual.double(),
+        expected.double(),
+        atol=atol,
+        rtol=rtol,
+        equal_nan=False,
         msg=lambda m: f"{what} (seed {seed}): {m}",
     )
 

@@ -11,6 +11,7 @@ names and its fused layouts:
 RoPE follows the rotate-half convention (pairs ``(i, i + d/2)``), attention uses torch's SDPA with
 ``enable_gqa`` (query head i reads K/V head ``i // (hq/hkv)``).
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -33,49 +34,52 @@ def _qkv_fuse(cfg, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     d, hq, ng = cfg.head_dim, cfg.num_attention_heads, cfg.num_query_groups
     per_group = hq // ng
     h = q.shape[-1]
-    grouped = torch.cat([q.reshape(ng, per_group, d, h), k.reshape(ng, 1, d, h),
-                         v.reshape(ng, 1, d, h)], dim=1)
+    grouped = torch.cat([q.reshape(ng, per_group, d, h), k.reshape(ng, 1, d, h), v.reshape(ng, 1, d, h)], dim=1)
     return grouped.reshape(-1, h)
 
 
 def from_megatron(cfg, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Reference weights from megatron whole-model names (fresh leaf tensors)."""
-    out = {"embed": sd["embedding.word_embeddings.weight"],
-           "final_norm": sd["decoder.final_layernorm.weight"]}
+    out = {"embed": sd["embedding.word_embeddings.weight"], "final_norm": sd["decoder.final_layernorm.weight"]}
     if cfg.untie_embeddings_and_output_weights:
         out["lm_head"] = sd["output_layer.weight"]
     for i in range(cfg.num_layers):
         p = f"decoder.layers.{i}."
         q, k, v = _qkv_split(cfg, sd[p + "self_attention.linear_qkv.weight"])
         gate, up = sd[p + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out.update({
-            f"{i}.attn_norm": sd[p + "input_layernorm.weight"],
-            f"{i}.wq": q, f"{i}.wk": k, f"{i}.wv": v,
-            f"{i}.wo": sd[p + "self_attention.linear_proj.weight"],
-            f"{i}.mlp_norm": sd[p + "pre_mlp_layernorm.weight"],
-            f"{i}.w_gate": gate, f"{i}.w_up": up,
-            f"{i}.w_down": sd[p + "mlp.linear_fc2.weight"],
-        })
+        out.update(
+            {
+                f"{i}.attn_norm": sd[p + "input_layernorm.weight"],
+                f"{i}.wq": q,
+                f"{i}.wk": k,
+                f"{i}.wv": v,
+                f"{i}.wo": sd[p + "self_attention.linear_proj.weight"],
+                f"{i}.mlp_norm": sd[p + "pre_mlp_layernorm.weight"],
+                f"{i}.w_gate": gate,
+                f"{i}.w_up": up,
+                f"{i}.w_down": sd[p + "mlp.linear_fc2.weight"],
+            }
+        )
     return {k: v.detach().clone().requires_grad_(True) for k, v in out.items()}
 
 
 def to_megatron(cfg, ref: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Inverse of :func:`from_megatron` (used to map reference gradients onto megatron names)."""
-    out = {"embedding.word_embeddings.weight": ref["embed"],
-           "decoder.final_layernorm.weight": ref["final_norm"]}
+    out = {"embedding.word_embeddings.weight": ref["embed"], "decoder.final_layernorm.weight": ref["final_norm"]}
     if cfg.untie_embeddings_and_output_weights:
         out["output_layer.weight"] = ref["lm_head"]
     for i in range(cfg.num_layers):
         p = f"decoder.layers.{i}."
-        out.update({
-            p + "input_layernorm.weight": ref[f"{i}.attn_norm"],
-            p + "self_attention.linear_qkv.weight": _qkv_fuse(
-                cfg, ref[f"{i}.wq"], ref[f"{i}.wk"], ref[f"{i}.wv"]),
-            p + "self_attention.linear_proj.weight": ref[f"{i}.wo"],
-            p + "pre_mlp_layernorm.weight": ref[f"{i}.mlp_norm"],
-            p + "mlp.linear_fc1.weight": torch.cat([ref[f"{i}.w_gate"], ref[f"{i}.w_up"]], dim=0),
-            p + "mlp.linear_fc2.weight": ref[f"{i}.w_down"],
-        })
+        out.update(
+            {
+                p + "input_layernorm.weight": ref[f"{i}.attn_norm"],
+                p + "self_attention.linear_qkv.weight": _qkv_fuse(cfg, ref[f"{i}.wq"], ref[f"{i}.wk"], ref[f"{i}.wv"]),
+                p + "self_attention.linear_proj.weight": ref[f"{i}.wo"],
+                p + "pre_mlp_layernorm.weight": ref[f"{i}.mlp_norm"],
+                p + "mlp.linear_fc1.weight": torch.cat([ref[f"{i}.w_gate"], ref[f"{i}.w_up"]], dim=0),
+                p + "mlp.linear_fc2.weight": ref[f"{i}.w_down"],
+            }
+        )
     return out
 
 
@@ -89,7 +93,7 @@ def rope(x: torch.Tensor, base: float) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     angles = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
     cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 

@@ -2,6 +2,7 @@
 and every parameter gradient (under whole-model names) that the pipelined, sliced, tensor- and
 context-parallel runs must reproduce. megatron is imported inside the functions so that importing
 this module stays cheap for a test's parent process."""
+
 from __future__ import annotations
 
 import torch
@@ -17,16 +18,22 @@ def solo_groups(rank: int, world_size: int):
     from megatron_slim.megatron.model.parallel import ParallelGroups
 
     solo = [dist.new_group([r]) for r in range(world_size)][rank]
-    return ParallelGroups(tp=solo, pp=solo, cp=solo, dp=solo, dp_cp=solo, tp_cp=solo, mp=solo, embd=solo,
-                          pos_embd=solo)
+    return ParallelGroups(tp=solo, pp=solo, cp=solo, dp=solo, dp_cp=solo, tp_cp=solo, mp=solo, embd=solo, pos_embd=solo)
 
 
 def whole_model(model_cfg, groups, seed: int, **layer_classes):
     """Every layer, the embedding and the head in one chunk (chunk building ignores the pp group)."""
     from megatron_slim.megatron.model.gpt import build_chunk
 
-    return build_chunk(model_cfg, groups, layers=range(model_cfg.num_layers), pre_process=True, post_process=True,
-                       seed=seed, **layer_classes)
+    return build_chunk(
+        model_cfg,
+        groups,
+        layers=range(model_cfg.num_layers),
+        pre_process=True,
+        post_process=True,
+        seed=seed,
+        **layer_classes,
+    )
 
 
 def unsharded_state(model_cfg, seed: int) -> dict[str, torch.Tensor]:
@@ -35,21 +42,29 @@ def unsharded_state(model_cfg, seed: int) -> dict[str, torch.Tensor]:
 
     h, f, v = model_cfg.hidden_size, model_cfg.ffn_hidden_size, model_cfg.vocab_size
     qkv_rows = (model_cfg.num_attention_heads + 2 * model_cfg.num_query_groups) * model_cfg.head_dim
-    shapes = {"embedding.word_embeddings.weight": (v, h), "decoder.final_layernorm.weight": (h,),
-              "output_layer.weight": (v, h)}
+    shapes = {
+        "embedding.word_embeddings.weight": (v, h),
+        "decoder.final_layernorm.weight": (h,),
+        "output_layer.weight": (v, h),
+    }
     for i in range(model_cfg.num_layers):
         p = f"decoder.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,),
-                       p + "self_attention.linear_qkv.weight": (qkv_rows, h),
-                       p + "self_attention.linear_proj.weight": (h, model_cfg.num_attention_heads * model_cfg.head_dim),
-                       p + "pre_mlp_layernorm.weight": (h,),
-                       p + "mlp.linear_fc1.weight": (2 * f, h),
-                       p + "mlp.linear_fc2.weight": (h, f)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "self_attention.linear_qkv.weight": (qkv_rows, h),
+                p + "self_attention.linear_proj.weight": (h, model_cfg.num_attention_heads * model_cfg.head_dim),
+                p + "pre_mlp_layernorm.weight": (h,),
+                p + "mlp.linear_fc1.weight": (2 * f, h),
+                p + "mlp.linear_fc2.weight": (h, f),
+            }
+        )
     return {n: init_full_tensor(n, s, seed=seed, num_layers=model_cfg.num_layers) for n, s in shapes.items()}
 
 
 def layer_output_hooks(chunk, store: dict):
     """Record each decoder layer's hidden-state output ``[s, b, h]`` under its global index."""
+
     def hook(module, args, output):
         hidden = output[0] if isinstance(output, tuple) else output
         store[module.layer_number - 1] = hidden.detach().clone()
@@ -69,8 +84,12 @@ def token_mean_step(model_cfg, groups, seed: int, ids, labels) -> dict:
     losses.mean().backward()
     for h in hooks:
         h.remove()
-    return {"state": global_state_dict(model), "grads": global_grads(model), "layer_out": layer_out,
-            "losses": losses.detach()}
+    return {
+        "state": global_state_dict(model),
+        "grads": global_grads(model),
+        "layer_out": layer_out,
+        "losses": losses.detach(),
+    }
 
 
 def microbatch_mean_step(run_microbatch, batches) -> list:
@@ -115,8 +134,12 @@ def per_document_step(model_cfg, groups, packs, seed: int):
         pack_sum, offset = 0.0, 0
         for s in pack["lengths"]:
             part = slice(offset, offset + s)
-            losses = model(pack["tokens"][part].unsqueeze(0), torch.arange(s).unsqueeze(0), None,
-                           labels=pack["labels"][part].unsqueeze(0))
+            losses = model(
+                pack["tokens"][part].unsqueeze(0),
+                torch.arange(s).unsqueeze(0),
+                None,
+                labels=pack["labels"][part].unsqueeze(0),
+            )
             pack_sum = pack_sum + (losses.reshape(-1) * pack["loss_mask"][part]).sum()
             offset += s
         total = total + pack_sum / pack["loss_mask"].sum() / len(packs)

@@ -1,6 +1,7 @@
 """Inputs a user can get wrong fail before any work with one line naming the field or flag, the
 value and what is allowed (issue 8's list): non-physical numbers, unreadable or ambiguous files,
 flags that were silently ignored."""
+
 import pytest
 
 from megatron_slim.cli import main
@@ -13,18 +14,21 @@ def _error(capsys, *argv) -> str:
     return err.splitlines()[-1]
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("model.rotary_base=0", "model.rotary_base: invalid value (got 0.0; allowed: a number > 1"),
-    ("model.rotary_base=-5", "model.rotary_base"),
-    ("model.norm_epsilon=-1e-5", "model.norm_epsilon: invalid value (got -1e-05; allowed: a number in (0, 1)"),
-    ("train.lr=inf", "train.lr: invalid value (got 'inf'; allowed: a finite number)"),
-    ("train.clip_grad=nan", "train.clip_grad: invalid value (got 'nan'; allowed: a finite number)"),
-    ("train.min_lr=-inf", "train.min_lr: invalid value (got '-inf'; allowed: a finite number)"),
-    ("train.weight_decay=-0.1", "train.weight_decay: invalid value (got -0.1; allowed: a number >= 0)"),
-    ("train.seed=-1", "train.seed: invalid value (got -1; allowed: an integer in [0, 4294967295]"),
-    ("train.seed=4294967296", "train.seed: invalid value (got 4294967296; allowed: an integer in [0, 4294967295]"),
-    ("data.max_files=-1", "data.max_files: invalid value (got -1; allowed: an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("model.rotary_base=0", "model.rotary_base: invalid value (got 0.0; allowed: a number > 1"),
+        ("model.rotary_base=-5", "model.rotary_base"),
+        ("model.norm_epsilon=-1e-5", "model.norm_epsilon: invalid value (got -1e-05; allowed: a number in (0, 1)"),
+        ("train.lr=inf", "train.lr: invalid value (got 'inf'; allowed: a finite number)"),
+        ("train.clip_grad=nan", "train.clip_grad: invalid value (got 'nan'; allowed: a finite number)"),
+        ("train.min_lr=-inf", "train.min_lr: invalid value (got '-inf'; allowed: a finite number)"),
+        ("train.weight_decay=-0.1", "train.weight_decay: invalid value (got -0.1; allowed: a number >= 0)"),
+        ("train.seed=-1", "train.seed: invalid value (got -1; allowed: an integer in [0, 4294967295]"),
+        ("train.seed=4294967296", "train.seed: invalid value (got 4294967296; allowed: an integer in [0, 4294967295]"),
+        ("data.max_files=-1", "data.max_files: invalid value (got -1; allowed: an integer >= 0"),
+    ],
+)
 def test_non_physical_values_are_refused(capsys, override, expected):
     assert expected in _error(capsys, "simulate", "--recipe", "tiny-cpu", "--set", override)
 
@@ -39,9 +43,11 @@ def test_a_recipe_that_is_not_utf8_or_repeats_a_key_is_refused(tmp_path, capsys)
 
 
 def test_a_hardware_profile_that_is_malformed_or_not_utf8_is_refused(tmp_path, capsys):
-    for name, content, expected in (("broken.yaml", b"name: [unclosed\n", "not valid YAML"),
-                                    ("latin1.yaml", b"name: x\xff\n", "not UTF-8 text"),
-                                    ("twice.yaml", b"name: a\nname: b\n", "key 'name' appears twice")):
+    for name, content, expected in (
+        ("broken.yaml", b"name: [unclosed\n", "not valid YAML"),
+        ("latin1.yaml", b"name: x\xff\n", "not UTF-8 text"),
+        ("twice.yaml", b"name: a\nname: b\n", "key 'name' appears twice"),
+    ):
         path = tmp_path / name
         path.write_bytes(content)
         err = _error(capsys, "simulate", "--recipe", "tiny-cpu", "--set", f"hardware={path}")
@@ -51,8 +57,9 @@ def test_a_hardware_profile_that_is_malformed_or_not_utf8_is_refused(tmp_path, c
 def test_calibration_and_lengths_files_that_are_not_utf8_or_repeat_keys_are_refused(tmp_path, capsys):
     calibration = tmp_path / "cal.yaml"
     calibration.write_text("hardware: cpu\nhardware: h100\n")
-    assert "key 'hardware' appears twice" in _error(capsys, "simulate", "--recipe", "tiny-cpu",
-                                                     "--calibration", str(calibration))
+    assert "key 'hardware' appears twice" in _error(
+        capsys, "simulate", "--recipe", "tiny-cpu", "--calibration", str(calibration)
+    )
     calibration.write_bytes(b"hardware: \xff\n")
     assert "not UTF-8 text" in _error(capsys, "simulate", "--recipe", "tiny-cpu", "--calibration", str(calibration))
     lengths = tmp_path / "lengths.txt"
@@ -91,8 +98,10 @@ def test_an_exit_interval_before_the_resumed_iteration_is_refused(tmp_path, caps
     write_manifest(folder, 3)
     (ckpt / "latest").write_text("3\n")
     err = _error(capsys, "train", "--checkpoint-dir", str(ckpt), "--exit-interval", "2")
-    assert ("--exit-interval 2: this run trains iterations 4..40 (it resumes from the checkpoint at iteration 3); "
-            "allowed: 4..40") in err
+    assert (
+        "--exit-interval 2: this run trains iterations 4..40 (it resumes from the checkpoint at iteration 3); "
+        "allowed: 4..40"
+    ) in err
 
 
 def test_megatron_args_refuses_the_seed_megatron_rejects_at_start_up(capsys):
@@ -105,14 +114,27 @@ def test_train_checks_its_data_source_before_any_work(tmp_path, capsys):
     missing = tmp_path / "no-such-corpus"
     assert f"data.corpus: '{missing}' is not a directory" in _error(capsys, "train", "--set", f"data.corpus={missing}")
     assert "model.vocab_size: got 100; the tokenizer trained on the corpus needs" in _error(
-        capsys, "train", "--set", "model.vocab_size=100")
+        capsys, "train", "--set", "model.vocab_size=100"
+    )
 
 
 @pytest.mark.single
 def test_megatron_args_emits_no_recompute_the_slimpipe_launcher_would_refuse(capsys):
     err = _error(capsys, "megatron-args", "--recipe", "tiny-cpu", "--set", "train.recompute=full")
     assert "train.recompute: got 'full' with schedule.kind=slimpipe" in err
-    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", "train.recompute=full", "schedule.kind=1f1b",
-                 "schedule.num_slices=1"]) == 0
+    assert (
+        main(
+            [
+                "megatron-args",
+                "--recipe",
+                "tiny-cpu",
+                "--set",
+                "train.recompute=full",
+                "schedule.kind=1f1b",
+                "schedule.num_slices=1",
+            ]
+        )
+        == 0
+    )
     assert "--recompute-granularity full" in capsys.readouterr().out
     assert "CPU training loop does not recompute" in _error(capsys, "train", "--set", "train.recompute=full")

@@ -10,8 +10,24 @@ RANK_KEYS = {"rank", "stage", "peak_memory_bytes", "peak_activation_bytes", "pea
 
 def test_simulate_writes_json_trace_and_plot(tmp_path, capsys):
     js, trace, png = tmp_path / "r.json", tmp_path / "t.json", tmp_path / "p.png"
-    assert main(["simulate", "--recipe", "tiny-cpu", "--set", "train.global_batch_size=4",
-                 "--json", str(js), "--trace", str(trace), "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--recipe",
+                "tiny-cpu",
+                "--set",
+                "train.global_batch_size=4",
+                "--json",
+                str(js),
+                "--trace",
+                str(trace),
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     out = json.loads(js.read_text())
     assert {"schedule", "num_microbatches", "iteration_time_s", "bubble_ratio", "mfu", "ranks"} <= set(out)
     assert out["schedule"] == "slimpipe" and out["num_microbatches"] == 4
@@ -26,8 +42,9 @@ def test_simulate_writes_json_trace_and_plot(tmp_path, capsys):
 
 
 def test_compare_prints_a_table_and_json_to_stdout(capsys):
-    assert main(["simulate", "--recipe", "llama2-70b-512k", "--compare", "1f1b,interleaved,slimpipe",
-                 "--json", "-"]) == 0
+    assert (
+        main(["simulate", "--recipe", "llama2-70b-512k", "--compare", "1f1b,interleaved,slimpipe", "--json", "-"]) == 0
+    )
     captured = capsys.readouterr()
     payload = json.loads(captured.out)
     kinds = [r["schedule"] for r in payload["results"]]
@@ -38,11 +55,14 @@ def test_compare_prints_a_table_and_json_to_stdout(capsys):
     assert "schedule" in captured.err and "NO (OOM)" in captured.err
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["simulate", "--recipe", "tiny-cpu", "--compare", "1f1b,zb"], "--compare: unknown schedule 'zb'"),
-    (["simulate", "--recipe", "tiny-cpu", "--set", "parallel.pp=3"], "parallel.pp: invalid value (got 3"),
-    (["simulate", "--recipe", "tiny-cpu", "--calibration", "/nonexistent.yaml"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["simulate", "--recipe", "tiny-cpu", "--compare", "1f1b,zb"], "--compare: unknown schedule 'zb'"),
+        (["simulate", "--recipe", "tiny-cpu", "--set", "parallel.pp=3"], "parallel.pp: invalid value (got 3"),
+        (["simulate", "--recipe", "tiny-cpu", "--calibration", "/nonexistent.yaml"], "does not exist"),
+    ],
+)
 def test_user_errors_exit_2_with_a_named_message(argv, needle, capsys):
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
@@ -51,8 +71,24 @@ def test_user_errors_exit_2_with_a_named_message(argv, needle, capsys):
 def test_missing_output_directories_are_created(tmp_path, monkeypatch, capsys):
     """The README's `--json out/sim.json --trace out/sim.trace.json --plot out/sim.png` on a fresh clone."""
     monkeypatch.chdir(tmp_path)
-    assert main(["simulate", "--recipe", "tiny-cpu", "--set", "train.global_batch_size=4", "--json", "out/sim.json",
-                 "--trace", "out/deeper/sim.trace.json", "--plot", "out/sim.png"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--recipe",
+                "tiny-cpu",
+                "--set",
+                "train.global_batch_size=4",
+                "--json",
+                "out/sim.json",
+                "--trace",
+                "out/deeper/sim.trace.json",
+                "--plot",
+                "out/sim.png",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "out/sim.json").read_text())["schedule"] == "slimpipe"
     assert json.loads((tmp_path / "out/deeper/sim.trace.json").read_text())["traceEvents"]
     assert (tmp_path / "out/sim.png").read_bytes()[:4] == b"\x89PNG"
@@ -77,10 +113,14 @@ def test_two_outputs_on_one_path_are_refused(tmp_path, capsys):
     assert f"--trace {path}: cannot write" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("recipe,extra", [
-    ("llama2-7b-64k", []), ("llama2-7b-64k", ["--compare", "1f1b,slimpipe"]),
-    ("tiny-cpu", ["schedule.kind=1f1b", "schedule.num_slices=1"]),
-])
+@pytest.mark.parametrize(
+    "recipe,extra",
+    [
+        ("llama2-7b-64k", []),
+        ("llama2-7b-64k", ["--compare", "1f1b,slimpipe"]),
+        ("tiny-cpu", ["schedule.kind=1f1b", "schedule.num_slices=1"]),
+    ],
+)
 def test_one_pipeline_stage_simulates(recipe, extra, capsys):
     sets = [x for x in extra if "=" in x]
     rest = [x for x in extra if "=" not in x]
@@ -99,12 +139,15 @@ def test_an_override_that_changes_the_gpu_count_says_so(capsys):
     assert "note:" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("content,needle", [
-    (None, "does not exist"),
-    ("dir", "is a directory"),
-    ("measurements: [unclosed", "not valid YAML"),
-    ("- just\n- a list\n", "expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (None, "does not exist"),
+        ("dir", "is a directory"),
+        ("measurements: [unclosed", "not valid YAML"),
+        ("- just\n- a list\n", "expected a mapping"),
+    ],
+)
 def test_a_bad_calibration_file_fails_before_any_work(content, needle, tmp_path, capsys):
     path = tmp_path / "cal.yaml"
     if content == "dir":

@@ -21,7 +21,8 @@ def test_attention_work_depends_on_prefix_under_the_causal_mask():
     cm = CostModel(load_recipe("llama2-7b-64k"))
     early, late = cm.shape.forward_work(8192, 0), cm.shape.forward_work(8192, 57344)
     assert late.attention_flops / early.attention_flops == pytest.approx(
-        causal_pairs(8192, 57344) / causal_pairs(8192, 0))
+        causal_pairs(8192, 57344) / causal_pairs(8192, 0)
+    )
     assert late.gemm_flops == early.gemm_flops
     assert cm.forward_time(1, 8192, 57344) > cm.forward_time(1, 8192, 0)
 
@@ -35,8 +36,10 @@ def test_activation_bytes_by_hand():
     assert cm.shape.kv_bytes(s) == pytest.approx(2 * s * 32 * 128 / tp * 2)
     assert cm.shape.kv_grad_bytes(s) == pytest.approx(2 * cm.shape.kv_bytes(s))  # fp32 buffers
     assert cm.activation_bytes(3, s) > cm.activation_bytes(0, s)  # output layer on the last stage
-    assert CostModel(load_recipe("llama2-7b-64k", ["train.recompute=full"])).activation_bytes(0, s) < \
-        cm.activation_bytes(0, s) / 10
+    assert (
+        CostModel(load_recipe("llama2-7b-64k", ["train.recompute=full"])).activation_bytes(0, s)
+        < cm.activation_bytes(0, s) / 10
+    )
 
 
 def test_static_memory_is_weights_grads_and_sharded_adam():
@@ -58,7 +61,7 @@ def test_calibration_interpolates_in_log_work_and_overrides_the_profile(tmp_path
     cal = Calibration("h100", (Measurement("gemm", 1e9, 1e9 / 1e14), Measurement("gemm", 1e12, 1e12 / 6e14)))
     assert cal.rate("gemm", 1e8) == pytest.approx(1e14)
     assert cal.rate("gemm", 1e13) == pytest.approx(6e14)
-    assert cal.rate("gemm", 10 ** 10.5) == pytest.approx(3.5e14)
+    assert cal.rate("gemm", 10**10.5) == pytest.approx(3.5e14)
     assert cal.rate("attention_forward", 1e9) is None
     r = load_recipe("llama2-7b-64k")
     slow = Calibration("h100", (Measurement("gemm", 1.0, 1.0 / 1e12),))

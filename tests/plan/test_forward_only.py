@@ -1,11 +1,18 @@
 """The forward-only schedule an evaluation step runs: derived in the plan, validated like any other."""
+
 import pytest
 
 from megatron_slim.plan.schedule import Kind, Schedule, ScheduleError, forward_only, generate, validate
 from megatron_slim.plan.schedule.executable import executable, executable_forward_only
 
-SHAPES = [("1f1b", 4, 1, 5, 1), ("interleaved", 2, 2, 4, 1), ("slimpipe", 4, 1, 3, 4), ("slimpipe", 2, 2, 5, 1),
-          ("slimpipe", 3, 2, 4, 3), ("slimpipe", 1, 2, 3, 2)]
+SHAPES = [
+    ("1f1b", 4, 1, 5, 1),
+    ("interleaved", 2, 2, 4, 1),
+    ("slimpipe", 4, 1, 3, 4),
+    ("slimpipe", 2, 2, 5, 1),
+    ("slimpipe", 3, 2, 4, 3),
+    ("slimpipe", 1, 2, 3, 2),
+]
 
 
 @pytest.mark.parametrize("kind,pp,vpp,m,n", SHAPES)

@@ -1,4 +1,5 @@
 """Property tests over grids of (pp, vpp, microbatches, slices), odd and non-divisible sizes included."""
+
 import itertools
 
 import pytest
@@ -47,7 +48,7 @@ def test_1f1b_warmup_matches_megatron(pp, m):
         first_b = next(i for i, a in enumerate(row) if a.kind is Kind.B)
         assert first_b == min(pp - r - 1, m - 1) + 1
         # after warmup it strictly alternates F, B while forwards remain
-        kinds = [a.kind for a in row[first_b - 1: first_b - 1 + 2 * (m - first_b)]]
+        kinds = [a.kind for a in row[first_b - 1 : first_b - 1 + 2 * (m - first_b)]]
         assert kinds == [Kind.F, Kind.B] * (m - first_b) or first_b == m
 
 
@@ -66,10 +67,15 @@ def test_slimpipe_with_one_slice_equals_1f1b_and_interleaved():
     assert slimpipe(4, 8, 1, vpp=2).ranks == interleaved(4, 2, 8).ranks
 
 
-@pytest.mark.parametrize("bad", [dict(kind="zb", pp=2, vpp=1, num_microbatches=2, num_slices=1),
-                                 dict(kind="1f1b", pp=2, vpp=2, num_microbatches=2, num_slices=1),
-                                 dict(kind="interleaved", pp=2, vpp=1, num_microbatches=2, num_slices=1),
-                                 dict(kind="slimpipe", pp=0, vpp=1, num_microbatches=2, num_slices=1)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(kind="zb", pp=2, vpp=1, num_microbatches=2, num_slices=1),
+        dict(kind="1f1b", pp=2, vpp=2, num_microbatches=2, num_slices=1),
+        dict(kind="interleaved", pp=2, vpp=1, num_microbatches=2, num_slices=1),
+        dict(kind="slimpipe", pp=0, vpp=1, num_microbatches=2, num_slices=1),
+    ],
+)
 def test_bad_generator_arguments_are_named(bad):
     with pytest.raises(ValueError, match="allowed|expected|takes"):
         generate(**bad)

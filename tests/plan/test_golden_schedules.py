@@ -8,6 +8,7 @@ Regenerate after an intended change, then review the diff before committing:
 
     MEGATRON_SLIM_UPDATE_GOLDEN=1 python -m pytest -q tests/plan/test_golden_schedules.py
 """
+
 import os
 from pathlib import Path
 
@@ -59,14 +60,21 @@ def test_schedule_matches_its_golden_file(name):
         path.write_text(text)
     assert path.exists(), f"{path} missing; write it with MEGATRON_SLIM_UPDATE_GOLDEN=1"
     want = path.read_text()
-    assert text == want, (f"{name}: the schedule differs from {path.name}, {_first_difference(text, want)}; "
-                          "if intended, regenerate with MEGATRON_SLIM_UPDATE_GOLDEN=1 and review the diff")
+    assert text == want, (
+        f"{name}: the schedule differs from {path.name}, {_first_difference(text, want)}; "
+        "if intended, regenerate with MEGATRON_SLIM_UPDATE_GOLDEN=1 and review the diff"
+    )
 
 
-@pytest.mark.parametrize("name,recipe,kind", [("tiny-cpu", "tiny-cpu", "slimpipe"),
-                                              ("tiny-cpu-1f1b", "tiny-cpu", "1f1b"),
-                                              ("tiny-cpu-interleaved", "tiny-cpu", "interleaved"),
-                                              ("llama2-7b-64k", "llama2-7b-64k", "slimpipe")])
+@pytest.mark.parametrize(
+    "name,recipe,kind",
+    [
+        ("tiny-cpu", "tiny-cpu", "slimpipe"),
+        ("tiny-cpu-1f1b", "tiny-cpu", "1f1b"),
+        ("tiny-cpu-interleaved", "tiny-cpu", "interleaved"),
+        ("llama2-7b-64k", "llama2-7b-64k", "slimpipe"),
+    ],
+)
 def test_recipe_shapes_are_the_shipped_recipes(name, recipe, kind):
     from megatron_slim.plan.recipe import load_recipe
     from megatron_slim.plan.variants import schedule_variant

@@ -2,6 +2,7 @@
 Chrome JSON, one file per rank, a ``megatron_slim`` entry), here made from a simulation: a
 "measured" run that is the simulation itself must compare equal to it, whatever each rank's clock
 base; bad traces and a recipe other than the traced one are refused before any work."""
+
 import json
 
 import pytest
@@ -28,11 +29,27 @@ def _fake_traces(directory, sets=SETS, run_id="abc123", digest=None):
         for e in result.events:
             if e.rank == pp_rank:
                 scale = 1.0 if dp_rank == 0 else 9.0
-                events.append({"ph": "X", "cat": "user_annotation", "name": e.name,
-                               "ts": shift_us + e.start * 1e6 * scale, "dur": (e.end - e.start) * 1e6 * scale})
-        meta = {"rank": rank, "world_size": recipe.parallel.world_size, "pp_rank": pp_rank, "tp_rank": 0,
-                "cp_rank": 0, "dp_rank": dp_rank, "recipe": recipe.to_dict(), "run_id": run_id, "iteration": 3,
-                "schedule_digest": digest or result.schedule.digest()}
+                events.append(
+                    {
+                        "ph": "X",
+                        "cat": "user_annotation",
+                        "name": e.name,
+                        "ts": shift_us + e.start * 1e6 * scale,
+                        "dur": (e.end - e.start) * 1e6 * scale,
+                    }
+                )
+        meta = {
+            "rank": rank,
+            "world_size": recipe.parallel.world_size,
+            "pp_rank": pp_rank,
+            "tp_rank": 0,
+            "cp_rank": 0,
+            "dp_rank": dp_rank,
+            "recipe": recipe.to_dict(),
+            "run_id": run_id,
+            "iteration": 3,
+            "schedule_digest": digest or result.schedule.digest(),
+        }
         trace = {"schemaVersion": 1, "megatron_slim": meta, "baseTimeNanoseconds": base_ns, "traceEvents": events}
         (directory / f"rank_{rank:03d}.trace.json").write_text(json.dumps(trace))
     return result
@@ -41,8 +58,24 @@ def _fake_traces(directory, sets=SETS, run_id="abc123", digest=None):
 def test_a_measured_run_equal_to_the_simulation_compares_equal(tmp_path, capsys):
     result = _fake_traces(tmp_path / "prof")
     out, png = tmp_path / "overlay.json", tmp_path / "overlay.png"
-    assert main(["overlay", "--measured", str(tmp_path / "prof"), "--set", *SETS, "--set", "train.iters=3",
-                 "--json", str(out), "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "overlay",
+                "--measured",
+                str(tmp_path / "prof"),
+                "--set",
+                *SETS,
+                "--set",
+                "train.iters=3",
+                "--json",
+                str(out),
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     payload = json.loads(out.read_text())
     assert payload["iteration"] == 3 and payload["run_id"] == "abc123"
     assert len(payload["ranks"]) == 4
@@ -87,16 +120,26 @@ def test_incomplete_or_mixed_runs_are_refused(tmp_path, capsys):
     (tmp_path / "prof" / "rank_002.trace.json").unlink()
     _refused(["--measured", str(tmp_path / "prof"), "--set", *SETS], capsys, "no trace of pipeline rank(s) [2]")
     _fake_traces(tmp_path / "other", run_id="zzz999")
-    _refused(["--measured", str(tmp_path / "prof"), str(tmp_path / "other"), "--set", *SETS], capsys,
-             "come from 2 different runs (abc123, zzz999)")
+    _refused(
+        ["--measured", str(tmp_path / "prof"), str(tmp_path / "other"), "--set", *SETS],
+        capsys,
+        "come from 2 different runs (abc123, zzz999)",
+    )
 
 
 def test_a_recipe_other_than_the_traced_one_is_refused(tmp_path, capsys):
     _fake_traces(tmp_path / "prof")
-    _refused(["--measured", str(tmp_path / "prof")], capsys,
-             "differs from the traced run's recipe", "parallel.dp (traced 2, given 1)")
-    _refused(["--measured", str(tmp_path / "prof"), "--set", *SETS, "model.hidden_size=256"], capsys,
-             "model.hidden_size (traced 128, given 256)")
+    _refused(
+        ["--measured", str(tmp_path / "prof")],
+        capsys,
+        "differs from the traced run's recipe",
+        "parallel.dp (traced 2, given 1)",
+    )
+    _refused(
+        ["--measured", str(tmp_path / "prof"), "--set", *SETS, "model.hidden_size=256"],
+        capsys,
+        "model.hidden_size (traced 128, given 256)",
+    )
     _fake_traces(tmp_path / "old", digest="0123456789abcdef")
     _refused(["--measured", str(tmp_path / "old"), "--set", *SETS], capsys, "digest 0123456789abcdef")
 
@@ -105,5 +148,8 @@ def test_an_unwritable_plot_is_refused_before_the_simulation(tmp_path, capsys):
     _fake_traces(tmp_path / "prof")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    _refused(["--measured", str(tmp_path / "prof"), "--set", *SETS, "--plot", str(blocker / "o.png")], capsys,
-             f"--plot {blocker / 'o.png'}: cannot write")
+    _refused(
+        ["--measured", str(tmp_path / "prof"), "--set", *SETS, "--plot", str(blocker / "o.png")],
+        capsys,
+        f"--plot {blocker / 'o.png'}: cannot write",
+    )

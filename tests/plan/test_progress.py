@@ -1,6 +1,7 @@
 """Progress of long simulations: the planners report through a callback and stay pure; the
 command layer shows a throttled line on stderr (in place on a terminal; in a log only after a
 few seconds), never on stdout where ``--json -`` writes JSON."""
+
 import io
 import json
 
@@ -49,8 +50,10 @@ def test_a_log_gets_a_line_every_few_seconds_after_the_first_ones_with_eta_and_a
     assert "\r" not in stream.getvalue() and lines[-1] == "megatron-slim simulate: done in 50.0 s"
     shown = lines[:-1]
     assert len(shown) == int((50 - first) // every) + 1
-    assert shown[0] == f"megatron-slim simulate: {int(first * 2)}/100 packs | {first:.1f} s elapsed | " \
+    assert (
+        shown[0] == f"megatron-slim simulate: {int(first * 2)}/100 packs | {first:.1f} s elapsed | "
         f"ETA {(100 - first * 2) / 2:.1f} s"
+    )
 
 
 def test_a_terminal_line_is_redrawn_in_place_and_erased_at_the_end():
@@ -89,8 +92,13 @@ def test_the_pipeline_simulator_reports_each_phase_and_gives_the_same_result():
     quiet, reported = simulate(schedule, costs), simulate(schedule, costs, lambda *c: calls.append(c))
     assert reported.iteration_time_s == quiet.iteration_time_s and reported.events == quiet.events
     phases = list(dict.fromkeys(phase for phase, _, _ in calls))
-    assert phases == ["adding communication", "ordering receives", "checking completeness",
-                      "checking dependencies", "simulating"]
+    assert phases == [
+        "adding communication",
+        "ordering receives",
+        "checking completeness",
+        "checking dependencies",
+        "simulating",
+    ]
     for phase in phases:
         done = [d for ph, d, total in calls if ph == phase]
         total = {t for ph, _, t in calls if ph == phase}
@@ -106,11 +114,25 @@ def test_the_cp_simulator_reports_every_pack():
     assert reported.iteration_time_s == simulate_cp(recipe, "ring", packs).iteration_time_s
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--recipe", "zeppelin-7b-h800", "--cp-engine", "ring,zeppelin", "--lengths", SPEC, "--set",
-      "train.global_batch_size=2"], "engine zeppelin (2/2): 2/2 packs planned and simulated"),
-    (["--recipe", "llama2-70b-512k"], "slimpipe v5 n32 balanced: simulating "),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (
+            [
+                "--recipe",
+                "zeppelin-7b-h800",
+                "--cp-engine",
+                "ring,zeppelin",
+                "--lengths",
+                SPEC,
+                "--set",
+                "train.global_batch_size=2",
+            ],
+            "engine zeppelin (2/2): 2/2 packs planned and simulated",
+        ),
+        (["--recipe", "llama2-70b-512k"], "slimpipe v5 n32 balanced: simulating "),
+    ],
+)
 def test_progress_goes_to_stderr_while_json_goes_to_stdout(argv, needle, monkeypatch, capsys):
     monkeypatch.setattr(progress_module, "LOG_TIMING", (0.0, 0.0))  # show every update
     assert main(["simulate", *argv, "--json", "-"]) == 0

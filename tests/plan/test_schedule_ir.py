@@ -25,8 +25,9 @@ def test_actions_are_hashable_and_ordered():
     assert sorted([Action.parse("F2.0"), a]) == [a, Action.parse("F2.0")]
 
 
-@pytest.mark.parametrize("kind,pp,vpp,m,n", [("1f1b", 4, 1, 6, 1), ("interleaved", 3, 2, 5, 1),
-                                           ("slimpipe", 4, 2, 3, 5)])
+@pytest.mark.parametrize(
+    "kind,pp,vpp,m,n", [("1f1b", 4, 1, 6, 1), ("interleaved", 3, 2, 5, 1), ("slimpipe", 4, 2, 3, 5)]
+)
 def test_schedule_text_round_trips_and_digest_is_stable(kind, pp, vpp, m, n):
     s = add_communication(generate(kind, pp, vpp, m, n))
     again = Schedule.from_text(s.to_text())

@@ -1,6 +1,7 @@
 """Where attention (short sequences), the embedding/output layers (small vocab) and links are
 negligible, the simulator must reproduce the closed-form bubble and stage-0 memory of each schedule
 within 2%. A is one microbatch's activations on one pipeline rank (all of its chunks)."""
+
 import pytest
 
 from megatron_slim.plan.recipe import recipe_from_dict
@@ -10,15 +11,23 @@ from megatron_slim.plan.sim.engine import simulate
 
 
 def _run(profile, kind, pp, vpp, m, n):
-    recipe = recipe_from_dict({
-        "hardware": profile,
-        "model": {"num_layers": 8 * pp * vpp, "hidden_size": 8192, "ffn_hidden_size": 28672,
-                  "num_attention_heads": 64, "num_query_groups": 8, "vocab_size": 8,
-                  "seq_length": 8 * n * max(1, 8 // n)},
-        "parallel": {"pp": pp, "vpp": vpp},
-        "schedule": {"kind": kind, "num_slices": n},
-        "train": {"global_batch_size": m},
-    })
+    recipe = recipe_from_dict(
+        {
+            "hardware": profile,
+            "model": {
+                "num_layers": 8 * pp * vpp,
+                "hidden_size": 8192,
+                "ffn_hidden_size": 28672,
+                "num_attention_heads": 64,
+                "num_query_groups": 8,
+                "vocab_size": 8,
+                "seq_length": 8 * n * max(1, 8 // n),
+            },
+            "parallel": {"pp": pp, "vpp": vpp},
+            "schedule": {"kind": kind, "num_slices": n},
+            "train": {"global_batch_size": m},
+        }
+    )
     costs = RecipeCosts(recipe)
     result = simulate(generate(kind, pp, vpp, m, n), costs)
     a = sum(costs.cost.activation_bytes(recipe.parallel.pp * c, recipe.model.seq_length) for c in range(vpp))

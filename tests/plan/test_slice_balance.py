@@ -1,5 +1,6 @@
 """With long sequences, uniform slices cost more the later they come (causal attention), which
 shows up as extra bubble; the balanced policy removes most of it."""
+
 import pytest
 
 from megatron_slim.plan.cost.slicing import balanced_slices, slice_prefixes, uniform_slices

@@ -1,6 +1,7 @@
 """The start-up rules are written once (``plan.startup.rules``): a rule that binds several callers
 fires from each caller's own entry point -- the launcher on Megatron-LM's flags, ``train`` and
 ``megatron-args`` on a recipe -- with the same wording, each in its own input names."""
+
 import argparse
 
 import pytest
@@ -13,29 +14,64 @@ from megatron_slim.plan.startup import INPUTS, LAUNCHER, MEGATRON_ARGS, RULES, T
 from megatron_slim.plan.startup.from_recipe import megatron_args_settings, train_settings
 from megatron_slim.train.loop import check_trainable
 
-FLAGS = dict(cp_engine="zeppelin", cp_remap=False, context_parallel_size=2, use_slimpipe=False, micro_batch_size=1,
-             pipeline_model_parallel_size=1, tensor_model_parallel_size=1, sequence_parallel=False,
-             position_embedding_type="rope", attention_dropout=0.0, reset_position_ids=True,
-             reset_attention_mask=True, num_layers=2, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
-             num_query_groups=2, group_query_attention=True, seq_length=64, padded_vocab_size=128,
-             data_parallel_size=1, global_batch_size=2, slimpipe_hardware="cpu", slimpipe_num_slices=1,
-             slimpipe_slice_policy="uniform", rotary_base=10000.0)
+FLAGS = dict(
+    cp_engine="zeppelin",
+    cp_remap=False,
+    context_parallel_size=2,
+    use_slimpipe=False,
+    micro_batch_size=1,
+    pipeline_model_parallel_size=1,
+    tensor_model_parallel_size=1,
+    sequence_parallel=False,
+    position_embedding_type="rope",
+    attention_dropout=0.0,
+    reset_position_ids=True,
+    reset_attention_mask=True,
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=160,
+    num_attention_heads=4,
+    num_query_groups=2,
+    group_query_attention=True,
+    seq_length=64,
+    padded_vocab_size=128,
+    data_parallel_size=1,
+    global_batch_size=2,
+    slimpipe_hardware="cpu",
+    slimpipe_num_slices=1,
+    slimpipe_slice_policy="uniform",
+    rotary_base=10000.0,
+)
 CP_RECIPE = ["parallel.pp=1", "parallel.cp=2", "schedule.kind=1f1b", "schedule.num_slices=1", "cp.engine=zeppelin"]
-SLIMPIPE_FLAGS = dict(use_slimpipe=True, slimpipe_num_slices=2, cp_engine="te", context_parallel_size=1,
-                      reset_position_ids=False, reset_attention_mask=False)
+SLIMPIPE_FLAGS = dict(
+    use_slimpipe=True,
+    slimpipe_num_slices=2,
+    cp_engine="te",
+    context_parallel_size=1,
+    reset_position_ids=False,
+    reset_attention_mask=False,
+)
 
 # rule -> (flags that break it, {caller: recipe overrides that break it})
 SHARED = {
-    "remap-needs-zeppelin": (dict(cp_engine="ring", cp_remap=True),
-                             {TRAIN: CP_RECIPE + ["cp.engine=ring", "cp.remap=true"]}),
-    "one-pack-per-microbatch": (dict(micro_batch_size=2),
-                                {TRAIN: CP_RECIPE + ["train.micro_batch_size=2", "train.global_batch_size=4"]}),
+    "remap-needs-zeppelin": (
+        dict(cp_engine="ring", cp_remap=True),
+        {TRAIN: CP_RECIPE + ["cp.engine=ring", "cp.remap=true"]},
+    ),
+    "one-pack-per-microbatch": (
+        dict(micro_batch_size=2),
+        {TRAIN: CP_RECIPE + ["train.micro_batch_size=2", "train.global_batch_size=4"]},
+    ),
     "cp-engine-without-pipeline": (dict(pipeline_model_parallel_size=2), {TRAIN: CP_RECIPE + ["parallel.pp=2"]}),
-    "slimpipe-recompute": ({**SLIMPIPE_FLAGS, "recompute_granularity": "full"},
-                           {MEGATRON_ARGS: ["schedule.num_slices=2", "train.recompute=full"]}),
+    "slimpipe-recompute": (
+        {**SLIMPIPE_FLAGS, "recompute_granularity": "full"},
+        {MEGATRON_ARGS: ["schedule.num_slices=2", "train.recompute=full"]},
+    ),
 }
-RECIPE_ENTRY = {TRAIN: (check_trainable, train_settings), MEGATRON_ARGS: (recipe_to_megatron_args,
-                                                                         megatron_args_settings)}
+RECIPE_ENTRY = {
+    TRAIN: (check_trainable, train_settings),
+    MEGATRON_ARGS: (recipe_to_megatron_args, megatron_args_settings),
+}
 NEUTRAL = Inputs("neutral", {key: f"<{key}>" for key in {**INPUTS[LAUNCHER].names, **INPUTS[TRAIN].names}})
 
 
@@ -89,8 +125,16 @@ def test_the_launcher_and_recipes_accept_the_same_slice_counts(policy):
         flags = Settings(cp=cp, slimpipe=True, num_slices=n, slice_policy=policy, seq_length=seq)
         launcher_accepts = broken_rule(flags, LAUNCHER) is None
         try:
-            load_recipe("tiny-cpu", [f"model.seq_length={seq}", f"schedule.num_slices={n}", f"parallel.cp={cp}",
-                                     f"schedule.slice_policy={policy}", "parallel.pp=1"])
+            load_recipe(
+                "tiny-cpu",
+                [
+                    f"model.seq_length={seq}",
+                    f"schedule.num_slices={n}",
+                    f"parallel.cp={cp}",
+                    f"schedule.slice_policy={policy}",
+                    "parallel.pp=1",
+                ],
+            )
             recipe_accepts = True
         except ConfigError:
             recipe_accepts = False

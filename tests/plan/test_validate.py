@@ -41,6 +41,7 @@ def test_backward_before_its_forward_is_a_dependency_error_marked_in_the_grid():
         i = next(k for k, a in enumerate(row) if str(a) == "B0.0")
         row[0], row[i] = row[i], row[0]
         return row
+
     s = _edit(generate("1f1b", 2, 1, 3, 1), 1, swap)
     with pytest.raises(ScheduleError) as err:
         validate(s)
@@ -78,8 +79,10 @@ def test_lowering_passes_round_trip():
     assert merge_backward(split_backward(s)) == s
 
 
-@pytest.mark.parametrize("kind,pp,vpp,m,n", [("1f1b", 4, 1, 5, 1), ("interleaved", 3, 2, 4, 1),
-                                           ("slimpipe", 4, 2, 3, 8), ("slimpipe", 2, 1, 2, 3)])
+@pytest.mark.parametrize(
+    "kind,pp,vpp,m,n",
+    [("1f1b", 4, 1, 5, 1), ("interleaved", 3, 2, 4, 1), ("slimpipe", 4, 2, 3, 8), ("slimpipe", 2, 1, 2, 3)],
+)
 def test_every_cross_rank_dependency_is_sent_after_production_and_received_before_use(kind, pp, vpp, m, n):
     s = add_communication(generate(kind, pp, vpp, m, n))
     for rank, row in enumerate(s.ranks):
@@ -87,9 +90,10 @@ def test_every_cross_rank_dependency_is_sent_after_production_and_received_befor
         for i, a in enumerate(row):
             if a.kind.value in ("F", "B"):
                 stage = s.stage(rank, a.chunk)
-                needs_recv = (a.kind.value == "F" and stage > 0 and s.placement(stage - 1)[0] != rank) or \
-                             (a.kind.value == "B" and stage < s.num_stages - 1 and s.placement(stage + 1)[0] != rank)
-                unit = str(a)[len(str(a.chunk)) if a.chunk else 0:][1:]
+                needs_recv = (a.kind.value == "F" and stage > 0 and s.placement(stage - 1)[0] != rank) or (
+                    a.kind.value == "B" and stage < s.num_stages - 1 and s.placement(stage + 1)[0] != rank
+                )
+                unit = str(a)[len(str(a.chunk)) if a.chunk else 0 :][1:]
                 recv = ("RECV_F" if a.kind.value == "F" else "RECV_B") + unit
                 recv = (str(a.chunk) if a.chunk else "") + recv
                 assert (names[i - 1] == recv) == needs_recv
@@ -97,6 +101,7 @@ def test_every_cross_rank_dependency_is_sent_after_production_and_received_befor
 
 def test_link_order_mismatch_is_found_and_the_receive_ordering_pass_fixes_it():
     from megatron_slim.plan.schedule import check_link_order, lower, order_receives_by_link
+
     plain = add_communication(generate("slimpipe", 2, 2, 5, 1))  # pp=2: one link carries F and B
     with pytest.raises(ScheduleError, match="order differs; NCCL would mismatch"):
         check_link_order(plain)
@@ -110,16 +115,20 @@ def test_link_order_mismatch_is_found_and_the_receive_ordering_pass_fixes_it():
 @pytest.mark.parametrize("pp,vpp,m,n", [(2, 2, 2, 3), (2, 3, 9, 1), (2, 2, 8, 3), (3, 2, 5, 2), (4, 3, 3, 4)])
 def test_lowered_schedules_are_nccl_safe(pp, vpp, m, n):
     from megatron_slim.plan.schedule import check_link_order, lower
+
     s = lower(generate("slimpipe", pp, vpp, m, n))
     validate(s)
     check_link_order(s)
 
 
-@pytest.mark.parametrize("kind,vpp,m,n", [("1f1b", 1, 3, 1), ("slimpipe", 1, 4, 3), ("slimpipe", 2, 3, 2),
-                                          ("interleaved", 2, 4, 1), ("1f1b", 1, 1, 1)])
+@pytest.mark.parametrize(
+    "kind,vpp,m,n",
+    [("1f1b", 1, 3, 1), ("slimpipe", 1, 4, 3), ("slimpipe", 2, 3, 2), ("interleaved", 2, 4, 1), ("1f1b", 1, 1, 1)],
+)
 def test_one_stage_schedules_are_lowered_as_generated(kind, vpp, m, n):
     """pp=1: every stage is on one rank, so lowering adds no messages and changes nothing."""
     from megatron_slim.plan.schedule import check_link_order, lower, order_receives_by_link
+
     s = generate(kind, 1, vpp, m, n)
     assert s.is_lowered and not s.has_communication
     assert add_communication(s) == s and order_receives_by_link(s) == s and lower(s) == s
@@ -137,6 +146,7 @@ def _reference_order_receives_by_link(schedule):
     """The receive-ordering pass as first written (rebuilds ``set(messages)`` per action):
     the linear-time pass must give exactly this."""
     from megatron_slim.plan.schedule import Kind
+
     send_order: dict = {}
     for rank, row in enumerate(schedule.ranks):
         for a in row:
@@ -167,11 +177,21 @@ def _reference_order_receives_by_link(schedule):
     return schedule.replace_ranks(rows)
 
 
-@pytest.mark.parametrize("kind,pp,vpp,m,n", [
-    ("slimpipe", 2, 2, 5, 1), ("slimpipe", 2, 3, 9, 2), ("slimpipe", 3, 2, 5, 2), ("slimpipe", 4, 3, 3, 4),
-    ("slimpipe", 4, 1, 6, 3), ("interleaved", 2, 2, 4, 1), ("interleaved", 4, 2, 8, 1), ("1f1b", 3, 1, 5, 1),
-])
+@pytest.mark.parametrize(
+    "kind,pp,vpp,m,n",
+    [
+        ("slimpipe", 2, 2, 5, 1),
+        ("slimpipe", 2, 3, 9, 2),
+        ("slimpipe", 3, 2, 5, 2),
+        ("slimpipe", 4, 3, 3, 4),
+        ("slimpipe", 4, 1, 6, 3),
+        ("interleaved", 2, 2, 4, 1),
+        ("interleaved", 4, 2, 8, 1),
+        ("1f1b", 3, 1, 5, 1),
+    ],
+)
 def test_receive_ordering_pass_matches_its_reference(kind, pp, vpp, m, n):
     from megatron_slim.plan.schedule import order_receives_by_link
+
     s = add_communication(generate(kind, pp, vpp, m, n))
     assert order_receives_by_link(s) == _reference_order_receives_by_link(s)

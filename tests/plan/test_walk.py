@@ -1,4 +1,5 @@
 """The readiness rules the validator and the simulator share (``plan/schedule/walk.py``)."""
+
 import pytest
 
 from megatron_slim.plan.schedule import Action, ScheduleError, add_communication, generate, lower, validate

@@ -1,16 +1,38 @@
 """Stand-in modules for GPU-only packages Megatron-Bridge imports at module level, for a test
 process on a machine without them (see conftest.py). Only packages that are not installed are
 stood in for."""
+
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
 import types
 
-GPU_ONLY = ("transformer_engine", "transformer_engine_torch", "modelopt", "nvidia_resiliency_ext", "flash_attn",
-            "mamba_ssm", "causal_conv1d", "fla", "flashinfer", "fast_hadamard_transform", "open_clip", "timm",
-            "qwen_vl_utils", "mlflow", "comet_ml", "wandb", "datasets", "accelerate", "peft", "diffusers",
-            "mistral_common", "nv_one_logger", "onelogger")
+GPU_ONLY = (
+    "transformer_engine",
+    "transformer_engine_torch",
+    "modelopt",
+    "nvidia_resiliency_ext",
+    "flash_attn",
+    "mamba_ssm",
+    "causal_conv1d",
+    "fla",
+    "flashinfer",
+    "fast_hadamard_transform",
+    "open_clip",
+    "timm",
+    "qwen_vl_utils",
+    "mlflow",
+    "comet_ml",
+    "wandb",
+    "datasets",
+    "accelerate",
+    "peft",
+    "diffusers",
+    "mistral_common",
+    "nv_one_logger",
+    "onelogger",
+)
 
 
 class _StandInType(type):

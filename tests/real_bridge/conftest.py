@@ -6,6 +6,7 @@ one of them is not installed (a CPU machine), this conftest puts a stand-in modu
 for the test process only, so that Bridge's own ``train``, ``eval``, ``gpt_step``, ``losses`` and
 ``gpt_provider`` modules load and run; nothing in the code paths under test calls into them.
 """
+
 import importlib.util
 
 import pytest

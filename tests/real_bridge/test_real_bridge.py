@@ -1,5 +1,6 @@
 """megatron_slim.megatron.bridge against the installed megatron-bridge package (skipped without
 it; README.md beside this file says how to run it on a CPU machine)."""
+
 import importlib
 
 import pytest

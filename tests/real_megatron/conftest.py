@@ -1,4 +1,5 @@
 """Print what the contract tier measured (relative differences per case) after the run."""
+
 import pytest
 
 MEASURED: list[str] = []

@@ -15,6 +15,7 @@ what users run); the harness adds only what a CPU run needs (gloo, local transfo
 CUDA kernels, ``NullTokenizer``) and a synthetic corpus of short documents in Megatron's indexed
 format.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,16 +32,45 @@ SHIM = Path(__file__).resolve().parent / "shim"
 VOCAB = 128
 
 # What a CPU run needs; none of these changes the maths being compared.
-CPU_FLAGS = ["--tokenizer-type", "NullTokenizer", "--distributed-backend", "gloo", "--transformer-impl", "local",
-             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
-             "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm", "--num-workers", "0",
-             "--split", "90,5,5"]
+CPU_FLAGS = [
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--distributed-backend",
+    "gloo",
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--num-workers",
+    "0",
+    "--split",
+    "90,5,5",
+]
 
 # A Llama-style model small enough for 2-core CI: RoPE, RMSNorm, SwiGLU, grouped-query attention.
-TINY = ["model.num_layers=8", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
-        "model.num_query_groups=2", f"model.vocab_size={VOCAB}", "model.seq_length=64", "train.iters=3",
-        "train.warmup_iters=1", "train.global_batch_size=4", "train.lr=0.01", "train.min_lr=0.001",
-        "parallel.pp=1", "parallel.vpp=1", "parallel.tp=1", "parallel.cp=1", "parallel.dp=1"]
+TINY = [
+    "model.num_layers=8",
+    "model.hidden_size=32",
+    "model.ffn_hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    f"model.vocab_size={VOCAB}",
+    "model.seq_length=64",
+    "train.iters=3",
+    "train.warmup_iters=1",
+    "train.global_batch_size=4",
+    "train.lr=0.01",
+    "train.min_lr=0.001",
+    "parallel.pp=1",
+    "parallel.vpp=1",
+    "parallel.tp=1",
+    "parallel.cp=1",
+    "parallel.dp=1",
+]
 
 TAG_FOR_MINOR = {(0, 16): "core_v0.16.1", (0, 17): "core_v0.17.1", (0, 18): "core_v0.18.2", (0, 19): "core_v0.19.0"}
 
@@ -58,12 +88,15 @@ def installed_megatron_core() -> tuple[int, int]:
 def installed_tag() -> Path:
     version = installed_megatron_core()
     if version not in TAG_FOR_MINOR:
-        raise RuntimeError(f"megatron-core {version}: no Megatron-LM tag pairs with it; allowed: "
-                           f"{sorted(TAG_FOR_MINOR)}")
+        raise RuntimeError(
+            f"megatron-core {version}: no Megatron-LM tag pairs with it; allowed: {sorted(TAG_FOR_MINOR)}"
+        )
     path = tags_dir() / TAG_FOR_MINOR[version]
     if not (path / "pretrain_gpt.py").is_file():
-        raise RuntimeError(f"{path}/pretrain_gpt.py: missing; the Megatron-LM tags live in ../shared/megatron-lm "
-                           "beside the repository (or set MEGATRON_LM_TAGS)")
+        raise RuntimeError(
+            f"{path}/pretrain_gpt.py: missing; the Megatron-LM tags live in ../shared/megatron-lm "
+            "beside the repository (or set MEGATRON_LM_TAGS)"
+        )
     return path
 
 
@@ -144,14 +177,26 @@ def _read_records(record_dir: Path, world_size: int) -> Run:
                 activations.setdefault(rank, {})[record["iteration"]] = record
             elif record["kind"] == "eval" and "lm loss" in record["loss"]:
                 evals[record["call"]] = record["loss"]["lm loss"]
-    return Run([losses[i] for i in sorted(losses)], [norms[i] for i in sorted(norms)],
-               [evals[i] for i in sorted(evals)], skipped,
-               times={r: [t[i] for i in sorted(t)] for r, t in times.items()},
-               activations={r: [a[i] for i in sorted(a)] for r, a in activations.items()})
+    return Run(
+        [losses[i] for i in sorted(losses)],
+        [norms[i] for i in sorted(norms)],
+        [evals[i] for i in sorted(evals)],
+        skipped,
+        times={r: [t[i] for i in sorted(t)] for r, t in times.items()},
+        activations={r: [a[i] for i in sorted(a)] for r, a in activations.items()},
+    )
 
 
-def run_pretrain(nproc: int, flags: list[str], workdir: Path, *, launcher: bool, data_prefix: Path,
-                 timeout_s: int = 600, env: Optional[dict] = None) -> Run:
+def run_pretrain(
+    nproc: int,
+    flags: list[str],
+    workdir: Path,
+    *,
+    launcher: bool,
+    data_prefix: Path,
+    timeout_s: int = 600,
+    env: Optional[dict] = None,
+) -> Run:
     """``torchrun --standalone --nproc_per_node N [-m megatron_slim.launch] pretrain_gpt.py FLAGS``."""
     tag = installed_tag()
     record_dir = workdir / "records"
@@ -160,9 +205,14 @@ def run_pretrain(nproc: int, flags: list[str], workdir: Path, *, launcher: bool,
     cmd += ["-m", "megatron_slim.launch"] if launcher else []
     cmd += [str(tag / "pretrain_gpt.py"), *flags, *CPU_FLAGS, "--data-path", str(data_prefix)]
     run_env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "TORCHELASTIC"))}
-    run_env.update(PYTHONPATH=os.pathsep.join([str(SHIM), str(REPO), os.environ.get("PYTHONPATH", "")]),
-                   MEGATRON_SLIM_TEST_CPU_SHIM="1", MEGATRON_SLIM_TEST_RECORD=str(record_dir),
-                   OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", **(env or {}))
+    run_env.update(
+        PYTHONPATH=os.pathsep.join([str(SHIM), str(REPO), os.environ.get("PYTHONPATH", "")]),
+        MEGATRON_SLIM_TEST_CPU_SHIM="1",
+        MEGATRON_SLIM_TEST_RECORD=str(record_dir),
+        OMP_NUM_THREADS="1",
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+        **(env or {}),
+    )
     try:
         done = subprocess.run(cmd, env=run_env, cwd=workdir, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:

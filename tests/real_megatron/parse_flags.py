@@ -8,6 +8,7 @@ Each set is ``{"name", "world_size", "argv"}``. The launcher's hooks are install
 checks run inside ``validate_args``; ``WORLD_SIZE`` is faked per set. The tag's folder and the
 harness shim (Megatron's CUDA queries answered on the CPU) must be on ``PYTHONPATH``.
 """
+
 import json
 import os
 import sys

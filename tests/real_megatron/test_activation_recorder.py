@@ -1,5 +1,6 @@
 """The benchmark's activation measurement (``shim/activation_recorder.py``) counts what it says it
 counts: on small autograd graphs whose saved tensors are known byte for byte. No Megatron run."""
+
 from __future__ import annotations
 
 import gc
@@ -33,8 +34,8 @@ def test_counts_saved_inputs_and_outputs_but_not_parameters_and_releases_after_b
     counter = recorder.SavedActivationCounter([w])
     x = torch.randn(4, 16, requires_grad=True)  # a leaf that requires grad, like a stage's received input
     with counter:
-        y = x @ w            # saves x (counted) and w (a parameter: not counted)
-        z = y.exp()          # saves its output z
+        y = x @ w  # saves x (counted) and w (a parameter: not counted)
+        z = y.exp()  # saves its output z
         loss = (z * 2).sum()  # a Python-scalar multiply and a sum save nothing
     assert counter.saved_tensors == 3
     assert counter.live_bytes == _nbytes(x) + _nbytes(z) == 4 * 16 * 4 + 4 * 32 * 4
@@ -50,7 +51,7 @@ def test_parameter_views_are_excluded_even_if_not_listed():
     counter = recorder.SavedActivationCounter()
     x = torch.randn(2, 8, requires_grad=True)
     with counter:
-        out = x @ w.t()      # saves x and a view of the parameter
+        out = x @ w.t()  # saves x and a view of the parameter
     assert counter.saved_tensors == 2 and counter.live_bytes == _nbytes(x) == 2 * 8 * 4
     del out
 
@@ -59,14 +60,14 @@ def test_one_storage_counts_once_and_until_its_last_slot_goes():
     counter = recorder.SavedActivationCounter()
     a = torch.randn(8, 8, requires_grad=True)
     with counter:
-        h = a.exp()            # saves its output h: 256 bytes (a itself is not saved)
-        left = h[:4] * h[4:]   # saves two views of h's storage
-        right = h.sin()        # saves h again
+        h = a.exp()  # saves its output h: 256 bytes (a itself is not saved)
+        left = h[:4] * h[4:]  # saves two views of h's storage
+        right = h.sin()  # saves h again
     assert counter.saved_tensors == 4
     assert counter.live_bytes == 8 * 8 * 4
-    left.sum().backward()      # frees left's slots and exp's, but sin's slot still holds h
+    left.sum().backward()  # frees left's slots and exp's, but sin's slot still holds h
     assert counter.live_bytes == 8 * 8 * 4
-    del right                  # a graph dropped unused releases at once (no gc needed)
+    del right  # a graph dropped unused releases at once (no gc needed)
     assert counter.live_bytes == 0
     gc.collect()
     assert counter.live_bytes == 0
@@ -77,8 +78,8 @@ def test_peak_is_the_maximum_of_live_bytes_not_the_sum_of_saves():
     x = torch.randn(1024, requires_grad=True)
     with counter:
         y1, y2 = x.exp(), x.exp()  # 2 x 4 KiB live
-        y1.sum().backward()        # 4 KiB
-        y3 = x.exp()               # 8 KiB again
+        y1.sum().backward()  # 4 KiB
+        y3 = x.exp()  # 8 KiB again
         y2.sum().backward()
         y3.sum().backward()
     assert counter.saved_tensors == 3 and counter.live_bytes == 0
@@ -108,7 +109,7 @@ def test_custom_function_saves_and_a_cache_alias_count_once():
     k = torch.randn(32, requires_grad=True)
     counter = recorder.SavedActivationCounter()
     with counter:
-        q1, k1 = q.exp(), k.exp()   # exp saves q1 and k1, the Function saves them again
+        q1, k1 = q.exp(), k.exp()  # exp saves q1 and k1, the Function saves them again
         out = Attend.apply(q1, k1)
     assert counter.saved_tensors == 4
     assert counter.live_bytes == 64 * 4 + 32 * 4
@@ -122,8 +123,8 @@ def test_square_attention_matrices_are_tallied_apart():
     q = torch.randn(2, 16, 4, requires_grad=True)
     with counter:
         scores = q @ q.transpose(1, 2)  # [2, 16, 16]; saves two views of q
-        probs = scores.softmax(-1)      # saves probs: square
-        out = probs @ q                 # saves probs and q again
+        probs = scores.softmax(-1)  # saves probs: square
+        out = probs @ q  # saves probs and q again
     assert counter.live_bytes == _nbytes(q) + _nbytes(probs) == 2 * 16 * 4 * 4 + 2 * 16 * 16 * 4
     assert counter.peak_sxs_bytes == _nbytes(probs)
     assert counter.peak_excl_sxs_bytes == _nbytes(q)
@@ -163,13 +164,15 @@ def test_install_records_the_peak_of_each_iteration(tmp_path, monkeypatch):
             del alive
             training.training_log({}, {}, 0.1, iteration)
 
-    training = types.SimpleNamespace(train=train, training_log=training_log,
-                                     get_args=lambda: types.SimpleNamespace(seq_length=2048))
+    training = types.SimpleNamespace(
+        train=train, training_log=training_log, get_args=lambda: types.SimpleNamespace(seq_length=2048)
+    )
     recorder.install(training)
     training.train(None, [model], [3, 1])
     records = [json.loads(line) for line in (tmp_path / "rank3.jsonl").read_text().splitlines()]
-    assert [(r["kind"], r["iteration"], r["peak_bytes"], r["saved_tensors"], r["live_bytes_after"])
-            for r in records] == [("activations", 1, 128 + 3 * 128, 6, 0), ("activations", 2, 128 + 128, 2, 0)]
+    assert [
+        (r["kind"], r["iteration"], r["peak_bytes"], r["saved_tensors"], r["live_bytes_after"]) for r in records
+    ] == [("activations", 1, 128 + 3 * 128, 6, 0), ("activations", 2, 128 + 128, 2, 0)]
     assert all(r["thread"] == "MainThread" and r["peak_sxs_bytes"] == 0 for r in records)
 
 
@@ -187,8 +190,9 @@ def test_install_refuses_an_iteration_with_nothing_saved(tmp_path, monkeypatch):
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration):
         return None
 
-    training = types.SimpleNamespace(train=train, training_log=training_log,
-                                     get_args=lambda: types.SimpleNamespace(seq_length=8))
+    training = types.SimpleNamespace(
+        train=train, training_log=training_log, get_args=lambda: types.SimpleNamespace(seq_length=8)
+    )
     recorder.install(training)
     with pytest.raises(RuntimeError, match="shadows"):
         training.train(None, [model])

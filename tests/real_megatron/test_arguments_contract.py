@@ -10,6 +10,7 @@ Tags: the one paired with the installed megatron-core, plus any given in
 ``MEGATRON_SLIM_EXTRA_MCORE`` (``core_v0.17.1=DIR,core_v0.18.2=DIR``: a ``pip install --target DIR``
 of the matching megatron-core, put first on ``PYTHONPATH``; ``make test-megatron-py312`` sets it).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,10 @@ def _tags() -> dict[str, str]:
 
 
 def _tag_param(tag: str):
-    reason = ("megatron-core for this tag is not installed here (make test runs core_v0.16.1, "
-              "make test-megatron-py312 the others)")
+    reason = (
+        "megatron-core for this tag is not installed here (make test runs core_v0.16.1, "
+        "make test-megatron-py312 the others)"
+    )
     return pytest.param(tag, id=tag, marks=() if tag in _tags() else pytest.mark.skip(reason=reason))
 
 
@@ -46,15 +49,24 @@ def _parse(tag: str, flag_sets: list[dict], tmp_path: Path) -> dict[str, dict]:
     path = tmp_path / "flag_sets.json"
     path.write_text(json.dumps(flag_sets))
     site = _tags()[tag]
-    env = dict(os.environ, MEGATRON_SLIM_TEST_CPU_SHIM="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [site, str(tags_dir() / tag), str(SHIM), str(REPO),
-                                                        os.environ.get("PYTHONPATH", "")])))
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("parse_flags.py")), str(path)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        MEGATRON_SLIM_TEST_CPU_SHIM="1",
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [site, str(tags_dir() / tag), str(SHIM), str(REPO), os.environ.get("PYTHONPATH", "")])
+        ),
+    )
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("parse_flags.py")), str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     results = {}
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT ") :])
             results[result["name"]] = result
     assert len(results) == len(flag_sets), f"exit {done.returncode}:\n{(done.stdout + done.stderr)[-5000:]}"
     return results
@@ -62,15 +74,26 @@ def _parse(tag: str, flag_sets: list[dict], tmp_path: Path) -> dict[str, dict]:
 
 def _sbatch_flags(recipe: str) -> list[str]:
     """The pretrain_gpt.py flags the SLURM script would run for ``recipe`` (its DRY_RUN output)."""
-    env = dict(os.environ, RECIPE=recipe, DRY_RUN="1", MEGATRON_SLIM=f"{sys.executable} -m megatron_slim.cli",
-               MEGATRON_LM="/opt/Megatron-LM", PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ,
+        RECIPE=recipe,
+        DRY_RUN="1",
+        MEGATRON_SLIM=f"{sys.executable} -m megatron_slim.cli",
+        MEGATRON_LM="/opt/Megatron-LM",
+        PYTHONPATH=str(REPO),
+    )
     env.pop("SLURM_NNODES", None)
     env.pop("SLURM_JOB_NODELIST", None)
-    done = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / "pretrain_gpt.sbatch")], env=env,
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "slurm" / "pretrain_gpt.sbatch")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     first_node = done.stdout.splitlines()[0]
     words = shlex.split(first_node.split(": ", 1)[1])
-    return words[words.index("/opt/Megatron-LM/pretrain_gpt.py") + 1:]
+    return words[words.index("/opt/Megatron-LM/pretrain_gpt.py") + 1 :]
 
 
 @pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
@@ -78,41 +101,117 @@ def test_every_shipped_recipe_command_passes_megatrons_parser_and_validation(tag
     from megatron_slim.plan.recipe import available_recipes, load_recipe
 
     names = available_recipes()
-    flag_sets = [{"name": n, "world_size": load_recipe(n).parallel.world_size, "argv": _sbatch_flags(n)}
-                 for n in names]
+    flag_sets = [{"name": n, "world_size": load_recipe(n).parallel.world_size, "argv": _sbatch_flags(n)} for n in names]
     results = _parse(tag, flag_sets, tmp_path)
     failed = {n: r["error"] for n, r in results.items() if not r.get("ok")}
     assert not failed, failed
     assert "llama2-70b-512k" in results
 
 
-BASE = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "160", "--num-attention-heads", "4",
-        "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32", "--max-position-embeddings", "32",
-        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--eval-interval", "4",
-        "--eval-iters", "0", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-        "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--lr", "0.5",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--attention-dropout", "0",
-        "--hidden-dropout", "0"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--ffn-hidden-size",
+    "160",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "4",
+    "--eval-interval",
+    "4",
+    "--eval-iters",
+    "0",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--lr",
+    "0.5",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
 SLIMPIPE = ["--use-slimpipe", "--slimpipe-num-slices", "4"]
 ACCEPTED = {
-    "interleaved-slimpipe": (8, SLIMPIPE + ["--pipeline-model-parallel-size", "4",
-                                            "--num-layers-per-virtual-pipeline-stage", "1", "--num-layers", "8"]),
+    "interleaved-slimpipe": (
+        8,
+        SLIMPIPE
+        + ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1", "--num-layers", "8"],
+    ),
     "slimpipe-pp2": (2, SLIMPIPE + ["--pipeline-model-parallel-size", "2"]),
-    "cp-engine-zeppelin": (2, ["--context-parallel-size", "2", "--cp-engine", "zeppelin", "--cp-remap",
-                               "--reset-position-ids", "--reset-attention-mask", "--slimpipe-hardware", "cpu"]),
+    "cp-engine-zeppelin": (
+        2,
+        [
+            "--context-parallel-size",
+            "2",
+            "--cp-engine",
+            "zeppelin",
+            "--cp-remap",
+            "--reset-position-ids",
+            "--reset-attention-mask",
+            "--slimpipe-hardware",
+            "cpu",
+        ],
+    ),
 }
 REJECTED = {
-    "uneven-slices": (1, ["--use-slimpipe", "--slimpipe-num-slices", "3"],
-                      "--slimpipe-num-slices 3: --seq-length 32 does not split"),
+    "uneven-slices": (
+        1,
+        ["--use-slimpipe", "--slimpipe-num-slices", "3"],
+        "--slimpipe-num-slices 3: --seq-length 32 does not split",
+    ),
     "slices-without-slimpipe": (1, ["--slimpipe-num-slices", "4"], "--slimpipe-num-slices: needs --use-slimpipe"),
     "document-masking": (1, SLIMPIPE + ["--reset-attention-mask"], "drop --reset-attention-mask"),
-    "cp-engine-under-slimpipe": (2, ["--use-slimpipe", "--slimpipe-num-slices", "2", "--context-parallel-size", "2",
-                                     "--cp-engine", "zeppelin"], "--use-slimpipe brings its own context-parallel"),
-    "slice-alignment": (4, ["--use-slimpipe", "--slimpipe-num-slices", "2", "--context-parallel-size", "2",
-                            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "36",
-                            "--max-position-embeddings", "36"], "SlimPipe slice boundaries are multiples of 8 tokens"),
-    "recompute-under-slimpipe": (1, SLIMPIPE + ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                                                "--recompute-num-layers", "1"], "drop --recompute-granularity"),
+    "cp-engine-under-slimpipe": (
+        2,
+        ["--use-slimpipe", "--slimpipe-num-slices", "2", "--context-parallel-size", "2", "--cp-engine", "zeppelin"],
+        "--use-slimpipe brings its own context-parallel",
+    ),
+    "slice-alignment": (
+        4,
+        [
+            "--use-slimpipe",
+            "--slimpipe-num-slices",
+            "2",
+            "--context-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--seq-length",
+            "36",
+            "--max-position-embeddings",
+            "36",
+        ],
+        "SlimPipe slice boundaries are multiples of 8 tokens",
+    ),
+    "recompute-under-slimpipe": (
+        1,
+        SLIMPIPE + ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+        "drop --recompute-granularity",
+    ),
     "remap-without-zeppelin": (1, ["--cp-remap"], "--cp-remap: only with --cp-engine zeppelin"),
     "cp-engine-without-cp": (1, ["--cp-engine", "ring"], "needs --context-parallel-size > 1"),
 }
@@ -135,8 +234,20 @@ def test_start_up_checks_run_after_megatrons_validation(tag, tmp_path):
 def test_the_optional_patch_applies_to_every_tag_without_fuzz(tag, tmp_path):
     script = tmp_path / "pretrain_gpt.py"
     script.write_bytes((tags_dir() / tag / "pretrain_gpt.py").read_bytes())
-    done = subprocess.run(["patch", "--fuzz=0", "--batch", "-p1", "-d", str(tmp_path), "-i",
-                           str(REPO / "patches" / "pretrain_gpt.patch")], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            "patch",
+            "--fuzz=0",
+            "--batch",
+            "-p1",
+            "-d",
+            str(tmp_path),
+            "-i",
+            str(REPO / "patches" / "pretrain_gpt.patch"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0 and "fuzz" not in done.stdout.lower(), done.stdout + done.stderr
     assert "prepare_launch()" in script.read_text()
     compile(script.read_text(), str(script), "exec")

@@ -2,6 +2,7 @@
 Megatron-LM's arguments, as a Megatron-Bridge recipe does (its ``pretrain`` reads a
 ConfigContainer): the launcher stops with one line naming the flags and the Bridge entry point,
 at the first layer spec the script builds, instead of training without SlimPipe."""
+
 import os
 import subprocess
 import sys
@@ -22,10 +23,17 @@ print("built", spec.submodules.self_attention.submodules.core_attention.__name__
 def _launch(tmp_path, *flags):
     script = tmp_path / "bridge_like_recipe.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(installed_tag()), str(REPO),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "megatron_slim.launch", str(script), *flags],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(installed_tag()), str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_slim.launch", str(script), *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
 
 
 def test_our_flags_on_a_script_that_parses_no_megatron_args_stop_the_launch(tmp_path):

@@ -6,6 +6,7 @@ megatron-args --recipe tiny-cpu --set ...)`` and the same flags without megatron
 ``pretrain_gpt.py``. Megatron's context parallelism needs Transformer Engine, which CPUs lack, so
 the CP cases compare against Megatron's own run of the same data without context parallelism.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,14 +45,24 @@ CASES = [
     Case("pp2-tied-embeddings", 2, ("parallel.pp=2", "model.untie_embeddings_and_output_weights=false")),
     Case("pp4-tied-embeddings", 4, ("parallel.pp=4", "model.untie_embeddings_and_output_weights=false")),
     Case("pp4xvpp2", 4, ("parallel.pp=4", "parallel.vpp=2"), slices=2),
-    Case("pp2xdp2-overlap-grad-reduce", 4, ("parallel.pp=2", "parallel.dp=2", "train.global_batch_size=8"),
-         extra=("--overlap-grad-reduce",)),
+    Case(
+        "pp2xdp2-overlap-grad-reduce",
+        4,
+        ("parallel.pp=2", "parallel.dp=2", "train.global_batch_size=8"),
+        extra=("--overlap-grad-reduce",),
+    ),
     Case("tp2", 2, ("parallel.tp=2",)),
     Case("tp2-sequence-parallel", 2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
     Case("tp2xpp2", 4, ("parallel.tp=2", "parallel.pp=2")),
     Case("cp2-slices", 2, ("parallel.cp=2",), slices=2, reference_layout=(), reference_nproc=1),
-    Case("cp2-zeppelin-remap", 2, ("parallel.cp=2", "cp.engine=zeppelin", "cp.remap=true"), reference_layout=(),
-         reference_nproc=1, schedule=("schedule.kind=1f1b", "schedule.num_slices=1")),
+    Case(
+        "cp2-zeppelin-remap",
+        2,
+        ("parallel.cp=2", "cp.engine=zeppelin", "cp.remap=true"),
+        reference_layout=(),
+        reference_nproc=1,
+        schedule=("schedule.kind=1f1b", "schedule.num_slices=1"),
+    ),
 ]
 
 
@@ -68,11 +79,15 @@ def _flags(case: Case) -> tuple[list[str], list[str]]:
     common = list(TINY)
     if case.evaluate:
         common += ["train.eval_interval=2", "train.eval_iters=2"]
-    ours = megatron_args(common + list(case.layout) + list(case.schedule or (
-        "schedule.kind=slimpipe", f"schedule.num_slices={case.slices}"))) + list(case.extra)
+    ours = megatron_args(
+        common
+        + list(case.layout)
+        + list(case.schedule or ("schedule.kind=slimpipe", f"schedule.num_slices={case.slices}"))
+    ) + list(case.extra)
     ref_layout = case.layout if case.reference_layout is None else case.reference_layout
-    reference = megatron_args(common + list(ref_layout) + [f"schedule.kind={_reference_kind(ref_layout)}",
-                                                           "schedule.num_slices=1"]) + list(case.extra)
+    reference = megatron_args(
+        common + list(ref_layout) + [f"schedule.kind={_reference_kind(ref_layout)}", "schedule.num_slices=1"]
+    ) + list(case.extra)
     if _reference_kind(ref_layout) == "interleaved":
         # Megatron's interleaved schedule overlaps its point-to-point transfers by default; over gloo
         # those overlapping transfers between the same ranks are matched nondeterministically (two
@@ -90,8 +105,9 @@ def _flags(case: Case) -> tuple[list[str], list[str]]:
 def test_megatron_slim_matches_megatrons_own_schedule(case, corpus, tmp_path, report_measurement):
     ours_flags, reference_flags = _flags(case)
     ours = run_pretrain(case.nproc, ours_flags, tmp_path / "ours", launcher=True, data_prefix=corpus)
-    reference = run_pretrain(case.reference_nproc or case.nproc, reference_flags, tmp_path / "reference",
-                             launcher=False, data_prefix=corpus)
+    reference = run_pretrain(
+        case.reference_nproc or case.nproc, reference_flags, tmp_path / "reference", launcher=False, data_prefix=corpus
+    )
 
     if "--use-slimpipe" in ours_flags:
         assert "megatron-slim: SlimPipe schedule" in ours.log

@@ -1,11 +1,20 @@
 """Reading torchrun's environment (no processes started)."""
+
 import pytest
 
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.runtime.job import LaunchedRank, launched_rank, threads_per_rank
 
-TORCHRUN = dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="node0",
-                MASTER_PORT="29500", TORCHELASTIC_RUN_ID="job7", GROUP_RANK="1")
+TORCHRUN = dict(
+    RANK="3",
+    WORLD_SIZE="4",
+    LOCAL_RANK="1",
+    LOCAL_WORLD_SIZE="2",
+    MASTER_ADDR="node0",
+    MASTER_PORT="29500",
+    TORCHELASTIC_RUN_ID="job7",
+    GROUP_RANK="1",
+)
 
 
 def test_not_launched_without_torchrun_or_a_full_rank_environment():
@@ -15,8 +24,9 @@ def test_not_launched_without_torchrun_or_a_full_rank_environment():
 
 def test_torchrun_environment():
     job = launched_rank(TORCHRUN)
-    assert job == LaunchedRank(rank=3, world_size=4, local_rank=1, local_world_size=2, master_addr="node0",
-                               master_port=29500, run_id="job7")
+    assert job == LaunchedRank(
+        rank=3, world_size=4, local_rank=1, local_world_size=2, master_addr="node0", master_port=29500, run_id="job7"
+    )
     assert job.launcher == "torchrun"
 
 
@@ -25,10 +35,17 @@ def test_plain_launcher_environment_defaults_local_values():
     assert (job.local_rank, job.local_world_size, job.run_id) == (1, 2, None)
 
 
-@pytest.mark.parametrize("change, named", [
-    ({"RANK": None}, "RANK"), ({"MASTER_PORT": ""}, "MASTER_PORT"), ({"WORLD_SIZE": "two"}, "WORLD_SIZE"),
-    ({"WORLD_SIZE": "0"}, "WORLD_SIZE"), ({"RANK": "4"}, "RANK=4"), ({"LOCAL_RANK": "-1"}, "LOCAL_RANK"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"RANK": None}, "RANK"),
+        ({"MASTER_PORT": ""}, "MASTER_PORT"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE"),
+        ({"RANK": "4"}, "RANK=4"),
+        ({"LOCAL_RANK": "-1"}, "LOCAL_RANK"),
+    ],
+)
 def test_broken_torchrun_environment_is_named(change, named):
     env = {**TORCHRUN, **change}
     env = {k: v for k, v in env.items() if v is not None}
@@ -40,4 +57,4 @@ def test_threads_follow_omp_num_threads_else_share_the_cores(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads_per_rank(8) == 3
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert threads_per_rank(10 ** 6) == 1
+    assert threads_per_rank(10**6) == 1

@@ -1,6 +1,7 @@
 """A checkpoint directory judged before any work (single process, no ranks): a damaged ``latest``
 iteration falls back to the newest intact one with one line saying so; a directory with nothing
 intact, a foreign recipe or a file in place of the directory is a named error."""
+
 import json
 
 import pytest
@@ -65,14 +66,22 @@ def _flip_a_byte(path):
 
 
 DAMAGE = {
-    "truncated shard": (lambda d: _truncate(d / "iter_0000002" / "__0_0.distcp"),
-                        "iter_0000002/__0_0.distcp has 100 bytes, the manifest says 2048"),
-    "corrupt shard": (lambda d: _flip_a_byte(d / "iter_0000002" / "__0_0.distcp"),
-                      "iter_0000002/__0_0.distcp does not match its sha256"),
-    "missing recipe.json": (lambda d: (d / "iter_0000002" / "recipe.json").unlink(),
-                            "iter_0000002/recipe.json is missing"),
-    "latest names a missing iteration": (lambda d: (d / "latest").write_text("7\n"),
-                                         "iteration 7: iter_0000007 is missing"),
+    "truncated shard": (
+        lambda d: _truncate(d / "iter_0000002" / "__0_0.distcp"),
+        "iter_0000002/__0_0.distcp has 100 bytes, the manifest says 2048",
+    ),
+    "corrupt shard": (
+        lambda d: _flip_a_byte(d / "iter_0000002" / "__0_0.distcp"),
+        "iter_0000002/__0_0.distcp does not match its sha256",
+    ),
+    "missing recipe.json": (
+        lambda d: (d / "iter_0000002" / "recipe.json").unlink(),
+        "iter_0000002/recipe.json is missing",
+    ),
+    "latest names a missing iteration": (
+        lambda d: (d / "latest").write_text("7\n"),
+        "iteration 7: iter_0000007 is missing",
+    ),
     "garbage latest": (lambda d: (d / "latest").write_text("\x00garbage"), "latest holds '\\x00garbage'"),
     "no manifest": (lambda d: (d / "iter_0000002" / "manifest.json").unlink(), "iter_0000002 has no manifest.json"),
 }
@@ -92,8 +101,11 @@ def test_a_damaged_latest_falls_back_to_the_newest_intact_iteration(saved, case)
 def test_nothing_intact_is_a_named_error(tmp_path):
     folder = _save_fake(tmp_path, 3, _recipe())
     _truncate(folder / "__0_0.distcp")
-    with pytest.raises(ConfigError, match=r"--checkpoint-dir .*: no intact checkpoint to resume from "
-                                          r"\(iteration 3: iter_0000003/__0_0.distcp has 100 bytes.*--no-resume"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--checkpoint-dir .*: no intact checkpoint to resume from "
+        r"\(iteration 3: iter_0000003/__0_0.distcp has 100 bytes.*--no-resume",
+    ):
         _resume(tmp_path, _recipe())
 
 

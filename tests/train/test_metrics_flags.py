@@ -1,5 +1,6 @@
 """``megatron-slim train``'s metrics and profiling flags: refused before any work when they cannot
 work, and the metric writer's tags (Megatron-LM's names) read back from TensorBoard and W&B."""
+
 import json
 import sys
 import types
@@ -26,8 +27,12 @@ def _refused(argv, capsys, *needles):
 
 def test_tensorboard_dir_without_tensorboard_names_the_package_and_pip(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
-    _refused(["--tensorboard-dir", str(tmp_path / "tb")], capsys,
-             "--tensorboard-dir: needs the tensorboard package", "pip install 'megatron-slim[metrics]'")
+    _refused(
+        ["--tensorboard-dir", str(tmp_path / "tb")],
+        capsys,
+        "--tensorboard-dir: needs the tensorboard package",
+        "pip install 'megatron-slim[metrics]'",
+    )
 
 
 def test_wandb_project_without_wandb_is_refused_before_work(monkeypatch, capsys):
@@ -50,8 +55,12 @@ def test_an_output_directory_that_cannot_be_written_fails_before_work(flag, tmp_
 
 def test_the_profiled_iteration_must_be_one_the_run_trains(tmp_path, capsys):
     d = str(tmp_path / "prof")
-    _refused(["--profile", d, "--profile-iteration", "3", "--set", "train.iters=2"], capsys,
-             "--profile-iteration 3: this run trains iterations 1..2", "allowed: 1..2")
+    _refused(
+        ["--profile", d, "--profile-iteration", "3", "--set", "train.iters=2"],
+        capsys,
+        "--profile-iteration 3: this run trains iterations 1..2",
+        "allowed: 1..2",
+    )
     _refused(["--profile", d, "--profile-iteration", "0", "--set", "train.iters=2"], capsys, "allowed: 1..2")
     _refused(["--profile", d, "--profile-iteration", "3", "--exit-interval", "2"], capsys, "allowed: 1..2")
     _refused(["--profile-iteration", "1"], capsys, "--profile-iteration 1: takes effect only with --profile DIR")
@@ -66,8 +75,11 @@ def test_a_run_that_resumes_past_the_profiled_iteration_is_refused(tmp_path, cap
     (folder / "recipe.json").write_text(json.dumps(load_recipe("tiny-cpu").to_dict()))
     write_manifest(folder, 3)
     (ckpt / "latest").write_text("3\n")
-    _refused(["--checkpoint-dir", str(ckpt), "--profile", str(tmp_path / "p"), "--profile-iteration", "2"], capsys,
-             "--profile-iteration 2: this run trains iterations 4..40 (it resumes from the checkpoint at iteration 3)")
+    _refused(
+        ["--checkpoint-dir", str(ckpt), "--profile", str(tmp_path / "p"), "--profile-iteration", "2"],
+        capsys,
+        "--profile-iteration 2: this run trains iterations 4..40 (it resumes from the checkpoint at iteration 3)",
+    )
 
 
 def _report(activation, kv):
@@ -110,9 +122,11 @@ def test_tensorboard_gets_megatron_tags_each_iteration(tmp_path):
 
 def test_wandb_gets_the_same_values_under_the_same_names(monkeypatch, tmp_path):
     calls = []
-    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)),
-                                 log=lambda values, step: calls.append(("log", step, values)),
-                                 finish=lambda: calls.append(("finish",)))
+    fake = types.SimpleNamespace(
+        init=lambda **kw: calls.append(("init", kw)),
+        log=lambda values, step: calls.append(("log", step, values)),
+        finish=lambda: calls.append(("finish",)),
+    )
     monkeypatch.setitem(sys.modules, "wandb", fake)
     _log_two_iterations(MetricsOptions(wandb_project="slim", wandb_exp_name="run1", wandb_save_dir=str(tmp_path)))
     init, first, second, finish = calls

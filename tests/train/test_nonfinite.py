@@ -1,6 +1,7 @@
 """A nan/inf loss or gradient norm stops ``megatron-slim train`` with a named error and exit code 3
 before the update (Megatron's --check-for-nan-in-loss-and-grad), unless train.skip_nonfinite_steps
 asks to skip such steps, each of which is then printed and listed in the JSON."""
+
 import copy
 import json
 
@@ -14,8 +15,16 @@ from tests.train.conftest import SMALL_DATA
 
 # Adam moves every weight by about lr per step whatever the gradient: at lr=1e30 the second
 # iteration's gradients overflow to nan while its loss is still finite.
-EXPLODING = ["parallel.pp=2", "schedule.num_slices=2", "train.iters=4", "train.global_batch_size=2",
-             "model.seq_length=128", "train.warmup_iters=0", "train.lr=1e30", "train.min_lr=0"]
+EXPLODING = [
+    "parallel.pp=2",
+    "schedule.num_slices=2",
+    "train.iters=4",
+    "train.global_batch_size=2",
+    "model.seq_length=128",
+    "train.warmup_iters=0",
+    "train.lr=1e30",
+    "train.min_lr=0",
+]
 
 
 def _model_and_optimizer():

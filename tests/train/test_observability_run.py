@@ -1,6 +1,7 @@
 """A real ``megatron-slim train`` run with ``--tensorboard-dir`` and ``--profile``: the TensorBoard
 event file it writes is read back (Megatron's tag names, the run's own losses), the torch profiler
 traces carry the simulator's action names, and ``megatron-slim overlay`` accepts them."""
+
 import json
 
 import pytest
@@ -12,8 +13,14 @@ from tests.train.conftest import SMALL_DATA
 
 pytestmark = pytest.mark.multi  # a train run on its ranks
 
-SETS = ["train.iters=2", "parallel.pp=2", "train.global_batch_size=4", "model.seq_length=128",
-        "schedule.num_slices=2", "train.warmup_iters=1"]
+SETS = [
+    "train.iters=2",
+    "parallel.pp=2",
+    "train.global_batch_size=4",
+    "model.seq_length=128",
+    "schedule.num_slices=2",
+    "train.warmup_iters=1",
+]
 
 
 def test_train_writes_tensorboard_events_and_traces_that_overlay_reads(tmp_path, data_cache, capsys):
@@ -21,15 +28,38 @@ def test_train_writes_tensorboard_events_and_traces_that_overlay_reads(tmp_path,
 
     tb, prof, out = tmp_path / "tb", tmp_path / "prof", tmp_path / "train.json"
     sets = [f"data.cache_dir={data_cache}", *SMALL_DATA, *SETS]
-    assert main(["train", "--set", *sets, "--json", str(out), "--tensorboard-dir", str(tb),
-                 "--profile", str(prof), "--profile-iteration", "2"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--set",
+                *sets,
+                "--json",
+                str(out),
+                "--tensorboard-dir",
+                str(tb),
+                "--profile",
+                str(prof),
+                "--profile-iteration",
+                "2",
+            ]
+        )
+        == 0
+    )
     summary = json.loads(out.read_text())
 
     assert list(tb.glob("events.out.tfevents.*")), list(tb.iterdir())
     events = EventAccumulator(str(tb))
     events.Reload()
-    assert {"lm loss", "grad-norm", "learning-rate", "tokens-per-second", "mem-peak-activation-bytes",
-            "iteration-time", "throughput"} <= set(events.Tags()["scalars"])
+    assert {
+        "lm loss",
+        "grad-norm",
+        "learning-rate",
+        "tokens-per-second",
+        "mem-peak-activation-bytes",
+        "iteration-time",
+        "throughput",
+    } <= set(events.Tags()["scalars"])
     logged = [(e.step, e.value) for e in events.Scalars("lm loss")]
     assert [step for step, _ in logged] == [1, 2]
     assert [value for _, value in logged] == pytest.approx(summary["losses"], rel=1e-6)  # float32 in the file
@@ -52,8 +82,22 @@ def test_train_writes_tensorboard_events_and_traces_that_overlay_reads(tmp_path,
 
     capsys.readouterr()
     overlay = tmp_path / "overlay.json"
-    assert main(["overlay", "--measured", str(prof), "--set", *sets, "--json", str(overlay),
-                 "--plot", str(tmp_path / "overlay.png")]) == 0
+    assert (
+        main(
+            [
+                "overlay",
+                "--measured",
+                str(prof),
+                "--set",
+                *sets,
+                "--json",
+                str(overlay),
+                "--plot",
+                str(tmp_path / "overlay.png"),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(overlay.read_text())["ranks"]
     assert len(rows) == 2 and all(row["measured_busy_s"] > 0 and row["simulated_busy_s"] > 0 for row in rows)
     assert (tmp_path / "overlay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

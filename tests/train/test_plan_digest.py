@@ -1,6 +1,7 @@
 """The schedule a ``megatron-slim train`` rank runs is the one ``megatron-slim simulate`` times:
 the runtime's planning calls (``train.loop.pipeline_settings``, ``megatron.schedule.planned_schedule``)
 give the simulator's schedule digest for the same recipe, without spawning ranks."""
+
 import pytest
 
 from megatron_slim.commands.simulate import run_one
@@ -13,10 +14,8 @@ CASES = [
     ("tiny-cpu", [], None),
     ("tiny-cpu", [], "1f1b"),
     ("tiny-cpu", [], "interleaved"),
-    ("tiny-cpu", ["parallel.pp=2", "train.global_batch_size=4", "model.seq_length=128", "schedule.num_slices=2"],
-     None),
-    ("tiny-cpu", ["parallel.pp=2", "parallel.vpp=2", "schedule.num_slices=3", "schedule.slice_policy=balanced"],
-     None),
+    ("tiny-cpu", ["parallel.pp=2", "train.global_batch_size=4", "model.seq_length=128", "schedule.num_slices=2"], None),
+    ("tiny-cpu", ["parallel.pp=2", "parallel.vpp=2", "schedule.num_slices=3", "schedule.slice_policy=balanced"], None),
     ("tiny-cpu", ["schedule.slice_policy=uniform"], None),
     ("llama2-7b-64k", [], None),
     ("llama3-8b-256k", [], None),

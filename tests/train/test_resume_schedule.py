@@ -1,6 +1,7 @@
 """Resuming with another ``train.iters`` continues with the new recipe's learning-rate schedule from
 the saved step count (Megatron's ``--override-opt_param-scheduler``), instead of megatron-core's
 scheduler asserting that its settings equal the checkpoint's."""
+
 import dataclasses
 
 import pytest

@@ -1,5 +1,6 @@
 """`megatron-slim train` as a torch job: under torchrun it trains the same losses as its own ranks;
 its own rank processes never outlive it (SIGTERM, SIGKILL); a wrong WORLD_SIZE fails before any work."""
+
 import json
 import os
 import signal
@@ -17,8 +18,11 @@ TINY = ["parallel.pp=2", "train.global_batch_size=4", "model.seq_length=128", "t
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    }
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     return env
 
@@ -29,9 +33,28 @@ def test_torchrun_trains_the_same_losses_as_the_spawned_ranks(tmp_path):
     the spawned run then finds it cached."""
     cache = tmp_path / "cache"
     sets = [f"data.cache_dir={cache}", *SMALL_DATA, *TINY, "train.iters=2"]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "megatron_slim", "train", "--set", *sets, "--json", str(tmp_path / "torchrun.json")],
-                         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "megatron_slim",
+            "train",
+            "--set",
+            *sets,
+            "--json",
+            str(tmp_path / "torchrun.json"),
+        ],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     # exactly one rank says what it did and reports: one data line, one plan line, one summary
     assert run.stdout.count("data: ") == 1 and "(prepared in" in run.stdout
@@ -46,8 +69,9 @@ def test_torchrun_trains_the_same_losses_as_the_spawned_ranks(tmp_path):
 
 def test_wrong_world_size_under_torchrun_fails_before_any_work(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    for k, v in dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT="1").items():
+    for k, v in dict(
+        RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
+    ).items():
         monkeypatch.setenv(k, v)
     cache = tmp_path / "never-made"
     assert main(["train", "--set", "parallel.pp=2", f"data.cache_dir={cache}"]) == 2
@@ -84,9 +108,26 @@ def _start_training(tmp_path, data_cache):
     """`python -m megatron_slim train` on 2 ranks, long enough to be stopped; returns it and its rank
     PIDs once both ranks train (an iteration line is printed)."""
     out, err = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")  # noqa: SIM115 (outlive this call)
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_slim", "train", "--set", f"data.cache_dir={data_cache}",
-                             *SMALL_DATA, *TINY, "model.seq_length=64", "train.iters=100000", "train.log_interval=1"],
-                            env=_env(), cwd=tmp_path, stdout=out, stderr=err, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron_slim",
+            "train",
+            "--set",
+            f"data.cache_dir={data_cache}",
+            *SMALL_DATA,
+            *TINY,
+            "model.seq_length=64",
+            "train.iters=100000",
+            "train.log_interval=1",
+        ],
+        env=_env(),
+        cwd=tmp_path,
+        stdout=out,
+        stderr=err,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     ranks = []
     while time.monotonic() < deadline:
@@ -108,8 +149,10 @@ def _wait_gone(pids, seconds: float) -> list[int]:
 
 @pytest.mark.multi
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, id="SIGTERM"),
-                                 pytest.param(signal.SIGINT, id="ctrl-c", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "sig",
+    [pytest.param(signal.SIGTERM, id="SIGTERM"), pytest.param(signal.SIGINT, id="ctrl-c", marks=pytest.mark.slow)],
+)
 def test_terminated_train_stops_its_ranks_and_says_so(tmp_path, data_cache, sig):
     """SIGTERM to the parent alone; Ctrl-C: SIGINT to the whole process group, ranks included."""
     proc, ranks = _start_training(tmp_path, data_cache)

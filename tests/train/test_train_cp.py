@@ -14,6 +14,7 @@ Topology: the tests write a CPU hardware profile with ``gpus_per_node: 1`` (2 CP
 1, so Zeppelin chooses between local and inter-node sequences and remaps across the NIC); there is
 no topology key in a recipe, ``--set hardware=<profile YAML>`` selects it.
 """
+
 import json
 
 import pytest
@@ -58,7 +59,7 @@ def short_documents(tmp_path_factory):
     rng, pos = random.Random(0), 0
     for i in range(200):
         size = rng.choice([60, 120, 250, 500, 900, 1600])
-        (root / f"doc{i:04d}.txt").write_text(text[pos:pos + size])
+        (root / f"doc{i:04d}.txt").write_text(text[pos : pos + size])
         pos += size
     return str(root)
 
@@ -74,8 +75,11 @@ def hardware(tmp_path_factory):
 def slow_nic_hardware(tmp_path_factory):
     """A NIC so slow that Zeppelin keeps even a whole-window document on one node (rank)."""
     path = tmp_path_factory.mktemp("hw") / "cpu-2-nodes-slow-nic.yaml"
-    path.write_text(HARDWARE.replace("nic_bandwidth: 5.0e9", "nic_bandwidth: 1.5e7")
-                    .replace("nic_latency: 2.0e-6", "nic_latency: 1.0e-4"))
+    path.write_text(
+        HARDWARE.replace("nic_bandwidth: 5.0e9", "nic_bandwidth: 1.5e7").replace(
+            "nic_latency: 2.0e-6", "nic_latency: 1.0e-4"
+        )
+    )
     return str(path)
 
 
@@ -88,25 +92,42 @@ def _window(lengths, seed):
     for s in lengths[:-1]:
         end += s
         tokens[end - 1] = EOD
-    return {"tokens": tokens.unsqueeze(0), "labels": torch.randint(0, MODEL["vocab_size"], (1, total), generator=g),
-            "loss_mask": (torch.rand(1, total, generator=g) > 0.15).float(),
-            "position_ids": torch.arange(total).unsqueeze(0)}
+    return {
+        "tokens": tokens.unsqueeze(0),
+        "labels": torch.randint(0, MODEL["vocab_size"], (1, total), generator=g),
+        "loss_mask": (torch.rand(1, total, generator=g) > 0.15).float(),
+        "position_ids": torch.arange(total).unsqueeze(0),
+    }
 
 
 def _recipe(engine, remap, cp, hardware_path, windows=ALL_WINDOWS):
     from megatron_slim.plan.recipe import recipe_from_dict
 
-    return recipe_from_dict({"name": "cp-step", "hardware": hardware_path, "model": MODEL,
-                             "parallel": {"cp": cp}, "cp": {"engine": engine, "remap": remap},
-                             "train": {"global_batch_size": windows, "precision": "fp32"}})
+    return recipe_from_dict(
+        {
+            "name": "cp-step",
+            "hardware": hardware_path,
+            "model": MODEL,
+            "parallel": {"cp": cp},
+            "cp": {"engine": engine, "remap": remap},
+            "train": {"global_batch_size": windows, "precision": "fp32"},
+        }
+    )
 
 
 def _reference(model_cfg, solo, windows, seed):
     """Each window's documents (cut at ``eod``) through the unsharded model one at a time."""
     from megatron_slim.megatron.cp.lengths import document_lengths
 
-    packs = [{"tokens": w["tokens"][0], "labels": w["labels"][0], "loss_mask": w["loss_mask"][0],
-              "lengths": document_lengths(w["tokens"], EOD)} for w in windows]
+    packs = [
+        {
+            "tokens": w["tokens"][0],
+            "labels": w["labels"][0],
+            "loss_mask": w["loss_mask"][0],
+            "lengths": document_lengths(w["tokens"], EOD),
+        }
+        for w in windows
+    ]
     return reference.per_document_step(model_cfg, solo, packs, seed)
 
 
@@ -130,14 +151,23 @@ def one_step(rank, world_size, cases, hardware_path, seed=1234, window_lengths=t
         step.attach(chunks)
         fb = make_forward_backward_func(SlimPipeSettings((MODEL["seq_length"],), kind="1f1b"))
         batches = step.plan_iteration(windows)
-        reports = fb(forward_step_func=step.forward_step, data_iterator=[iter(batches)], model=chunks,
-                     num_microbatches=len(windows), seq_length=MODEL["seq_length"], micro_batch_size=1)
+        reports = fb(
+            forward_step_func=step.forward_step,
+            data_iterator=[iter(batches)],
+            model=chunks,
+            num_microbatches=len(windows),
+            seq_length=MODEL["seq_length"],
+            micro_batch_size=1,
+        )
         params = [p for c in chunks for p in c.parameters()]
         average_data_parallel(params, groups.dp_cp, world_size)
         pair = torch.stack([r["lm loss"] for r in reports]).sum(0)
         dist.all_reduce(pair, group=groups.cp)
-        results[engine, remap] = {"grads": global_grads(chunks[0]) if rank == 0 else None,
-                                  "summary": step.summary(), "pair": pair}
+        results[engine, remap] = {
+            "grads": global_grads(chunks[0]) if rank == 0 else None,
+            "summary": step.summary(),
+            "pair": pair,
+        }
     if rank == 0:
         results["reference"] = _reference(recipe.model, solo, windows, seed)
     return results
@@ -163,30 +193,69 @@ def test_one_cp_training_step_matches_the_per_document_reference(hardware):
 
 def _train(tmp_path, name, data_cache, corpus, *sets):
     out = tmp_path / f"{name}.json"
-    argv = ["train", "--set", f"data.cache_dir={data_cache}", f"data.corpus={corpus}", "model.vocab_size=512",
-            "parallel.pp=1",
-            "schedule.kind=1f1b", "schedule.num_slices=1", "model.seq_length=256", "model.num_layers=2",
-            "model.hidden_size=64", "model.ffn_hidden_size=160", "model.num_attention_heads=4",
-            "model.num_query_groups=2", "train.global_batch_size=4", "train.iters=4", "train.warmup_iters=1",
-            "train.lr=3e-3", *sets, "--json", str(out)]
+    argv = [
+        "train",
+        "--set",
+        f"data.cache_dir={data_cache}",
+        f"data.corpus={corpus}",
+        "model.vocab_size=512",
+        "parallel.pp=1",
+        "schedule.kind=1f1b",
+        "schedule.num_slices=1",
+        "model.seq_length=256",
+        "model.num_layers=2",
+        "model.hidden_size=64",
+        "model.ffn_hidden_size=160",
+        "model.num_attention_heads=4",
+        "model.num_query_groups=2",
+        "train.global_batch_size=4",
+        "train.iters=4",
+        "train.warmup_iters=1",
+        "train.lr=3e-3",
+        *sets,
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     return json.loads(out.read_text())
 
 
 @pytest.mark.multi
-def test_cli_trains_with_zeppelin_and_ring_with_falling_equal_losses(tmp_path, data_cache, short_documents, hardware,
-                                                                    capfd):
-    zeppelin = _train(tmp_path, "zeppelin", data_cache, short_documents, "parallel.cp=2", "cp.engine=zeppelin",
-                      "cp.remap=true", f"hardware={hardware}")
+def test_cli_trains_with_zeppelin_and_ring_with_falling_equal_losses(
+    tmp_path, data_cache, short_documents, hardware, capfd
+):
+    zeppelin = _train(
+        tmp_path,
+        "zeppelin",
+        data_cache,
+        short_documents,
+        "parallel.cp=2",
+        "cp.engine=zeppelin",
+        "cp.remap=true",
+        f"hardware={hardware}",
+    )
     printed = capfd.readouterr().out  # the ranks print the progress lines
-    ring = _train(tmp_path, "ring", data_cache, short_documents, "parallel.cp=2", "parallel.dp=2", "cp.engine=ring",
-                  f"hardware={hardware}")
+    ring = _train(
+        tmp_path,
+        "ring",
+        data_cache,
+        short_documents,
+        "parallel.cp=2",
+        "parallel.dp=2",
+        "cp.engine=ring",
+        f"hardware={hardware}",
+    )
     for run in (zeppelin, ring):
         assert len(run["losses"]) == 4 and run["losses"][-1] < run["losses"][0]
     assert zeppelin["losses"] == pytest.approx(ring["losses"], abs=2e-4)
     cp = zeppelin["cp"]
-    assert (cp["engine"], cp["remap"], cp["size"], cp["nodes"], cp["document_masking"]) == ("zeppelin", True, 2, 2,
-                                                                                              True)
+    assert (cp["engine"], cp["remap"], cp["size"], cp["nodes"], cp["document_masking"]) == (
+        "zeppelin",
+        True,
+        2,
+        2,
+        True,
+    )
     assert len(cp["iterations"]) == 4 and all(i["packs"] == 4 for i in cp["iterations"])
     assert sum(i["local"] for i in cp["iterations"]) > 0 and sum(i["inter"] for i in cp["iterations"]) > 0
     assert ring["cp"]["engine"] == "ring" and all(i["local"] == 0 for i in ring["cp"]["iterations"])
@@ -195,13 +264,18 @@ def test_cli_trains_with_zeppelin_and_ring_with_falling_equal_losses(tmp_path, d
     assert "| cp zeppelin: " in printed and " local/" in printed
 
 
-@pytest.mark.parametrize("sets, needle", [
-    (["parallel.cp=2", "parallel.pp=2"], "parallel.pp"),
-    (["parallel.cp=2", "schedule.kind=slimpipe", "schedule.num_slices=2", "cp.engine=zeppelin"],
-     "cp.engine: invalid value (got 'zeppelin'"),
-    (["parallel.cp=2", "cp.engine=ring", "cp.remap=true"], "cp.remap"),
-    (["parallel.cp=2", "train.micro_batch_size=2", "train.global_batch_size=4"], "train.micro_batch_size"),
-])
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (["parallel.cp=2", "parallel.pp=2"], "parallel.pp"),
+        (
+            ["parallel.cp=2", "schedule.kind=slimpipe", "schedule.num_slices=2", "cp.engine=zeppelin"],
+            "cp.engine: invalid value (got 'zeppelin'",
+        ),
+        (["parallel.cp=2", "cp.engine=ring", "cp.remap=true"], "cp.remap"),
+        (["parallel.cp=2", "train.micro_batch_size=2", "train.global_batch_size=4"], "train.micro_batch_size"),
+    ],
+)
 def test_unsupported_cp_training_is_rejected_before_any_work(sets, needle, capsys):
     assert main(["train", "--set", "parallel.pp=1", "schedule.kind=1f1b", "schedule.num_slices=1", *sets]) == 2
     assert needle in capsys.readouterr().err

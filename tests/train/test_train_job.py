@@ -1,5 +1,6 @@
 """`megatron-slim train` on CPU ranks: memory measured at run time against the simulator and 1F1B,
 and a stopped-and-resumed run continuing with the same losses."""
+
 import json
 
 import pytest
@@ -58,8 +59,10 @@ def test_slimpipe_stage0_memory_is_half_of_1f1b_and_matches_the_simulator(tmp_pa
     measured K/V peak equals the simulator's and the activation peak equals it up to the tensors the
     cost model leaves out."""
     common = ["train.iters=1", f"parallel.pp={PP}", "train.global_batch_size=8"]
-    schedules = {"slimpipe": ["schedule.kind=slimpipe", "schedule.num_slices=8"],
-                 "1f1b": ["schedule.kind=1f1b", "schedule.num_slices=1"]}
+    schedules = {
+        "slimpipe": ["schedule.kind=slimpipe", "schedule.num_slices=8"],
+        "1f1b": ["schedule.kind=1f1b", "schedule.num_slices=1"],
+    }
     runs = {kind: _train(tmp_path, kind, data_cache, *common, *sets) for kind, sets in schedules.items()}
     slim, base = runs["slimpipe"], runs["1f1b"]
     assert {"stage", "peak_activation_bytes", "peak_kv_bytes"} <= set(slim["stages"][0])
@@ -70,8 +73,13 @@ def test_slimpipe_stage0_memory_is_half_of_1f1b_and_matches_the_simulator(tmp_pa
 
 @pytest.mark.multi
 def test_stopped_and_resumed_run_continues_with_the_same_losses(tmp_path, data_cache):
-    sets = ["train.iters=5", "parallel.pp=2", "train.global_batch_size=4", "model.seq_length=128",
-            "train.warmup_iters=1"]
+    sets = [
+        "train.iters=5",
+        "parallel.pp=2",
+        "train.global_batch_size=4",
+        "model.seq_length=128",
+        "train.warmup_iters=1",
+    ]
     full = _train(tmp_path, "full", data_cache, *sets)
     ckpt = str(tmp_path / "ckpt")
     first = _train(tmp_path, "first", data_cache, *sets, extra=["--checkpoint-dir", ckpt, "--exit-interval", "2"])
@@ -81,10 +89,17 @@ def test_stopped_and_resumed_run_continues_with_the_same_losses(tmp_path, data_c
     assert second["loss_iterations"] == [1, 2, 3, 4, 5]
     assert second["losses"] == pytest.approx(full["losses"], rel=0, abs=1e-6)
     assert full["losses"][-1] < full["losses"][0]
-    changed = ["train.iters=5", "parallel.pp=2", "train.global_batch_size=4", "model.seq_length=128",
-               "train.warmup_iters=1", "train.lr=1e-4"]
-    assert main(["train", "--set", f"data.cache_dir={data_cache}", *SMALL_DATA, *changed,
-                 "--checkpoint-dir", ckpt]) == 2
+    changed = [
+        "train.iters=5",
+        "parallel.pp=2",
+        "train.global_batch_size=4",
+        "model.seq_length=128",
+        "train.warmup_iters=1",
+        "train.lr=1e-4",
+    ]
+    assert (
+        main(["train", "--set", f"data.cache_dir={data_cache}", *SMALL_DATA, *changed, "--checkpoint-dir", ckpt]) == 2
+    )
 
 
 def test_an_unwritable_json_path_fails_before_training(tmp_path, capsys):

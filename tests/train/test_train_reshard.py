@@ -1,6 +1,7 @@
 """Checkpoints of `megatron-slim train` load at another pipeline / data-parallel split, and a run
 whose `latest` iteration is damaged resumes from the newest intact one (and on the schedule of a
 changed `train.iters`)."""
+
 import pytest
 
 from tests.train.test_train_job import _train
@@ -16,16 +17,31 @@ def pp2_run(tmp_path_factory, data_cache):
     return _train(tmp_path_factory.mktemp("reshard"), "pp2", data_cache, *SETS, *PP2, "train.iters=4")
 
 
-@pytest.mark.parametrize("split", [
-    pytest.param(["parallel.pp=4", "parallel.dp=1"], id="pp4-to-pp2"),
-    pytest.param(["parallel.pp=2", "parallel.dp=2"], id="pp2dp2-to-pp2dp1", marks=pytest.mark.slow),
-    pytest.param(["parallel.pp=2", "parallel.vpp=2", "schedule.kind=interleaved", "schedule.num_slices=1"],
-                 id="pp2vpp2-to-pp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "split",
+    [
+        pytest.param(["parallel.pp=4", "parallel.dp=1"], id="pp4-to-pp2"),
+        pytest.param(["parallel.pp=2", "parallel.dp=2"], id="pp2dp2-to-pp2dp1", marks=pytest.mark.slow),
+        pytest.param(
+            ["parallel.pp=2", "parallel.vpp=2", "schedule.kind=interleaved", "schedule.num_slices=1"],
+            id="pp2vpp2-to-pp2",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_a_checkpoint_resumes_at_another_split_with_the_losses_of_an_uninterrupted_run(
-        tmp_path, data_cache, pp2_run, split):
+    tmp_path, data_cache, pp2_run, split
+):
     ckpt = str(tmp_path / "ckpt")
-    first = _train(tmp_path, "first", data_cache, *SETS, *split, "train.iters=4",
-                   extra=["--checkpoint-dir", ckpt, "--exit-interval", "2"])
+    first = _train(
+        tmp_path,
+        "first",
+        data_cache,
+        *SETS,
+        *split,
+        "train.iters=4",
+        extra=["--checkpoint-dir", ckpt, "--exit-interval", "2"],
+    )
     assert first["last_iteration"] == 2
     assert first["losses"] == pytest.approx(pp2_run["losses"][:2], rel=1e-6, abs=0)  # same start at both splits
     resumed = _train(tmp_path, "resumed", data_cache, *SETS, *PP2, "train.iters=4", extra=["--checkpoint-dir", ckpt])
@@ -37,8 +53,16 @@ def test_a_checkpoint_resumes_at_another_split_with_the_losses_of_an_uninterrupt
 @pytest.mark.slow
 def test_a_corrupt_latest_falls_back_and_a_longer_run_continues(tmp_path, data_cache, capsys):
     ckpt = tmp_path / "ckpt"
-    first = _train(tmp_path, "first", data_cache, *SETS, *PP2, "train.iters=2", "train.save_interval=1",
-                   extra=["--checkpoint-dir", str(ckpt)])
+    first = _train(
+        tmp_path,
+        "first",
+        data_cache,
+        *SETS,
+        *PP2,
+        "train.iters=2",
+        "train.save_interval=1",
+        extra=["--checkpoint-dir", str(ckpt)],
+    )
     shard = sorted((ckpt / "iter_0000002").glob("*.distcp"))[-1]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     capsys.readouterr()

@@ -2,6 +2,7 @@
 stage's word embedding and the last stage's output copy must each get the sum of both gradients
 (Megatron all-reduces them over its embedding group) and be counted once in the gradient norm, so
 the pipelined, sliced run trains exactly the model an unpipelined run trains."""
+
 import pytest
 
 from tests.oracle.reference import UNPIPELINED_UNSLICED
@@ -9,8 +10,14 @@ from tests.train.test_train_job import _train
 
 pytestmark = pytest.mark.multi  # train runs on their ranks
 
-TIED = ["model.untie_embeddings_and_output_weights=false", "train.iters=4", "train.global_batch_size=4",
-        "model.seq_length=128", "train.warmup_iters=1", "train.lr=1e-2"]
+TIED = [
+    "model.untie_embeddings_and_output_weights=false",
+    "train.iters=4",
+    "train.global_batch_size=4",
+    "model.seq_length=128",
+    "train.warmup_iters=1",
+    "train.lr=1e-2",
+]
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,25 @@ SPEC = "lognormal:mean=4096,sigma=1.2,min=256,max=65536"
 @pytest.mark.parametrize("engine", ENGINES)
 def test_each_engine_writes_json(engine, tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", engine, "--lengths", SPEC,
-                 "--seed", "3", "--json", str(out), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--recipe",
+                "zeppelin-7b-h800",
+                "--cp-engine",
+                engine,
+                "--lengths",
+                SPEC,
+                "--seed",
+                "3",
+                "--json",
+                str(out),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     assert data["engine"] == engine and data["seed"] == 3 and data["lengths"] == SPEC
     assert data["num_packs"] == 1 and data["tokens"] == 262144 and sum(data["pack_lengths"][0]) == 262144
@@ -21,14 +38,19 @@ def test_each_engine_writes_json(engine, tmp_path, capsys):
     assert len(data["ranks"]) == 32 and {"attention_s", "linear_s", "idle_s", "comm_s"} <= set(data["ranks"][0])
     pack = data["packs"][0]
     assert len(pack["digest"]) == 64 and pack["time_s"] == pytest.approx(
-        32 * (pack["forward_layer_s"] + pack["backward_layer_s"]))
+        32 * (pack["forward_layer_s"] + pack["backward_layer_s"])
+    )
     assert data["remap"] is (engine == "zeppelin")
     assert engine in capsys.readouterr().out
 
 
 def test_all_engines_side_by_side_to_stdout(capsys):
-    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "all", "--lengths", SPEC,
-                 "--json", "-", *SMALL]) == 0
+    assert (
+        main(
+            ["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "all", "--lengths", SPEC, "--json", "-", *SMALL]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     data = json.loads(captured.out)
     assert [r["engine"] for r in data["results"]] == list(ENGINES)
@@ -40,23 +62,53 @@ def test_all_engines_side_by_side_to_stdout(capsys):
 def test_recipe_engine_is_the_default_and_a_file_works(tmp_path, capsys):
     lengths = tmp_path / "l.txt"
     lengths.write_text("\n".join(["4096"] * 8) + "\n")
-    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--lengths", str(lengths), *SMALL,
-                 "--set", "cp.engine=dynamic", "--json", "-"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--recipe",
+                "zeppelin-7b-h800",
+                "--lengths",
+                str(lengths),
+                *SMALL,
+                "--set",
+                "cp.engine=dynamic",
+                "--json",
+                "-",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["engine"] == "dynamic" and set(data["pack_lengths"][0]) == {4096}
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--cp-engine", "ring,foo", "--lengths", SPEC], "--cp-engine: invalid value (got 'foo'"),
-    (["--cp-engine", "ring"], "--lengths: required"),
-    (["--cp-engine", "ring", "--lengths", "lognormal:mean=1"], "lognormal.sigma: missing key"),
-    (["--cp-engine", "ulysses", "--lengths", SPEC, "--set", "model.num_attention_heads=16",
-      "model.num_query_groups=16"], "num_attention_heads=16"),
-    (["--cp-engine", "ring", "--lengths", SPEC, "--set", "parallel.pp=2"], "parallel.pp: invalid value"),
-    (["--cp-engine", "ring", "--lengths", SPEC, "--set", "parallel.dp=2", "train.global_batch_size=2"],
-     "parallel.dp: invalid value"),
-    (["--cp-engine", "ring", "--lengths", SPEC, "--compare", "1f1b"], "--compare"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--cp-engine", "ring,foo", "--lengths", SPEC], "--cp-engine: invalid value (got 'foo'"),
+        (["--cp-engine", "ring"], "--lengths: required"),
+        (["--cp-engine", "ring", "--lengths", "lognormal:mean=1"], "lognormal.sigma: missing key"),
+        (
+            [
+                "--cp-engine",
+                "ulysses",
+                "--lengths",
+                SPEC,
+                "--set",
+                "model.num_attention_heads=16",
+                "model.num_query_groups=16",
+            ],
+            "num_attention_heads=16",
+        ),
+        (["--cp-engine", "ring", "--lengths", SPEC, "--set", "parallel.pp=2"], "parallel.pp: invalid value"),
+        (
+            ["--cp-engine", "ring", "--lengths", SPEC, "--set", "parallel.dp=2", "train.global_batch_size=2"],
+            "parallel.dp: invalid value",
+        ),
+        (["--cp-engine", "ring", "--lengths", SPEC, "--compare", "1f1b"], "--compare"),
+    ],
+)
 def test_user_errors_exit_2_naming_the_input(argv, needle, capsys):
     assert main(["simulate", "--recipe", "zeppelin-7b-h800", *argv]) == 2
     assert needle in capsys.readouterr().err
@@ -64,8 +116,23 @@ def test_user_errors_exit_2_naming_the_input(argv, needle, capsys):
 
 def test_a_missing_calibration_fails_before_any_work(tmp_path, capsys):
     missing = tmp_path / "nope.yaml"
-    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "ring", "--lengths", SPEC,
-                 "--calibration", str(missing), *SMALL]) == 2
+    assert (
+        main(
+            [
+                "simulate",
+                "--recipe",
+                "zeppelin-7b-h800",
+                "--cp-engine",
+                "ring",
+                "--lengths",
+                SPEC,
+                "--calibration",
+                str(missing),
+                *SMALL,
+            ]
+        )
+        == 2
+    )
     captured = capsys.readouterr()
     assert f"--calibration {missing}: file does not exist" in captured.err and "engine" not in captured.out
 
@@ -73,11 +140,12 @@ def test_a_missing_calibration_fails_before_any_work(tmp_path, capsys):
 def test_a_calibration_file_prices_the_cp_kernels(tmp_path, capsys):
     """Measured rates replace the profile's efficiencies on the CP path as on the pipeline path."""
     slow = tmp_path / "slow.yaml"
-    slow.write_text("hardware: h800\nmeasurements:\n"
-                    "  - {op: attention_forward, work: 1.0e12, seconds: 1.0}\n"
-                    "  - {op: attention_backward, work: 1.0e12, seconds: 1.0}\n")
-    argv = ["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "ring", "--lengths", SPEC, *SMALL,
-            "--json", "-"]
+    slow.write_text(
+        "hardware: h800\nmeasurements:\n"
+        "  - {op: attention_forward, work: 1.0e12, seconds: 1.0}\n"
+        "  - {op: attention_backward, work: 1.0e12, seconds: 1.0}\n"
+    )
+    argv = ["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "ring", "--lengths", SPEC, *SMALL, "--json", "-"]
     assert main(argv) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main(argv + ["--calibration", str(slow)]) == 0
@@ -88,9 +156,28 @@ def test_a_calibration_file_prices_the_cp_kernels(tmp_path, capsys):
 
 def test_trace_and_plot_show_each_engine_per_rank(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "ring,zeppelin", "--lengths", SPEC,
-                 "--set", "train.global_batch_size=2", "--trace", "out/cp.trace.json", "--plot", "out/cp.png",
-                 "--json", "out/cp.json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--recipe",
+                "zeppelin-7b-h800",
+                "--cp-engine",
+                "ring,zeppelin",
+                "--lengths",
+                SPEC,
+                "--set",
+                "train.global_batch_size=2",
+                "--trace",
+                "out/cp.trace.json",
+                "--plot",
+                "out/cp.png",
+                "--json",
+                "out/cp.json",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "wrote trace out/cp.trace.json" in printed and "wrote plot out/cp.png" in printed
     assert (tmp_path / "out/cp.png").read_bytes()[:4] == b"\x89PNG"
@@ -120,8 +207,27 @@ def test_trace_and_plot_show_each_engine_per_rank(tmp_path, monkeypatch, capsys)
 
 
 def test_one_engine_writes_both_trace_and_plot(tmp_path, capsys):
-    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "dynamic", "--lengths", SPEC, *SMALL,
-                 "--trace", str(tmp_path / "t.json"), "--plot", str(tmp_path / "p.png"), "--json", "-"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--recipe",
+                "zeppelin-7b-h800",
+                "--cp-engine",
+                "dynamic",
+                "--lengths",
+                SPEC,
+                *SMALL,
+                "--trace",
+                str(tmp_path / "t.json"),
+                "--plot",
+                str(tmp_path / "p.png"),
+                "--json",
+                "-",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert json.loads(captured.out)["engine"] == "dynamic" and "wrote plot" in captured.err
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
@@ -132,9 +238,41 @@ def test_one_engine_writes_both_trace_and_plot(tmp_path, capsys):
 
 
 def test_seed_defaults_to_zero_with_lengths(capsys):
-    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "ring", "--lengths", SPEC, *SMALL,
-                 "--json", "-"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--recipe",
+                "zeppelin-7b-h800",
+                "--cp-engine",
+                "ring",
+                "--lengths",
+                SPEC,
+                *SMALL,
+                "--json",
+                "-",
+            ]
+        )
+        == 0
+    )
     default = json.loads(capsys.readouterr().out)
-    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--cp-engine", "ring", "--lengths", SPEC, *SMALL,
-                 "--seed", "0", "--json", "-"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--recipe",
+                "zeppelin-7b-h800",
+                "--cp-engine",
+                "ring",
+                "--lengths",
+                SPEC,
+                *SMALL,
+                "--seed",
+                "0",
+                "--json",
+                "-",
+            ]
+        )
+        == 0
+    )
     assert default["seed"] == 0 and json.loads(capsys.readouterr().out)["pack_lengths"] == default["pack_lengths"]

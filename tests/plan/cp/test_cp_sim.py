@@ -44,8 +44,11 @@ def test_every_engine_computes_each_causal_pair_once(engine, name, costs):
         for backward, per_pair in ((False, costs.pair_fwd_s), (True, costs.pair_bwd_s)):
             res = simulate_pass(plan, topo, costs, backward=backward, remap=remap)
             assert busy(res, "attention") == pytest.approx(pairs * per_pair, rel=1e-9)
-            per_token = (costs.pre_bwd_s + costs.post_bwd_s + costs.mlp_bwd_s) if backward else \
-                (costs.pre_fwd_s + costs.post_fwd_s + costs.mlp_fwd_s)
+            per_token = (
+                (costs.pre_bwd_s + costs.post_bwd_s + costs.mlp_bwd_s)
+                if backward
+                else (costs.pre_fwd_s + costs.post_fwd_s + costs.mlp_fwd_s)
+            )
             assert busy(res, "linear") == pytest.approx(sum(lengths) * per_token, rel=1e-9)
             assert res.time_s >= max(sum(b.values()) for b in res.busy.values()) - 1e-12
 
@@ -87,8 +90,9 @@ def test_routed_transfer_in_the_simulator_matches_the_topology_estimate():
 
 def test_zeppelin_beats_ring_on_the_h800_recipe_with_short_sequences():
     recipe = load_recipe(RECIPE, ["train.global_batch_size=2"])
-    lengths = make_packs(parse_lengths("lognormal:mean=4096,sigma=1.2,min=256,max=65536"),
-                         recipe.model.seq_length, 2, seed=0)
+    lengths = make_packs(
+        parse_lengths("lognormal:mean=4096,sigma=1.2,min=256,max=65536"), recipe.model.seq_length, 2, seed=0
+    )
     zeppelin = simulate_cp(recipe, "zeppelin", lengths)
     ring = simulate_cp(recipe, "ring", lengths)
     assert zeppelin.iteration_time_s < ring.iteration_time_s / 2
@@ -102,8 +106,9 @@ def test_zeppelin_beats_ring_on_the_h800_recipe_with_short_sequences():
 
 def test_remap_balances_the_mlp_tokens():
     recipe = load_recipe(RECIPE, ["train.global_batch_size=1"])
-    lengths = make_packs(parse_lengths("lognormal:mean=8192,sigma=1.1,min=1024,max=65536"),
-                         recipe.model.seq_length, 1, seed=1)
+    lengths = make_packs(
+        parse_lengths("lognormal:mean=8192,sigma=1.1,min=1024,max=65536"), recipe.model.seq_length, 1, seed=1
+    )
     on = simulate_cp(recipe, "zeppelin", lengths, remap=True)
     off = simulate_cp(recipe, "zeppelin", lengths, remap=False)
     spread = lambda res: max(r.linear_tokens for r in res.ranks) - min(r.linear_tokens for r in res.ranks)  # noqa

@@ -42,19 +42,22 @@ def test_file_lengths_are_used_in_order_and_cycled(tmp_path):
     assert draws(str(path), 4, seed=1) == draws(str(path), 4, seed=2)
 
 
-@pytest.mark.parametrize("spec,needle", [
-    ("gauss:mean=1", "--lengths kind: invalid value (got 'gauss'"),
-    ("lognormal:mean=8192,sigma=1.1,min=1024", "lognormal.max: missing key"),
-    ("lognormal:mean=8192,sigma=0,min=1,max=9", "lognormal.sigma: invalid value (got 0.0; allowed: a number > 0)"),
-    ("lognormal:mean=8192,sigma=1,min=1,max=9,mu=3", "keys mean, sigma, min, max"),
-    ("uniform:min=10,max=5", "uniform.max: invalid value (got 5.0; allowed: an integer >= min=10)"),
-    ("uniform:min=0.5,max=5", "uniform.min: invalid value"),
-    ("fixed:length=abc", "fixed.length: invalid value (got 'abc'; allowed: a number)"),
-    ("mix:0.5*fixed(length=3)+uniform(min=1,max=2)", "--lengths mix[1]"),
-    ("mix:-1*fixed(length=3)", "mix[0].weight"),
-    ("nonsense", "not an existing file or a spec"),
-    ("", "not an existing file or a spec"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("gauss:mean=1", "--lengths kind: invalid value (got 'gauss'"),
+        ("lognormal:mean=8192,sigma=1.1,min=1024", "lognormal.max: missing key"),
+        ("lognormal:mean=8192,sigma=0,min=1,max=9", "lognormal.sigma: invalid value (got 0.0; allowed: a number > 0)"),
+        ("lognormal:mean=8192,sigma=1,min=1,max=9,mu=3", "keys mean, sigma, min, max"),
+        ("uniform:min=10,max=5", "uniform.max: invalid value (got 5.0; allowed: an integer >= min=10)"),
+        ("uniform:min=0.5,max=5", "uniform.min: invalid value"),
+        ("fixed:length=abc", "fixed.length: invalid value (got 'abc'; allowed: a number)"),
+        ("mix:0.5*fixed(length=3)+uniform(min=1,max=2)", "--lengths mix[1]"),
+        ("mix:-1*fixed(length=3)", "mix[0].weight"),
+        ("nonsense", "not an existing file or a spec"),
+        ("", "not an existing file or a spec"),
+    ],
+)
 def test_spec_errors_name_the_field_and_the_allowed_values(spec, needle):
     with pytest.raises(ConfigError) as exc:
         parse_lengths(spec)
@@ -73,8 +76,14 @@ def test_impossible_lognormal_window_fails_instead_of_looping():
         draws("lognormal:mean=100,sigma=0.1,min=100000,max=100001", 1)
 
 
-@pytest.mark.parametrize("spec", ["lognormal:mean=8192,sigma=1.1,min=1024,max=65536", "uniform:min=1,max=9000",
-                                  "mix:0.9*uniform(min=100,max=4000)+0.1*uniform(min=50000,max=300000)"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "lognormal:mean=8192,sigma=1.1,min=1024,max=65536",
+        "uniform:min=1,max=9000",
+        "mix:0.9*uniform(min=100,max=4000)+0.1*uniform(min=50000,max=300000)",
+    ],
+)
 def test_every_pack_is_exactly_full_and_sequences_fit(spec):
     packs = make_packs(parse_lengths(spec), 65536, 6, seed=3)
     assert len(packs) == 6

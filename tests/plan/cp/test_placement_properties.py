@@ -1,6 +1,7 @@
 """Every engine's plan on many random packs and topologies: each (sequence, position) is held by
 exactly one rank, position ids are offsets inside the sequence, groups are consistent, digests are
 stable, and Zeppelin's per-rank load stays within a factor of the lower bound."""
+
 import random
 
 import pytest
@@ -34,8 +35,13 @@ def check_plan(plan, lengths, topo):
         assert layout.position_ids() == [p for s in layout.segments for p in s.positions]
     assert len(held) == sum(lengths), "some token is not placed"
     for group in plan.groups:
-        assert group.scope == ("local" if len(group.ranks) == 1 else
-                               "intra" if len({topo.node_of(r) for r in group.ranks}) == 1 else "inter")
+        assert group.scope == (
+            "local"
+            if len(group.ranks) == 1
+            else "intra"
+            if len({topo.node_of(r) for r in group.ranks}) == 1
+            else "inter"
+        )
         assert len(set(group.ranks)) == len(group.ranks)
         assert group.priority == SCOPE_PRIORITY[group.scope]
         if group.kind == "zigzag":
@@ -44,7 +50,7 @@ def check_plan(plan, lengths, topo):
             a = group.a2a_size
             assert group.ring_size * a == len(group.ranks)
             for j in range(group.ring_size):  # one node per a2a block
-                assert len({topo.node_of(r) for r in group.ranks[j * a:(j + 1) * a]}) == 1
+                assert len({topo.node_of(r) for r in group.ranks[j * a : (j + 1) * a]}) == 1
     covered = sorted(i for g in plan.groups for i in g.seqs)
     assert covered == list(range(len(lengths)))
     assert [g.priority for g in plan.groups] == sorted(g.priority for g in plan.groups)

@@ -1,5 +1,6 @@
 """The CP step program: a pure value with a text form and a digest, one per rank, which the
 simulator walks step by step (the runtime side of the check is tests/runtime/cp/test_same_steps.py)."""
+
 import pytest
 
 from megatron_slim.plan.cp.engines import ENGINES, plan_pack

@@ -18,10 +18,13 @@ def check_route(route, topo):
         assert len({p.proxy_src for p in route.parts}) == len(route.parts)  # one NIC each
         assert all(topo.local_index(p.proxy_src) == topo.local_index(p.proxy_dst) for p in route.parts)
         moved_in = sum(n for _, _, n in route.dispatches()) + sum(
-            p.size for p in route.parts if p.proxy_src == route.src)
+            p.size for p in route.parts if p.proxy_src == route.src
+        )
         assert moved_in == route.size
-        assert sum(n for _, _, n in route.combines()) + sum(
-            p.size for p in route.parts if p.proxy_dst == route.dst) == route.size
+        assert (
+            sum(n for _, _, n in route.combines()) + sum(p.size for p in route.parts if p.proxy_dst == route.dst)
+            == route.size
+        )
 
 
 @pytest.mark.parametrize("size", [1, 7, 8, 1000, 12345])

@@ -38,6 +38,11 @@ def test_zigzag_balances_causal_work_across_members(length, ring):
 @pytest.mark.parametrize("length", [5, 17, 1000, 4099])
 def test_hierarchical_parts_cover_the_sequence(length):
     nodes, per_node = 3, 4
-    covered = sorted(p for node in range(nodes) for local in range(per_node)
-                     for _, _, a, z in hierarchical_ranges(length, nodes, per_node, node, local) for p in range(a, z))
+    covered = sorted(
+        p
+        for node in range(nodes)
+        for local in range(per_node)
+        for _, _, a, z in hierarchical_ranges(length, nodes, per_node, node, local)
+        for p in range(a, z)
+    )
     assert covered == list(range(length))

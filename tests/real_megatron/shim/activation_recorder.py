@@ -44,6 +44,7 @@ JSONL, ``live_bytes_after`` being what graphs still hold when Megatron logs the 
 when every graph was consumed). The hooks are entered on the thread that calls ``train()`` (the
 main thread, which runs every forward) and left when it returns.
 """
+
 from __future__ import annotations
 
 import functools
@@ -186,8 +187,9 @@ def install(training) -> None:
         counter = SavedActivationCounter((p for m in chunks for p in m.parameters()), square=seq_length)
         state["counter"] = counter
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("activation_recorder: train() runs off the main thread; the hooks would not "
-                               "see the forward")
+            raise RuntimeError(
+                "activation_recorder: train() runs off the main thread; the hooks would not see the forward"
+            )
         counter.enter()
         try:
             return train(forward_step_func, model, *args, **kwargs)
@@ -199,13 +201,23 @@ def install(training) -> None:
         counter: SavedActivationCounter = state.get("counter")
         if counter is not None:
             iteration = signature.bind(*args, **kwargs).arguments["iteration"]
-            _write({"kind": "activations", "iteration": int(iteration), "peak_bytes": counter.peak_bytes,
-                    "peak_excl_sxs_bytes": counter.peak_excl_sxs_bytes, "peak_sxs_bytes": counter.peak_sxs_bytes,
-                    "live_bytes_after": counter.live_bytes, "saved_tensors": counter.saved_tensors,
-                    "thread": counter._thread.name if counter._thread else None})
+            _write(
+                {
+                    "kind": "activations",
+                    "iteration": int(iteration),
+                    "peak_bytes": counter.peak_bytes,
+                    "peak_excl_sxs_bytes": counter.peak_excl_sxs_bytes,
+                    "peak_sxs_bytes": counter.peak_sxs_bytes,
+                    "live_bytes_after": counter.live_bytes,
+                    "saved_tensors": counter.saved_tensors,
+                    "thread": counter._thread.name if counter._thread else None,
+                }
+            )
             if counter.saved_tensors == 0:
-                raise RuntimeError("activation_recorder: no tensor was saved for backward this iteration; another "
-                                   "saved_tensors_hooks context shadows the recorder's")
+                raise RuntimeError(
+                    "activation_recorder: no tensor was saved for backward this iteration; another "
+                    "saved_tensors_hooks context shadows the recorder's"
+                )
         result = training_log(*args, **kwargs)
         if counter is not None:
             counter.reset_peak()

@@ -8,6 +8,7 @@ shimmed: it decides devices from the tensors it is given, and those are CPU tens
 
 Installed by ``sitecustomize.py`` beside this file when ``MEGATRON_SLIM_TEST_CPU_SHIM=1``.
 """
+
 from __future__ import annotations
 
 import os
@@ -120,8 +121,9 @@ def _local_device_count() -> int:
 
 def _patch_torch_cuda() -> None:
     cuda = torch.cuda
-    properties = types.SimpleNamespace(name="megatron-slim CPU shim", total_memory=80 * 2**30, major=9, minor=0,
-                                       multi_processor_count=132)
+    properties = types.SimpleNamespace(
+        name="megatron-slim CPU shim", total_memory=80 * 2**30, major=9, minor=0, multi_processor_count=132
+    )
     fakes = {
         "is_available": lambda: True,
         "is_initialized": lambda: True,
@@ -176,8 +178,7 @@ def _patch_torch_cuda() -> None:
 def patch_megatron_rng(random_module) -> None:
     """``megatron.core.tensor_parallel.random._set_cuda_rng_state`` goes through CUDA generators."""
     random_module._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-    random_module._get_cuda_rng_state = (
-        lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+    random_module._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
 
 
 def patch_fused_kernels(fused_kernels) -> None:

@@ -7,6 +7,7 @@ iteration on every rank with that iteration's reduced losses and grad norm) and 
 carries ``time``, the rank's ``time.perf_counter()`` when Megatron logged the iteration, so the
 difference between consecutive records is that iteration's wall time on the rank.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,9 +41,16 @@ def install(training) -> None:
         now = time.perf_counter()
         bound = signature.bind(*args, **kwargs)
         a = bound.arguments
-        _write({"kind": "train", "iteration": int(a["iteration"]),
+        _write(
+            {
+                "kind": "train",
+                "iteration": int(a["iteration"]),
                 "loss": {k: _number(v) for k, v in (a["loss_dict"] or {}).items()},
-                "grad_norm": _number(a.get("grad_norm")), "skipped": int(a.get("skipped_iter") or 0), "time": now})
+                "grad_norm": _number(a.get("grad_norm")),
+                "skipped": int(a.get("skipped_iter") or 0),
+                "time": now,
+            }
+        )
         return training_log(*args, **kwargs)
 
     evaluate = training.evaluate
@@ -53,8 +61,9 @@ def install(training) -> None:
         result = evaluate(*args, **kwargs)
         total_loss_dict = result[0] if isinstance(result, tuple) else result
         calls["n"] += 1
-        _write({"kind": "eval", "call": calls["n"],
-                "loss": {k: _number(v) for k, v in (total_loss_dict or {}).items()}})
+        _write(
+            {"kind": "eval", "call": calls["n"], "loss": {k: _number(v) for k, v in (total_loss_dict or {}).items()}}
+        )
         return result
 
     training.training_log = recording_training_log

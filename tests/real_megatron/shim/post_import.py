@@ -1,4 +1,5 @@
 """Run a callback on a module right after it is first imported (test harness only)."""
+
 from __future__ import annotations
 
 import importlib.abc

@@ -4,6 +4,7 @@ rank writes the exact per-iteration lm loss, grad norm and evaluation losses Meg
 ``DIR/rank<R>.jsonl`` (``metrics_recorder``), instead of the rounded figures it prints; with
 ``MEGATRON_SLIM_BENCH_ACTIVATIONS=1`` as well, each rank also records the peak bytes autograd held
 saved for backward per iteration, the same way under any schedule (``activation_recorder``)."""
+
 import os
 import sys
 

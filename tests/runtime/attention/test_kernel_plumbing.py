@@ -35,8 +35,16 @@ def _fa26_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softca
 
 @torch.library.custom_op("mslim_test::fa27_forward", mutates_args=())
 def _fa27_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float, causal: bool,
-    window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
     return_softmax: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert (window_size_left, window_size_right) == (-1, -1)
@@ -44,9 +52,28 @@ def _fa27_forward(
     return q + 2, lse, q.new_empty(0), q.new_empty(2)  # flash-attn 2.7 returns 4 values
 
 
-def _fa3_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                  max_seqlen_k=None, dq=None, dk=None, dv=None, softmax_scale=None, is_causal=False,
-                  window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0):
+def _fa3_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dq=None,
+    dk=None,
+    dv=None,
+    softmax_scale=None,
+    is_causal=False,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    deterministic=False,
+    sm_margin=0,
+):
     assert is_causal and softmax_scale == 0.5
     dq.fill_(1.0), dk.fill_(2.0), dv.fill_(3.0)
 

@@ -41,9 +41,7 @@ def test_varlen_matches_float64_naive(name, dtype, case):
     assert_close(out, ref_out, atol, rtol, f"{name} out", seed)
     assert_close(lse, ref_lse, lse_atol, 0, f"{name} lse", seed)
 
-    dq, dk, dv = backend.varlen_backward(
-        dout, q, k, v, out, lse, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal
-    )
+    dq, dk, dv = backend.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal)
     assert (dq.dtype, dk.dtype, dv.dtype) == (dtype, dtype, dtype)
     assert_close(dq, ref_dq, atol, rtol, f"{name} dq", seed)
     assert_close(dk, ref_dk, atol, rtol, f"{name} dk", seed)

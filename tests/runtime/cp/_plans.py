@@ -6,6 +6,7 @@ time multiplied by ``SCALE`` and link latencies divided by it, which keeps the p
 for sequences ``SCALE`` times shorter: a few hundred tokens then span nodes, tens stay in a node,
 a handful stay local, and the CPU tests stay small.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,13 @@ from megatron_slim.plan.recipe import load_recipe
 NODES, PER_NODE = 2, 2
 SCALE = 150
 # Candidate packs (first one whose Zeppelin plan has local, intra- and inter-node groups is used).
-ZEPPELIN_PACKS = ((655, 170, 30, 20, 10, 5, 3), (411, 93, 57, 21, 13, 7, 5, 1), (301, 97, 45, 27, 11, 3),
-                  (517, 133, 61, 19, 9, 4, 2), (733, 201, 44, 23, 7, 3))
+ZEPPELIN_PACKS = (
+    (655, 170, 30, 20, 10, 5, 3),
+    (411, 93, 57, 21, 13, 7, 5, 1),
+    (301, 97, 45, 27, 11, 3),
+    (517, 133, 61, 19, 9, 4, 2),
+    (733, 201, 44, 23, 7, 3),
+)
 MIXED = (61, 3, 29, 1, 17, 6, 45)  # for the baselines: short and long, odd, some below 2g
 ONES = (1,) * 6  # one-token documents only: ring, allgather and a2a+p2p put them all on one rank
 FEW = (1, 2)  # fewer tokens than CP ranks: some rank holds nothing under every engine
@@ -65,23 +71,39 @@ def routed_count(routing) -> int:
 
 def _routed(plan):
     """The same placement with every inter-node zigzag group marked routed."""
-    specs = [GroupSpec(g.kind, g.ranks, g.seqs, a2a_size=g.a2a_size if g.kind == "hierarchical" else 1,
-                       routed=g.kind == "zigzag" and g.scope == "inter") for g in plan.groups]
+    specs = [
+        GroupSpec(
+            g.kind,
+            g.ranks,
+            g.seqs,
+            a2a_size=g.a2a_size if g.kind == "hierarchical" else 1,
+            routed=g.kind == "zigzag" and g.scope == "inter",
+        )
+        for g in plan.groups
+    ]
     return assemble(plan.engine, plan.lengths, topology(), specs)
 
 
 def _relay_plan():
     """Inter-node rings of one rank per node: the routing proxies are not ring members."""
     lengths = (37, 23, 5, 9)
-    specs = [GroupSpec("zigzag", (0, 2), (0,), routed=True), GroupSpec("zigzag", (3, 1), (1,), routed=True),
-             GroupSpec("local", (1,), (2,)), GroupSpec("local", (3,), (3,))]
+    specs = [
+        GroupSpec("zigzag", (0, 2), (0,), routed=True),
+        GroupSpec("zigzag", (3, 1), (1,), routed=True),
+        GroupSpec("local", (1,), (2,)),
+        GroupSpec("local", (3,), (3,)),
+    ]
     return assemble("relay-test", lengths, topology(), specs)
 
 
 def _skewed_plan():
     """Far from token-balanced (83/23/52/4 tokens), so the remap moves many tokens, some across nodes."""
-    specs = [GroupSpec("zigzag", (0, 1), (6,)), GroupSpec("local", (0,), (0,)), GroupSpec("local", (2,), (2, 4, 5)),
-             GroupSpec("local", (3,), (1, 3))]
+    specs = [
+        GroupSpec("zigzag", (0, 1), (6,)),
+        GroupSpec("local", (0,), (0,)),
+        GroupSpec("local", (2,), (2, 4, 5)),
+        GroupSpec("local", (3,), (1, 3)),
+    ]
     return assemble("skewed-test", MIXED, topology(), specs)
 
 
@@ -125,5 +147,18 @@ def remap_for(plan):
     return plan_remap_for(plan, topology())
 
 
-CASES = ("zeppelin", "zeppelin-routed", "ring", "ring-routed", "hierarchical", "ulysses", "allgather", "dynamic",
-         "relay", "skewed", "tiny", "tiny-a2a", *EMPTY_RANK_CASES)
+CASES = (
+    "zeppelin",
+    "zeppelin-routed",
+    "ring",
+    "ring-routed",
+    "hierarchical",
+    "ulysses",
+    "allgather",
+    "dynamic",
+    "relay",
+    "skewed",
+    "tiny",
+    "tiny-a2a",
+    *EMPTY_RANK_CASES,
+)

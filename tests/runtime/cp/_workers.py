@@ -1,4 +1,5 @@
 """Rank functions for the CP runtime tests (module level so ``run_ranks`` can spawn them)."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,9 @@ def pack_tensors(length: int, dv: int, dtype: torch.dtype, seed: int):
 
 def layout_index(plan, rank: int) -> torch.Tensor:
     """Pack positions of ``rank``'s tokens in its attention-layout order."""
-    return torch.tensor([s.pack_start + i for s in plan.ranks[rank].segments for i in range(s.length)],
-                        dtype=torch.long)
+    return torch.tensor(
+        [s.pack_start + i for s in plan.ranks[rank].segments for i in range(s.length)], dtype=torch.long
+    )
 
 
 def engine_cases(rank, world_size, names, dtype_name, backend_name, dv, seed=7):
@@ -45,9 +47,16 @@ def engine_cases(rank, world_size, names, dtype_name, backend_name, dv, seed=7):
         out = engine(ql, kl, vl, backend=backend)
         out.backward(dout[idx])
         program = engine.program(HeadShape(HQ, HKV, D, dv))
-        results[name] = {"index": idx, "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
-                         "program": program.describe(), "steps": engine.trace,
-                         "relay_tasks": sum(t.rows is None for t in program.tasks)}
+        results[name] = {
+            "index": idx,
+            "out": out.detach(),
+            "dq": ql.grad,
+            "dk": kl.grad,
+            "dv": vl.grad,
+            "program": program.describe(),
+            "steps": engine.trace,
+            "relay_tasks": sum(t.rows is None for t in program.tasks),
+        }
     return results
 
 
@@ -57,10 +66,12 @@ REMAP_CASES = ("skewed", "zeppelin", "dynamic")
 
 def engine_suite(rank, world_size):
     """Everything the engine and remap tests check, in one spawn (spawning 4 ranks costs ~10 s)."""
-    return {"float64": engine_cases(rank, world_size, _plans.CASES, "float64", "reference", dv=6),
-            "float32": engine_cases(rank, world_size, FP32_CASES, "float32", "sdpa", dv=D),
-            "disagree": disagreeing_plans(rank, world_size),
-            "remap": remap_cases(rank, world_size, REMAP_CASES)}
+    return {
+        "float64": engine_cases(rank, world_size, _plans.CASES, "float64", "reference", dv=6),
+        "float32": engine_cases(rank, world_size, FP32_CASES, "float32", "sdpa", dv=D),
+        "disagree": disagreeing_plans(rank, world_size),
+        "remap": remap_cases(rank, world_size, REMAP_CASES),
+    }
 
 
 def disagreeing_plans(rank, world_size):
@@ -88,8 +99,9 @@ def remap_cases(rank, world_size, names):
         ids = layout_index(plan, rank).double()
         x = torch.stack([ids, -ids, ids * 0.5], dim=1).unsqueeze(1).clone().requires_grad_()  # [T, 1, 3]
         y = remap_rows(x, remap, comm)
-        weight = torch.stack([torch.sin(y[:, 0, 0].detach()), torch.cos(y[:, 0, 0].detach()),
-                              y[:, 0, 0].detach() ** 2], dim=1).unsqueeze(1)
+        weight = torch.stack(
+            [torch.sin(y[:, 0, 0].detach()), torch.cos(y[:, 0, 0].detach()), y[:, 0, 0].detach() ** 2], dim=1
+        ).unsqueeze(1)
         (y * weight).sum().backward()
         back = remap_rows(y.detach(), remap.inverse(), comm)
         results[name] = {"x": x.detach(), "y": y.detach(), "back": back, "grad": x.grad}
@@ -98,12 +110,15 @@ def remap_cases(rank, world_size, names):
 
 # --------------------------------------------------------------------------- megatron-core model
 
+
 def make_pack(lengths, vocab: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
-    return {"tokens": torch.randint(0, vocab, (total,), generator=g),
-            "labels": torch.randint(0, vocab, (total,), generator=g),
-            "loss_mask": (torch.rand(total, generator=g) > 0.15).float()}
+    return {
+        "tokens": torch.randint(0, vocab, (total,), generator=g),
+        "labels": torch.randint(0, vocab, (total,), generator=g),
+        "loss_mask": (torch.rand(total, generator=g) > 0.15).float(),
+    }
 
 
 def model_cases(rank, world_size, cases, seed=1234):
@@ -125,8 +140,15 @@ def model_cases(rank, world_size, cases, seed=1234):
         plan, routing = _plans.case(name)
         remap = _plans.remap_for(plan) if remap_on else None
         pack = make_pack(plan.lengths, model_cfg.vocab_size, seed)
-        chunk = build_chunk(model_cfg, groups, layers=range(model_cfg.num_layers), pre_process=True,
-                            post_process=True, seed=seed, **cp_layer_classes(remap=remap_on))
+        chunk = build_chunk(
+            model_cfg,
+            groups,
+            layers=range(model_cfg.num_layers),
+            pre_process=True,
+            post_process=True,
+            seed=seed,
+            **cp_layer_classes(remap=remap_on),
+        )
         context = CPContext(groups.cp)
         found = attach_context_parallel(chunk, context)
         context.set_plan(plan, routing=routing, remap=remap)
@@ -141,12 +163,16 @@ def model_cases(rank, world_size, cases, seed=1234):
         pair = report["lm loss"].clone()
         dist.all_reduce(pair, group=groups.cp)
         results[name, remap_on] = {
-            "loss": pair[0] / pair[1], "grads": grads if rank == 0 else None, "attentions": found,
+            "loss": pair[0] / pair[1],
+            "grads": grads if rank == 0 else None,
+            "attentions": found,
             "remap_layers": sum(isinstance(m, RemapTransformerLayer) for m in chunk.modules()),
-            "moved": remap.moved_tokens if remap is not None else 0}
+            "moved": remap.moved_tokens if remap is not None else 0,
+        }
         if rank == 0:
             if plan.lengths not in references:
                 references[plan.lengths] = reference.per_document_step(
-                    model_cfg, solo, [dict(pack, lengths=plan.lengths)], seed)
+                    model_cfg, solo, [dict(pack, lengths=plan.lengths)], seed
+                )
             results[name, remap_on]["reference"] = references[plan.lengths]
     return results

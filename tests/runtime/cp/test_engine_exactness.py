@@ -6,6 +6,7 @@ float64 inputs on the reference kernels: atol 5e-6, rtol 1e-5 (the kernel librar
 log-sum-exp in float32 by contract, so float64 runs carry float32 round-off in the softmax
 statistics); float32 inputs on torch SDPA: atol 2e-5, rtol 1e-4.
 """
+
 import pytest
 import torch
 
@@ -25,8 +26,12 @@ def _check(results, precision: str, name: str) -> None:
         idx = got["index"]
         seen[idx] += 1
         for key, ref in zip(("out", "dq", "dk", "dv"), want):
-            torch.testing.assert_close(got[key].double(), ref[idx], **TOLERANCE[precision],
-                                       msg=lambda m, where=f"{name} rank {rank} {key}": f"{where}: {m}")
+            torch.testing.assert_close(
+                got[key].double(),
+                ref[idx],
+                **TOLERANCE[precision],
+                msg=lambda m, where=f"{name} rank {rank} {key}": f"{where}: {m}",
+            )
     assert bool((seen == 1).all()), f"{name}: every pack token must live on exactly one rank"
 
 

@@ -7,6 +7,7 @@ loss normalised as ``cp_data.cp_loss_func`` documents).
 Tolerance: |a - b| <= 2e-5 + 1e-4 * |b| elementwise (fp32; CP only reorders floating-point sums:
 attention merges log-sum-exp partials, dK/dV add up over ring steps, gradients over ranks).
 """
+
 import pytest
 import torch
 
@@ -21,8 +22,14 @@ CASES = [("zeppelin-routed", True), ("zeppelin", False), ("skewed", True)]
 # with remap the padding row stays put while tokens move onto its rank (ones-ring), a rank may run
 # its MLP on zero rows (few-zeppelin); the slow set covers every other engine
 EMPTY_RANK_CASES = [("ones-ring", True), ("few-zeppelin", True), ("few-ulysses", False)]
-SLOW_EMPTY_RANK_CASES = [("ones-allgather", False), ("ones-a2a+p2p", True), ("few-ring", False),
-                         ("few-allgather", True), ("few-a2a+p2p", False), ("few-dynamic", True)]
+SLOW_EMPTY_RANK_CASES = [
+    ("ones-allgather", False),
+    ("ones-a2a+p2p", True),
+    ("few-ring", False),
+    ("few-allgather", True),
+    ("few-a2a+p2p", False),
+    ("few-dynamic", True),
+]
 SLOW_CASES = [("hierarchical", True), ("ulysses", True), ("allgather", False), ("relay", True), ("dynamic", True)]
 
 
@@ -54,8 +61,13 @@ def test_gpt_with_every_group_kind_matches_unsharded_reference():
     _check(results, SLOW_CASES)
 
 
-@pytest.mark.parametrize("cases", [pytest.param(EMPTY_RANK_CASES, id="fast"),
-                                   pytest.param(SLOW_EMPTY_RANK_CASES, id="every-engine", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "cases",
+    [
+        pytest.param(EMPTY_RANK_CASES, id="fast"),
+        pytest.param(SLOW_EMPTY_RANK_CASES, id="every-engine", marks=pytest.mark.slow),
+    ],
+)
 def test_gpt_runs_packs_that_leave_a_cp_rank_without_tokens(cases):
     """One-token documents only (ring, allgather and a2a+p2p put every token on one rank) and packs
     with fewer tokens than CP ranks (some rank is empty under every engine; with remap even in the

@@ -1,6 +1,7 @@
 """The remap layer's move alone (4 gloo ranks): tokens land where the ``RemapPlan`` says, the
 per-pair counts are the plan's ``send_counts``, the round trip is the identity and the backward
 moves each token's gradient back to it (all exact: only copies)."""
+
 import pytest
 import torch
 
@@ -13,9 +14,9 @@ def _expected_ids(plan, remap):
     source = [_workers.layout_index(plan, r).tolist() for r in range(WORLD)]
     target = [[None] * n for n in remap.target_tokens]
     for r in range(WORLD):
-        target[r][:remap.keep[r]] = source[r][:remap.keep[r]]
+        target[r][: remap.keep[r]] = source[r][: remap.keep[r]]
     for t in remap.transfers:
-        target[t.dst][t.dst_start:t.dst_end] = source[t.src][t.src_start:t.src_end]
+        target[t.dst][t.dst_start : t.dst_end] = source[t.src][t.src_start : t.src_end]
     return source, target
 
 
@@ -32,7 +33,7 @@ def test_tokens_move_exactly_as_planned(engine_results, name):
         ids = y[:, 0, 0].long().tolist()
         assert ids == target[r]
         torch.testing.assert_close(y[:, 0, 1], -y[:, 0, 0], atol=0, rtol=0)
-        for tok in ids[remap.keep[r]:]:
+        for tok in ids[remap.keep[r] :]:
             counts[owner[tok]][r] += 1
     assert tuple(map(tuple, counts)) == remap.send_counts()
     assert sum(map(sum, counts)) == remap.moved_tokens
@@ -51,5 +52,5 @@ def test_round_trip_is_identity_and_backward_is_the_inverse_move(engine_results,
         assert torch.equal(res["back"], res["x"])
         ids = res["x"][:, 0, 0]
         # d/dx sum(y * w(y_id)) = w(x_id) for the row that became y
-        want = torch.stack([torch.sin(ids), torch.cos(ids), ids ** 2], dim=1).unsqueeze(1)
+        want = torch.stack([torch.sin(ids), torch.cos(ids), ids**2], dim=1).unsqueeze(1)
         torch.testing.assert_close(res["grad"], want, atol=0, rtol=0)

@@ -4,6 +4,7 @@ Per rank, group and direction, the step strings the 4-rank gloo engine ran (reco
 engine) equal those ``simulate_pass`` priced, and both equal the lowered program, for every test
 plan: ring (routed or not, relays included), zeppelin, hierarchical (a2a+p2p), ulysses, allgather.
 """
+
 import pytest
 
 from megatron_slim.plan.cp.program import lower_cp
@@ -17,8 +18,9 @@ def test_runtime_and_simulator_walk_the_same_steps(engine_results, name):
     plan, routing = _plans.case(name)
     program = lower_cp(plan, routing)
     for direction in ("forward", "backward"):
-        priced = simulate_pass(plan, _plans.topology(), _plans.costs(), backward=direction == "backward",
-                               routing=routing).walked
+        priced = simulate_pass(
+            plan, _plans.topology(), _plans.costs(), backward=direction == "backward", routing=routing
+        ).walked
         for rank in range(WORLD):
             ran = engine_results[rank]["float64"][name]["steps"][direction]
             tasks = program.ranks[rank].tasks
@@ -34,6 +36,8 @@ def test_runtime_and_simulator_walk_the_same_steps(engine_results, name):
 def test_ring_steps_text():
     plan, _ = _plans.case("ring")
     task = lower_cp(plan).ranks[1].tasks[0]
-    assert ",".join(map(str, task.forward)) == "POST_KV1,ROUND,C0,ROUND,WAIT_KV1,POST_KV2,C1,ROUND,WAIT_KV2," \
+    assert (
+        ",".join(map(str, task.forward)) == "POST_KV1,ROUND,C0,ROUND,WAIT_KV1,POST_KV2,C1,ROUND,WAIT_KV2,"
         "POST_KV3,C2,ROUND,WAIT_KV3,C3"
+    )
     assert [str(s) for s in task.backward][-3:] == ["ROUND", "POST_DKV4", "WAIT_DKV4"]

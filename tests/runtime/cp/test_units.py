@@ -1,5 +1,6 @@
 """Single-process checks of the CP runtime's pieces: head split, pair rule, legs of routed hops,
 queue interpreter, program errors, the batch cut and the loss normalisation."""
+
 import pytest
 import torch
 
@@ -76,8 +77,11 @@ def test_queues_advance_round_robin_in_order():
             yield
         return name
 
-    assert run_queues([task("inter", 3), task("intra", 2), task("local", 1)], ["a", "b", "c"]) == \
-        ["inter", "intra", "local"]
+    assert run_queues([task("inter", 3), task("intra", 2), task("local", 1)], ["a", "b", "c"]) == [
+        "inter",
+        "intra",
+        "local",
+    ]
     assert log == [(0, "inter"), (0, "intra"), (0, "local"), (1, "inter"), (1, "intra"), (2, "inter")]
 
 

@@ -1,4 +1,5 @@
 """Rank functions for the SlimPipe x context-parallelism tests (module level so spawn imports them)."""
+
 import functools
 
 import torch
@@ -39,24 +40,42 @@ def attention_cases(rank, world_size, cases):
         pieces, outs = [], []
         for j, (a, n) in enumerate(zip(starts, lengths)):
             qs, ks, vs = (t[:, rows[j]].clone().requires_grad_() for t in (q, k, v))
-            outs.append(cp_sliced_attention(qs, ks, vs, backend=backend, softmax_scale=q.shape[-1] ** -0.5,
-                                            group=group, store=store, info=SliceInfo(0, j, len(lengths), a, n),
-                                            layer=3))
+            outs.append(
+                cp_sliced_attention(
+                    qs,
+                    ks,
+                    vs,
+                    backend=backend,
+                    softmax_scale=q.shape[-1] ** -0.5,
+                    group=group,
+                    store=store,
+                    info=SliceInfo(0, j, len(lengths), a, n),
+                    layer=3,
+                )
+            )
             pieces.append((qs, ks, vs))
         kv_bytes = store.live_bytes
         for j in reversed(range(len(lengths))):
             (outs[j] * w[:, rows[j]]).sum().backward()
         index_all = torch.cat(rows)
         cat = lambda ts: torch.cat(ts, 1)  # noqa: E731
-        results.append({"rows": index_all, "out": cat([o.detach() for o in outs]),
-                        "dq": cat([p[0].grad for p in pieces]), "dk": cat([p[1].grad for p in pieces]),
-                        "dv": cat([p[2].grad for p in pieces]), "kv_bytes": kv_bytes,
-                        "empty": store.is_empty() and store.live_bytes == 0})
+        results.append(
+            {
+                "rows": index_all,
+                "out": cat([o.detach() for o in outs]),
+                "dq": cat([p[0].grad for p in pieces]),
+                "dk": cat([p[1].grad for p in pieces]),
+                "dv": cat([p[2].grad for p in pieces]),
+                "kv_bytes": kv_bytes,
+                "empty": store.is_empty() and store.live_bytes == 0,
+            }
+        )
         # the same tokens as one uncached sequence (no slice context), and forward-only
         whole = ZigzagLayout(world_size, sum(lengths)).positions(rank)
         with torch.no_grad():
-            nograd = cp_sliced_attention(q[:, whole], k[:, whole], v[:, whole], backend=backend,
-                                         softmax_scale=q.shape[-1] ** -0.5, group=group)
+            nograd = cp_sliced_attention(
+                q[:, whole], k[:, whole], v[:, whole], backend=backend, softmax_scale=q.shape[-1] ** -0.5, group=group
+            )
         results[-1].update(whole_rows=whole, whole_out=nograd)
     return results
 
@@ -130,8 +149,13 @@ def run_slimpipe_cp(rank, world_size, layouts, seed=1234):
 
     model = ModelConfig(**TINY_GQA_8L)
     solo = init_model_parallel()
-    refs = [[reference.unsliced_step(model, solo, _batches(model, m, kind, seed), seed) if rank < tp else None
-             for _, m, _, kind in configs] for tp, _, _, configs in layouts]
+    refs = [
+        [
+            reference.unsliced_step(model, solo, _batches(model, m, kind, seed), seed) if rank < tp else None
+            for _, m, _, kind in configs
+        ]
+        for tp, _, _, configs in layouts
+    ]
     teardown()
     out = []
     for (tp, pp, cp, configs), layout_refs in zip(layouts, refs):
@@ -154,18 +178,32 @@ def _run_layout(rank, model, tp, pp, cp, configs, refs, seed):
     assert (rank < tp) == (groups.cp_rank == 0 and groups.pp_rank == 0 and groups.dp_rank == 0)
     params = {}
     if rank < tp and tp > 1:  # megatron's sharding metadata of every parameter
-        whole = build_chunk(model, groups, layers=range(model.num_layers), pre_process=True, post_process=True,
-                            core_attention=SliceCoreAttention, seed=seed)
+        whole = build_chunk(
+            model,
+            groups,
+            layers=range(model.num_layers),
+            pre_process=True,
+            post_process=True,
+            core_attention=SliceCoreAttention,
+            seed=seed,
+        )
         params = global_named_parameters(whole)
     results = []
     for (vpp, m, lengths, loss_kind), ref in zip(configs, refs):
         batches = _batches(model, m, loss_kind, seed)
-        chunks = build_rank_chunks(model, dataclasses.replace(groups, vpp=vpp), core_attention=SliceCoreAttention,
-                                   seed=seed)
+        chunks = build_rank_chunks(
+            model, dataclasses.replace(groups, vpp=vpp), core_attention=SliceCoreAttention, seed=seed
+        )
         fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths)))
         step = functools.partial(_forward_step, loss_kind, groups.cp)
-        reports = fb(forward_step_func=step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
-                     num_microbatches=m, seq_length=model.seq_length, micro_batch_size=2)
+        reports = fb(
+            forward_step_func=step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=m,
+            seq_length=model.seq_length,
+            micro_batch_size=2,
+        )
         grads = {}
         for c in chunks:
             grads.update(global_grads(c))

@@ -1,4 +1,5 @@
 """Rank functions for the SlimPipe multi-process tests (module level so spawn can import them)."""
+
 import dataclasses
 
 import torch
@@ -16,8 +17,14 @@ def make_batches(model: ModelConfig, num_microbatches: int, micro_batch: int, se
         tokens = torch.randint(0, model.vocab_size, (micro_batch, model.seq_length + 1), generator=g)
         mask = (torch.rand(micro_batch, model.seq_length, generator=g) > 0.15).float()
         pos = torch.arange(model.seq_length).expand(micro_batch, -1).contiguous()
-        out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                    "loss_mask": mask, "position_ids": pos})
+        out.append(
+            {
+                "tokens": tokens[:, :-1].contiguous(),
+                "labels": tokens[:, 1:].contiguous(),
+                "loss_mask": mask,
+                "position_ids": pos,
+            }
+        )
     return out
 
 
@@ -33,17 +40,25 @@ def run_slimpipe(rank, world_size, configs, seed=1234):
     results = []
     for vpp, m, lengths in configs:
         batches = make_batches(model, m, micro_batch=2, seed=seed + m)
-        chunks = build_rank_chunks(model, dataclasses.replace(groups, vpp=vpp),
-                                   core_attention=SliceCoreAttention, seed=seed)
+        chunks = build_rank_chunks(
+            model, dataclasses.replace(groups, vpp=vpp), core_attention=SliceCoreAttention, seed=seed
+        )
         fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths), measure_memory=True))
-        reports = fb(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
-                     model=chunks, num_microbatches=m, seq_length=model.seq_length, micro_batch_size=2)
+        reports = fb(
+            forward_step_func=forward_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=m,
+            seq_length=model.seq_length,
+            micro_batch_size=2,
+        )
         grads = {}
         for c in chunks:
             grads.update(global_grads(c))
         ref = reference.unsliced_step(model, groups, batches, seed) if rank == 0 else None
-        results.append(([r["lm loss"] for r in reports], grads, ref,
-                        (fb.stats.peak_activation_bytes, fb.stats.peak_kv_bytes)))
+        results.append(
+            ([r["lm loss"] for r in reports], grads, ref, (fb.stats.peak_activation_bytes, fb.stats.peak_kv_bytes))
+        )
     return results
 
 
@@ -61,14 +76,21 @@ def run_forward_only(rank, world_size, configs, seed=1234):
     results = []
     for vpp, m, lengths in configs:
         batches = make_batches(model, m, micro_batch=2, seed=seed + m)
-        chunks = build_rank_chunks(model, dataclasses.replace(groups, vpp=vpp),
-                                   core_attention=SliceCoreAttention, seed=seed)
+        chunks = build_rank_chunks(
+            model, dataclasses.replace(groups, vpp=vpp), core_attention=SliceCoreAttention, seed=seed
+        )
         fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths)))
         losses, with_grads = [], []
         for forward_only in (True, False):
-            reports = fb(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
-                         model=chunks, num_microbatches=m, seq_length=model.seq_length, micro_batch_size=2,
-                         forward_only=forward_only)
+            reports = fb(
+                forward_step_func=forward_step,
+                data_iterator=[iter(batches) for _ in chunks],
+                model=chunks,
+                num_microbatches=m,
+                seq_length=model.seq_length,
+                micro_batch_size=2,
+                forward_only=forward_only,
+            )
             losses.append([r["lm loss"] for r in reports])
             with_grads.append(sum(p.grad is not None for c in chunks for p in c.parameters()))
         results.append((losses, with_grads))

@@ -3,6 +3,7 @@
 ``GPTModel`` asks its rotary embedding for ``local * cp`` rows (``get_rotary_seq_len``);
 ``SliceRotary`` adds the slice's start as the offset and the CP-aware table cuts the slice's rows
 zigzag-wise. Checked against rows picked from one whole-sequence table by position."""
+
 import pytest
 import torch
 
@@ -26,8 +27,9 @@ class _Group:
 
 
 def _rotary(cp_group=None):
-    return make_cpu_rotary_embedding(kv_channels=16, rotary_percent=1.0, rotary_base=10000.0,
-                                     use_cpu_initialization=True, cp_group=cp_group)
+    return make_cpu_rotary_embedding(
+        kv_channels=16, rotary_percent=1.0, rotary_base=10000.0, use_cpu_initialization=True, cp_group=cp_group
+    )
 
 
 @pytest.mark.parametrize("cp", [2, 4])

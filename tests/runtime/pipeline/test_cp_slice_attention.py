@@ -4,6 +4,7 @@ Each CP rank holds the zigzag shard of every slice and caches only its own K/V; 
 dQ/dK/dV, gathered back to global positions, must equal single-process causal attention over the
 whole sequence. Tolerance atol 1e-6 / rtol 1e-5: inputs are float64 but log-sum-exp values and the
 cache's dK/dV buffers are float32 (as in the non-CP slice attention test)."""
+
 import pytest
 import torch
 
@@ -13,8 +14,13 @@ from tests.oracle.attention import library_reference_grads
 from tests.runtime.pipeline import _cp_workers
 
 TOL = dict(atol=1e-6, rtol=1e-5)
-CASES = [("reference", (32,)), ("reference", (8, 8, 8, 8)), ("reference", (16, 8, 8)),
-         ("sdpa", (8, 16, 8)), ("reference", (8, 24))]
+CASES = [
+    ("reference", (32,)),
+    ("reference", (8, 8, 8, 8)),
+    ("reference", (16, 8, 8)),
+    ("sdpa", (8, 16, 8)),
+    ("reference", (8, 24)),
+]
 
 
 @pytest.mark.parametrize("cp,length", [(1, 6), (2, 8), (3, 24), (4, 16)])
@@ -32,9 +38,9 @@ def test_zigzag_layout_round_trip_and_positions(cp, length):
     for r in range(cp):
         seen = torch.zeros(length, length, dtype=torch.bool)
         for t, first, n, causal in layout.key_blocks(r):
-            keys = per_rank[r][t * c:(t + 1) * c]
+            keys = per_rank[r][t * c : (t + 1) * c]
             block = torch.ones(n, c, dtype=torch.bool)
-            seen[first:first + n, keys] = block.tril() if causal else block
+            seen[first : first + n, keys] = block.tril() if causal else block
         want = torch.ones(length, length, dtype=torch.bool).tril()
         mine = torch.zeros(length, dtype=torch.bool)
         mine[per_rank[r]] = True

@@ -1,5 +1,6 @@
 """An evaluation call (``forward_only=True``) over gloo runs the plan's validated forward-only
 schedule: the losses equal a training call's on the same batches, and it leaves no gradients."""
+
 import torch
 
 from megatron_slim.plan.cost.slicing import uniform_slices

@@ -1,4 +1,5 @@
 """An evaluation step runs the plan's forward-only schedule: forwards only, no graph kept, nothing left."""
+
 import torch
 
 from megatron_slim.plan.schedule.executable import executable, executable_forward_only

@@ -1,5 +1,6 @@
 """Under torch's profiler every action the interpreter runs is one event named by the schedule IR's
 action string (``F1.2``, ``1B0.1``): the names the simulator's traces use."""
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -22,8 +23,7 @@ def _interpreter(schedule, weight):
         torch.autograd.backward(out, grad)
         return inp.grad if inp is not None else None
 
-    ops = StageOps(forward=forward, backward=backward, tensor_shape=lambda mb, j: (2, 1, HIDDEN),
-                   dtype=torch.float32)
+    ops = StageOps(forward=forward, backward=backward, tensor_shape=lambda mb, j: (2, 1, HIDDEN), dtype=torch.float32)
     stores = [KVCacheStore() for _ in range(schedule.vpp)]
     loss = SlicedLoss(schedule.num_microbatches, schedule.num_slices, per_token_loss=False)
     return PipelineInterpreter(schedule, 0, ops, None, [2] * schedule.num_slices, SliceContext(), stores, loss)

@@ -1,4 +1,5 @@
 """Slice attention with a K/V cache equals whole-sequence causal attention, values and gradients."""
+
 import pytest
 import torch
 
@@ -29,15 +30,16 @@ def test_sliced_equals_whole_sequence(backend, lengths):
     starts = [sum(lengths[:j]) for j in range(len(lengths))]
     pieces, outs = [], []
     for j, (a, n) in enumerate(zip(starts, lengths)):
-        qs, ks, vs = (t.detach()[:, a:a + n].clone().requires_grad_() for t in (q, k, v))
+        qs, ks, vs = (t.detach()[:, a : a + n].clone().requires_grad_() for t in (q, k, v))
         info = SliceInfo(0, j, len(lengths), a, n)
-        outs.append(sliced_attention(qs, ks, vs, backend=backend, softmax_scale=d ** -0.5, store=store,
-                                     info=info, layer=1))
+        outs.append(
+            sliced_attention(qs, ks, vs, backend=backend, softmax_scale=d**-0.5, store=store, info=info, layer=1)
+        )
         pieces.append((qs, ks, vs))
     assert store.live_bytes > 0
     for j in reversed(range(len(lengths))):
         a, n = starts[j], lengths[j]
-        (outs[j] * weight[:, a:a + n]).sum().backward()
+        (outs[j] * weight[:, a : a + n]).sum().backward()
     assert store.is_empty() and store.live_bytes == 0
     tol = dict(atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(torch.cat([o.detach() for o in outs], 1), ref_out, **tol)
@@ -49,8 +51,16 @@ def test_out_of_order_slices_are_refused():
     store = KVCacheStore()
     q = torch.randn(1, 4, 2, 4)
     with pytest.raises(RuntimeError, match="lacks the prefix"):
-        sliced_attention(q, q[:, :, :1], q[:, :, :1], backend=ReferenceBackend(), softmax_scale=0.5,
-                         store=store, info=SliceInfo(0, 1, 2, 4, 4), layer=1)
+        sliced_attention(
+            q,
+            q[:, :, :1],
+            q[:, :, :1],
+            backend=ReferenceBackend(),
+            softmax_scale=0.5,
+            store=store,
+            info=SliceInfo(0, 1, 2, 4, 4),
+            layer=1,
+        )
 
 
 def test_forward_only_appends_without_graph():
@@ -58,8 +68,16 @@ def test_forward_only_appends_without_graph():
     with torch.no_grad():
         for j in range(3):
             x = torch.randn(1, 4, 2, 4)
-            sliced_attention(x, x, x, backend=ReferenceBackend(), softmax_scale=0.5, store=store,
-                             info=SliceInfo(5, j, 3, 4 * j, 4, forward_only=True), layer=2)
+            sliced_attention(
+                x,
+                x,
+                x,
+                backend=ReferenceBackend(),
+                softmax_scale=0.5,
+                store=store,
+                info=SliceInfo(5, j, 3, 4 * j, 4, forward_only=True),
+                layer=2,
+            )
     assert store.live_bytes == 3 * 2 * x.numel() * 4
     store.drop_microbatch(5)
     assert store.is_empty() and store.live_bytes == 0

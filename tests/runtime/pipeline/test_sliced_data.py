@@ -1,4 +1,5 @@
 """The slices SlimPipe's data iterator hands to a forward step."""
+
 import torch
 
 from megatron_slim.runtime.pipeline.sliced_data import SlicedIterator
@@ -12,7 +13,7 @@ def test_slices_of_a_batch_of_several_rows_are_contiguous_so_a_loss_may_view_the
     for part, start, length in zip(slices, (0, 3), (3, 5)):
         for name in ("tokens", "loss_mask"):
             assert part[name].is_contiguous(), name
-            assert torch.equal(part[name].view(-1), batch[name][:, start:start + length].reshape(-1))
+            assert torch.equal(part[name].view(-1), batch[name][:, start : start + length].reshape(-1))
         assert part["attention_mask"] is None
     tensor_slices = list(SlicedIterator(iter([batch["tokens"]]), [4, 4]))
     assert all(t.is_contiguous() for t in tensor_slices)

@@ -12,6 +12,7 @@ shard by shard. Sequence parallelism is not covered: megatron-core's SP collecti
 Tolerance: |a - b| <= 2e-5 + 1e-4 * |b| elementwise (fp32; CP and slicing only reorder sums:
 partials merge by log-sum-exp in fp32, dQ is summed over CP ranks in fp32, dK/dV accumulate in
 fp32), the same as the non-CP SlimPipe exactness test."""
+
 import pytest
 import torch
 
@@ -33,11 +34,24 @@ def _balanced(n):
     return balanced_slices(SEQ, n, per_token=1.0, per_pair=0.08, alignment=ALIGN)
 
 
-CONFIGS_PP2_CP2 = [(1, 3, _uniform(1), "cp"), (1, 2, _uniform(2), "cp"), (1, 4, _uniform(4), "cp"),
-                   (1, 3, _balanced(2), "cp"), (1, 2, _balanced(4), "cp"), (2, 3, _uniform(4), "cp"),
-                   (2, 2, _balanced(4), "cp"), (1, 2, _uniform(2), "stock"), (1, 2, _uniform(1), "legacy")]
-CONFIGS_PP1_CP2 = [(1, 2, _uniform(1), "cp"), (1, 3, _uniform(4), "cp"), (1, 2, _balanced(2), "cp"),
-                   (1, 1, _balanced(4), "stock"), (1, 2, _uniform(1), "legacy")]
+CONFIGS_PP2_CP2 = [
+    (1, 3, _uniform(1), "cp"),
+    (1, 2, _uniform(2), "cp"),
+    (1, 4, _uniform(4), "cp"),
+    (1, 3, _balanced(2), "cp"),
+    (1, 2, _balanced(4), "cp"),
+    (2, 3, _uniform(4), "cp"),
+    (2, 2, _balanced(4), "cp"),
+    (1, 2, _uniform(2), "stock"),
+    (1, 2, _uniform(1), "legacy"),
+]
+CONFIGS_PP1_CP2 = [
+    (1, 2, _uniform(1), "cp"),
+    (1, 3, _uniform(4), "cp"),
+    (1, 2, _balanced(2), "cp"),
+    (1, 1, _balanced(4), "stock"),
+    (1, 2, _uniform(1), "legacy"),
+]
 CONFIGS_TP2_CP2 = [(1, 2, _balanced(2), "cp"), (1, 1, _uniform(4), "cp")]
 
 
@@ -69,10 +83,14 @@ def test_cp_slices_are_balanced_and_aligned():
         assert len(set(lengths)) > 1 and sum(lengths) == SEQ and all(x % ALIGN == 0 for x in lengths)
 
 
-@pytest.mark.parametrize("world,layouts", [
-    (4, [(1, 2, 2, CONFIGS_PP2_CP2), (2, 1, 2, CONFIGS_TP2_CP2)]),  # one spawn: pp2 x cp2, then tp2 x cp2
-    (2, [(1, 1, 2, CONFIGS_PP1_CP2)]),
-], ids=["pp2xcp2+tp2xcp2", "pp1xcp2"])
+@pytest.mark.parametrize(
+    "world,layouts",
+    [
+        (4, [(1, 2, 2, CONFIGS_PP2_CP2), (2, 1, 2, CONFIGS_TP2_CP2)]),  # one spawn: pp2 x cp2, then tp2 x cp2
+        (2, [(1, 1, 2, CONFIGS_PP1_CP2)]),
+    ],
+    ids=["pp2xcp2+tp2xcp2", "pp1xcp2"],
+)
 def test_slimpipe_cp_matches_single_process_reference(world, layouts):
     results = run_ranks(_cp_workers.run_slimpipe_cp, world, layouts, timeout_s=600)
     for index, (*_, configs) in enumerate(layouts):

@@ -4,6 +4,7 @@ gradient equal a single-process, unpipelined, unsliced reference within fp32 rou
 Tolerance: |a - b| <= 2e-5 + 1e-4 * |b| elementwise (fp32; slicing and pipelining only reorder
 floating-point sums: attention is merged by log-sum-exp over K/V chunks, dK/dV accumulate in fp32).
 Each rank's peak K/V cache bytes (the cache's byte ledger) equal the simulator's to the byte."""
+
 import pytest
 import torch
 
@@ -40,9 +41,15 @@ def _check(results):
 
 
 def _simulated_kv_peaks(pp, vpp, m, lengths):
-    recipe = recipe_from_dict({"hardware": "cpu", "model": TINY_GQA_8L, "parallel": {"pp": pp, "vpp": vpp},
-                               "schedule": {"kind": "slimpipe", "num_slices": len(lengths)},
-                               "train": {"global_batch_size": 2 * m, "micro_batch_size": 2, "precision": "fp32"}})
+    recipe = recipe_from_dict(
+        {
+            "hardware": "cpu",
+            "model": TINY_GQA_8L,
+            "parallel": {"pp": pp, "vpp": vpp},
+            "schedule": {"kind": "slimpipe", "num_slices": len(lengths)},
+            "train": {"global_batch_size": 2 * m, "micro_batch_size": 2, "precision": "fp32"},
+        }
+    )
     result = simulate(generate("slimpipe", pp, vpp, m, len(lengths)), RecipeCosts(recipe, lengths=tuple(lengths)))
     return [r.peak_kv_bytes for r in result.ranks]
 
@@ -57,12 +64,25 @@ def _balanced(n):
     return balanced_slices(SEQ, n, per_token=1.0, per_pair=0.08)
 
 
-CONFIGS_PP2 = [(1, 3, uniform_slices(SEQ, 1)), (1, 2, uniform_slices(SEQ, 2)), (1, 5, uniform_slices(SEQ, 4)),
-               (1, 4, uniform_slices(SEQ, 8)), (1, 3, _balanced(4)), (1, 2, _balanced(8)),
-               (2, 3, uniform_slices(SEQ, 4)), (2, 2, _balanced(2))]
-CONFIGS_PP4 = [(1, 4, uniform_slices(SEQ, 1)), (1, 3, uniform_slices(SEQ, 2)), (1, 5, uniform_slices(SEQ, 4)),
-               (1, 2, uniform_slices(SEQ, 8)), (1, 4, _balanced(4)), (1, 3, _balanced(8)),
-               (2, 4, uniform_slices(SEQ, 8))]
+CONFIGS_PP2 = [
+    (1, 3, uniform_slices(SEQ, 1)),
+    (1, 2, uniform_slices(SEQ, 2)),
+    (1, 5, uniform_slices(SEQ, 4)),
+    (1, 4, uniform_slices(SEQ, 8)),
+    (1, 3, _balanced(4)),
+    (1, 2, _balanced(8)),
+    (2, 3, uniform_slices(SEQ, 4)),
+    (2, 2, _balanced(2)),
+]
+CONFIGS_PP4 = [
+    (1, 4, uniform_slices(SEQ, 1)),
+    (1, 3, uniform_slices(SEQ, 2)),
+    (1, 5, uniform_slices(SEQ, 4)),
+    (1, 2, uniform_slices(SEQ, 8)),
+    (1, 4, _balanced(4)),
+    (1, 3, _balanced(8)),
+    (2, 4, uniform_slices(SEQ, 8)),
+]
 
 
 def test_balanced_lengths_are_uneven():
