@@ -16,7 +16,7 @@ from megatron_slim.plan.cp.layout import CPGroup, CPPlan
 from megatron_slim.plan.cp.program import GroupTask
 from megatron_slim.runtime.cp.block_attention import Rows, backward_into, forward_into, new_accumulators, pair_calls
 from megatron_slim.runtime.cp.exchange import Exchange, Hop
-from megatron_slim.runtime.cp.run_context import HeadShape, RunContext, pack, unpack
+from megatron_slim.runtime.cp.run_context import HeadShape, RunContext, pack, unpack, walk_steps
 from megatron_slim.runtime.cp.spans import block_rows, group_rows, member_block
 
 Tensor = torch.Tensor
@@ -61,14 +61,7 @@ class AllGatherTask:
 
     def _walk(self, rt: RunContext, steps, handlers: dict):
         """Generator: ``handlers[(op, what)](step)`` for each step, a yield at each ``ROUND``."""
-        walked = rt.record(self.group.index)
-        for step in steps:
-            if walked is not None:
-                walked.append(str(step))
-            if step.op == "ROUND":
-                yield
-            else:
-                handlers[(step.op, step.what)](step)
+        yield from walk_steps(steps, rt.record(self.group.index), lambda step: handlers[(step.op, step.what)](step))
 
     def forward(self, rt: RunContext, q: Tensor, k: Tensor, v: Tensor):
         st: dict = {}

@@ -26,7 +26,7 @@ import torch
 from megatron_slim.plan.cp.routing import RoutePart, RoutingPlan
 from megatron_slim.runtime.cp.block_attention import backward_into, forward_into, new_accumulators, pair_calls
 from megatron_slim.runtime.cp.exchange import Exchange, Hop
-from megatron_slim.runtime.cp.run_context import RunContext, pack, unpack
+from megatron_slim.runtime.cp.run_context import RunContext, pack, unpack, walk_steps
 from megatron_slim.runtime.cp.spans import Block, block_rows
 
 Tensor = torch.Tensor
@@ -213,11 +213,5 @@ class Ring:
     def run(self, steps, rt: RunContext, *args, backward: bool, walked: Optional[list] = None):
         """Generator over this ring's steps; returns ``finish_forward`` / ``finish_backward``."""
         st = self.start_backward(rt, *args) if backward else self.start_forward(rt, *args)
-        for step in steps:
-            if walked is not None:
-                walked.append(str(step))
-            if step.op == "ROUND":
-                yield
-            else:
-                self.run_step(st, step, backward)
+        yield from walk_steps(steps, walked, lambda step: self.run_step(st, step, backward))
         return self.finish_backward(st) if backward else self.finish_forward(st)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -44,6 +44,17 @@ class RunContext:
     def acc_dtype(self) -> torch.dtype:
         """Accumulators and travelling dK/dV: float32, or float64 for float64 inputs."""
         return torch.promote_types(self.dtype, torch.float32)
+
+
+def walk_steps(steps: Iterable[Any], walked: Optional[list], run_step: Callable[[Any], None]) -> Iterator[None]:
+    """Generator: ``run_step(step)`` for each step (recorded in ``walked`` when given), a yield at each ``ROUND``."""
+    for step in steps:
+        if walked is not None:
+            walked.append(str(step))
+        if step.op == "ROUND":
+            yield
+        else:
+            run_step(step)
 
 
 def pack(*tensors: Tensor) -> Tensor:
