@@ -66,9 +66,18 @@ class AttentionBackend(abc.ABC):
         softmax_scale: float | None = None,
     ) -> tuple[Tensor, Tensor]:
         """q ``[total_q, hq, d]``, k/v ``[total_k, hkv, d]`` -> out ``[total_q, hq, d]``, lse ``[hq, total_q]``."""
-        return varlen_loop.varlen_forward(
-            self.forward, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale
-        )
+        sequences = varlen_loop.nonempty_sequence_rows(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
+        total_q, hq = q.shape[0], q.shape[1]
+        out = q.new_zeros(total_q, hq, v.shape[-1])
+        # Rows that see no key (a sequence with no keys, non-causal) keep out = 0, lse = -inf.
+        lse = torch.full((hq, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+        for rq, rk in sequences:
+            o_i, lse_i = self.forward(
+                q[rq].unsqueeze(0), k[rk].unsqueeze(0), v[rk].unsqueeze(0), causal=causal, softmax_scale=softmax_scale
+            )
+            out[rq] = o_i[0]
+            lse[:, rq] = lse_i[0]
+        return out, lse
 
     def varlen_backward(
         self,
@@ -86,19 +95,23 @@ class AttentionBackend(abc.ABC):
         causal: bool,
         softmax_scale: float | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        return varlen_loop.varlen_backward(
-            self.backward,
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            causal=causal,
-            softmax_scale=softmax_scale,
-        )
+        sequences = varlen_loop.nonempty_sequence_rows(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rq, rk in sequences:
+            dq_i, dk_i, dv_i = self.backward(
+                dout[rq].unsqueeze(0),
+                q[rq].unsqueeze(0),
+                k[rk].unsqueeze(0),
+                v[rk].unsqueeze(0),
+                out[rq].unsqueeze(0),
+                lse[:, rq].unsqueeze(0).contiguous(),
+                causal=causal,
+                softmax_scale=softmax_scale,
+            )
+            dq[rq] = dq_i[0]
+            dk[rk] = dk_i[0]
+            dv[rk] = dv_i[0]
+        return dq, dk, dv
 
     def __repr__(self) -> str:
         return f"<attention backend {self.name}>"
