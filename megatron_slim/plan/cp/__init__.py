@@ -4,7 +4,8 @@
 * ``topology``  -- the CP domain as nodes x ranks; NVLink / NIC-share links
 * ``costs``     -- per-token / per-pair / per-byte costs of one layer, from a recipe's cost model
 * ``layout``    -- the plan values: ``Segment``, ``CPGroup``, ``RankLayout``, ``CPPlan``
-* ``placement`` -- Zeppelin's planner (``plan_zeppelin``); ``estimate`` -- its split costs
+* ``placement`` -- Zeppelin's planner (``plan_zeppelin``); ``estimate`` -- its split costs and
+                   ``ZeppelinLayers`` (which layers it uses)
 * ``baselines`` -- ring, ulysses, a2a+p2p, allgather, dynamic; ``engines`` -- one entry point
 * ``remap``     -- attention layout -> token-balanced layout (``RemapPlan``)
 * ``routing``   -- inter-node hops spread over every NIC of the node (``RoutingPlan``)
@@ -16,6 +17,7 @@ The simulator that prices these plans is ``megatron_slim.plan.sim.cp.sim``.
 
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.engines import ENGINES, plan_pack
+from megatron_slim.plan.cp.estimate import ZeppelinLayers
 from megatron_slim.plan.cp.layout import CPGroup, CPPlan, RankLayout, Segment
 from megatron_slim.plan.cp.lengths import LengthSource, make_packs, parse_lengths
 from megatron_slim.plan.cp.placement import plan_zeppelin
@@ -38,6 +40,7 @@ __all__ = [
     "RoutingPlan",
     "Segment",
     "Transfer",
+    "ZeppelinLayers",
     "make_packs",
     "parse_lengths",
     "plan_pack",

@@ -11,6 +11,7 @@ from megatron_slim.plan.cp.baselines import (
     plan_ulysses,
 )
 from megatron_slim.plan.cp.costs import CPCosts
+from megatron_slim.plan.cp.estimate import ZeppelinLayers
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.placement import plan_zeppelin
 from megatron_slim.plan.cp.topology import CPTopology
@@ -65,7 +66,7 @@ def plan_pack(
     """``remap``/``routing``/``hierarchical`` switch Zeppelin's layers (ablations); baselines ignore them."""
     check_engine(engine)
     if engine == "zeppelin":
-        return plan_zeppelin(lengths, topo, costs, remap=remap, routing=routing, hierarchical=hierarchical)
+        return plan_zeppelin(lengths, topo, costs, ZeppelinLayers(remap, routing, hierarchical))
     if engine == "ring":
         return plan_ring(lengths, topo)
     if engine == "ulysses":

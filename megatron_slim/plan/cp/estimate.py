@@ -28,6 +28,18 @@ from megatron_slim.plan.cp.topology import CPTopology
 
 
 @dataclass(frozen=True)
+class ZeppelinLayers:
+    """Which of Zeppelin's layers the planner uses: all of them, unless an ablation switches one off."""
+
+    remap: bool = True
+    routing: bool = True
+    hierarchical: bool = True
+
+
+ALL_LAYERS = ZeppelinLayers()
+
+
+@dataclass(frozen=True)
 class SplitOption:
     kind: GroupKind  # "local" | "zigzag" | "hierarchical"
     span: int  # ranks the sequence occupies

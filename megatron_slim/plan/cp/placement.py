@@ -39,7 +39,14 @@ import bisect
 
 from megatron_slim.plan.cp.assemble import GroupSpec, assemble
 from megatron_slim.plan.cp.costs import CPCosts
-from megatron_slim.plan.cp.estimate import SplitOption, choose_split, local_time, split_options
+from megatron_slim.plan.cp.estimate import (
+    ALL_LAYERS,
+    SplitOption,
+    ZeppelinLayers,
+    choose_split,
+    local_time,
+    split_options,
+)
 from megatron_slim.plan.cp.layout import CPPlan, GroupKind
 from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.schema import fail
@@ -76,16 +83,14 @@ def _target(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, remap: b
 
 
 def partition_pack(
-    lengths: tuple[int, ...],
-    topo: CPTopology,
-    costs: CPCosts,
-    *,
-    remap: bool = True,
-    routing: bool = True,
-    hierarchical: bool = True,
+    lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers = ALL_LAYERS
 ) -> tuple[list[SplitOption], list[tuple[int, ...]], list[float]]:
     """Steps 1-3 and the refinement: every sequence's split, its members, every rank's load."""
-    options = [split_options(s, topo, costs, remap=remap, routing=routing, hierarchical=hierarchical) for s in lengths]
+    remap = layers.remap
+    options = [
+        split_options(s, topo, costs, remap=remap, routing=layers.routing, hierarchical=layers.hierarchical)
+        for s in lengths
+    ]
     target = _target(lengths, topo, costs, remap)
     # A token beyond its node's share crosses a NIC 4 times a layer (to and from the MLP layout, in
     # forward and backward) inside a collective every rank waits for; in the worst case one rank's
@@ -211,17 +216,11 @@ def _polish(
 
 
 def plan_zeppelin(
-    lengths: tuple[int, ...],
-    topo: CPTopology,
-    costs: CPCosts,
-    *,
-    remap: bool = True,
-    routing: bool = True,
-    hierarchical: bool = True,
+    lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers = ALL_LAYERS
 ) -> CPPlan:
     lengths = tuple(lengths)
     check_lengths(lengths)
-    splits, members, _ = partition_pack(lengths, topo, costs, remap=remap, routing=routing, hierarchical=hierarchical)
+    splits, members, _ = partition_pack(lengths, topo, costs, layers)
     groups: dict[tuple[GroupKind, tuple[int, ...]], list[int]] = {}
     for i, ranks in enumerate(members):
         kind: GroupKind = "local" if len(ranks) == 1 else splits[i].kind
@@ -235,7 +234,7 @@ def plan_zeppelin(
                 ranks,
                 tuple(seqs),
                 a2a_size=topo.ranks_per_node if kind == "hierarchical" else 1,
-                routed=routing and inter and kind == "zigzag",
+                routed=layers.routing and inter and kind == "zigzag",
             )
         )
     return assemble("zeppelin", lengths, topo, specs)
