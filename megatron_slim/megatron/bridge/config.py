@@ -12,6 +12,7 @@ bypass the schedule it asked for, or undo the layer spec.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_slim.megatron.launch.flags import ATTENTION_BACKENDS, SLICE_POLICIES, check_megatron_args
@@ -46,15 +47,32 @@ def _model_field(model: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def bridge_args(
-    config: Any,
-    *,
-    num_slices: int,
-    slice_policy: str = "uniform",
-    hardware: str = "h100",
-    calibration: Optional[str] = None,
-    attention_backend: str = "auto",
-) -> argparse.Namespace:
+@dataclass(frozen=True)
+class SlimPipeOptions:
+    """The SlimPipe settings ``install()`` takes, as one value."""
+
+    num_slices: int
+    slice_policy: str
+    hardware: str
+    calibration: Optional[str]
+    attention_backend: str
+
+    def flags(self) -> dict[str, Any]:
+        """The Megatron-LM arguments these settings stand for."""
+        return dict(
+            use_slimpipe=True,
+            slimpipe_num_slices=self.num_slices,
+            slimpipe_slice_policy=self.slice_policy,
+            slimpipe_hardware=self.hardware,
+            slimpipe_calibration=self.calibration,
+            cp_engine="te",
+            cp_remap=False,
+            megatron_slim_attention_backend=self.attention_backend,
+            rank=0,
+        )
+
+
+def bridge_args(config: Any, slimpipe: SlimPipeOptions) -> argparse.Namespace:
     """The Megatron-LM argument namespace a Bridge ``ConfigContainer`` stands for, with megatron-slim's
     SlimPipe flags set: what the launcher's checks and slice planner read."""
     import torch
@@ -98,23 +116,7 @@ def bridge_args(
         recompute_granularity=getattr(m, "recompute_granularity", None),
         micro_batch_size=train.micro_batch_size,
         global_batch_size=getattr(train, "global_batch_size", None),
-        **_slimpipe_flags(num_slices, slice_policy, hardware, calibration, attention_backend),
-    )
-
-
-def _slimpipe_flags(
-    num_slices: int, slice_policy: str, hardware: str, calibration: Optional[str], attention_backend: str
-) -> dict[str, Any]:
-    return dict(
-        use_slimpipe=True,
-        slimpipe_num_slices=num_slices,
-        slimpipe_slice_policy=slice_policy,
-        slimpipe_hardware=hardware,
-        slimpipe_calibration=calibration,
-        cp_engine="te",
-        cp_remap=False,
-        megatron_slim_attention_backend=attention_backend,
-        rank=0,
+        **slimpipe.flags(),
     )
 
 
@@ -165,18 +167,18 @@ def _refuse_bridge_only(config: Any) -> None:
             )
 
 
-def check_config(config: Any, **slimpipe: Any) -> argparse.Namespace:
+def check_config(config: Any, slimpipe: SlimPipeOptions) -> argparse.Namespace:
     """Refuse a config SlimPipe cannot run under Bridge; return its Megatron-LM argument namespace."""
-    policy, backend = slimpipe.get("slice_policy", "uniform"), slimpipe.get("attention_backend", "auto")
+    policy, backend = slimpipe.slice_policy, slimpipe.attention_backend
     if policy not in SLICE_POLICIES:
         raise ConfigError(f"slice_policy: got {policy!r}; allowed: {', '.join(SLICE_POLICIES)}")
     if backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention_backend: got {backend!r}; allowed: {', '.join(ATTENTION_BACKENDS)}")
-    num_slices = slimpipe.get("num_slices")
+    num_slices = slimpipe.num_slices
     if not isinstance(num_slices, int) or isinstance(num_slices, bool):
         raise ConfigError(f"num_slices: got {num_slices!r}; allowed: an integer >= 1")
     _refuse_bridge_only(config)
-    args = bridge_args(config, **slimpipe)
+    args = bridge_args(config, slimpipe)
     try:
         check_megatron_args(args)
     except ConfigError as exc:

@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megatron_slim.megatron.bridge.config import check_config
+from megatron_slim.megatron.bridge.config import SlimPipeOptions, check_config
 from megatron_slim.megatron.rebind import replace_everywhere
 
 SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
@@ -106,14 +106,7 @@ def install(
     from megatron_slim.megatron.slimpipe.hooks import slimpipe_settings
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
 
-    args = check_config(
-        config,
-        num_slices=num_slices,
-        slice_policy=slice_policy,
-        hardware=hardware,
-        calibration=calibration,
-        attention_backend=attention_backend,
-    )
+    args = check_config(config, SlimPipeOptions(num_slices, slice_policy, hardware, calibration, attention_backend))
     settings = slimpipe_settings(args)
     schedules = importlib.import_module(SCHEDULES_MODULE)
     original_getter = schedules.get_forward_backward_func
