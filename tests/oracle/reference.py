@@ -110,7 +110,7 @@ def unsliced_step(model_cfg, groups, batches, seed: int):
     loss functions, Megatron's per-microbatch normalisation. Returns (reports, grads)."""
     from megatron_slim.megatron.model.gpt import global_grads
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
-    from megatron_slim.train.loop import loss_func
+    from megatron_slim.train.microbatch import loss_func
 
     model = whole_model(model_cfg, groups, seed, core_attention=SliceCoreAttention)
 

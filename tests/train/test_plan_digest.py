@@ -1,5 +1,5 @@
 """The schedule a ``megatron-slim train`` rank runs is the one ``megatron-slim simulate`` times:
-the runtime's planning calls (``train.loop.pipeline_settings``, ``megatron.schedule.planned_schedule``)
+the runtime's planning calls (``train.loop.pipeline_settings``, ``megatron.slimpipe.schedule.planned_schedule``)
 give the simulator's schedule digest for the same recipe, without spawning ranks."""
 
 import pytest

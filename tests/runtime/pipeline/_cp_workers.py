@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_slim.plan.recipe import ModelConfig
-from megatron_slim.train.loop import loss_func
+from megatron_slim.train.microbatch import loss_func
 from tests.oracle import reference
 from tests.oracle.models import TINY_GQA_8L
 from tests.runtime.pipeline import _workers
