@@ -3,35 +3,9 @@ lengths come from (the launcher end to end runs in tests/real_megatron against M
 
 import torch
 
-GOOD = dict(
-    cp_engine="zeppelin",
-    cp_remap=False,
-    context_parallel_size=2,
-    use_slimpipe=False,
-    micro_batch_size=1,
-    pipeline_model_parallel_size=1,
-    tensor_model_parallel_size=1,
-    sequence_parallel=False,
-    position_embedding_type="rope",
-    attention_dropout=0.0,
-    reset_position_ids=True,
-    reset_attention_mask=True,
-    cp_comm_type=["p2p"],
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=160,
-    num_attention_heads=4,
-    num_query_groups=2,
-    group_query_attention=True,
-    seq_length=64,
-    padded_vocab_size=128,
-    data_parallel_size=1,
-    global_batch_size=2,
-    slimpipe_hardware="cpu",
-    slimpipe_num_slices=1,
-    slimpipe_slice_policy="uniform",
-    rotary_base=10000.0,
-)
+from tests.oracle.models import TINY_CP_MEGATRON_ARGS
+
+GOOD = {**TINY_CP_MEGATRON_ARGS, "cp_comm_type": ["p2p"]}
 REJECTED = [
     (dict(micro_batch_size=2), "--micro-batch-size 1"),
     (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 1"),

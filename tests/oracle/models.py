@@ -47,3 +47,35 @@ NARROW_GQA_2L = dict(
     seq_length=32,
     rotary_base=10000.0,
 )
+
+
+# Megatron-LM's parsed flags for a 2-layer model on context parallelism 2 (zeppelin engine, no SlimPipe):
+# what the launcher's start-up checks read from an argparse namespace
+TINY_CP_MEGATRON_ARGS = dict(
+    cp_engine="zeppelin",
+    cp_remap=False,
+    context_parallel_size=2,
+    use_slimpipe=False,
+    micro_batch_size=1,
+    pipeline_model_parallel_size=1,
+    tensor_model_parallel_size=1,
+    sequence_parallel=False,
+    position_embedding_type="rope",
+    attention_dropout=0.0,
+    reset_position_ids=True,
+    reset_attention_mask=True,
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=160,
+    num_attention_heads=4,
+    num_query_groups=2,
+    group_query_attention=True,
+    seq_length=64,
+    padded_vocab_size=128,
+    data_parallel_size=1,
+    global_batch_size=2,
+    slimpipe_hardware="cpu",
+    slimpipe_num_slices=1,
+    slimpipe_slice_policy="uniform",
+    rotary_base=10000.0,
+)

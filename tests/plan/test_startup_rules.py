@@ -13,35 +13,9 @@ from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.startup import INPUTS, LAUNCHER, MEGATRON_ARGS, RULES, TRAIN, Inputs, broken_rule
 from megatron_slim.plan.startup.from_recipe import megatron_args_settings, train_settings
 from megatron_slim.train.loop import check_trainable
+from tests.oracle.models import TINY_CP_MEGATRON_ARGS
 
-FLAGS = dict(
-    cp_engine="zeppelin",
-    cp_remap=False,
-    context_parallel_size=2,
-    use_slimpipe=False,
-    micro_batch_size=1,
-    pipeline_model_parallel_size=1,
-    tensor_model_parallel_size=1,
-    sequence_parallel=False,
-    position_embedding_type="rope",
-    attention_dropout=0.0,
-    reset_position_ids=True,
-    reset_attention_mask=True,
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=160,
-    num_attention_heads=4,
-    num_query_groups=2,
-    group_query_attention=True,
-    seq_length=64,
-    padded_vocab_size=128,
-    data_parallel_size=1,
-    global_batch_size=2,
-    slimpipe_hardware="cpu",
-    slimpipe_num_slices=1,
-    slimpipe_slice_policy="uniform",
-    rotary_base=10000.0,
-)
+FLAGS = TINY_CP_MEGATRON_ARGS
 CP_RECIPE = ["parallel.pp=1", "parallel.cp=2", "schedule.kind=1f1b", "schedule.num_slices=1", "cp.engine=zeppelin"]
 SLIMPIPE_FLAGS = dict(
     use_slimpipe=True,
