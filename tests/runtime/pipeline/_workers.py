@@ -44,14 +44,7 @@ def run_slimpipe(rank, world_size, configs, seed=1234):
             model, dataclasses.replace(groups, vpp=vpp), core_attention=SliceCoreAttention, seed=seed
         )
         fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths), measure_memory=True))
-        reports = fb(
-            forward_step_func=forward_step,
-            data_iterator=[iter(batches) for _ in chunks],
-            model=chunks,
-            num_microbatches=m,
-            seq_length=model.seq_length,
-            micro_batch_size=2,
-        )
+        reports = _call(fb, chunks, batches, model)
         grads = {}
         for c in chunks:
             grads.update(global_grads(c))
@@ -60,6 +53,19 @@ def run_slimpipe(rank, world_size, configs, seed=1234):
             ([r["lm loss"] for r in reports], grads, ref, (fb.stats.peak_activation_bytes, fb.stats.peak_kv_bytes))
         )
     return results
+
+
+def _call(fb, chunks, batches, model: ModelConfig, forward_only: bool = False):
+    """One schedule call over ``batches`` (micro batch 2), each chunk reading its own iterator."""
+    return fb(
+        forward_step_func=forward_step,
+        data_iterator=[iter(batches) for _ in chunks],
+        model=chunks,
+        num_microbatches=len(batches),
+        seq_length=model.seq_length,
+        micro_batch_size=2,
+        forward_only=forward_only,
+    )
 
 
 def run_forward_only(rank, world_size, configs, seed=1234):
@@ -82,15 +88,7 @@ def run_forward_only(rank, world_size, configs, seed=1234):
         fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths)))
         losses, with_grads = [], []
         for forward_only in (True, False):
-            reports = fb(
-                forward_step_func=forward_step,
-                data_iterator=[iter(batches) for _ in chunks],
-                model=chunks,
-                num_microbatches=m,
-                seq_length=model.seq_length,
-                micro_batch_size=2,
-                forward_only=forward_only,
-            )
+            reports = _call(fb, chunks, batches, model, forward_only=forward_only)
             losses.append([r["lm loss"] for r in reports])
             with_grads.append(sum(p.grad is not None for c in chunks for p in c.parameters()))
         results.append((losses, with_grads))
