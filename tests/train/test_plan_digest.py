@@ -35,3 +35,11 @@ def test_runtime_plan_digest_equals_the_simulators(name, sets, kind):
     assert settings.slice_lengths == tuple(simulated.costs.lengths)
     assert runtime.digest() == simulated.result.schedule.digest()
     assert runtime == simulated.result.schedule
+
+
+def test_the_runtime_plans_each_shape_once():
+    """Every iteration asks ``planned_schedule`` again; the lowered, validated schedule is reused."""
+    settings = pipeline_settings(load_recipe("tiny-cpu", ["parallel.pp=2", "schedule.num_slices=2"]))
+    first = planned_schedule(settings, 2, 1, 4)
+    assert planned_schedule(settings, 2, 1, 4) is first
+    assert planned_schedule(settings, 2, 1, 2) is not first

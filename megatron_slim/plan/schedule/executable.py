@@ -5,16 +5,29 @@ lowered (``lower.lower``), validated, and checked to carry each link's messages 
 ``executable_forward_only`` is its evaluation counterpart (``lower.forward_only``), checked the
 same way. The simulator times the same lowering of the same generated schedule, so a runtime
 plan's ``digest()`` equals the simulated one's.
+
+Both are planned once per shape and process: a training run asks for the same schedule every
+iteration, and at 70B / 512K one schedule is about 60K actions (half a second to lower and
+validate; ``benchmarks/planning.py``). The shape is (kind, pp, vpp, microbatches, slices): slice
+lengths and model sizes do not enter a schedule, only the interpreter's tensors.
 """
 
 from __future__ import annotations
+
+import functools
+from collections import OrderedDict
 
 from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.schedule.ir import Schedule
 from megatron_slim.plan.schedule.lower import forward_only, lower
 from megatron_slim.plan.schedule.validate import check_link_order, validate
 
+# Enough for a run's training and evaluation shapes (the microbatch count of a ramped-up batch
+# changes a few times); each entry is one schedule, at most a few tens of MB at 2048K scale.
+PLANS_KEPT = 8
 
+
+@functools.lru_cache(maxsize=PLANS_KEPT)
 def executable(kind: str, pp: int, vpp: int, num_microbatches: int, num_slices: int) -> Schedule:
     """With ``pp=1`` (context parallelism alone, or one rank) lowering adds no messages."""
     schedule = lower(generate(kind, pp, vpp, num_microbatches, num_slices))
@@ -23,4 +36,14 @@ def executable(kind: str, pp: int, vpp: int, num_microbatches: int, num_slices: 
 
 def executable_forward_only(schedule: Schedule) -> Schedule:
     """``schedule`` (an ``executable`` one) without its backward: what an evaluation step runs."""
-    return check_link_order(validate(forward_only(schedule)))
+    key = schedule.digest()  # keyed by content: hashing the schedule itself would walk every action
+    if key in _FORWARD_ONLY:
+        _FORWARD_ONLY.move_to_end(key)
+        return _FORWARD_ONLY[key]
+    planned = _FORWARD_ONLY[key] = check_link_order(validate(forward_only(schedule)))
+    if len(_FORWARD_ONLY) > PLANS_KEPT:
+        _FORWARD_ONLY.popitem(last=False)
+    return planned
+
+
+_FORWARD_ONLY: OrderedDict[str, Schedule] = OrderedDict()

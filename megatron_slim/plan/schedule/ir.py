@@ -163,4 +163,8 @@ class Schedule:
 
     def digest(self) -> str:
         """Content hash that ranks compare to agree on the plan."""
+        return self._digest
+
+    @cached_property
+    def _digest(self) -> str:  # a schedule is immutable: a 100K-action text is hashed once, not every step
         return hashlib.sha256(self.to_text().encode()).hexdigest()[:16]
