@@ -4,12 +4,11 @@ that every output path can be written before any work starts."""
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
+from megatron_slim.plan.files import probe_new_file
 from megatron_slim.plan.schema import ConfigError
 
 
@@ -79,9 +78,7 @@ def _check_writable(flag: str, target: str, path: Path) -> None:
             with open(path, "a"):
                 pass
         else:
-            fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
-            os.close(fd)
-            os.unlink(probe)
+            probe_new_file(path.parent, prefix=f".{path.name}.", suffix=".probe")
     except OSError as exc:
         raise fail(exc.strerror or str(exc)) from None
 
@@ -107,8 +104,6 @@ def prepare_output_dirs(*outputs: tuple[str, Optional[str]]) -> None:
             raise fail(f"{existing} is a file, not a directory")
         try:
             path.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(dir=path, prefix=".probe.")
-            os.close(fd)
-            os.unlink(probe)
+            probe_new_file(path, prefix=".probe.")
         except OSError as exc:
             raise fail(exc.strerror or str(exc)) from None

@@ -1,5 +1,6 @@
 """Reading the project's input files (recipes, hardware profiles, calibration and lengths files):
-UTF-8 text and YAML whose every problem is a ``ConfigError`` naming the flag or field and the file.
+UTF-8 text and YAML whose every problem is a ``ConfigError`` naming the flag or field and the file;
+and the probe that proves an output directory takes new files.
 
 YAML mappings may not repeat a key: PyYAML keeps the last value silently, which would let a recipe
 say ``lr`` twice and train with whichever came last.
@@ -7,6 +8,8 @@ say ``lr`` twice and train with whichever came last.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +66,10 @@ def load_yaml_mapping(path: Path, where: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of keys to values at the top level (got {type(data).__name__})")
     return data
+
+
+def probe_new_file(directory: Path, prefix: str, suffix: str = "") -> None:
+    """Create and remove an empty file in ``directory``; ``OSError`` where that is not allowed."""
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+    os.close(fd)
+    os.unlink(probe)

@@ -13,7 +13,7 @@ from typing import Literal
 
 from megatron_slim.plan.files import load_yaml_mapping
 from megatron_slim.plan.paths import config_dir
-from megatron_slim.plan.schema import ConfigError, build, fail
+from megatron_slim.plan.schema import ConfigError, build, check_fields, fail
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,8 @@ class Efficiency:
     memory_bound: float = 0.80  # fraction of HBM bandwidth for norms, RoPE, SwiGLU, adds
 
     def __post_init__(self) -> None:
-        for name in ("gemm", "attention_forward", "attention_backward", "memory_bound"):
-            value = getattr(self, name)
-            if not 0.0 < value <= 1.0:
-                raise fail(f"efficiency.{name}", value, "a fraction in (0, 1]")
+        kernels = ("gemm", "attention_forward", "attention_backward", "memory_bound")
+        check_fields(self, "efficiency.", kernels, lambda value: not 0.0 < value <= 1.0, "a fraction in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -61,12 +59,9 @@ class HardwareProfile:
             "nvlink_bandwidth",
             "nic_bandwidth",
         )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise fail(name, getattr(self, name), "a positive number")
-        for name in ("nvlink_latency", "nic_latency"):
-            if getattr(self, name) < 0:
-                raise fail(name, getattr(self, name), "a non-negative number of seconds")
+        check_fields(self, "", positive, lambda value: value <= 0, "a positive number")
+        latencies = ("nvlink_latency", "nic_latency")
+        check_fields(self, "", latencies, lambda value: value < 0, "a non-negative number of seconds")
         if not 0.0 < self.usable_memory_fraction <= 1.0:
             raise fail("usable_memory_fraction", self.usable_memory_fraction, "a fraction in (0, 1]")
 

@@ -101,7 +101,7 @@ class Recipe:
             )
 
     def _check_schedule(self) -> None:
-        s, p, m = self.schedule, self.parallel, self.model
+        s, p = self.schedule, self.parallel
         if s.kind == "1f1b":
             if p.vpp != 1:
                 raise fail("parallel.vpp", p.vpp, "1 with schedule.kind=1f1b (use interleaved or slimpipe)")
@@ -120,22 +120,24 @@ class Recipe:
                 "parallelism itself, as query-out attention over its K/V cache; cp.engine selects the "
                 "engine for 1f1b/interleaved runs",
             )
-        unit = self.slice_alignment
-        if s.slice_policy == "uniform":
-            if not splits_uniformly(m.seq_length, s.num_slices, unit):
-                raise fail(
-                    "schedule.num_slices",
-                    s.num_slices,
-                    f"a count whose slices divide model.seq_length={m.seq_length} into equal parts "
-                    f"that are multiples of {unit} tokens (or use schedule.slice_policy=balanced)",
-                )
-        elif not splits_aligned(m.seq_length, s.num_slices, unit):
-            raise fail(
-                "schedule.num_slices",
-                s.num_slices,
-                f"at most model.seq_length/{unit}={max_slices(m.seq_length, unit)} slices, with "
-                f"model.seq_length a multiple of {unit}",
+        allowed = self._allowed_slice_counts()
+        if allowed is not None:
+            raise fail("schedule.num_slices", s.num_slices, allowed)
+
+    def _allowed_slice_counts(self) -> str | None:
+        """What ``schedule.num_slices`` may be when the slice policy cannot split the sequence, else None."""
+        seq_length, num_slices, unit = self.model.seq_length, self.schedule.num_slices, self.slice_alignment
+        if self.schedule.slice_policy == "uniform":
+            if splits_uniformly(seq_length, num_slices, unit):
+                return None
+            return (
+                f"a count whose slices divide model.seq_length={seq_length} into equal parts "
+                f"that are multiples of {unit} tokens (or use schedule.slice_policy=balanced)"
             )
+        if splits_aligned(seq_length, num_slices, unit):
+            return None
+        most = max_slices(seq_length, unit)
+        return f"at most model.seq_length/{unit}={most} slices, with model.seq_length a multiple of {unit}"
 
     @property
     def slice_alignment(self) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_slim.plan.schema import ConfigError, fail
+from megatron_slim.plan.schema import ConfigError, check_fields, fail
 
 ScheduleKind = Literal["1f1b", "interleaved", "slimpipe"]
 SlicePolicy = Literal["uniform", "balanced"]
@@ -16,10 +16,7 @@ CPEngine = Literal["ring", "zeppelin", "ulysses", "a2a+p2p", "allgather", "dynam
 
 
 def _require_positive(section: str, obj: object, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value < 1:
-            raise fail(f"{section}.{name}", value, "an integer >= 1")
+    check_fields(obj, f"{section}.", names, lambda value: value < 1, "an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -123,9 +120,8 @@ class TrainConfig:
             raise fail("train.lr", self.lr, "a positive number")
         if not 0 <= self.min_lr <= self.lr:
             raise fail("train.min_lr", self.min_lr, f"a number in [0, train.lr={self.lr}]")
-        for name in ("warmup_iters", "save_interval", "eval_interval", "eval_iters"):
-            if getattr(self, name) < 0:
-                raise fail(f"train.{name}", getattr(self, name), "an integer >= 0")
+        counts = ("warmup_iters", "save_interval", "eval_interval", "eval_iters")
+        check_fields(self, "train.", counts, lambda value: value < 0, "an integer >= 0")
 
         if self.clip_grad < 0:
             raise fail("train.clip_grad", self.clip_grad, "a number >= 0 (0 disables clipping)")

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import types
 import typing
-from typing import TYPE_CHECKING, Any, Literal, Mapping, TypeVar, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, TypeVar, get_args, get_origin, get_type_hints
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -25,6 +25,14 @@ T = TypeVar("T", bound="DataclassInstance")
 
 def fail(field: str, value: Any, allowed: str, problem: str = "invalid value") -> ConfigError:
     return ConfigError(f"{field}: {problem} (got {value!r}; allowed: {allowed})")
+
+
+def check_fields(obj: object, prefix: str, names: tuple[str, ...], bad: Callable[[Any], bool], allowed: str) -> None:
+    """Raise ``fail(prefix + name, ...)`` for the first of ``names`` whose value on ``obj`` is ``bad``."""
+    for name in names:
+        value = getattr(obj, name)
+        if bad(value):
+            raise fail(f"{prefix}{name}", value, allowed)
 
 
 def _describe(tp: Any) -> str:

@@ -42,21 +42,16 @@ def plot_overlay(measured: MeasuredRun, simulated: SimResult, hardware: str, pat
     t_max = max(measured.pipeline_time_s, simulated.pipeline_time_s) * 1.01
     row = max(1.5, 0.3 * pp)
     fig, axes = plt.subplots(3, 1, figsize=(14, 2 * row + 3.4), gridspec_kw={"height_ratios": [row, row, 2.2]})
-    draw_compute(axes[0], measured.events, pp, t_max)
-    axes[0].set_title(
+    titles = (
         f"measured: iteration {measured.iteration} of run {measured.run_id}, pipeline "
         f"{measured.pipeline_time_s:.3g} s, bubble {100 * measured.bubble_ratio:.1f}%",
-        fontsize=10,
-        loc="left",
-    )
-    axes[0].legend(handles=compute_legend(), fontsize=8, loc="upper right")
-    draw_compute(axes[1], simulated.events, pp, t_max)
-    axes[1].set_title(
         f"simulated on {hardware}: pipeline {simulated.pipeline_time_s:.3g} s, bubble "
         f"{100 * simulated.bubble_ratio:.1f}%",
-        fontsize=10,
-        loc="left",
     )
+    for ax, events, title in zip(axes[:2], (measured.events, simulated.events), titles):
+        draw_compute(ax, events, pp, t_max)
+        ax.set_title(title, fontsize=10, loc="left")
+    axes[0].legend(handles=compute_legend(), fontsize=8, loc="upper right")
     axes[1].set_xlabel("time from the iteration's first forward (s)")
     _busy_bars(axes[2], compare_ranks(measured, simulated))
     fig.tight_layout()

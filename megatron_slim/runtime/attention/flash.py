@@ -13,24 +13,13 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-import torch.nn.functional as F
 
 from megatron_slim.runtime.attention import flash_api
-from megatron_slim.runtime.attention.backend import AttentionBackend
-from megatron_slim.runtime.attention.checks import (
-    check_dense,
-    check_varlen,
-    cuda_half_precision_reason,
-    resolve_softmax_scale,
-)
+from megatron_slim.runtime.attention.cuda_fused import CudaFusedBackend
+from megatron_slim.runtime.attention.cuda_fused import pad_head_dim as _pad
 
 Tensor = torch.Tensor
 MAX_HEAD_DIM = 256
-
-
-def _pad(x: Tensor) -> Tensor:
-    pad = (-x.shape[-1]) % 8
-    return F.pad(x, (0, pad)) if pad else x.contiguous()
 
 
 def _lse_to_ours(lse: Tensor) -> Tensor:
@@ -45,102 +34,34 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-class FlashBackend(AttentionBackend):
+def _unpad_grads(grads, q: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = grads
+    d, d_v = q.shape[-1], v.shape[-1]
+    return dq[..., :d], dk[..., :d], dv[..., :d_v]
+
+
+class FlashBackend(CudaFusedBackend):
     name = "flash"
+    max_head_dim = MAX_HEAD_DIM
 
     def __init__(self, api: flash_api.FlashApi):
         self.api = api
 
-    def unsupported_reason(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
-        return cuda_half_precision_reason(device, dtype)
-
-    def _check_inputs(self, q: Tensor) -> None:
-        reason = self.unsupported_reason(q.device, q.dtype)
-        if reason is None and q.shape[-1] > MAX_HEAD_DIM:
-            reason = f"head_dim {q.shape[-1]} > {MAX_HEAD_DIM}"
-        if reason is not None:
-            raise ValueError(f"flash attention backend cannot run these inputs: {reason}")
-
-    def forward(self, q, k, v, *, causal, softmax_scale=None):
-        check_dense(q, k, v, causal)
-        self._check_inputs(q)
-        scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-        if q.numel() == 0 or k.numel() == 0:
-            b, sq, hq, _ = q.shape
-            return q.new_zeros(b, sq, hq, v.shape[-1]), q.new_full((b, hq, sq), float("-inf"), dtype=torch.float32)
+    def _dense_forward(self, q, k, v, causal, scale):
         out, lse = self.api.forward(_pad(q), _pad(k), _pad(v), causal, scale)
         return out[..., : v.shape[-1]], _lse_to_ours(lse)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale=None):
-        check_dense(q, k, v, causal)
-        self._check_inputs(q)
-        scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-        if q.numel() == 0 or k.numel() == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dq, dk, dv = self.api.backward(
-            _pad(dout), _pad(q), _pad(k), _pad(v), _pad(out), _lse_to_flash(lse), causal, scale
-        )
-        d, d_v = q.shape[-1], v.shape[-1]
-        return dq[..., :d], dk[..., :d], dv[..., :d_v]
+    def _dense_backward(self, dout, q, k, v, out, lse, causal, scale):
+        padded = (_pad(dout), _pad(q), _pad(k), _pad(v), _pad(out), _lse_to_flash(lse))
+        return _unpad_grads(self.api.backward(*padded, causal, scale), q, v)
 
-    def varlen_forward(
-        self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, softmax_scale=None
-    ):
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        self._check_inputs(q)
-        scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-        if q.numel() == 0:
-            return q.new_zeros(*q.shape[:2], v.shape[-1]), q.new_empty((q.shape[1], 0), dtype=torch.float32)
-        out, lse = self.api.varlen_forward(
-            _pad(q),
-            _pad(k),
-            _pad(v),
-            cu_seqlens_q,
-            cu_seqlens_k,
-            int(max_seqlen_q),
-            int(max_seqlen_k),
-            causal,
-            scale,
-        )
+    def _varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        out, lse = self.api.varlen_forward(_pad(q), _pad(k), _pad(v), cu_q, cu_k, max_q, max_k, causal, scale)
         return out[..., : v.shape[-1]], _lse_to_ours(lse)
 
-    def varlen_backward(
-        self,
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        *,
-        causal,
-        softmax_scale=None,
-    ):
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        self._check_inputs(q)
-        scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-        if q.numel() == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dq, dk, dv = self.api.varlen_backward(
-            _pad(dout),
-            _pad(q),
-            _pad(k),
-            _pad(v),
-            _pad(out),
-            _lse_to_flash(lse),
-            cu_seqlens_q,
-            cu_seqlens_k,
-            int(max_seqlen_q),
-            int(max_seqlen_k),
-            causal,
-            scale,
-        )
-        d, d_v = q.shape[-1], v.shape[-1]
-        return dq[..., :d], dk[..., :d], dv[..., :d_v]
+    def _varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        padded = (_pad(dout), _pad(q), _pad(k), _pad(v), _pad(out), _lse_to_flash(lse))
+        return _unpad_grads(self.api.varlen_backward(*padded, cu_q, cu_k, max_q, max_k, causal, scale), q, v)
 
 
 def load_flash_backend(device: torch.device) -> tuple[FlashBackend | None, str]:

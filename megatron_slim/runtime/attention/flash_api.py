@@ -24,6 +24,11 @@ Tensor = torch.Tensor
 MIN_FA2_VERSION = (2, 6)  # first release whose varlen lse is packed [hq, total_q]
 _TOP_MODULES = ("flash_attn", "flash_attn_interface", "flash_attn.flash_attn_interface")
 _NO_WINDOW = {"window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1}
+# What every call fixes: no dropout, softcap, ALiBi or sliding window; backward has no RNG state
+# to replay and may use the faster non-deterministic dq accumulation.
+_NO_EXTRAS = {"dropout_p": 0.0, "softcap": 0.0, "alibi_slopes": None, **_NO_WINDOW}
+_FORWARD_FIXED = {**_NO_EXTRAS, "return_softmax": False}
+_BACKWARD_FIXED = {**_NO_EXTRAS, "deterministic": False, "rng_state": None}
 
 
 def _parameters(fn: Callable) -> set[str]:
@@ -63,95 +68,57 @@ class FlashApi:
         self._fwd, self._bwd, self._varlen_fwd, self._varlen_bwd = fwd, bwd, varlen_fwd, varlen_bwd
 
     def forward(self, q, k, v, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        res = _call(
-            self._fwd,
-            q=q,
-            k=k,
-            v=v,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            softcap=0.0,
-            alibi_slopes=None,
-            return_softmax=False,
-            **_NO_WINDOW,
-        )
+        res = _call(self._fwd, q=q, k=k, v=v, softmax_scale=scale, causal=causal, **_FORWARD_FIXED)
         return _out_and_lse(res, (q.shape[0], q.shape[2], q.shape[1]))
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call(
-            self._bwd,
-            dout=dout,
-            q=q,
-            k=k,
-            v=v,
-            out=out,
-            softmax_lse=lse,
-            dq=dq,
-            dk=dk,
-            dv=dv,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            is_causal=causal,
-            softcap=0.0,
-            alibi_slopes=None,
-            deterministic=False,
-            rng_state=None,
-            **_NO_WINDOW,
-        )
-        return dq, dk, dv
+        return _backward(self._bwd, dout, q, k, v, out, lse, causal, scale)
 
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+        lengths = _varlen_lengths(cu_q, cu_k, max_q, max_k)
         res = _call(
             self._varlen_fwd,
             q=q,
             k=k,
             v=v,
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q,
-            max_seqlen_k=max_k,
-            dropout_p=0.0,
             softmax_scale=scale,
             causal=causal,
-            softcap=0.0,
-            alibi_slopes=None,
-            return_softmax=False,
             block_table=None,
-            **_NO_WINDOW,
+            **lengths,
+            **_FORWARD_FIXED,
         )
         return _out_and_lse(res, (q.shape[1], q.shape[0]))
 
     def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call(
-            self._varlen_bwd,
-            dout=dout,
-            q=q,
-            k=k,
-            v=v,
-            out=out,
-            softmax_lse=lse,
-            dq=dq,
-            dk=dk,
-            dv=dv,
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q,
-            max_seqlen_k=max_k,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            is_causal=causal,
-            softcap=0.0,
-            alibi_slopes=None,
-            deterministic=False,
-            rng_state=None,
-            **_NO_WINDOW,
-        )
-        return dq, dk, dv
+        lengths = _varlen_lengths(cu_q, cu_k, max_q, max_k)
+        return _backward(self._varlen_bwd, dout, q, k, v, out, lse, causal, scale, **lengths)
+
+
+def _varlen_lengths(cu_q, cu_k, max_q: int, max_k: int) -> dict[str, Any]:
+    return {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k}
+
+
+def _backward(fn: Callable, dout, q, k, v, out, lse, causal: bool, scale: float, **lengths: Any):
+    """Gradients into fresh buffers; ``causal`` is sent under both names (FA3 backward says is_causal)."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _call(
+        fn,
+        dout=dout,
+        q=q,
+        k=k,
+        v=v,
+        out=out,
+        softmax_lse=lse,
+        dq=dq,
+        dk=dk,
+        dv=dv,
+        softmax_scale=scale,
+        causal=causal,
+        is_causal=causal,
+        **lengths,
+        **_BACKWARD_FIXED,
+    )
+    return dq, dk, dv
 
 
 def _load_fa3() -> FlashApi:

@@ -15,24 +15,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from megatron_slim.runtime.attention.backend import AttentionBackend
-from megatron_slim.runtime.attention.checks import (
-    check_dense,
-    check_varlen,
-    cuda_half_precision_reason,
-    resolve_softmax_scale,
-)
+from megatron_slim.runtime.attention.cuda_fused import CudaFusedBackend
+from megatron_slim.runtime.attention.cuda_fused import pad_head_dim as _pad
 
 Tensor = torch.Tensor
-
-
-def _pad(x: Tensor) -> Tensor:
-    pad = (-x.shape[-1]) % 8
-    return F.pad(x, (0, pad)) if pad else x.contiguous()
 
 
 def _call(fn, **kwargs):
@@ -52,7 +42,30 @@ def _token_index(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor]:
     return seq, pos
 
 
-class TeBackend(AttentionBackend):
+class _Layout(NamedTuple):
+    """How one call lays out its sequences for fused_attn: lengths, boundaries, layout, mask."""
+
+    max_q: int
+    max_k: int
+    cu_q: Tensor
+    cu_k: Tensor
+    qkv_layout: str
+    mask: str
+
+    @staticmethod
+    def dense(q: Tensor, k: Tensor, causal: bool) -> _Layout:
+        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        mask = "no_mask" if not causal else "causal" if sq == sk else "causal_bottom_right"
+        cu_q, cu_k = _dense_cu_seqlens(b, sq, q.device), _dense_cu_seqlens(b, sk, q.device)
+        return _Layout(sq, sk, cu_q, cu_k, "bshd_bshd_bshd", mask)
+
+    @staticmethod
+    def varlen(cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool) -> _Layout:
+        mask = "padding_causal_bottom_right" if causal else "padding"
+        return _Layout(max_q, max_k, cu_q, cu_k, "thd_thd_thd", mask)
+
+
+class TeBackend(CudaFusedBackend):
     name = "te"
 
     def __init__(self, fused_attn, tex, packed_thd_stats: bool):
@@ -61,117 +74,53 @@ class TeBackend(AttentionBackend):
         self._dqkv_dtype = {torch.float16: tex.DType.kFloat16, torch.bfloat16: tex.DType.kBFloat16}
         self._packed_thd_stats = packed_thd_stats
 
-    def unsupported_reason(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
-        return cuda_half_precision_reason(device, dtype)
-
-    def _check_inputs(self, q: Tensor) -> None:
-        reason = self.unsupported_reason(q.device, q.dtype)
-        if reason is not None:
-            raise ValueError(f"te attention backend cannot run these inputs: {reason}")
-
-    def _run_fwd(self, q, k, v, max_q, max_k, cu_q, cu_k, layout, mask, scale):
-        out, aux = _call(
-            self._fa.fused_attn_fwd,
-            is_training=True,
-            max_seqlen_q=max_q,
-            max_seqlen_kv=max_k,
-            cu_seqlens_q=cu_q,
-            cu_seqlens_kv=cu_k,
+    def _shared_kwargs(self, q, k, v, layout: _Layout, scale: float) -> dict:
+        """The arguments fused_attn_fwd and fused_attn_bwd take alike (no dropout, no bias)."""
+        return dict(
+            max_seqlen_q=layout.max_q,
+            max_seqlen_kv=layout.max_k,
+            cu_seqlens_q=layout.cu_q,
+            cu_seqlens_kv=layout.cu_k,
             q=_pad(q),
             k=_pad(k),
             v=_pad(v),
             fake_dtype=q.dtype,
             fused_attention_backend=self._backend,
-            cu_seqlens_q_padded=cu_q,
-            cu_seqlens_kv_padded=cu_k,
+            cu_seqlens_q_padded=layout.cu_q,
+            cu_seqlens_kv_padded=layout.cu_k,
             attn_scale=scale,
             dropout=0.0,
-            qkv_layout=layout,
+            qkv_layout=layout.qkv_layout,
             attn_bias_type="no_bias",
-            attn_mask_type=mask,
+            attn_mask_type=layout.mask,
         )
+
+    def _run_fwd(self, q, k, v, layout: _Layout, scale: float) -> tuple[Tensor, Tensor]:
+        out, aux = _call(self._fa.fused_attn_fwd, is_training=True, **self._shared_kwargs(q, k, v, layout, scale))
         return out[..., : v.shape[-1]], aux[0]
 
-    def _run_bwd(self, dout, q, k, v, out, stats, max_q, max_k, cu_q, cu_k, layout, mask, scale):
+    def _run_bwd(self, dout, q, k, v, out, stats, layout: _Layout, scale: float):
         rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
         grads = _call(
             self._fa.fused_attn_bwd,
-            max_seqlen_q=max_q,
-            max_seqlen_kv=max_k,
-            cu_seqlens_q=cu_q,
-            cu_seqlens_kv=cu_k,
-            q=_pad(q),
-            k=_pad(k),
-            v=_pad(v),
             o=_pad(out),
             d_o=_pad(dout),
-            fake_dtype=q.dtype,
             dqkv_dtype=self._dqkv_dtype[q.dtype],
             aux_ctx_tensors=[stats, rng_state],
-            fused_attention_backend=self._backend,
-            cu_seqlens_q_padded=cu_q,
-            cu_seqlens_kv_padded=cu_k,
-            attn_scale=scale,
-            dropout=0.0,
-            qkv_layout=layout,
-            attn_bias_type="no_bias",
-            attn_mask_type=mask,
+            **self._shared_kwargs(q, k, v, layout, scale),
         )
         d, d_v = q.shape[-1], v.shape[-1]
         return grads[0][..., :d], grads[1][..., :d], grads[2][..., :d_v]
 
-    @staticmethod
-    def _dense_mask(causal: bool, sq: int, sk: int) -> str:
-        if not causal:
-            return "no_mask"
-        return "causal" if sq == sk else "causal_bottom_right"
-
-    def forward(self, q, k, v, *, causal, softmax_scale=None):
-        check_dense(q, k, v, causal)
-        self._check_inputs(q)
-        scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    def _dense_forward(self, q, k, v, causal, scale):
         b, sq, hq, _ = q.shape
-        sk = k.shape[1]
-        if q.numel() == 0 or k.numel() == 0:
-            return q.new_zeros(b, sq, hq, v.shape[-1]), q.new_full((b, hq, sq), float("-inf"), dtype=torch.float32)
-        out, stats = self._run_fwd(
-            q,
-            k,
-            v,
-            sq,
-            sk,
-            _dense_cu_seqlens(b, sq, q.device),
-            _dense_cu_seqlens(b, sk, q.device),
-            "bshd_bshd_bshd",
-            self._dense_mask(causal, sq, sk),
-            scale,
-        )
+        out, stats = self._run_fwd(q, k, v, _Layout.dense(q, k, causal), scale)
         return out, stats.reshape(b, hq, sq).float()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale=None):
-        check_dense(q, k, v, causal)
-        self._check_inputs(q)
-        scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    def _dense_backward(self, dout, q, k, v, out, lse, causal, scale):
         b, sq, hq, _ = q.shape
-        sk = k.shape[1]
-        if q.numel() == 0 or k.numel() == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         stats = lse.float().reshape(b, hq, sq, 1).contiguous()
-        return self._run_bwd(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            stats,
-            sq,
-            sk,
-            _dense_cu_seqlens(b, sq, q.device),
-            _dense_cu_seqlens(b, sk, q.device),
-            "bshd_bshd_bshd",
-            self._dense_mask(causal, sq, sk),
-            scale,
-        )
+        return self._run_bwd(dout, q, k, v, out, stats, _Layout.dense(q, k, causal), scale)
 
     def _stats_to_lse(self, stats: Tensor, cu_q: Tensor, total_q: int) -> Tensor:
         if stats.dim() == 3:  # packed [total_q, h, 1]
@@ -188,58 +137,13 @@ class TeBackend(AttentionBackend):
         stats[seq, :, pos, 0] = lse.t().float()
         return stats
 
-    def varlen_forward(
-        self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, softmax_scale=None
-    ):
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        self._check_inputs(q)
-        scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-        if q.numel() == 0:
-            return q.new_zeros(*q.shape[:2], v.shape[-1]), q.new_empty((q.shape[1], 0), dtype=torch.float32)
-        mask = "padding_causal_bottom_right" if causal else "padding"
-        out, stats = self._run_fwd(
-            q, k, v, int(max_seqlen_q), int(max_seqlen_k), cu_seqlens_q, cu_seqlens_k, "thd_thd_thd", mask, scale
-        )
-        return out, self._stats_to_lse(stats, cu_seqlens_q, q.shape[0])
+    def _varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        out, stats = self._run_fwd(q, k, v, _Layout.varlen(cu_q, cu_k, max_q, max_k, causal), scale)
+        return out, self._stats_to_lse(stats, cu_q, q.shape[0])
 
-    def varlen_backward(
-        self,
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        *,
-        causal,
-        softmax_scale=None,
-    ):
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        self._check_inputs(q)
-        scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-        if q.numel() == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        mask = "padding_causal_bottom_right" if causal else "padding"
-        stats = self._lse_to_stats(lse, cu_seqlens_q, int(max_seqlen_q))
-        return self._run_bwd(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            stats,
-            int(max_seqlen_q),
-            int(max_seqlen_k),
-            cu_seqlens_q,
-            cu_seqlens_k,
-            "thd_thd_thd",
-            mask,
-            scale,
-        )
+    def _varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        stats = self._lse_to_stats(lse, cu_q, max_q)
+        return self._run_bwd(dout, q, k, v, out, stats, _Layout.varlen(cu_q, cu_k, max_q, max_k, causal), scale)
 
 
 def _packed_thd_stats() -> bool:

@@ -55,6 +55,13 @@ class AllGatherTask:
             rt.comm, {self.index[(self.i, m)]: kv for m in self._others()}, dtype=rt.dtype, device=rt.device
         )
 
+    def _gather_handlers(self, rt: RunContext, k: Tensor, v: Tensor, st: dict) -> dict:
+        """POST sends this member's K/V to the others (pending in ``st``); WAIT puts what came in ``st["got"]``."""
+        return {
+            ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
+            ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
+        }
+
     def _block(self, got: dict, j: int) -> tuple[Tensor, Tensor]:
         k, v = unpack(got[self.index[(j, self.i)]], *self.kv_shapes)
         return k.contiguous(), v.contiguous()
@@ -76,8 +83,7 @@ class AllGatherTask:
             rt,
             self.steps.forward,
             {
-                ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
-                ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
+                **self._gather_handlers(rt, k, v, st),
                 ("C", ""): compute,
             },
         )
@@ -112,8 +118,7 @@ class AllGatherTask:
             rt,
             self.steps.backward,
             {
-                ("POST", "GATHER"): lambda _: st.update(pending=self._gather(rt, k, v)),
-                ("WAIT", "GATHER"): lambda _: st.update(got=st["pending"].wait()),
+                **self._gather_handlers(rt, k, v, st),
                 ("C", ""): compute,
                 ("POST", "SCATTER"): lambda _: st.update(
                     pending=self.scatter.post(rt.comm, st["shares"], dtype=acc, device=rt.device)

@@ -10,11 +10,10 @@ learning-rate schedule from the saved step count (Megatron's ``--override-opt_pa
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
+from megatron_slim.plan.files import probe_new_file
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.train.checkpoint.layout import choose_iteration
 
@@ -66,9 +65,7 @@ def check_checkpoint_dir(directory: str) -> None:
         raise fail("it is a file, not a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe.")
-        os.close(fd)
-        os.unlink(probe)
+        probe_new_file(path, prefix=".write-probe.")
     except OSError as exc:
         raise fail(f"cannot write there ({exc.strerror or exc})") from None
 

@@ -141,3 +141,46 @@ def test_flash_lse_convention_round_trip():
     ours = flash_backend_module._lse_to_ours(theirs)
     assert ours.tolist() == [float("-inf"), 1.5, -2.0]
     assert flash_backend_module._lse_to_flash(ours).tolist() == theirs.tolist()
+
+
+_UNSET = object()
+
+
+def _recording(seen: dict):
+    """A flash-attn function that accepts every keyword any release knows and records those it gets."""
+
+    def fn(
+        q=_UNSET, k=_UNSET, v=_UNSET, dout=_UNSET, out=_UNSET, softmax_lse=_UNSET, dq=_UNSET, dk=_UNSET,
+        dv=_UNSET, cu_seqlens_q=_UNSET, cu_seqlens_k=_UNSET, max_seqlen_q=_UNSET, max_seqlen_k=_UNSET,
+        dropout_p=_UNSET, softmax_scale=_UNSET, causal=_UNSET, is_causal=_UNSET, window_size=_UNSET,
+        window_size_left=_UNSET, window_size_right=_UNSET, softcap=_UNSET, alibi_slopes=_UNSET,
+        deterministic=_UNSET, rng_state=_UNSET, return_softmax=_UNSET, block_table=_UNSET,
+    ):  # fmt: skip
+        given = {name: value for name, value in locals().items() if value is not _UNSET and name != "seen"}
+        seen.update({name: value for name, value in given.items() if not isinstance(value, torch.Tensor)})
+        return q, torch.zeros(q.shape[1], q.shape[0])
+
+    return fn
+
+
+def test_flash_varlen_calls_send_exactly_the_fixed_arguments():
+    """No dropout, softcap, ALiBi or window; no softmax returned, no RNG state, non-deterministic."""
+    q, k = torch.zeros(6, 2, 8), torch.zeros(9, 1, 8)
+    cu_q, cu_k = torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32)
+    fwd_seen, bwd_seen = {}, {}
+    api = flash_api.FlashApi("fake", None, None, _recording(fwd_seen), _recording(bwd_seen))
+    api.varlen_forward(q, k, k, cu_q, cu_k, 6, 9, True, 0.5)
+    api.varlen_backward(q, q, k, k, q, torch.zeros(2, 6), cu_q, cu_k, 6, 9, False, 0.5)
+    fixed = {
+        "max_seqlen_q": 6,
+        "max_seqlen_k": 9,
+        "dropout_p": 0.0,
+        "softmax_scale": 0.5,
+        "window_size": (-1, -1),
+        "window_size_left": -1,
+        "window_size_right": -1,
+        "softcap": 0.0,
+        "alibi_slopes": None,
+    }
+    assert fwd_seen == {**fixed, "causal": True, "return_softmax": False, "block_table": None}
+    assert bwd_seen == {**fixed, "causal": False, "is_causal": False, "deterministic": False, "rng_state": None}

@@ -75,11 +75,15 @@ class RingPricer:
         """Member i's accumulated dK/dV of the block it computed at step t can leave."""
         return (self.comp[(i, t)],) + ((self.dkv[(i, t)],) if t >= 1 else ())
 
+    def _hop(self, t: int, src: int, dst: int, rows: float, deps: tuple[int, ...], label: str) -> int:
+        """One K/V-sized message of this ring (K/V forward, dK/dV backward) from ``src`` to ``dst``."""
+        return self.b.hop(self.group, t, src, dst, rows, self.kvb, deps, f"{self.tag} {label}")
+
     def price(self, rank: int, step: Step) -> None:
         if rank not in self.position or step.op not in ("C", "POST"):
             return
         i, t, g = self.position[rank], step.step, len(self.ranks)
-        prev, hop = (i - 1) % g, self.b.hop
+        prev = (i - 1) % g
         if step.op == "C":
             deps = (self.ready[rank],) if t == 0 else (self.kv[(i, t)], self.comp[(i, t - 1)])
             self.comp[(i, t)] = self.b.attn(
@@ -90,51 +94,19 @@ class RingPricer:
                 f"{self.tag} step {t}",
             )
             if g == 1 and self.b.backward:  # a one-member ring hands its dK/dV "home" to itself
-                self.home[i] = hop(
-                    self.group,
-                    1,
-                    rank,
-                    rank,
-                    self.block_rows[0],
-                    self.kvb,
-                    self._grad_ready(0, 0),
-                    f"{self.tag} dK/dV home",
-                )
+                self.home[i] = self._hop(1, rank, rank, self.block_rows[0], self._grad_ready(0, 0), "dK/dV home")
         elif step.what == "KV":
             buffer = (self.comp[(i, t - 2)],) if t >= 2 else ()
             have = (self.ready[self.ranks[prev]],) if t == 1 else (self.kv[(prev, t - 1)],)
-            self.kv[(i, t)] = hop(
-                self.group,
-                t,
-                self.ranks[prev],
-                rank,
-                self.block_rows[(i - t) % g],
-                self.kvb,
-                have + buffer,
-                f"{self.tag} K/V step {t}",
-            )
+            rows = self.block_rows[(i - t) % g]
+            self.kv[(i, t)] = self._hop(t, self.ranks[prev], rank, rows, have + buffer, f"K/V step {t}")
         elif t < g:
-            self.dkv[(i, t)] = hop(
-                self.group,
-                t,
-                self.ranks[prev],
-                rank,
-                self.block_rows[(i - t) % g],
-                self.kvb,
-                self._grad_ready(prev, t - 1),
-                f"{self.tag} dK/dV step {t}",
-            )
+            rows = self.block_rows[(i - t) % g]
+            grads = self._grad_ready(prev, t - 1)
+            self.dkv[(i, t)] = self._hop(t, self.ranks[prev], rank, rows, grads, f"dK/dV step {t}")
         else:
-            self.home[i] = hop(
-                self.group,
-                g,
-                self.ranks[prev],
-                rank,
-                self.block_rows[i],
-                self.kvb,
-                self._grad_ready(prev, g - 1),
-                f"{self.tag} dK/dV home",
-            )
+            grads = self._grad_ready(prev, g - 1)
+            self.home[i] = self._hop(g, self.ranks[prev], rank, self.block_rows[i], grads, "dK/dV home")
 
     def final(self, rank: int) -> list[int]:
         """What ``rank``'s post-attention work waits for: its last kernel (and, backward, its own
