@@ -153,7 +153,8 @@ class TrainConfig:
                 raise fail("train.recompute_num_layers", self.recompute_num_layers, "an integer >= 1")
         if self.recompute_modules is not None:
             if not selective:
-                raise fail("train.recompute_modules", list(self.recompute_modules), "unset unless train.recompute=selective")
+                modules = list(self.recompute_modules)
+                raise fail("train.recompute_modules", modules, "unset unless train.recompute=selective")
             unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
             if unknown or not self.recompute_modules:
                 raise fail(
