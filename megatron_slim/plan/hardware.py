@@ -43,6 +43,9 @@ class HardwareProfile:
     nic_bandwidth: float  # bytes/s per NIC per direction
     nic_latency: float  # seconds
     efficiency: Efficiency = field(default_factory=Efficiency)
+    # Host link for activation offloading, bytes/s per GPU per direction. Default: PCIe Gen5 x16,
+    # 64 GB/s per direction (H100 SXM datasheet: 128 GB/s bidirectional); a spec figure, not measured.
+    pcie_bandwidth: float = 64.0e9
     usable_memory_fraction: float = 0.92  # CUDA context, NCCL buffers, allocator fragmentation
     # Which megatron-core layer implementation runs here; it decides what a layer saves for
     # backward: "te" (Transformer Engine fused norm+linear, fused SwiGLU and RoPE) on GPU clusters,
@@ -58,6 +61,7 @@ class HardwareProfile:
             "nics_per_node",
             "nvlink_bandwidth",
             "nic_bandwidth",
+            "pcie_bandwidth",
         )
         check_fields(self, "", positive, lambda value: value <= 0, "a positive number")
         latencies = ("nvlink_latency", "nic_latency")

@@ -67,6 +67,7 @@ class Recipe:
         self._check_parallel_fits_model()
         self._check_batch()
         self._check_schedule()
+        self._check_recompute_depth()
         _ = self.hardware_profile  # an unknown profile fails here, before any work
 
     def _check_parallel_fits_model(self) -> None:
@@ -138,6 +139,24 @@ class Recipe:
             return None
         most = max_slices(seq_length, unit)
         return f"at most model.seq_length/{unit}={most} slices, with model.seq_length a multiple of {unit}"
+
+    def _check_recompute_depth(self) -> None:
+        """Megatron checkpoints within a chunk's layers: ``block`` N of them, ``uniform`` groups of N
+        (its loop indexes past the chunk's last layer unless N divides the layer count)."""
+        t, m, p = self.train, self.model, self.parallel
+        if t.recompute_num_layers is None:
+            return
+        layers = m.num_layers // (p.pp * p.vpp)
+        n = t.recompute_num_layers
+        if t.recompute_method == "block" and n > layers:
+            raise fail("train.recompute_num_layers", n, f"an integer in [1, {layers}] (layers per pipeline chunk)")
+        if t.recompute_method != "block" and layers % n:
+            divisors = [d for d in range(1, layers + 1) if layers % d == 0]
+            raise fail(
+                "train.recompute_num_layers",
+                n,
+                f"with recompute_method=uniform, a divisor of the {layers} layers per pipeline chunk: {divisors}",
+            )
 
     @property
     def slice_alignment(self) -> int:

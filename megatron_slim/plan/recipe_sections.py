@@ -6,8 +6,9 @@ dataclasses that each check their own fields. Rules spanning sections live on ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
+from megatron_slim.plan.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MODULES, Granularity, Method, Recompute
 from megatron_slim.plan.schema import ConfigError, check_fields, fail
 
 ScheduleKind = Literal["1f1b", "interleaved", "slimpipe"]
@@ -105,7 +106,13 @@ class TrainConfig:
     clip_grad: float = 1.0
     seed: int = 1234
     precision: Literal["bf16", "fp32"] = "bf16"
-    recompute: Literal["none", "full"] = "none"
+    # Megatron's --recompute-granularity/-method/-num-layers/-modules (see plan/recompute.py);
+    # unset method and layer count under full mean uniform, 1 layer
+    recompute: Granularity = "none"
+    recompute_method: Optional[Method] = None
+    recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[tuple[str, ...]] = None  # selective only; unset: core_attn
+    offload_ratio: float = 0.0  # share of each slice's saved layer activations kept in host memory
     distributed_optimizer: bool = True
     save_interval: int = 0  # 0: save once, at the end of training
     log_interval: int = 1
@@ -129,6 +136,42 @@ class TrainConfig:
             raise fail("train.weight_decay", self.weight_decay, "a number >= 0")
         if not 0 <= self.seed <= MAX_SEED:
             raise fail("train.seed", self.seed, f"an integer in [0, {MAX_SEED}] (numpy's seed range)")
+        self._check_recompute()
+
+    def _check_recompute(self) -> None:
+        full, selective = self.recompute == "full", self.recompute == "selective"
+        if self.recompute_method is not None and not full:
+            raise fail("train.recompute_method", self.recompute_method, "unset unless train.recompute=full")
+        if self.recompute_num_layers is not None:
+            if not full:
+                raise fail("train.recompute_num_layers", self.recompute_num_layers, "unset unless train.recompute=full")
+            if self.recompute_num_layers < 1:
+                raise fail("train.recompute_num_layers", self.recompute_num_layers, "an integer >= 1")
+        if self.recompute_modules is not None:
+            if not selective:
+                modules = list(self.recompute_modules)
+                raise fail("train.recompute_modules", modules, "unset unless train.recompute=selective")
+            unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+            if unknown or not self.recompute_modules:
+                raise fail(
+                    "train.recompute_modules",
+                    list(self.recompute_modules),
+                    f"a non-empty list of Megatron-LM's --recompute-modules: {', '.join(RECOMPUTE_MODULES)}",
+                    f"unknown module {unknown[0]!r}" if unknown else "empty list",
+                )
+        if not 0.0 <= self.offload_ratio <= 1.0:
+            raise fail("train.offload_ratio", self.offload_ratio, "a fraction in [0, 1]")
+
+    @property
+    def recompute_plan(self) -> Recompute:
+        """The recomputation and offloading settings, normalised (defaults filled in)."""
+        return Recompute(
+            self.recompute,
+            self.recompute_method or "uniform",
+            self.recompute_num_layers or 1,
+            (self.recompute_modules or DEFAULT_RECOMPUTE_MODULES) if self.recompute == "selective" else (),
+            self.offload_ratio,
+        )
 
 
 @dataclass(frozen=True)

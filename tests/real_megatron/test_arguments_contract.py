@@ -72,11 +72,12 @@ def _parse(tag: str, flag_sets: list[dict], tmp_path: Path) -> dict[str, dict]:
     return results
 
 
-def _sbatch_flags(recipe: str) -> list[str]:
+def _sbatch_flags(recipe: str, recipe_set: str = "") -> list[str]:
     """The pretrain_gpt.py flags the SLURM script would run for ``recipe`` (its DRY_RUN output)."""
     env = dict(
         os.environ,
         RECIPE=recipe,
+        RECIPE_SET=recipe_set,
         DRY_RUN="1",
         MEGATRON_SLIM=f"{sys.executable} -m megatron_slim.cli",
         MEGATRON_LM="/opt/Megatron-LM",
@@ -106,6 +107,23 @@ def test_every_shipped_recipe_command_passes_megatrons_parser_and_validation(tag
     failed = {n: r["error"] for n, r in results.items() if not r.get("ok")}
     assert not failed, failed
     assert "llama2-70b-512k" in results
+
+
+@pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
+def test_every_recompute_choice_passes_megatrons_parser_and_validation(tag, tmp_path):
+    """``train.recompute*`` as ``megatron-args`` spells them (8 layers per stage: every block depth)."""
+    from megatron_slim.plan.recompute import Recompute, recompute_choices
+
+    choices = recompute_choices(8) + (Recompute("full", "uniform", 4), Recompute("selective", modules=("layernorm",)))
+    base = ["schedule.kind=1f1b", "schedule.num_slices=1"]
+    flag_sets = [
+        {"name": str(c), "world_size": 64, "argv": _sbatch_flags("llama2-7b-64k", " ".join(base + c.overrides()))}
+        for c in choices
+    ]
+    assert any("--recompute-modules" in f["argv"] for f in flag_sets)
+    results = _parse(tag, flag_sets, tmp_path)
+    failed = {n: r["error"] for n, r in results.items() if not r.get("ok")}
+    assert not failed, failed
 
 
 BASE = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from megatron_slim.megatron.launch.recompute_flags import recompute_from_megatron_args
 from megatron_slim.plan.recipe import Recipe, recipe_from_dict
 from megatron_slim.plan.startup.settings import NO_CP_ENGINE, Settings
 
@@ -48,7 +49,7 @@ def recipe_from_megatron_args(args: argparse.Namespace) -> Recipe:
             "global_batch_size": args.global_batch_size or args.micro_batch_size * dp,
             "micro_batch_size": args.micro_batch_size,
             "precision": "bf16" if getattr(args, "bf16", False) or getattr(args, "fp16", False) else "fp32",
-            "recompute": "full" if getattr(args, "recompute_granularity", None) == "full" else "none",
+            **recompute_from_megatron_args(args),
         },
         "schedule": {
             "kind": "slimpipe",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from megatron_slim.megatron.launch.args import settings_from_megatron_args
 from megatron_slim.megatron.launch.cp_checks import check_engine_fits
+from megatron_slim.megatron.launch.recompute_flags import recompute_flags, refuse_what_megatron_cannot_recompute
 from megatron_slim.plan.recipe import MAX_SEED, CPEngine, ModelConfig, Recipe, SlicePolicy, TrainConfig
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.startup import LAUNCHER, MEGATRON_ARGS, check
@@ -111,6 +112,7 @@ def _refuse_what_megatron_cannot_run(recipe: Recipe) -> None:
             "gradient norm is nan/inf in fp32 or bf16 (its --check-for-nan-in-loss-and-grad stops "
             "training, as megatron-slim train does by default); allowed: false"
         )
+    refuse_what_megatron_cannot_recompute(t)
     check(megatron_args_settings(recipe), MEGATRON_ARGS)
 
 
@@ -198,8 +200,7 @@ def _train_flags(t: TrainConfig) -> list:
         out += ["--bf16"]
     if t.distributed_optimizer:
         out += ["--use-distributed-optimizer"]
-    if t.recompute == "full":
-        out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
+    out += recompute_flags(t)
     # Megatron requires --save-interval whenever --save is given, and --eval-interval always
     # (0.16-0.19 fail inside the loop otherwise); a recipe's 0 means "once, at the end".
     out += [

@@ -132,8 +132,9 @@ class LayerShape:
         return OpWork(0.0, 0.0, 2 * n * self.hidden * self.element_bytes / self.sp)
 
     # ---- saved activations ------------------------------------------------------------------
-    def activation_bytes(self, tokens: float, recompute: str = "none") -> float:
-        """Bytes one layer saves for backward, excluding K and V (counted as K/V cache).
+    def activation_bytes(self, tokens: float) -> float:
+        """Bytes one layer saves for backward without recomputation, excluding K and V (counted as
+        K/V cache); ``plan.cost.activations`` prices recomputation and offloading from it.
 
         ``te``: each norm+linear saves its input and normalised output (2h), attention saves q
         and its output (2h), fused SwiGLU saves fc1's output (2f) and fc2 its input (f).
@@ -144,15 +145,58 @@ class LayerShape:
         """
         h, f, tp, e = self.hidden, self.ffn, self.tp, self.element_bytes
         n = self._local(tokens)
-        if recompute == "full":
-            return n * h * e / self.sp  # only the layer input
         lse = n * (self.heads / tp) * FP32_BYTES
         if self.layer_impl == "local":
             rope_tables = 4 * self.head_dim * FP32_BYTES
             return n * e * (6 * h / self.sp + 2 * h / tp + 5 * f / tp + 2) + n * rope_tables + lse
         return n * e * (4 * h / self.sp + 2 * h / tp + 3 * f / tp) + lse
 
-    def kv_bytes(self, tokens: float, recompute: str = "none") -> float:
+    def checkpoint_input_bytes(self, tokens: float) -> float:
+        """A checkpointed layer's (or group's) input: the residual stream, sharded by SP."""
+        return self._local(tokens) * self.hidden * self.element_bytes / self.sp
+
+    def selective_savings_bytes(self, tokens: float, modules: tuple[str, ...]) -> float:
+        """Bytes one layer no longer saves when Megatron's selective ``--recompute-modules`` are
+        checkpointed (per module, from the breakdown in ``activation_bytes``).
+
+        ``core_attn``: Korthikanti et al. (arXiv 2205.05198, Table 2) count 5·a·s²·b bytes of
+        scores, softmax and dropout mask per layer that selective recompute drops. Every attention
+        kernel here is flash-style and saves no s² tensor: the checkpoint keeps its inputs q, k, v
+        and its output is the projection's saved input, so what goes is the fp32 log-sum-exp
+        (Megatron's own warning: fused attention gains little from core_attn recompute).
+        ``mlp``: the checkpoint keeps the MLP's input; ``te`` drops the fused norm's normalised
+        output (h) and SwiGLU's 3f, ``local`` (separate norm module) the GLU's 5f.
+        ``layernorm``: only separate norm modules (``local``) are recomputed, each keeping its
+        input and dropping the normalised and weighted outputs (2h); ``te`` fuses them into the
+        linears. The MoE and MLA modules do not exist in a dense Llama layer: they save nothing.
+        """
+        h, f, tp, e = self.hidden, self.ffn, self.tp, self.element_bytes
+        n = self._local(tokens)
+        local = self.layer_impl == "local"
+        saved = 0.0
+        if "core_attn" in modules:
+            saved += n * (self.heads / tp) * FP32_BYTES
+        if "mlp" in modules:
+            saved += n * e * (5 * f / tp if local else h / self.sp + 3 * f / tp)
+        if "layernorm" in modules and local:
+            saved += n * e * 2 * 2 * h / self.sp
+        return saved
+
+    def selective_forward_work(self, tokens: float, prefix: float, modules: tuple[str, ...]) -> OpWork:
+        """Forward work one layer repeats in backward for its selectively recomputed modules
+        (communication they repeat under TP is not counted)."""
+        h, f, tp, e = self.hidden, self.ffn, self.tp, self.element_bytes
+        n = self._local(tokens)
+        work = OpWork()
+        if "core_attn" in modules:
+            work += OpWork(0.0, self.forward_work(tokens, prefix).attention_flops, 0.0)
+        if "mlp" in modules:
+            work += OpWork(2 * n * 3 * h * f / tp, 0.0, n * e * (2 * h / self.sp + 3 * f / tp))
+        if "layernorm" in modules and self.layer_impl == "local":
+            work += OpWork(0.0, 0.0, n * e * 2 * 2 * h / self.sp)
+        return work
+
+    def kv_bytes(self, tokens: float) -> float:
         """K and V of ``tokens`` for one layer: the cache later slices attend to."""
         return 2 * self._local(tokens) * self.kv_width / self.tp * self.element_bytes
 

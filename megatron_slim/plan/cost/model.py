@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_slim.plan.cost.activations import ChunkActivations
 from megatron_slim.plan.cost.calibration import Calibration
 from megatron_slim.plan.cost.layer import FP32_BYTES, LayerShape, OpWork
 from megatron_slim.plan.hardware import HardwareProfile
@@ -43,7 +44,9 @@ class CostModel:
         )
         self.num_stages = p.pp * p.vpp
         self.layers_per_stage = recipe.model.num_layers // self.num_stages
-        self.recompute = recipe.train.recompute
+        self.recompute = recipe.train.recompute_plan
+        sliced = recipe.schedule.kind == "slimpipe" and recipe.schedule.num_slices > 1
+        self.chunk = ChunkActivations(self.shape, self.recompute, self.layers_per_stage, kv_cached=sliced)
 
     # ---- kernel time --------------------------------------------------------------------------
     def _rate(self, op: str, work: float) -> float:
@@ -128,14 +131,22 @@ class CostModel:
                 overlapped = (p.cp - 1) * (kv * (2 if backward else 1) / link.bandwidth + link.latency)
         return serial, overlapped
 
-    def _layers_time(self, tokens: float, prefix: float, backward: bool) -> float:
+    def _layer_time(self, tokens: float, prefix: float, backward: bool) -> float:
         s = self.shape
         work = s.backward_work(tokens, prefix) if backward else s.forward_work(tokens, prefix)
         attn = OpWork(0.0, work.attention_flops, 0.0)
         rest = OpWork(work.gemm_flops, 0.0, work.memory_bytes)
         serial, overlapped = self._layer_comm_time(tokens, prefix, backward)
-        per_layer = self.kernel_time(rest, backward) + max(self.kernel_time(attn, backward), overlapped) + serial
-        return per_layer * self.layers_per_stage
+        return self.kernel_time(rest, backward) + max(self.kernel_time(attn, backward), overlapped) + serial
+
+    def _layers_time(self, tokens: float, prefix: float, backward: bool) -> float:
+        return self._layer_time(tokens, prefix, backward) * self.layers_per_stage
+
+    def _offload_exposed_time(self, tokens: float, compute: float) -> float:
+        """A slice's offloaded share crosses PCIe once each way (to host after forward, back before
+        backward) on a copy stream beside the compute: only what outlasts the action shows."""
+        copy = self.chunk.offloaded_bytes(tokens) / self.hw.pcie_bandwidth
+        return max(0.0, copy - compute)
 
     def forward_time(self, stage: int, tokens: float, prefix: float) -> float:
         t = self._layers_time(tokens, prefix, backward=False)
@@ -143,7 +154,14 @@ class CostModel:
             t += self.kernel_time(self.shape.embedding_forward_work(tokens), False)
         if stage == self.num_stages - 1:
             t += self.kernel_time(self.shape.output_forward_work(tokens), False)
-        return t
+        return t + self._offload_exposed_time(tokens, t)
+
+    def recompute_time(self, tokens: float, prefix: float) -> float:
+        """Forward work a stage's backward repeats: whole recomputed layers (communication
+        included) under full, the checkpointed modules' kernels under selective."""
+        recomputed = self.recompute.recomputed_layers(self.layers_per_stage)
+        t = self._layer_time(tokens, prefix, backward=False) * recomputed
+        return t + self.kernel_time(self.chunk.selective_work(tokens, prefix), False)
 
     def backward_time(self, stage: int, tokens: float, prefix: float) -> float:
         t = self._layers_time(tokens, prefix, backward=True)
@@ -151,9 +169,8 @@ class CostModel:
             t += 2 * self.kernel_time(self.shape.embedding_forward_work(tokens), False)
         if stage == self.num_stages - 1:
             t += 2 * self.kernel_time(self.shape.output_forward_work(tokens), False)
-        if self.recompute == "full":
-            t += self._layers_time(tokens, prefix, backward=False)
-        return t
+        t += self.recompute_time(tokens, prefix)
+        return t + self._offload_exposed_time(tokens, t)
 
     def weight_grad_time(self, stage: int, tokens: float, prefix: float) -> float:
         """The ``W`` part of a split backward: weight-gradient GEMMs only."""
@@ -163,16 +180,19 @@ class CostModel:
 
     # ---- memory -------------------------------------------------------------------------------
     def activation_bytes(self, stage: int, tokens: float) -> float:
-        b = self.shape.activation_bytes(tokens, self.recompute) * self.layers_per_stage
+        """What a slice keeps on the GPU from its forward to its backward (K/V aside)."""
+        b = self.chunk.resident_bytes(tokens)
         if stage == self.num_stages - 1:
             b += self.shape.output_activation_bytes(tokens)
         return b
 
+    def backward_transient_bytes(self, stage: int, tokens: float) -> float:
+        """Held only while a slice's backward runs: recompute working set and prefetched offload."""
+        return self.chunk.backward_transient_bytes(tokens)
+
     def kv_bytes(self, stage: int, tokens: float) -> float:
-        """K/V this slice leaves in the cache (none under full recompute: it is rebuilt)."""
-        if self.recompute == "full":
-            return 0.0
-        return self.shape.kv_bytes(tokens) * self.layers_per_stage
+        """K/V this slice leaves in the cache (a fully recomputed layer's is rebuilt, unless sliced)."""
+        return self.shape.kv_bytes(tokens) * self.chunk.kv_layers()
 
     def kv_grad_bytes(self, stage: int, tokens: float) -> float:
         return self.shape.kv_grad_bytes(tokens) * self.layers_per_stage

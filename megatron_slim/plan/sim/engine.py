@@ -138,6 +138,9 @@ class _Run:
             mem.append((end, costs.activation_bytes(stage, mb, j), costs.kv_bytes(stage, mb, j)))
             return
         if a.kind in (Kind.B, Kind.I):
+            transient = costs.backward_transient_bytes(stage, mb, j)  # recompute working set, prefetch
+            if transient:
+                mem += [(start, transient, 0.0), (end, -transient, 0.0)]
             if j == n - 1 and n > 1:
                 buffers = sum(costs.kv_grad_bytes(stage, mb, i) for i in range(n - 1))
                 mem.append((start, 0.0, buffers))

@@ -23,6 +23,7 @@ def _common(recipe: Recipe) -> dict[str, Any]:
         recompute=None if t.recompute == "none" else t.recompute,
         precision=t.precision,
         eval_iters=t.eval_iters,
+        offload_ratio=t.offload_ratio,
     )
 
 

@@ -27,6 +27,15 @@ TRAIN_RULES = [
         ),
     ),
     Rule(
+        "cpu-offload",
+        (TRAIN,),
+        lambda s: s.offload_ratio > 0,
+        lambda s, i: (
+            f"train.offload_ratio: got {s.offload_ratio}; the CPU training loop does not offload activations "
+            "(the simulator prices it); allowed: 0"
+        ),
+    ),
+    Rule(
         "cpu-precision",
         (TRAIN,),
         lambda s: s.precision != "fp32",

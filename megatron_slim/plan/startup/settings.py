@@ -33,6 +33,7 @@ class Settings:
     recompute: Optional[str] = None  # the recomputation granularity ("full", "selective"); None: none
     precision: str = "fp32"
     eval_iters: int = 0
+    offload_ratio: float = 0.0  # a recipe's train.offload_ratio (Megatron-LM has no such flag)
     # Megatron-LM flags a recipe has no field for
     hierarchical_cp_sizes: Any = None
     cp_comm_type: Any = None
@@ -107,6 +108,7 @@ _RECIPE_NAMES = {
     "recompute": "train.recompute",
     "precision": "train.precision",
     "eval_iters": "train.eval_iters",
+    "offload_ratio": "train.offload_ratio",
     "megatron_schedule": "schedule.kind=1f1b or interleaved",
 }
 _FLAG_NAMES = {
