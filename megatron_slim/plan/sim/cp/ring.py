@@ -65,7 +65,7 @@ class RingPricer:
         self.position = {r: i for i, r in enumerate(ranks)}
         self.pairs = ring_pairs(lengths, len(ranks))
         self.kvb = builder.costs.kv_bytes * kv_share
-        self.tag = f"{group.kind} g{group.index}" + (f" ring {sub}" if group.kind == "hierarchical" else "")
+        self.detail = f"ring {sub}" if group.kind == "hierarchical" else ""
         self.comp: dict[tuple[int, int], int] = {}
         self.kv: dict[tuple[int, int], int] = {}
         self.dkv: dict[tuple[int, int], int] = {}
@@ -75,7 +75,8 @@ class RingPricer:
         """Member i's accumulated dK/dV of the block it computed at step t can leave."""
         return (self.comp[(i, t)],) + ((self.dkv[(i, t)],) if t >= 1 else ())
 
-    def price(self, rank: int, step: Step) -> None:
+    def price(self, rank: int, step: Step, name: str) -> None:
+        """Add ``rank``'s tasks of ``step``, named ``name`` (the step's ``GroupTask.step_name``)."""
         if rank not in self.position or step.op not in ("C", "POST"):
             return
         i, t, g = self.position[rank], step.step, len(self.ranks)
@@ -87,7 +88,8 @@ class RingPricer:
                 self.pairs[i][(i - t) % g] * self.head_share,
                 deps,
                 (self.group.priority, self.group.index, t, self.sub),
-                f"{self.tag} step {t}",
+                name,
+                self.detail,
             )
             if g == 1 and self.b.backward:  # a one-member ring hands its dK/dV "home" to itself
                 self.home[i] = hop(
@@ -98,7 +100,8 @@ class RingPricer:
                     self.block_rows[0],
                     self.kvb,
                     self._grad_ready(0, 0),
-                    f"{self.tag} dK/dV home",
+                    name,
+                    "dK/dV home",
                 )
         elif step.what == "KV":
             buffer = (self.comp[(i, t - 2)],) if t >= 2 else ()
@@ -111,7 +114,8 @@ class RingPricer:
                 self.block_rows[(i - t) % g],
                 self.kvb,
                 have + buffer,
-                f"{self.tag} K/V step {t}",
+                name,
+                self.detail,
             )
         elif t < g:
             self.dkv[(i, t)] = hop(
@@ -122,7 +126,8 @@ class RingPricer:
                 self.block_rows[(i - t) % g],
                 self.kvb,
                 self._grad_ready(prev, t - 1),
-                f"{self.tag} dK/dV step {t}",
+                name,
+                self.detail,
             )
         else:
             self.home[i] = hop(
@@ -133,7 +138,8 @@ class RingPricer:
                 self.block_rows[i],
                 self.kvb,
                 self._grad_ready(prev, g - 1),
-                f"{self.tag} dK/dV home",
+                name,
+                ", ".join(filter(None, (self.detail, "home"))),
             )
 
     def final(self, rank: int) -> list[int]:
