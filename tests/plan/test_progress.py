@@ -13,6 +13,7 @@ from megatron_slim.commands.progress import ProgressLine
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.cp.lengths import make_packs, parse_lengths
 from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.plan.schedule import walk
 from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.sim.costs import RecipeCosts
 from megatron_slim.plan.sim.cp.sim import simulate_cp
@@ -83,8 +84,9 @@ def test_the_eta_restarts_with_each_series_and_a_failure_is_said():
     assert lines[2] == "x: stopped after 1 min 20 s"
 
 
-def test_the_pipeline_simulator_reports_each_phase_and_gives_the_same_result():
-    recipe = load_recipe("llama2-70b-512k")
+def test_the_pipeline_simulator_reports_each_phase_and_gives_the_same_result(monkeypatch):
+    monkeypatch.setattr(walk, "EVERY", 32)  # several reports per walk of tiny-cpu's 256 actions
+    recipe = load_recipe("tiny-cpu")
     p = recipe.parallel
     schedule = generate(recipe.schedule.kind, p.pp, p.vpp, recipe.num_microbatches, recipe.schedule.num_slices)
     costs = RecipeCosts(recipe, CostModel(recipe))
@@ -130,7 +132,7 @@ def test_the_cp_simulator_reports_every_pack():
             ],
             "engine zeppelin (2/2): 2/2 packs planned and simulated",
         ),
-        (["--recipe", "llama2-70b-512k"], "slimpipe v5 n32 balanced: simulating "),
+        (["--recipe", "tiny-cpu"], "slimpipe n4 uniform: simulating "),
     ],
 )
 def test_progress_goes_to_stderr_while_json_goes_to_stdout(argv, needle, monkeypatch, capsys):
