@@ -20,6 +20,7 @@ from megatron_slim.plan.sim.cp.sim import simulate_cp
 from megatron_slim.plan.sim.engine import simulate
 
 SPEC = "lognormal:mean=4096,sigma=1.2,min=256,max=65536"
+TWO_NODES = ["parallel.cp=16", "model.seq_length=65536"]  # of zeppelin-7b-h800's four: quicker, same paths
 
 
 class Clock:
@@ -108,7 +109,7 @@ def test_the_pipeline_simulator_reports_each_phase_and_gives_the_same_result(mon
 
 
 def test_the_cp_simulator_reports_every_pack():
-    recipe = load_recipe("zeppelin-7b-h800", ["train.global_batch_size=3"])
+    recipe = load_recipe("zeppelin-7b-h800", ["train.global_batch_size=3", *TWO_NODES])
     packs = make_packs(parse_lengths(SPEC), recipe.model.seq_length, 3, seed=0)
     calls = []
     reported = simulate_cp(recipe, "ring", packs, progress=lambda *c: calls.append(c))
@@ -129,6 +130,7 @@ def test_the_cp_simulator_reports_every_pack():
                 SPEC,
                 "--set",
                 "train.global_batch_size=2",
+                *(arg for setting in TWO_NODES for arg in ("--set", setting)),
             ],
             "engine zeppelin (2/2): 2/2 packs planned and simulated",
         ),
