@@ -75,12 +75,16 @@ class RingPricer:
         """Member i's accumulated dK/dV of the block it computed at step t can leave."""
         return (self.comp[(i, t)],) + ((self.dkv[(i, t)],) if t >= 1 else ())
 
+    def _into(self, i: int, step: int, src: int, rows: float, deps: tuple[int, ...], name: str, detail: str) -> int:
+        """The hop of ring step ``step`` into member ``i`` from rank ``src``: ``rows`` K/V (or dK/dV) rows."""
+        return self.b.hop(self.group, step, src, self.ranks[i], rows, self.kvb, deps, name, detail)
+
     def price(self, rank: int, step: Step, name: str) -> None:
         """Add ``rank``'s tasks of ``step``, named ``name`` (the step's ``GroupTask.step_name``)."""
         if rank not in self.position or step.op not in ("C", "POST"):
             return
         i, t, g = self.position[rank], step.step, len(self.ranks)
-        prev, hop = (i - 1) % g, self.b.hop
+        prev = (i - 1) % g
         if step.op == "C":
             deps = (self.ready[rank],) if t == 0 else (self.kv[(i, t)], self.comp[(i, t - 1)])
             self.comp[(i, t)] = self.b.attn(
@@ -92,55 +96,19 @@ class RingPricer:
                 self.detail,
             )
             if g == 1 and self.b.backward:  # a one-member ring hands its dK/dV "home" to itself
-                self.home[i] = hop(
-                    self.group,
-                    1,
-                    rank,
-                    rank,
-                    self.block_rows[0],
-                    self.kvb,
-                    self._grad_ready(0, 0),
-                    name,
-                    "dK/dV home",
-                )
+                self.home[i] = self._into(i, 1, rank, self.block_rows[0], self._grad_ready(0, 0), name, "dK/dV home")
         elif step.what == "KV":
             buffer = (self.comp[(i, t - 2)],) if t >= 2 else ()
             have = (self.ready[self.ranks[prev]],) if t == 1 else (self.kv[(prev, t - 1)],)
-            self.kv[(i, t)] = hop(
-                self.group,
-                t,
-                self.ranks[prev],
-                rank,
-                self.block_rows[(i - t) % g],
-                self.kvb,
-                have + buffer,
-                name,
-                self.detail,
-            )
+            rows = self.block_rows[(i - t) % g]
+            self.kv[(i, t)] = self._into(i, t, self.ranks[prev], rows, have + buffer, name, self.detail)
         elif t < g:
-            self.dkv[(i, t)] = hop(
-                self.group,
-                t,
-                self.ranks[prev],
-                rank,
-                self.block_rows[(i - t) % g],
-                self.kvb,
-                self._grad_ready(prev, t - 1),
-                name,
-                self.detail,
-            )
+            rows, ready = self.block_rows[(i - t) % g], self._grad_ready(prev, t - 1)
+            self.dkv[(i, t)] = self._into(i, t, self.ranks[prev], rows, ready, name, self.detail)
         else:
-            self.home[i] = hop(
-                self.group,
-                g,
-                self.ranks[prev],
-                rank,
-                self.block_rows[i],
-                self.kvb,
-                self._grad_ready(prev, g - 1),
-                name,
-                ", ".join(filter(None, (self.detail, "home"))),
-            )
+            detail = ", ".join(filter(None, (self.detail, "home")))
+            ready = self._grad_ready(prev, g - 1)
+            self.home[i] = self._into(i, g, self.ranks[prev], self.block_rows[i], ready, name, detail)
 
     def final(self, rank: int) -> list[int]:
         """What ``rank``'s post-attention work waits for: its last kernel (and, backward, its own
