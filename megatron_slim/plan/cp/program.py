@@ -17,8 +17,8 @@ all-to-alls of the forward, ``DO``/``DQKV`` those of the backward, ``GATHER``/``
 all-gather and the dK/dV reduce-scatter, ``DKV`` the ring's dK/dV hand-on (step ``g``: home).
 A task's text is ``G3:zigzag/inter(member)``.
 
-``GroupTask.step_name`` names one step of a task as both the simulator's Chrome trace (``plan.sim.cp``) and
-the runtime's profiler labels (``record_function``) show it: ``cp fwd G3 zigzag/inter POST_KV2``.
+``GroupTask.step_name`` names a step as both the simulator's Chrome trace (``plan.sim.cp``) and the
+runtime's profiler labels (``record_function``) show it: ``cp fwd G3 zigzag/inter POST_KV2``.
 """
 
 from __future__ import annotations
