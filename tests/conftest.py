@@ -14,6 +14,7 @@ fail and name the marker to use.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import multiprocessing.context
 import sys
@@ -26,11 +27,13 @@ OWN_TIERS = ("real_megatron", "real_bridge")
 PLAN_DIR = Path(__file__).parent / "plan"
 
 
-def _source(fn) -> str:
+@functools.cache
+def _starts_ranks(fn) -> bool:
+    """``fn``'s source calls ``run_ranks`` (cached: parametrized tests and shared fixtures repeat)."""
     try:
-        return inspect.getsource(fn)
+        return "run_ranks(" in inspect.getsource(fn)
     except (OSError, TypeError):
-        return ""
+        return False
 
 
 def _calls_run_ranks(item: pytest.Item) -> bool:
@@ -38,7 +41,7 @@ def _calls_run_ranks(item: pytest.Item) -> bool:
     fixture_info = getattr(item, "_fixtureinfo", None)
     if fixture_info is not None:
         functions += [d.func for defs in fixture_info.name2fixturedefs.values() for d in defs]
-    return any("run_ranks(" in _source(fn) for fn in functions if fn is not None)
+    return any(_starts_ranks(fn) for fn in functions if fn is not None)
 
 
 def _tier(item: pytest.Item) -> str | None:

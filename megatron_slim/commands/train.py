@@ -45,7 +45,7 @@ def _stage_entries(reports, pp: int) -> list[dict]:
 
 
 def _cp_entry(recipe, reporter) -> dict:
-    from megatron_slim.train.cp import cp_topology
+    from megatron_slim.train.checks import cp_topology
 
     topo, _ = cp_topology(recipe)
     return {
@@ -170,7 +170,8 @@ def check_exit_interval(exit_interval, iters: int, resumed_from: int) -> None:
 
 def main(args) -> int:
     from megatron_slim.runtime.job import launched_rank
-    from megatron_slim.train.loop import TrainOptions, check_trainable
+    from megatron_slim.train.checks import check_trainable
+    from megatron_slim.train.loop import TrainOptions
 
     began = time.perf_counter()
     recipe = load_recipe(args.recipe, args.set)

@@ -27,38 +27,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_slim.plan.recipe import Recipe
-from megatron_slim.plan.schema import fail
+from megatron_slim.train.checks import check_cp_trainable, cp_topology
 
 MICROBATCH_KEY = "cp_microbatch"  # carried through the schedule's data iterator to find the plan
-
-
-def check_cp_trainable(recipe: Recipe) -> None:
-    """Reject, before any work, a CP engine that cannot run on this model and topology (the other
-    rules are ``plan.startup.rules``'s, which ``loop.check_trainable`` applies first)."""
-    if recipe.parallel.cp == 1:
-        return
-    topo, costs = cp_topology(recipe)
-    from megatron_slim.plan.cp.engines import check_supported
-
-    check_supported(recipe.cp.engine, topo, costs)
-
-
-def cp_topology(recipe: Recipe):
-    """The CP domain (nodes x ranks from ``hardware.gpus_per_node / parallel.tp``) and unit costs."""
-    from megatron_slim.plan.cp.costs import CPCosts
-    from megatron_slim.plan.cp.topology import CPTopology
-
-    p, hw = recipe.parallel, recipe.hardware_profile
-    span = p.cp * p.tp
-    if p.dp * p.pp > 1 and hw.gpus_per_node % span and span % hw.gpus_per_node:
-        raise fail(
-            "parallel.cp",
-            p.cp,
-            f"a size whose CP group (cp*tp={span} GPUs) divides or is a multiple of "
-            f"hardware.gpus_per_node={hw.gpus_per_node}",
-            "CP groups would straddle node boundaries",
-        )
-    return CPTopology.from_hardware(hw, p.cp, p.tp), CPCosts.from_recipe(recipe)
 
 
 def cp_layer_classes(recipe: Recipe) -> dict[str, Optional[type]]:

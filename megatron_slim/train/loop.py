@@ -67,16 +67,6 @@ class RankReport:
     cp_iterations: list = field(default_factory=list)  # per iteration: train.cp.CPTrainStep.summary()
 
 
-def check_trainable(recipe: Recipe) -> None:
-    """Reject, before any work, what ``megatron-slim train`` cannot run (``plan.startup.rules``)."""
-    from megatron_slim.plan.startup import TRAIN, check
-    from megatron_slim.plan.startup.from_recipe import train_settings
-    from megatron_slim.train.cp import check_cp_trainable
-
-    check(train_settings(recipe), TRAIN)
-    check_cp_trainable(recipe)
-
-
 def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
     """The schedule settings every rank of ``megatron-slim train`` runs under: the recipe's kind and
     the slice plan the simulator is given (``plan.sim.costs.slice_lengths``)."""

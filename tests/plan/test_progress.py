@@ -13,12 +13,14 @@ from megatron_slim.commands.progress import ProgressLine
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.cp.lengths import make_packs, parse_lengths
 from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.plan.schedule import walk
 from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.sim.costs import RecipeCosts
 from megatron_slim.plan.sim.cp.sim import simulate_cp
 from megatron_slim.plan.sim.engine import simulate
 
 SPEC = "lognormal:mean=4096,sigma=1.2,min=256,max=65536"
+TWO_NODES = ["parallel.cp=16", "model.seq_length=65536"]  # of zeppelin-7b-h800's four: quicker, same paths
 
 
 class Clock:
@@ -83,8 +85,9 @@ def test_the_eta_restarts_with_each_series_and_a_failure_is_said():
     assert lines[2] == "x: stopped after 1 min 20 s"
 
 
-def test_the_pipeline_simulator_reports_each_phase_and_gives_the_same_result():
-    recipe = load_recipe("llama2-70b-512k")
+def test_the_pipeline_simulator_reports_each_phase_and_gives_the_same_result(monkeypatch):
+    monkeypatch.setattr(walk, "EVERY", 32)  # several reports per walk of tiny-cpu's 256 actions
+    recipe = load_recipe("tiny-cpu")
     p = recipe.parallel
     schedule = generate(recipe.schedule.kind, p.pp, p.vpp, recipe.num_microbatches, recipe.schedule.num_slices)
     costs = RecipeCosts(recipe, CostModel(recipe))
@@ -106,7 +109,7 @@ def test_the_pipeline_simulator_reports_each_phase_and_gives_the_same_result():
 
 
 def test_the_cp_simulator_reports_every_pack():
-    recipe = load_recipe("zeppelin-7b-h800", ["train.global_batch_size=3"])
+    recipe = load_recipe("zeppelin-7b-h800", ["train.global_batch_size=3", *TWO_NODES])
     packs = make_packs(parse_lengths(SPEC), recipe.model.seq_length, 3, seed=0)
     calls = []
     reported = simulate_cp(recipe, "ring", packs, progress=lambda *c: calls.append(c))
@@ -127,10 +130,11 @@ def test_the_cp_simulator_reports_every_pack():
                 SPEC,
                 "--set",
                 "train.global_batch_size=2",
+                *(arg for setting in TWO_NODES for arg in ("--set", setting)),
             ],
             "engine zeppelin (2/2): 2/2 packs planned and simulated",
         ),
-        (["--recipe", "llama2-70b-512k"], "slimpipe v5 n32 balanced: simulating "),
+        (["--recipe", "tiny-cpu"], "slimpipe n4 uniform: simulating "),
     ],
 )
 def test_progress_goes_to_stderr_while_json_goes_to_stdout(argv, needle, monkeypatch, capsys):

@@ -12,7 +12,7 @@ from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.startup import INPUTS, LAUNCHER, MEGATRON_ARGS, RULES, TRAIN, Inputs, broken_rule
 from megatron_slim.plan.startup.from_recipe import megatron_args_settings, train_settings
-from megatron_slim.train.loop import check_trainable
+from megatron_slim.train.checks import check_trainable
 from tests.oracle.models import TINY_CP_MEGATRON_ARGS
 
 FLAGS = TINY_CP_MEGATRON_ARGS

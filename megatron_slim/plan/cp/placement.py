@@ -87,10 +87,11 @@ def partition_pack(
 ) -> tuple[list[SplitOption], list[tuple[int, ...]], list[float]]:
     """Steps 1-3 and the refinement: every sequence's split, its members, every rank's load."""
     remap = layers.remap
-    options = [
-        split_options(s, topo, costs, remap=remap, routing=layers.routing, hierarchical=layers.hierarchical)
-        for s in lengths
-    ]
+    by_length = {  # packs of many short documents repeat lengths: price each length once
+        s: split_options(s, topo, costs, remap=remap, routing=layers.routing, hierarchical=layers.hierarchical)
+        for s in set(lengths)
+    }
+    options = [by_length[s] for s in lengths]  # read only: equal lengths share one list
     target = _target(lengths, topo, costs, remap)
     # A token beyond its node's share crosses a NIC 4 times a layer (to and from the MLP layout, in
     # forward and backward) inside a collective every rank waits for; in the worst case one rank's
@@ -98,7 +99,8 @@ def partition_pack(
     overflow_s = (
         4 * costs.hidden_bytes / topo.nic.bandwidth * topo.ranks_per_node if remap and topo.num_nodes > 1 else 0.0
     )
-    choice = [opts.index(choose_split(opts, target)) for opts in options]
+    first = {s: opts.index(choose_split(opts, target)) for s, opts in by_length.items()}
+    choice = [first[s] for s in lengths]
     splits = [options[i][c] for i, c in enumerate(choice)]
     members, loads = partition(lengths, splits, topo, overflow_s)
     for _ in range(_REFINE_ROUNDS):

@@ -16,6 +16,9 @@ ring member ``i - 2`` (``C0``: its own block, the causal one); ``QKV``/``OUT`` a
 all-to-alls of the forward, ``DO``/``DQKV`` those of the backward, ``GATHER``/``SCATTER`` the K/V
 all-gather and the dK/dV reduce-scatter, ``DKV`` the ring's dK/dV hand-on (step ``g``: home).
 A task's text is ``G3:zigzag/inter(member)``.
+
+``GroupTask.step_name`` names a step as both the simulator's Chrome trace (``plan.sim.cp``) and the
+runtime's profiler labels (``record_function``) show it: ``cp fwd G3 zigzag/inter POST_KV2``.
 """
 
 from __future__ import annotations
@@ -68,6 +71,11 @@ class GroupTask:
 
     def __str__(self) -> str:
         return f"G{self.group}:{self.kind}/{self.scope}({'member' if self.member else 'relay'})"
+
+    def step_name(self, step: Step, backward: bool) -> str:
+        """``cp fwd G3 zigzag/inter C2``: the one name of ``step`` in simulated traces and runtime
+        profiles, the same on every member and relay of the group."""
+        return f"cp {'bwd' if backward else 'fwd'} G{self.group} {self.kind}/{self.scope} {step}"
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class AllGatherTask:
 
     def _walk(self, rt: RunContext, steps, handlers: dict):
         """Generator: ``handlers[(op, what)](step)`` for each step, a yield at each ``ROUND``."""
-        yield from walk_steps(steps, rt.record(self.group.index), lambda step: handlers[(step.op, step.what)](step))
+        yield from walk_steps(self.steps, steps, rt, lambda step: handlers[(step.op, step.what)](step))
 
     def forward(self, rt: RunContext, q: Tensor, k: Tensor, v: Tensor):
         st: dict = {}

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.profiler import record_function
 
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.routing import RoutingPlan
@@ -39,16 +38,16 @@ from megatron_slim.runtime.cp.run_context import HeadShape, RunContext
 Tensor = torch.Tensor
 
 
-def run_queues(tasks: list, labels: list[str]) -> list[Any]:
-    """Advance every generator one round at a time, in list order; return their return values."""
+def run_queues(tasks: list) -> list[Any]:
+    """Advance every generator one round at a time, in list order; return their return values.
+    (Each step labels itself for torch's profiler: ``run_context.walk_steps``.)"""
     results: list[Any] = [None] * len(tasks)
     active = list(range(len(tasks)))
     while active:
         still = []
         for i in active:
             try:
-                with record_function(labels[i]):
-                    next(tasks[i])
+                next(tasks[i])
                 still.append(i)
             except StopIteration as stop:
                 results[i] = stop.value
@@ -136,7 +135,7 @@ class CPAttentionEngine:
             t.forward(rt, *((None,) * 3 if t.rows is None else (t.rows.take(x) for x in (q, k, v))))
             for t in program.tasks
         ]
-        results = run_queues(tasks, _labels(program, "forward"))
+        results = run_queues(tasks)
         self.comm.drain()
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
         for t, (out_g, _) in zip(program.tasks, results):
@@ -146,12 +145,12 @@ class CPAttentionEngine:
 
     def backward_pass(self, state: _Pass, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         dout = dout.contiguous()
-        rt = dataclasses.replace(state.rt, walked=self._walked("backward"))
+        rt = dataclasses.replace(state.rt, walked=self._walked("backward"), backward=True)
         tasks = [
             t.backward(rt, None if t.rows is None else t.rows.take(dout), s)
             for t, s in zip(state.program.tasks, state.saved)
         ]
-        results = run_queues(tasks, _labels(state.program, "backward"))
+        results = run_queues(tasks)
         self.comm.drain()
         grads = [torch.empty(shape, dtype=rt.dtype, device=rt.device) for shape in state.shapes]
         for t, result in zip(state.program.tasks, results):
@@ -175,10 +174,6 @@ class CPAttentionEngine:
     ) -> Tensor:
         """Differentiable attention of this rank's tokens under the current plan (see module doc)."""
         return _CPAttention.apply(q, k, v, self, softmax_scale, backend)
-
-
-def _labels(program: RankProgram, direction: str) -> list[str]:
-    return [f"cp.{direction}.G{t.group.index}.{t.group.kind}.{t.group.scope}" for t in program.tasks]
 
 
 class _CPAttention(torch.autograd.Function):

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_slim.plan.cp.program import GroupTask
 from megatron_slim.plan.cp.routing import RoutePart, RoutingPlan
 from megatron_slim.runtime.cp.block_attention import backward_into, forward_into, new_accumulators, pair_calls
 from megatron_slim.runtime.cp.exchange import Exchange, Hop
@@ -210,8 +211,8 @@ class Ring:
         dk, dv = unpack(st["dkv"], *self.kv_shapes)  # home: every member's share
         return st["grads"][0], dk, dv
 
-    def run(self, steps, rt: RunContext, *args, backward: bool, walked: Optional[list] = None):
-        """Generator over this ring's steps; returns ``finish_forward`` / ``finish_backward``."""
+    def run(self, task: GroupTask, steps, rt: RunContext, *args, backward: bool):
+        """Generator over this ring's ``steps`` of ``task``; returns ``finish_forward`` / ``finish_backward``."""
         st = self.start_backward(rt, *args) if backward else self.start_forward(rt, *args)
-        yield from walk_steps(steps, walked, lambda step: self.run_step(st, step, backward))
+        yield from walk_steps(task, steps, rt, lambda step: self.run_step(st, step, backward))
         return self.finish_backward(st) if backward else self.finish_forward(st)

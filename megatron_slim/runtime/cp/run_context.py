@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
+from torch.profiler import record_function
 
+from megatron_slim.plan.cp.program import GroupTask, Step
 from megatron_slim.runtime.attention import AttentionBackend
 from megatron_slim.runtime.cp.comm import Comm
 
@@ -36,6 +39,7 @@ class RunContext:
     dtype: torch.dtype  # of q/k/v and of the messages carrying them
     device: torch.device
     walked: Optional[dict] = field(default=None, compare=False)  # group -> step strings run, when recording
+    backward: bool = False  # the pass runs the tasks' backward steps
 
     def record(self, group: int) -> Optional[list]:
         return None if self.walked is None else self.walked.setdefault(group, [])
@@ -46,14 +50,22 @@ class RunContext:
         return torch.promote_types(self.dtype, torch.float32)
 
 
-def walk_steps(steps: Iterable[Any], walked: Optional[list], run_step: Callable[[Any], None]) -> Iterator[None]:
-    """Generator: ``run_step(step)`` for each step (recorded in ``walked`` when given), a yield at each ``ROUND``."""
+def walk_steps(
+    task: GroupTask, steps: Iterable[Step], rt: RunContext, run_step: Callable[[Step], None]
+) -> Iterator[None]:
+    """Generator over some of ``task``'s steps: ``run_step(step)`` for each, a yield at each ``ROUND``.
+
+    Each step is recorded when ``rt`` records, and under torch's profiler runs inside
+    ``record_function(task.step_name(...))``: the name the simulator's CP trace gives it."""
+    walked = rt.record(task.group)
     for step in steps:
         if walked is not None:
             walked.append(str(step))
         if step.op == "ROUND":
             yield
-        else:
+            continue
+        profiled = torch.autograd._profiler_enabled()
+        with record_function(task.step_name(step, rt.backward)) if profiled else nullcontext():
             run_step(step)
 
 

@@ -25,7 +25,7 @@ from megatron_slim.runtime.cp.block_attention import Rows
 from megatron_slim.runtime.cp.exchange import Exchange, Hop
 from megatron_slim.runtime.cp.heads import split_heads
 from megatron_slim.runtime.cp.ring import Ring
-from megatron_slim.runtime.cp.run_context import HeadShape, RunContext, flat2d, pack, unpack
+from megatron_slim.runtime.cp.run_context import HeadShape, RunContext, flat2d, pack, unpack, walk_steps
 from megatron_slim.runtime.cp.spans import block_rows, concat, group_rows, member_block
 
 Tensor = torch.Tensor
@@ -106,20 +106,20 @@ class SplitGroupTask:
     # ---- passes -----------------------------------------------------------------------------------
     def _exchange(self, rt: RunContext, steps, post):
         """Generator over one all-to-all's POST, ROUND, WAIT steps; returns what arrived, per member."""
-        walked, pending = rt.record(self.group.index), None
-        for step in steps:
-            if walked is not None:
-                walked.append(str(step))
+        box: dict = {}
+
+        def run_step(step) -> None:
             if step.op == "POST":
-                pending = post()
-            elif step.op == "ROUND":
-                yield
+                box["pending"] = post()
             else:
-                assert pending is not None, "an all-to-all posts before it waits"
-                return self._from_each(pending.wait())
+                assert "pending" in box, "an all-to-all posts before it waits"
+                box["got"] = self._from_each(box.pop("pending").wait())
+
+        yield from walk_steps(self.steps, steps, rt, run_step)
+        return box["got"]
 
     def _ring(self, rt: RunContext, steps, *args, backward: bool):
-        return self.ring.run(steps, rt, *args, backward=backward, walked=rt.record(self.group.index))
+        return self.ring.run(self.steps, steps, rt, *args, backward=backward)
 
     def forward(self, rt: RunContext, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor]):
         """Generator over the task's forward steps; returns ``(out, saved)`` for this rank's tokens."""

@@ -37,7 +37,8 @@ def test_one_rank_is_the_sum_of_its_kernels(costs):
 @pytest.mark.parametrize("name", ["2x2", "4x8"])
 def test_every_engine_computes_each_causal_pair_once(engine, name, costs):
     topo = topology(name)
-    for lengths in packs(seed=9, count=4, total=20_000):
+    total = 20_000 if name == "2x2" else 6_000  # 32 ranks: a smaller tiny-sequence pack keeps it quick
+    for lengths in packs(seed=9, count=4, total=total):
         plan = plan_pack(engine, lengths, topo, costs)
         remap = plan_remap_for(plan, topo) if engine == "zeppelin" else None
         pairs = sum(causal(s) for s in lengths)

@@ -71,7 +71,34 @@ def engine_suite(rank, world_size):
         "float32": engine_cases(rank, world_size, FP32_CASES, "float32", "sdpa", dv=D),
         "disagree": disagreeing_plans(rank, world_size),
         "remap": remap_cases(rank, world_size, REMAP_CASES),
+        "profiled": profiled_cases(rank, world_size, PROFILED_CASES),
     }
+
+
+PROFILED_CASES = ("zeppelin-routed", "relay", "hierarchical", "ulysses", "allgather")
+
+
+def profiled_cases(rank, world_size, names):
+    """Per plan, the ``cp ...`` events torch's profiler saw in one forward and backward, by start time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_slim.runtime.attention import select_backend
+    from megatron_slim.runtime.cp import CPAttentionEngine
+
+    engine = CPAttentionEngine(dist.group.WORLD)
+    backend = select_backend("reference", dtype=torch.float64)
+    results = {}
+    for name in names:
+        plan, routing = _plans.case(name)
+        engine.prepare(plan, routing)
+        q, k, v, dout = pack_tensors(plan.pack_length, D, torch.float64, seed=7)
+        idx = layout_index(plan, rank)
+        ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine(ql, kl, vl, backend=backend).backward(dout[idx])
+        events = sorted(prof.events(), key=lambda e: e.time_range.start)
+        results[name] = [e.name for e in events if e.name.startswith("cp ")]
+    return results
 
 
 def disagreeing_plans(rank, world_size):

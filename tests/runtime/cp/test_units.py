@@ -77,7 +77,7 @@ def test_queues_advance_round_robin_in_order():
             yield
         return name
 
-    assert run_queues([task("inter", 3), task("intra", 2), task("local", 1)], ["a", "b", "c"]) == [
+    assert run_queues([task("inter", 3), task("intra", 2), task("local", 1)]) == [
         "inter",
         "intra",
         "local",

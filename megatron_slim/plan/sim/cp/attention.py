@@ -18,6 +18,8 @@ its last participant (in group order) posts it, so every participant's earlier s
 * ``local``: ``C0`` is one task per sequence.
 
 ``walked[(rank, group)]`` lists the step strings in the order priced, to check against the runtime.
+Every task a step creates is named ``GroupTask.step_name`` of that step (``cp fwd G3 zigzag/inter
+C2``), the runtime's profiler label for it; a task's ``detail`` says which part of the step it is.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Callable
 
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.layout import CPGroup, CPPlan
-from megatron_slim.plan.cp.program import CPProgram, Step
+from megatron_slim.plan.cp.program import CPProgram, GroupTask, Step
 from megatron_slim.plan.cp.routing import RoutingPlan
 from megatron_slim.plan.cp.zigzag import causal, member_prefix_pairs
 from megatron_slim.plan.sim.cp.events import Deps, Priority
@@ -34,7 +36,7 @@ from megatron_slim.plan.sim.cp.network import Network
 from megatron_slim.plan.sim.cp.ring import RingPricer
 
 __all__ = ["AttentionBuilder", "rounds"]
-Pricer = Callable[[int, Step], None]  # prices one step of one rank
+Pricer = Callable[[int, Step, str], None]  # prices one step of one rank; the str names its tasks
 Finals = Callable[[], dict[int, list[int]]]  # per member, the tasks its post-attention work waits for
 
 
@@ -63,16 +65,26 @@ class AttentionBuilder:
         self.graph = net.graph
         self.walked: dict[tuple[int, int], list[str]] = {}
 
-    def attn(self, rank: int, pairs: float, deps: Deps, priority: Priority, name: str) -> int:
-        return self.graph.compute(rank, self.costs.attention_s(pairs, self.backward), deps, priority, name=name)
+    def attn(self, rank: int, pairs: float, deps: Deps, priority: Priority, name: str, detail: str = "") -> int:
+        seconds = self.costs.attention_s(pairs, self.backward)
+        return self.graph.compute(rank, seconds, deps, priority, name=name, detail=detail)
 
     def hop(
-        self, group: CPGroup, step: int, src: int, dst: int, rows: float, per_row: float, deps: Deps, name: str = ""
+        self,
+        group: CPGroup,
+        step: int,
+        src: int,
+        dst: int,
+        rows: float,
+        per_row: float,
+        deps: Deps,
+        name: str,
+        detail: str = "",
     ) -> int:
         route = self.routing.route_for(group.index, step, dst) if (self.routing and group.routed) else None
         if route is not None and route.routed:
-            return self.net.routed(route, per_row, deps, f"{name} routed" if name else "")
-        return self.net.transfer(src, dst, rows * per_row, deps, name)
+            return self.net.routed(route, per_row, deps, name, detail)
+        return self.net.transfer(src, dst, rows * per_row, deps, name, detail)
 
     def build(self, group: CPGroup, ready: dict[int, int]) -> dict[int, list[int]]:
         """Tasks of ``group``; ``ready[rank]`` is the task after which a member may start.
@@ -84,25 +96,26 @@ class AttentionBuilder:
             for r in range(self.plan.num_ranks)
             if r not in group.ranks and self.program.task(r, group.index) is not None
         )
-        walkers = [(r, self._rounds(r, group)) for r in (*group.ranks, *relays)]
-        for k in range(max(len(w) for _, w in walkers)):
-            for rank, steps in walkers:
+        walkers = [(r, self._task(r, group)) for r in (*group.ranks, *relays)]
+        cut = [rounds(task.steps(self.backward)) for _, task in walkers]
+        for k in range(max(len(c) for c in cut)):
+            for (rank, task), steps in zip(walkers, cut):
                 for step in steps[k] if k < len(steps) else ():
-                    price(rank, step)
+                    price(rank, step, task.step_name(step, self.backward))
                     self.walked.setdefault((rank, group.index), []).append(str(step))
         return finals()
 
-    def _rounds(self, rank: int, group: CPGroup) -> list[list[Step]]:
+    def _task(self, rank: int, group: CPGroup) -> GroupTask:
         task = self.program.task(rank, group.index)
         assert task is not None, f"rank {rank} has no task in group {group.index}"
-        return rounds(task.steps(self.backward))
+        return task
 
     # ---- kinds ------------------------------------------------------------------------------------
     def _local(self, group: CPGroup, ready: dict[int, int]) -> tuple[Pricer, Finals]:
         rank = group.ranks[0]
         out: dict[int, list[int]] = {}
 
-        def price(r: int, step: Step) -> None:
+        def price(r: int, step: Step, name: str) -> None:
             if step.op == "C":
                 out[r] = [
                     self.attn(
@@ -110,7 +123,8 @@ class AttentionBuilder:
                         causal(self.plan.lengths[i]),
                         (ready[r],),
                         (group.priority, group.index, k),
-                        f"local seq {i} ({self.plan.lengths[i]} tokens)",
+                        name,
+                        f"seq {i} ({self.plan.lengths[i]} tokens)",
                     )
                     for k, i in enumerate(group.seqs)
                 ]
@@ -131,7 +145,9 @@ class AttentionBuilder:
         )
         return ring.price, ring.finals
 
-    def _node_a2a(self, ranks: list[int], rows: list[int], per_row: float, deps: Deps, gather: bool, name: str) -> int:
+    def _node_a2a(
+        self, ranks: list[int], rows: list[int], per_row: float, deps: Deps, gather: bool, name: str, detail: str
+    ) -> int:
         """All-to-all inside one node: a member's rows split evenly over the heads of the others
         (``gather=False``: members send their own rows' heads out; ``True``: return outputs)."""
         a = len(ranks)
@@ -141,7 +157,7 @@ class AttentionBuilder:
             for d in range(a)
             if s != d
         ]
-        return self.net.all_to_all(flows, deps, name)
+        return self.net.all_to_all(flows, deps, name, detail)
 
     def _hierarchical(self, group: CPGroup, ready: dict[int, int]) -> tuple[Pricer, Finals]:
         a, n = group.a2a_size, group.ring_size
@@ -158,7 +174,7 @@ class AttentionBuilder:
         rings: list[RingPricer] = []
         out: dict[int, list[int]] = {}
 
-        def price(rank: int, step: Step) -> None:
+        def price(rank: int, step: Step, name: str) -> None:
             j, local = divmod(group.ranks.index(rank), a)
             if step.what in ("QKV", "DO", "OUT", "DQKV") and local < a - 1:
                 return
@@ -169,13 +185,12 @@ class AttentionBuilder:
                     in_bytes,
                     [ready[r] for r in node_ranks[j]],
                     False,
-                    f"hierarchical g{group.index} a2a in",
+                    name,
+                    f"node {j}",
                 )
             elif step.op == "POST" and step.what in ("OUT", "DQKV"):
                 ends = [t for sub, ring in enumerate(rings) for t in ring.final(node_ranks[j][sub])]
-                done = self._node_a2a(
-                    node_ranks[j], node_rows[j], out_bytes, ends, True, f"hierarchical g{group.index} a2a out"
-                )
+                done = self._node_a2a(node_ranks[j], node_rows[j], out_bytes, ends, True, name, f"node {j}")
                 out.update({r: [done] for r in node_ranks[j]})
             elif step.op == "C" or step.what in ("KV", "DKV"):
                 if not rings:
@@ -193,7 +208,7 @@ class AttentionBuilder:
                         )
                         for sub in range(a)
                     )
-                rings[local].price(rank, step)
+                rings[local].price(rank, step, name)
 
         return price, lambda: out
 
@@ -216,17 +231,15 @@ class AttentionBuilder:
         tids: dict[str, int] = {}
         comp: list[int] = []
 
-        def price(rank: int, step: Step) -> None:
+        def price(rank: int, step: Step, name: str) -> None:
             if step.op == "POST" and step.what in ("QKV", "DO") and rank == ranks[-1]:
                 flows = [(ranks[s], ranks[d], in_bytes(s, d)) for s in range(p) for d in range(p) if s != d]
-                tids["in"] = self.net.all_to_all(flows, [ready[r] for r in ranks], f"ulysses g{group.index} a2a in")
+                tids["in"] = self.net.all_to_all(flows, [ready[r] for r in ranks], name)
             elif step.op == "C":
-                comp.append(
-                    self.attn(rank, pairs, (tids["in"],), (group.priority, group.index, 0), f"ulysses g{group.index}")
-                )
+                comp.append(self.attn(rank, pairs, (tids["in"],), (group.priority, group.index, 0), name))
             elif step.op == "POST" and step.what in ("OUT", "DQKV") and rank == ranks[-1]:
                 flows = [(ranks[s], ranks[d], out_bytes(s, d)) for s in range(p) for d in range(p) if s != d]
-                tids["out"] = self.net.all_to_all(flows, comp, f"ulysses g{group.index} a2a out")
+                tids["out"] = self.net.all_to_all(flows, comp, name)
 
         return price, lambda: {r: [tids["out"]] for r in ranks}
 
@@ -236,20 +249,16 @@ class AttentionBuilder:
         tids: dict[str, int] = {}
         comp: dict[int, int] = {}
 
-        def price(rank: int, step: Step) -> None:
+        def price(rank: int, step: Step, name: str) -> None:
             i = ranks.index(rank)
             if step.op == "POST" and step.what == "GATHER" and i == g - 1:
-                tids["gather"] = self.net.all_gather(
-                    ranks, blocks, [ready[r] for r in ranks], f"allgather g{group.index} K/V"
-                )
+                tids["gather"] = self.net.all_gather(ranks, blocks, [ready[r] for r in ranks], name)
             elif step.op == "C" and step.step == 0:
                 pairs = sum(member_prefix_pairs(self.plan.lengths[s], g, i) for s in group.seqs)
                 comp[rank] = self.attn(
-                    rank, pairs, (tids["gather"],), (group.priority, group.index, 0), f"allgather g{group.index}"
+                    rank, pairs, (tids["gather"],), (group.priority, group.index, 0), name, "with every other block"
                 )
             elif step.op == "POST" and step.what == "SCATTER" and i == g - 1:  # same traffic as the gather
-                tids["scatter"] = self.net.all_gather(
-                    ranks, blocks, [comp[r] for r in ranks], f"allgather g{group.index} dK/dV reduce-scatter"
-                )
+                tids["scatter"] = self.net.all_gather(ranks, blocks, [comp[r] for r in ranks], name)
 
         return price, lambda: {r: [tids["scatter"] if self.backward else comp[r]] for r in ranks}

@@ -39,7 +39,8 @@ class Task:
     deps: tuple[int, ...]
     priority: Priority
     category: str  # "attention" | "linear" | "comm"
-    name: str = ""  # what the task is, for traces: "mlp", "zigzag g3 step 2", "K/V g3 step 2", ...
+    name: str = ""  # what the task is, for traces: "mlp", or its CP step's name (GroupTask.step_name)
+    detail: str = ""  # which part of the step, for traces: "seq 3 (17 tokens)", "routed part 1 dispatch"
 
 
 @dataclass
@@ -48,9 +49,16 @@ class TaskGraph:
     tasks: list[Task] = field(default_factory=list)
 
     def compute(
-        self, rank: int, duration: float, deps: Deps, priority: Priority, category: str = "attention", name: str = ""
+        self,
+        rank: int,
+        duration: float,
+        deps: Deps,
+        priority: Priority,
+        category: str = "attention",
+        name: str = "",
+        detail: str = "",
     ) -> int:
-        self.tasks.append(Task(rank, max(0.0, duration), (), 0.0, tuple(deps), priority, category, name))
+        self.tasks.append(Task(rank, max(0.0, duration), (), 0.0, tuple(deps), priority, category, name, detail))
         return len(self.tasks) - 1
 
     def comm(
@@ -59,10 +67,11 @@ class TaskGraph:
         latency: float,
         deps: Deps,
         name: str = "",
+        detail: str = "",
     ) -> int:
         items = tuple(sorted(loads.items())) if isinstance(loads, dict) else tuple(loads)
         self.tasks.append(
-            Task(-1, 0.0, tuple((r, s) for r, s in items if s > 0), latency, tuple(deps), (), "comm", name)
+            Task(-1, 0.0, tuple((r, s) for r, s in items if s > 0), latency, tuple(deps), (), "comm", name, detail)
         )
         return len(self.tasks) - 1
 
@@ -180,14 +189,19 @@ class Span:
     name: str
     start: float
     end: float
+    detail: str = ""
 
 
 def spans(graph: TaskGraph, timeline: Timeline) -> list[Span]:
     """Every interval of ``timeline`` with positive length, compute tasks then resource loads."""
     out = [
-        Span(t.rank, "compute", t.category, t.name, timeline.start[i], timeline.end[i])
+        Span(t.rank, "compute", t.category, t.name, timeline.start[i], timeline.end[i], t.detail)
         for i, t in enumerate(graph.tasks)
         if t.rank >= 0 and timeline.end[i] > timeline.start[i]
     ]
-    out += [Span(res[1], res[0], "comm", graph.tasks[i].name, s, e) for i, res, s, e in timeline.occupancy if e > s]
+    out += [
+        Span(res[1], res[0], "comm", graph.tasks[i].name, s, e, graph.tasks[i].detail)
+        for i, res, s, e in timeline.occupancy
+        if e > s
+    ]
     return out

@@ -42,35 +42,36 @@ class Network:
         self.sent[src][cls] += nbytes
         return lat
 
-    def transfer(self, src: int, dst: int, nbytes: float, deps: Deps, name: str = "") -> int:
+    def transfer(self, src: int, dst: int, nbytes: float, deps: Deps, name: str = "", detail: str = "") -> int:
         loads: dict[Resource, float] = {}
         lat = self._flow(loads, src, dst, nbytes)
-        return self.graph.comm(loads, lat, deps, name)
+        return self.graph.comm(loads, lat, deps, name, detail)
 
-    def routed(self, route: Route, bytes_per_row: float, deps: Deps, name: str = "") -> int:
+    def routed(self, route: Route, bytes_per_row: float, deps: Deps, name: str = "", detail: str = "") -> int:
+        """Every part's legs are named ``name``; ``detail`` says which part and leg."""
         ends: list[int] = []
         for k, part in enumerate(route.parts):
             nbytes = part.size * bytes_per_row
             prev = tuple(deps)
-            label = f"{name} part {k}" if name else ""
+            part_of = f"{detail + ', ' if detail else ''}routed part {k}"
             if part.proxy_src != route.src:
-                prev = (self.transfer(route.src, part.proxy_src, nbytes, prev, f"{label} dispatch" if label else ""),)
-            prev = (self.transfer(part.proxy_src, part.proxy_dst, nbytes, prev, label),)
+                prev = (self.transfer(route.src, part.proxy_src, nbytes, prev, name, f"{part_of} dispatch"),)
+            prev = (self.transfer(part.proxy_src, part.proxy_dst, nbytes, prev, name, part_of),)
             if part.proxy_dst != route.dst:
-                prev = (self.transfer(part.proxy_dst, route.dst, nbytes, prev, f"{label} combine" if label else ""),)
+                prev = (self.transfer(part.proxy_dst, route.dst, nbytes, prev, name, f"{part_of} combine"),)
             ends.extend(prev)
         return self.join(ends or deps)
 
     def join(self, deps: Deps) -> int:
         return self.graph.comm({}, 0.0, deps)
 
-    def all_to_all(self, flows: Iterable[tuple[int, int, float]], deps: Deps, name: str = "") -> int:
+    def all_to_all(self, flows: Iterable[tuple[int, int, float]], deps: Deps, name: str = "", detail: str = "") -> int:
         """``flows``: (src, dst, bytes) triples of one collective."""
         loads: dict[Resource, float] = {}
         lat = 0.0
         for src, dst, nbytes in flows:
             lat = max(lat, self._flow(loads, src, dst, nbytes))
-        return self.graph.comm(loads, lat, deps, name)
+        return self.graph.comm(loads, lat, deps, name, detail)
 
     def all_gather(self, members: tuple[int, ...], block_bytes: list[float], deps: Deps, name: str = "") -> int:
         """Every member ends with every member's block (also the cost of the mirror-image

@@ -65,7 +65,7 @@ class RingPricer:
         self.position = {r: i for i, r in enumerate(ranks)}
         self.pairs = ring_pairs(lengths, len(ranks))
         self.kvb = builder.costs.kv_bytes * kv_share
-        self.tag = f"{group.kind} g{group.index}" + (f" ring {sub}" if group.kind == "hierarchical" else "")
+        self.detail = f"ring {sub}" if group.kind == "hierarchical" else ""
         self.comp: dict[tuple[int, int], int] = {}
         self.kv: dict[tuple[int, int], int] = {}
         self.dkv: dict[tuple[int, int], int] = {}
@@ -75,11 +75,12 @@ class RingPricer:
         """Member i's accumulated dK/dV of the block it computed at step t can leave."""
         return (self.comp[(i, t)],) + ((self.dkv[(i, t)],) if t >= 1 else ())
 
-    def _hop(self, t: int, src: int, dst: int, rows: float, deps: tuple[int, ...], label: str) -> int:
-        """One K/V-sized message of this ring (K/V forward, dK/dV backward) from ``src`` to ``dst``."""
-        return self.b.hop(self.group, t, src, dst, rows, self.kvb, deps, f"{self.tag} {label}")
+    def _into(self, i: int, step: int, src: int, rows: float, deps: tuple[int, ...], name: str, detail: str) -> int:
+        """The hop of ring step ``step`` into member ``i`` from rank ``src``: ``rows`` K/V (or dK/dV) rows."""
+        return self.b.hop(self.group, step, src, self.ranks[i], rows, self.kvb, deps, name, detail)
 
-    def price(self, rank: int, step: Step) -> None:
+    def price(self, rank: int, step: Step, name: str) -> None:
+        """Add ``rank``'s tasks of ``step``, named ``name`` (the step's ``GroupTask.step_name``)."""
         if rank not in self.position or step.op not in ("C", "POST"):
             return
         i, t, g = self.position[rank], step.step, len(self.ranks)
@@ -91,22 +92,23 @@ class RingPricer:
                 self.pairs[i][(i - t) % g] * self.head_share,
                 deps,
                 (self.group.priority, self.group.index, t, self.sub),
-                f"{self.tag} step {t}",
+                name,
+                self.detail,
             )
             if g == 1 and self.b.backward:  # a one-member ring hands its dK/dV "home" to itself
-                self.home[i] = self._hop(1, rank, rank, self.block_rows[0], self._grad_ready(0, 0), "dK/dV home")
+                self.home[i] = self._into(i, 1, rank, self.block_rows[0], self._grad_ready(0, 0), name, "dK/dV home")
         elif step.what == "KV":
             buffer = (self.comp[(i, t - 2)],) if t >= 2 else ()
             have = (self.ready[self.ranks[prev]],) if t == 1 else (self.kv[(prev, t - 1)],)
             rows = self.block_rows[(i - t) % g]
-            self.kv[(i, t)] = self._hop(t, self.ranks[prev], rank, rows, have + buffer, f"K/V step {t}")
+            self.kv[(i, t)] = self._into(i, t, self.ranks[prev], rows, have + buffer, name, self.detail)
         elif t < g:
-            rows = self.block_rows[(i - t) % g]
-            grads = self._grad_ready(prev, t - 1)
-            self.dkv[(i, t)] = self._hop(t, self.ranks[prev], rank, rows, grads, f"dK/dV step {t}")
+            rows, ready = self.block_rows[(i - t) % g], self._grad_ready(prev, t - 1)
+            self.dkv[(i, t)] = self._into(i, t, self.ranks[prev], rows, ready, name, self.detail)
         else:
-            grads = self._grad_ready(prev, g - 1)
-            self.home[i] = self._hop(g, self.ranks[prev], rank, self.block_rows[i], grads, "dK/dV home")
+            detail = ", ".join(filter(None, (self.detail, "home")))
+            ready = self._grad_ready(prev, g - 1)
+            self.home[i] = self._into(i, g, self.ranks[prev], self.block_rows[i], ready, name, detail)
 
     def final(self, rank: int) -> list[int]:
         """What ``rank``'s post-attention work waits for: its last kernel (and, backward, its own

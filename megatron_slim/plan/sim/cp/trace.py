@@ -4,7 +4,10 @@ Per engine a block of process ids (``1000 * i``): one process per CP rank with t
 (attention and linear tasks, one at a time), ``NVLink out``/``NVLink in`` and ``NIC out``/``NIC in``
 (each transfer's load on that link; a link serves one load at a time), and a ``packs`` process
 marking each pass. Event names say what the task is: ``pre (norm, QKV, RoPE)``, ``mlp``,
-``zigzag g3 step 2``, ``local seq 17 (4096 tokens)``, ``zigzag g3 K/V step 2``, ``remap``, ...
+``remap``, and for attention the step of the CP program that made it, by ``GroupTask.step_name``
+(``cp fwd G3 zigzag/inter C2``, ``cp bwd G3 zigzag/inter POST_KV2``): the runtime's profiler labels
+for the same steps. ``args.detail`` says which part of the step an event is (``seq 17 (4096
+tokens)``, ``routed part 1 dispatch``, ``ring 0``).
 
 The time axis shows **one decoder layer per pack**: pack 0's forward pass, its backward pass, then
 pack 1's, and so on, back to back. Every layer of a pack repeats its pass, so the iteration is
@@ -71,6 +74,7 @@ def cp_chrome_trace(results: Sequence[CPSimResult]) -> dict[str, Any]:
                         "tid": _THREADS[s.stream][0],
                         "ts": round((offset + s.start) * 1e6, 3),
                         "dur": round((s.end - s.start) * 1e6, 3),
+                        **({"args": {"detail": s.detail}} if s.detail else {}),
                     }
                 )
             offset += layer_pass.time_s
