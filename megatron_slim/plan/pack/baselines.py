@@ -176,7 +176,11 @@ def plan_baseline(
 ) -> PackingPlan:
     """The plan of baseline ``method`` (one of ``BASELINES``)."""
     cap = effective_cap(costs, token_cap, memory_cap)
-    simple: dict[str, Callable[[Sequence[int], int, int], list[Rank]]] = {"megatron": megatron, "bfd": bfd, "lpfhp": lpfhp}
+    simple: dict[str, Callable[[Sequence[int], int, int], list[Rank]]] = {
+        "megatron": megatron,
+        "bfd": bfd,
+        "lpfhp": lpfhp,
+    }
     if method in simple:
         return price(method, lengths, simple[method](lengths, cap, dp), costs, token_cap, memory_cap)
     if method == "hybrid_cp":

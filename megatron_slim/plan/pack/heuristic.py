@@ -52,7 +52,7 @@ def normalised(units: list[Unit], dp: int) -> tuple[Vector, Vector]:
 
 def loads_of(assign: list[int], f: Vector, b: Vector, dp: int) -> Loads:
     a = np.asarray(assign, dtype=np.int64)
-    return Loads(np.bincount(a, f, dp), np.bincount(a, b, dp))
+    return Loads(np.bincount(a, f, dp).astype(np.float64), np.bincount(a, b, dp).astype(np.float64))
 
 
 def lpt(f: Vector, b: Vector, dp: int) -> list[int]:
@@ -69,22 +69,23 @@ def lpt(f: Vector, b: Vector, dp: int) -> list[int]:
 
 
 def _try_pair(members: list[list[int]], f: Vector, b: Vector, loads: Loads, hi: int, lo: int) -> bool:
-    """Move one unit hi -> lo, or swap one of hi's with one of lo's, if that lowers both below hi's load."""
-    target = loads.load()[hi] - 1e-12
-    mine = members[hi]
-    theirs = np.array(members[lo] + [-1], dtype=np.int64)
+    """Move one unit hi -> lo, or swap one of hi's with one of lo's, if the pair's peak drops, or
+    stays while the pair's sum of squared loads drops (a plateau move: with two loads per rank,
+    the way down often leads sideways first)."""
+    peak0 = max(loads.fwd[hi], loads.bwd[hi], loads.fwd[lo], loads.bwd[lo])
+    square0 = loads.fwd[hi] ** 2 + loads.bwd[hi] ** 2 + loads.fwd[lo] ** 2 + loads.bwd[lo] ** 2
+    mine = np.array(members[hi], dtype=np.int64)[:, None]
+    theirs = np.array(members[lo] + [-1], dtype=np.int64)[None, :]
     tf = np.where(theirs >= 0, f[theirs], 0.0)
     tb = np.where(theirs >= 0, b[theirs], 0.0)
-    best, best_peak = None, target
-    for u in mine:
-        hi_f, hi_b = loads.fwd[hi] - f[u] + tf, loads.bwd[hi] - b[u] + tb
-        lo_f, lo_b = loads.fwd[lo] + f[u] - tf, loads.bwd[lo] + b[u] - tb
-        peak = np.maximum(np.maximum(hi_f, hi_b), np.maximum(lo_f, lo_b))
-        j = int(peak.argmin())
-        if peak[j] < best_peak:
-            best, best_peak = (u, int(theirs[j])), float(peak[j])
-    if best is None:
+    hi_f, hi_b = loads.fwd[hi] - f[mine] + tf, loads.bwd[hi] - b[mine] + tb
+    lo_f, lo_b = loads.fwd[lo] + f[mine] - tf, loads.bwd[lo] + b[mine] - tb
+    peak = np.maximum(np.maximum(hi_f, hi_b), np.maximum(lo_f, lo_b)).ravel()
+    square = (hi_f**2 + hi_b**2 + lo_f**2 + lo_b**2).ravel()
+    j = int(np.lexsort((square, peak))[0])
+    if not (peak[j] < peak0 - 1e-12 or (peak[j] <= peak0 + 1e-15 and square[j] < square0 - 1e-12)):
         return False
+    best = (int(mine[j // theirs.shape[1], 0]), int(theirs[0, j % theirs.shape[1]]))
     u, v = best
     for unit, src, dst in ((u, hi, lo), (v, lo, hi)):
         if unit < 0:
@@ -104,11 +105,13 @@ def local_search(assign: list[int], f: Vector, b: Vector, dp: int, rounds: int =
     for u, r in enumerate(assign):
         members[r].append(u)
     for _ in range(rounds):
-        order = np.argsort(loads.load())
-        hi = int(order[-1])
+        hi = int(loads.load().argmax())
         if len(members[hi]) < 2:
             break  # a lone unit is the floor: wherever it goes, that rank is at least as loaded
-        if not any(_try_pair(members, f, b, loads, hi, int(lo)) for lo in order[:partners]):
+        # Partners: the least loaded overall, and the lightest in forward and in backward alone.
+        lows = [int(r) for r in np.argsort(loads.load())[:partners]]
+        lows += [int(loads.fwd.argmin()), int(loads.bwd.argmin())]
+        if not any(_try_pair(members, f, b, loads, hi, lo) for lo in dict.fromkeys(lows) if lo != hi):
             break
     result = list(assign)
     for r, units in enumerate(members):

@@ -58,7 +58,9 @@ def _check_order(rank: int, packs: tuple[MicroPack, ...]) -> None:
     for pack in packs:
         for p in pack.pieces:
             if p.start < last.get(p.sample, -1):
-                raise ConfigError(f"packing plan: rank {rank} runs sample {p.sample} token {p.start} after a later piece")
+                raise ConfigError(
+                    f"packing plan: rank {rank} runs sample {p.sample} token {p.start} after a later piece"
+                )
             last[p.sample] = p.start
 
 
@@ -76,11 +78,12 @@ class PackingPlan:
         for r, packs in enumerate(self.ranks):
             for m, pack in enumerate(packs):
                 if pack.tokens > self.token_cap:
-                    raise ConfigError(f"packing plan: rank {r} MicroPack {m} holds {pack.tokens} > cap {self.token_cap}")
-                if pack.memory_bytes > self.memory_cap * (1 + 1e-9):
                     raise ConfigError(
-                        f"packing plan: rank {r} MicroPack {m} needs {pack.memory_bytes:.4g} B > cap {self.memory_cap:.4g}"
+                        f"packing plan: rank {r} MicroPack {m} holds {pack.tokens} > cap {self.token_cap}"
                     )
+                if pack.memory_bytes > self.memory_cap * (1 + 1e-9):
+                    need, cap = f"{pack.memory_bytes:.4g}", f"{self.memory_cap:.4g}"
+                    raise ConfigError(f"packing plan: rank {r} MicroPack {m} needs {need} B > cap {cap}")
             _check_order(r, packs)
         _check_cover(self.sample_lengths, [p for packs in self.ranks for m in packs for p in m.pieces])
 

@@ -4,8 +4,9 @@
    its K/V cache stays local). An outlier -- longer than ``outlier_tokens``, by default any
    document worth more than half a rank's share of forward or backward work -- may instead be
    DP-merged: each slice a unit of its own, free to go to any replica, paying for the prefix K/V
-   it receives. Both candidates (merge outliers or not) go through phase 1; the priced plan with
-   the lower imbalance wins ("whichever the cost model prefers").
+   it receives. Three candidates (merge nothing, the outliers, or every sliced document) go
+   through phase 1; the one with the lower imbalance wins, then the lower slowest rank (where
+   DP-merge's transfers show): "whichever the cost model prefers".
 2. Phase 1 (``heuristic``): LPT + local search on ``max(F/F*, B/B*)``.
 3. Phase 2 (``milp``): HiGHS refinement under ``budget_s``; kept only if the priced plan is
    better than phase 1's.
@@ -24,7 +25,7 @@ import numpy as np
 from megatron_slim.plan.pack.assemble import Rank, cut_balanced, effective_cap, fill_rank, price
 from megatron_slim.plan.pack.costs import SliceCosts
 from megatron_slim.plan.pack.evaluate import plan_score
-from megatron_slim.plan.pack.heuristic import Unit, normalised, phase1
+from megatron_slim.plan.pack.heuristic import Unit, Vector, local_search, lpt, normalised
 from megatron_slim.plan.pack.milp import refine
 from megatron_slim.plan.pack.plan import PackingPlan, Piece
 from megatron_slim.plan.schema import fail
@@ -64,7 +65,9 @@ class Caps:
     memory_cap: float
 
 
-def build(lengths: Sequence[int], units: list[Unit], assign: Sequence[int], costs: SliceCosts, caps: Caps) -> PackingPlan:
+def build(
+    lengths: Sequence[int], units: list[Unit], assign: Sequence[int], costs: SliceCosts, caps: Caps
+) -> PackingPlan:
     # A DP-merged document's slices that land on one rank run there as one chain, in order.
     per_rank: list[dict[int, tuple[list[Piece], float]]] = [{} for _ in range(caps.dp)]
     for u, r in zip(units, assign):
@@ -87,6 +90,28 @@ def outliers(lengths: Sequence[int], costs: SliceCosts, dp: int, outlier_tokens:
     return {s for s, (f, b) in enumerate(work) if max(f / f_share, b / b_share) > 0.5}
 
 
+def _best_candidate(
+    lengths: Sequence[int], costs: SliceCosts, slices: list[list[Piece]], merges: list[set[int]], dp: int
+) -> tuple[list[Unit], list[int], set[int]]:
+    """Phase 1 for each DP-merge candidate (LPT for all, the local search for the best only)."""
+    options: list[set[int]] = [set()]
+    for m in merges:
+        if m not in options:
+            options.append(m)
+    candidates: list[tuple[float, float, int, list[Unit], list[int], set[int], Vector, Vector]] = []
+    for merged in options:
+        units = make_units(lengths, costs, slices, merged)
+        f, b = normalised(units, dp)
+        assign = lpt(f, b, dp)
+        fwd, bwd = np.bincount(assign, f, dp), np.bincount(assign, b, dp)
+        worst = max(float(fwd.max() / fwd.mean()), float(bwd.max() / bwd.mean()))
+        raw = np.bincount(assign, [u.forward + u.backward for u in units], dp)
+        # Balance first (as ``plan_score``); the slowest rank's work, DP-merge's transfers in it, breaks ties.
+        candidates.append((worst, float(raw.max()), len(candidates), units, assign, merged, f, b))
+    *_, units, assign, merged, f, b = min(candidates, key=lambda c: c[:3])
+    return units, local_search(assign, f, b, dp), merged
+
+
 def solve(
     lengths: Sequence[int],
     costs: SliceCosts,
@@ -101,24 +126,16 @@ def solve(
     began = time.perf_counter()
     if dp < 1:
         raise fail("packing dp", dp, "an integer >= 1")
+    if not lengths or min(lengths) < 1:
+        raise fail("packing lengths", list(lengths)[:8], "at least one sample, every length >= 1")
     caps = Caps(dp, effective_cap(costs, token_cap, memory_cap), token_cap, memory_cap)
     size = min(slice_tokens or caps.cap, caps.cap)
     if size < 1:
         raise fail("packing slice_tokens", slice_tokens, f"an integer in 1..{caps.cap}")
     slices = [cut_balanced(s, n, size, costs) for s, n in enumerate(lengths)]
     merge = outliers(lengths, costs, dp, outlier_tokens)
-    candidates = []
-    scale: tuple[float, float] | None = None
-    for merged in [set(), merge] if merge else [set()]:
-        units = make_units(lengths, costs, slices, merged)
-        assign = phase1(units, dp)
-        f = np.bincount(assign, [u.forward for u in units], dp)
-        b = np.bincount(assign, [u.backward for u in units], dp)
-        scale = scale or (max(float(f.mean()), 1e-300), max(float(b.mean()), 1e-300))
-        # Both candidates measured against the same per-rank means: DP-merge's K/V transfers count.
-        peak = float(np.maximum(f / scale[0], b / scale[1]).max())
-        candidates.append((peak, len(candidates), units, assign, merged))
-    _, _, units, assign, merged = min(candidates, key=lambda c: c[:2])
+    every_sliced = {s for s, c in enumerate(slices) if len(c) > 1}
+    units, assign, merged = _best_candidate(lengths, costs, slices, [merge, merge | every_sliced], dp)
     first = build(lengths, units, assign, costs, caps)
     phase1_s = time.perf_counter() - began
     f, b = normalised(units, dp)
