@@ -1,0 +1,150 @@
+"""SlimPack (arXiv 2509.26246): slices, MicroPacks balanced for forward and backward apart, DP-merge.
+
+1. Units: a document is one unit (its slices of ``slice_tokens`` stay on one rank, in order, so
+   its K/V cache stays local). An outlier -- longer than ``outlier_tokens``, by default any
+   document worth more than half a rank's share of forward or backward work -- may instead be
+   DP-merged: each slice a unit of its own, free to go to any replica, paying for the prefix K/V
+   it receives. Three candidates (merge nothing, the outliers, or every sliced document) go
+   through phase 1; the one with the lower imbalance wins, then the lower slowest rank (where
+   DP-merge's transfers show): "whichever the cost model prefers".
+2. Phase 1 (``heuristic``): LPT + local search on ``max(F/F*, B/B*)``.
+3. Phase 2 (``milp``): HiGHS refinement under ``budget_s``; kept only if the priced plan is
+   better than phase 1's.
+4. Each rank's units go into MicroPacks of at most the token/memory cap (``assemble.fill_rank``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from megatron_slim.plan.pack.assemble import Rank, cut_balanced, effective_cap, fill_rank, price
+from megatron_slim.plan.pack.costs import SliceCosts
+from megatron_slim.plan.pack.evaluate import plan_score
+from megatron_slim.plan.pack.heuristic import Unit, Vector, local_search, lpt, normalised
+from megatron_slim.plan.pack.milp import refine
+from megatron_slim.plan.pack.plan import PackingPlan, Piece
+from megatron_slim.plan.schema import fail
+
+
+@dataclass(frozen=True)
+class SlimPackResult:
+    plan: PackingPlan
+    phase1: PackingPlan
+    phase1_s: float
+    total_s: float
+    milp_rounds: int
+    solver: str
+    merged: tuple[int, ...]
+
+
+def make_units(lengths: Sequence[int], costs: SliceCosts, slices: list[list[Piece]], merged: set[int]) -> list[Unit]:
+    """One unit per document, or per slice of a DP-merged one (``slices``: each document's)."""
+    units = []
+    for sample, length in enumerate(lengths):
+        if sample in merged:
+            for p in slices[sample]:
+                moved = costs.transfer(p.start)
+                units.append(
+                    Unit((p,), costs.forward(p.length, p.start) + moved, costs.backward(p.length, p.start) + 2 * moved)
+                )
+        else:
+            units.append(Unit(tuple(slices[sample]), *costs.sample_work(length)))
+    return units
+
+
+@dataclass(frozen=True)
+class Caps:
+    dp: int
+    cap: int  # tokens a MicroPack may hold under both caps
+    token_cap: int
+    memory_cap: float
+
+
+def build(
+    lengths: Sequence[int], units: list[Unit], assign: Sequence[int], costs: SliceCosts, caps: Caps
+) -> PackingPlan:
+    # A DP-merged document's slices that land on one rank run there as one chain, in order.
+    per_rank: list[dict[int, tuple[list[Piece], float]]] = [{} for _ in range(caps.dp)]
+    for u, r in zip(units, assign):
+        pieces, work = per_rank[r].get(u.pieces[0].sample, ([], 0.0))
+        per_rank[r][u.pieces[0].sample] = (pieces + list(u.pieces), work + u.forward + u.backward)
+    pack_work = costs.forward(caps.cap, 0) + costs.backward(caps.cap, 0)
+    ranks: list[Rank] = []
+    for chains in per_rank:
+        ordered = [sorted(pieces) for pieces, _ in chains.values()]
+        ranks.append(fill_rank(ordered, [w for _, w in chains.values()], caps.cap, pack_work))
+    return price("slimpack", lengths, ranks, costs, caps.token_cap, caps.memory_cap)
+
+
+def outliers(lengths: Sequence[int], costs: SliceCosts, dp: int, outlier_tokens: Optional[int]) -> set[int]:
+    if outlier_tokens is not None:
+        return {s for s, n in enumerate(lengths) if n > outlier_tokens}
+    work = [costs.sample_work(n) for n in lengths]
+    f_share = max(math.fsum(f for f, _ in work) / dp, 1e-300)
+    b_share = max(math.fsum(b for _, b in work) / dp, 1e-300)
+    return {s for s, (f, b) in enumerate(work) if max(f / f_share, b / b_share) > 0.5}
+
+
+def _best_candidate(
+    lengths: Sequence[int], costs: SliceCosts, slices: list[list[Piece]], merges: list[set[int]], dp: int
+) -> tuple[list[Unit], list[int], set[int]]:
+    """Phase 1 for each DP-merge candidate (LPT for all, the local search for the best only)."""
+    options: list[set[int]] = [set()]
+    for m in merges:
+        if m not in options:
+            options.append(m)
+    candidates: list[tuple[float, float, int, list[Unit], list[int], set[int], Vector, Vector]] = []
+    for merged in options:
+        units = make_units(lengths, costs, slices, merged)
+        f, b = normalised(units, dp)
+        assign = lpt(f, b, dp)
+        fwd, bwd = np.bincount(assign, f, dp), np.bincount(assign, b, dp)
+        worst = max(float(fwd.max() / fwd.mean()), float(bwd.max() / bwd.mean()))
+        raw = np.bincount(assign, [u.forward + u.backward for u in units], dp)
+        # Balance first (as ``plan_score``); the slowest rank's work, DP-merge's transfers in it, breaks ties.
+        candidates.append((worst, float(raw.max()), len(candidates), units, assign, merged, f, b))
+    *_, units, assign, merged, f, b = min(candidates, key=lambda c: c[:3])
+    return units, local_search(assign, f, b, dp), merged
+
+
+def solve(
+    lengths: Sequence[int],
+    costs: SliceCosts,
+    dp: int,
+    token_cap: int,
+    memory_cap: float = math.inf,
+    slice_tokens: Optional[int] = None,
+    outlier_tokens: Optional[int] = None,
+    budget_s: float = 0.5,
+) -> SlimPackResult:
+    """SlimPack's plan of ``lengths`` over ``dp`` ranks, with phase 1's plan beside it."""
+    began = time.perf_counter()
+    if dp < 1:
+        raise fail("packing dp", dp, "an integer >= 1")
+    if not lengths or min(lengths) < 1:
+        raise fail("packing lengths", list(lengths)[:8], "at least one sample, every length >= 1")
+    caps = Caps(dp, effective_cap(costs, token_cap, memory_cap), token_cap, memory_cap)
+    size = min(slice_tokens or caps.cap, caps.cap)
+    if size < 1:
+        raise fail("packing slice_tokens", slice_tokens, f"an integer in 1..{caps.cap}")
+    slices = [cut_balanced(s, n, size, costs) for s, n in enumerate(lengths)]
+    merge = outliers(lengths, costs, dp, outlier_tokens)
+    every_sliced = {s for s, c in enumerate(slices) if len(c) > 1}
+    units, assign, merged = _best_candidate(lengths, costs, slices, [merge, merge | every_sliced], dp)
+    first = build(lengths, units, assign, costs, caps)
+    phase1_s = time.perf_counter() - began
+    f, b = normalised(units, dp)
+    refined = refine(assign, f, b, dp, max(0.0, budget_s - phase1_s))
+    plan = first
+    if refined.rounds_taken:
+        second = build(lengths, units, refined.assign, costs, caps)
+        if plan_score(second) < plan_score(first):
+            plan = second
+    return SlimPackResult(
+        plan, first, phase1_s, time.perf_counter() - began, refined.rounds_taken, refined.solver, tuple(sorted(merged))
+    )
