@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_slim.plan.dynmo.schemes import SCHEMES
 from megatron_slim.plan.schema import ConfigError
 
 
@@ -115,7 +116,21 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         help="sequence lengths for --cp-engine: a file (one length per line) or a spec such as "
         "lognormal:mean=8192,sigma=1.1,min=1024,max=65536 (see plan/cp/lengths.py)",
     )
-    sim.add_argument("--seed", type=int, help="seed for drawing --lengths (default 0; only with --lengths)")
+    sim.add_argument(
+        "--seed", type=int, help="seed for drawing --lengths, or of --dynamic moe's router drift (default 0)"
+    )
+    sim.add_argument(
+        "--dynamic",
+        metavar="SCHEME",
+        choices=SCHEMES,
+        help="simulate training a dynamic model phase by phase instead: " + " | ".join(SCHEMES) + " (docs/dynmo.md)",
+    )
+    sim.add_argument(
+        "--rebalance",
+        metavar="POLICIES",
+        help="with --dynamic: comma list of static, dynmo, diffusion (default all; static is the reference)",
+    )
+    sim.add_argument("--phases", type=int, help="with --dynamic: training phases (default 8)")
     sim.set_defaults(run="megatron_slim.commands.simulate")
 
 

@@ -87,12 +87,23 @@ def output_flags(args) -> tuple[tuple[str, str | None], ...]:
     return ("--json", args.json), ("--trace", args.trace), ("--plot", args.plot)
 
 
+def _refuse_dynamic_only_flags(args) -> None:
+    for flag, value in (("--rebalance", getattr(args, "rebalance", None)), ("--phases", getattr(args, "phases", None))):
+        if value is not None:
+            raise ConfigError(f"{flag}: only with --dynamic SCHEME (allowed: add --dynamic, or drop {flag})")
+
+
 def main(args) -> int:
     """Every input is read and checked (recipe, overrides, calibration, schedules, output paths)
     before the first simulation."""
     recipe = load_recipe(args.recipe, args.set)
     calibration = load_calibration(args.calibration) if args.calibration else None
     note = world_size_note(args.recipe, args.set, recipe)
+    if getattr(args, "dynamic", None):
+        from megatron_slim.commands import simulate_dynamic
+
+        return simulate_dynamic.run(args, recipe, calibration, note)
+    _refuse_dynamic_only_flags(args)
     if getattr(args, "cp_engine", None) or getattr(args, "lengths", None):
         from megatron_slim.commands import simulate_cp
 

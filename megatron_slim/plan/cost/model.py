@@ -139,6 +139,11 @@ class CostModel:
         serial, overlapped = self._layer_comm_time(tokens, prefix, backward)
         return self.kernel_time(rest, backward) + max(self.kernel_time(attn, backward), overlapped) + serial
 
+    def decoder_layer_time(self, tokens: float, prefix: float, backward: bool) -> float:
+        """One decoder layer's forward or backward of a slice, communication included (no
+        recompute, no offload): what a per-layer view such as DynMo's repartitioner scales."""
+        return self._layer_time(tokens, prefix, backward)
+
     def _layers_time(self, tokens: float, prefix: float, backward: bool) -> float:
         return self._layer_time(tokens, prefix, backward) * self.layers_per_stage
 
