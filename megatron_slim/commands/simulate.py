@@ -51,7 +51,9 @@ def run_one(recipe: Recipe, calibration: Calibration | None = None, progress: Pr
     p = recipe.parallel
     schedule = generate(recipe.schedule.kind, p.pp, p.vpp, recipe.num_microbatches, recipe.schedule.num_slices)
     if recipe.schedule.kind == "slimpipe" and recipe.schedule.slice_policy == "exchange" and p.pp > 1:
-        return Simulated(recipe, costs, simulate_with_exchange(lower(schedule), costs, costs.lengths, progress=progress))
+        return Simulated(
+            recipe, costs, simulate_with_exchange(lower(schedule), costs, costs.lengths, progress=progress)
+        )
     return Simulated(recipe, costs, simulate(schedule, costs, progress))
 
 

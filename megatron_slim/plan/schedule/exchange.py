@@ -98,7 +98,9 @@ def _steps(timeline: Mapping[RankAction, Interval]) -> list[list[RankAction]]:
     member has ended or its rank is already in it."""
     steps: list[list[RankAction]] = []
     for backward in (False, True):
-        members = [(t, ra) for ra, t in timeline.items() if ra[1].kind is not Kind.W and ra[1].kind.is_backward == backward]
+        members = [
+            (t, ra) for ra, t in timeline.items() if ra[1].kind is not Kind.W and ra[1].kind.is_backward == backward
+        ]
         group: list[RankAction] = []
         ends: list[float] = []
         for (start, end), ra in sorted(members, key=lambda m: (m[0][0], m[1][0])):

@@ -39,9 +39,7 @@ class ExchangePair:
             raise ValueError(f"exchange pair {self}: pairs a forward with a backward")
 
     def __str__(self) -> str:
-        return (
-            f"{self.step} {self.sender} {self.sender_action} {self.peer} {self.peer_action} {self.moved_tokens}"
-        )
+        return f"{self.step} {self.sender} {self.sender_action} {self.peer} {self.peer_action} {self.moved_tokens}"
 
     @classmethod
     def parse(cls, line: str) -> "ExchangePair":
