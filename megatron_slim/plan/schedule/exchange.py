@@ -7,12 +7,15 @@ the same step sort by prefix and pair mirrored (longest with shortest, second wi
 bring the pair's causal attention work closest to equal (``moved_tokens``, never more than its
 prefix). A lone rank in a step (warmup, cooldown, the middle of an odd count) keeps its work.
 
-Step: the slot an action starts in when every compute action takes one time unit and messages
-take none (``unit_start_slots``). It depends on the lowered schedule alone, so the simulator and a
-runtime read the same pairing whatever the costs, and with unit costs the slot grid is the
-schedule's own lock-step (its bubble matches the closed form): actions in one slot can run side by
-side, which is what a rendezvous needs. Forwards pair with forwards and backwards (``B``/``I``)
-with backwards; ``W`` has no attention.
+Step: a group of compute actions of one pass on distinct ranks that all run at one moment of a
+timeline ((start, end) per action; ``_steps``). Forwards pair with forwards and backwards
+(``B``/``I``) with backwards; ``W`` has no attention. A pair is formed only where the peer has
+started by the time the sender starts, since the sender waits for the peer's block. The default
+timeline, ``unit_timeline`` (every compute one time unit, messages none), depends on the lowered
+schedule alone, and its slot grid is the schedule's own lock-step (its bubble matches the closed
+form), so the simulator and a runtime read the same pairing whatever the costs. Real actions last
+1x to 6x each other under uniform slices, so ``plan/sim/exchange_timing.py`` passes the simulated
+timeline instead; the pairing is a value in the schedule either way, not recomputed by readers.
 
 ``with_exchange`` stores the pairing in ``Schedule.exchange`` (and so in its digest), after
 ``drop_deadlocks`` has removed any pair the shared readiness walk cannot run.
