@@ -128,7 +128,7 @@ class Recipe:
     def _allowed_slice_counts(self) -> str | None:
         """What ``schedule.num_slices`` may be when the slice policy cannot split the sequence, else None."""
         seq_length, num_slices, unit = self.model.seq_length, self.schedule.num_slices, self.slice_alignment
-        if self.schedule.slice_policy == "uniform":
+        if self.schedule.slice_policy in ("uniform", "exchange"):  # exchange keeps uniform slices
             if splits_uniformly(seq_length, num_slices, unit):
                 return None
             return (

@@ -12,7 +12,7 @@ from megatron_slim.plan.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MO
 from megatron_slim.plan.schema import ConfigError, check_fields, fail
 
 ScheduleKind = Literal["1f1b", "interleaved", "slimpipe"]
-SlicePolicy = Literal["uniform", "balanced"]
+SlicePolicy = Literal["uniform", "balanced", "exchange"]
 CPEngine = Literal["ring", "zeppelin", "ulysses", "a2a+p2p", "allgather", "dynamic"]
 
 

@@ -37,6 +37,13 @@ SHARED = {
         {TRAIN: CP_RECIPE + ["train.micro_batch_size=2", "train.global_batch_size=4"]},
     ),
     "cp-engine-without-pipeline": (dict(pipeline_model_parallel_size=2), {TRAIN: CP_RECIPE + ["parallel.pp=2"]}),
+    "slice-policy-exchange": (
+        {**SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange"},
+        {
+            TRAIN: ["schedule.num_slices=2", "schedule.slice_policy=exchange"],
+            MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.slice_policy=exchange"],
+        },
+    ),
     "slimpipe-recompute": (
         {**SLIMPIPE_FLAGS, "recompute_granularity": "full"},
         {MEGATRON_ARGS: ["schedule.num_slices=2", "train.recompute=full"]},
@@ -84,6 +91,19 @@ def test_a_shared_rule_fires_from_every_caller_with_the_same_wording(name):
         named = [key for key in NEUTRAL.names if f"<{key}>" in rule.message(settings, NEUTRAL)]
         assert named and all(INPUTS[caller].name(key) in refused for key in named)  # each in its own names
         assert all(INPUTS[LAUNCHER].name(key) in launcher for key in named)
+
+
+def test_context_exchange_is_refused_at_start_up_with_the_allowed_policies():
+    from megatron_slim.megatron.launch.flags import add_arguments
+
+    parsed = add_arguments(argparse.ArgumentParser()).parse_args(["--slimpipe-slice-policy", "exchange"])
+    assert parsed.slimpipe_slice_policy == "exchange"  # the launcher accepts the flag, then refuses the run
+    args = argparse.Namespace(**{**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange"})
+    launcher = _refusal(check_megatron_args, args)
+    assert launcher.startswith("--slimpipe-slice-policy exchange: context exchange is simulated only")
+    assert "the runtime does not run it yet; allowed: uniform, balanced" in launcher
+    recipe = load_recipe("tiny-cpu", ["schedule.num_slices=2", "schedule.slice_policy=exchange"])
+    assert _refusal(check_trainable, recipe).startswith("schedule.slice_policy=exchange: context exchange")
 
 
 def test_recipe_field_names_and_flags_cover_the_same_settings():

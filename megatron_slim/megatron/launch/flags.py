@@ -40,7 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--slimpipe-slice-policy",
         choices=SLICE_POLICIES,
         default="uniform",
-        help="uniform: equal slices; balanced: equal forward+backward work under the causal mask",
+        help=(
+            "uniform: equal slices; balanced: equal forward+backward work under the causal mask; exchange: "
+            "uniform slices plus attention context exchange between pipeline ranks (simulated only: the "
+            "runtime refuses it at start-up)"
+        ),
     )
     g.add_argument(
         "--slimpipe-hardware",

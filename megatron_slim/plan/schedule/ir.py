@@ -43,6 +43,8 @@ class Kind(str, Enum):
         return self in (Kind.B, Kind.I, Kind.W)
 
 
+EXCHANGE_MARK = "# exchange"  # in ``to_text``: the pairing's lines follow
+
 _ACTION_RE = re.compile(r"^(\d*)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)\.(\d+)$")
 
 
@@ -89,6 +91,9 @@ class Schedule:
     num_slices: int
     ranks: tuple[tuple[Action, ...], ...]
     forward_only: bool = False
+    # context exchange pairing in ``exchange_pairs.ExchangePlan`` text form ("": none). Lowering
+    # passes rebuild the rows and drop it: a pairing names actions of one exact schedule.
+    exchange: str = ""
 
     def __post_init__(self) -> None:
         if len(self.ranks) != self.pp:
@@ -142,11 +147,16 @@ class Schedule:
             + (" forward_only=1" if self.forward_only else "")
         )
         rows = [",".join(str(a) for a in row) for row in self.ranks]
-        return "\n".join([header, *rows]) + "\n"
+        pairing = [EXCHANGE_MARK, *self.exchange.strip().splitlines()] if self.exchange else []
+        return "\n".join([header, *rows, *pairing]) + "\n"
 
     @classmethod
     def from_text(cls, text: str) -> "Schedule":
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        exchange = ""
+        if EXCHANGE_MARK in lines:
+            at = lines.index(EXCHANGE_MARK)
+            lines, exchange = lines[:at], "\n".join(lines[at + 1 :]) + "\n"
         if not lines or not lines[0].startswith("#"):
             raise ValueError("schedule text must start with a '# kind=... pp=...' header line")
         meta = dict(tok.split("=", 1) for tok in lines[0][1:].split())
@@ -159,6 +169,7 @@ class Schedule:
             int(meta["slices"]),
             rows,
             meta.get("forward_only") == "1",
+            exchange,
         )
 
     def digest(self) -> str:

@@ -143,7 +143,11 @@ def _check_communication_pairs(schedule: Schedule) -> None:
 
 def _waits_for(walker: Walker, rank: int, a: Action) -> str:
     suffix = " (what it sends)" if a.kind in (Kind.SEND_F, Kind.SEND_B) else ""
-    return "; ".join(describe(walker.schedule, f) + suffix for f in walker.unmet(rank, a))
+    reasons = [describe(walker.schedule, f) + suffix for f in walker.unmet(rank, a)]
+    partner = walker.waiting_partner(rank, a)
+    if partner is not None:
+        reasons.append(f"its context-exchange partner {partner[1]} on rank {partner[0]}")
+    return "; ".join(reasons)
 
 
 def validate(schedule: Schedule, progress: Optional[Progress] = None) -> Schedule:

@@ -14,6 +14,11 @@ An action may run when every fact it requires is available:
 * ``SEND``: the compute whose result it sends;
 * ``RECV``: the matching ``SEND`` on the peer rank (a ``SEND`` never blocks).
 
+Context exchange (``Schedule.exchange``) couples two compute actions on two ranks: a pair runs as
+one rendezvous, once both are next on their ranks and both are ready (the sender cannot finish
+without the peer's block, the peer cannot compute it before the sender's Q and K/V arrive), so a
+pairing whose actions never stand ready together is a deadlock the validator reports.
+
 ``Walker.run`` advances every rank as far as the rules allow, in one fixed order, and records
 each fact with the time the caller's ``step`` says it became available (the validator has no
 clock and records 0).
@@ -25,10 +30,13 @@ from typing import Any, Callable, Optional
 
 from megatron_slim.plan.progress import EVERY, Progress, report
 from megatron_slim.plan.schedule.deps import compute_dependencies, key
+from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 
 Fact = tuple[Any, ...]  # a compute action's ``deps.Key``, or a comm fact (see above)
 Step = Callable[[int, Action, float], float]  # (rank, action, ready time) -> time its fact is available
+# (rank, action, ready, partner rank, partner action, partner ready) -> (action's time, partner's time)
+PairStep = Callable[[int, Action, float, int, Action, float], tuple[float, float]]
 
 _RECV_FOR = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}
 _SEND_FOR_RECV = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
@@ -78,8 +86,23 @@ class Walker:
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
+        self.exchange = ExchangePlan.from_text(schedule.exchange)
         self.done: dict[Fact, float] = {}
         self.pos = [0] * schedule.pp
+
+    def waiting_partner(self, rank: int, a: Action) -> Optional[tuple[int, Action]]:
+        """``a``'s exchange partner while it is not next and ready on its rank, else None."""
+        partner = self.exchange.partner(rank, a)
+        if partner is None:
+            return None
+        p_rank, p_action = partner
+        row = self.schedule.ranks[p_rank]
+        at_head = self.pos[p_rank] < len(row) and row[self.pos[p_rank]] == p_action
+        return None if at_head and self.ready_time(p_rank, p_action) is not None else partner
+
+    def _advance(self, rank: int, a: Action, t: float) -> None:
+        self.done[produced(self.schedule, rank, a)] = t
+        self.pos[rank] += 1
 
     def unmet(self, rank: int, a: Action) -> list[Fact]:
         return [f for f in required(self.schedule, rank, a) if f not in self.done]
@@ -94,8 +117,15 @@ class Walker:
             t = max(t, at)
         return t
 
-    def run(self, step: Step, progress: Optional[Progress] = None, phase: str = "walking") -> dict[int, int]:
+    def run(
+        self,
+        step: Step,
+        progress: Optional[Progress] = None,
+        phase: str = "walking",
+        pair_step: Optional[PairStep] = None,
+    ) -> dict[int, int]:
         """Run ``step`` on each action once it is ready; return ``{rank: step}`` where ranks stuck.
+        An exchange pair runs through ``pair_step`` (default: ``step`` on each end).
         ``progress(phase, actions run, actions)`` at the start and every ``EVERY`` actions."""
         rows = self.schedule.ranks
         total = sum(len(row) for row in rows)
@@ -108,12 +138,30 @@ class Walker:
                 while self.pos[rank] < len(row):
                     a = row[self.pos[rank]]
                     ready = self.ready_time(rank, a)
-                    if ready is None:
+                    if ready is None or self.waiting_partner(rank, a) is not None:
                         break
-                    self.done[produced(self.schedule, rank, a)] = step(rank, a, ready)
-                    self.pos[rank] += 1
+                    partner = self.exchange.partner(rank, a)
+                    if partner is None:
+                        self._advance(rank, a, step(rank, a, ready))
+                        ran = 1
+                    else:
+                        ran = 2
+                        self._run_pair(step, pair_step, rank, a, ready, *partner)
                     progressed = True
-                    steps += 1
-                    if steps % EVERY == 0:
-                        report(progress, phase, steps, total)
+                    for _ in range(ran):
+                        steps += 1
+                        if steps % EVERY == 0:
+                            report(progress, phase, steps, total)
         return {r: self.pos[r] for r, row in enumerate(rows) if self.pos[r] < len(row)}
+
+    def _run_pair(
+        self, step: Step, pair_step: Optional[PairStep], rank: int, a: Action, ready: float, p_rank: int, pa: Action
+    ) -> None:
+        p_ready = self.ready_time(p_rank, pa)
+        assert p_ready is not None  # waiting_partner checked it
+        if pair_step is None:
+            t, p_t = step(rank, a, ready), step(p_rank, pa, p_ready)
+        else:
+            t, p_t = pair_step(rank, a, ready, p_rank, pa, p_ready)
+        self._advance(rank, a, t)
+        self._advance(p_rank, pa, p_t)

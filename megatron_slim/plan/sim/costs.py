@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from megatron_slim.plan.cost.exchange import ExchangeWork, exchange_work
 from megatron_slim.plan.cost.model import CostModel, Link
 from megatron_slim.plan.cost.slicing import balanced_slices, slice_prefixes, uniform_slices
 from megatron_slim.plan.recipe import Recipe
@@ -31,13 +32,20 @@ class PipelineCosts(Protocol):
     def hbm_bytes(self) -> float: ...
 
 
+class ExchangeCosts(Protocol):
+    """What the simulator also asks of costs when the schedule carries a context-exchange pairing:
+    the sender's slice ``(stage, microbatch, slice_)`` moving ``moved`` K/V prefix tokens."""
+
+    def exchange(self, stage: int, microbatch: int, slice_: int, moved: int, backward: bool) -> ExchangeWork: ...
+
+
 def slice_lengths(recipe: Recipe, cost: CostModel) -> tuple[int, ...]:
     """The slice plan of a recipe: what both the simulator and the runtime cut sequences into."""
     s = recipe.schedule
     seq = recipe.model.seq_length
     if s.num_slices == 1:
         return (seq,)
-    if s.slice_policy == "uniform":
+    if s.slice_policy in ("uniform", "exchange"):  # exchange: uniform slices, attention work moves instead
         return uniform_slices(seq, s.num_slices, recipe.slice_alignment)
     per_token, per_pair = cost.slice_cost_coefficients(seq / s.num_slices, seq)
     return balanced_slices(seq, s.num_slices, per_token, per_pair, recipe.slice_alignment)
@@ -78,6 +86,9 @@ class RecipeCosts:
 
     def p2p_bytes(self, stage: int, microbatch: int, slice_: int) -> float:
         return self.cost.p2p_bytes(self.lengths[slice_])
+
+    def exchange(self, stage: int, microbatch: int, slice_: int, moved: int, backward: bool) -> ExchangeWork:
+        return exchange_work(self.cost, self.lengths[slice_], moved, backward)
 
     def link(self, src_rank: int, dst_rank: int) -> Link:
         return self.cost.pp_link(src_rank, dst_rank)

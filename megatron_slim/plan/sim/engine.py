@@ -12,19 +12,34 @@ Memory per rank, over time:
   accumulation buffers of the earlier slices, allocated when a microbatch's last slice starts its
   backward and released chunk by chunk as each slice's backward consumes them;
 * static: weights, gradients and optimizer state, constant.
+
+Context exchange (``Schedule.exchange``, ``schedule/exchange.py``): a pair's two compute actions
+start together in the readiness walk, each at its own rank's ready time. The moved block's
+attention time leaves the sender's duration and joins the peer's; the peer cannot compute it
+before the sender's Q and K/V have crossed (``over``), and the sender cannot finish before the
+block's result is back (``back``), so
+
+    peer end   = max(peer start + peer work + block, sender start + over + block)
+    sender end = max(sender start + own work - block, max(peer start, sender start + over) + block + back)
+
+with ``over``/``back`` the pair's bytes over the PP link between the two ranks plus one latency a
+layer each way. Transfers run beside compute and do not occupy the pipeline's activation links
+(contention there is not modelled); busy time counts work only, not the sender's wait. The peer
+holds one layer's moved K/V (backward: with its dK/dV) from its start to its end, counted as K/V.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from megatron_slim.plan.progress import Progress
+from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schedule.validate import validate
 from megatron_slim.plan.schedule.walk import Walker
-from megatron_slim.plan.sim.costs import PipelineCosts
+from megatron_slim.plan.sim.costs import ExchangeCosts, PipelineCosts
 
 
 @dataclass(frozen=True)
@@ -103,6 +118,7 @@ class _Run:
         self.events: list[Event] = []
         self.mem: list[list[tuple[float, float, float]]] = [[] for _ in range(schedule.pp)]
         self.busy = [0.0] * schedule.pp
+        self.exchange = ExchangePlan.from_text(schedule.exchange)
 
     def _step(self, rank: int, a: Action, ready: float) -> float:
         """Run ``a`` no earlier than ``ready``; the time its result is available (a SEND's: arrival)."""
@@ -112,24 +128,48 @@ class _Run:
             return self._send(rank, a, ready)
         return self._recv(rank, a, ready)
 
-    def _compute(self, rank: int, a: Action, ready: float) -> float:
-        stage = self.schedule.stage(rank, a.chunk)
+    def _duration(self, stage: int, a: Action) -> float:
         mb, j, costs = a.microbatch, a.slice, self.costs
         if a.kind is Kind.F:
-            dur = costs.forward(stage, mb, j)
-        elif a.kind is Kind.B:
-            dur = costs.backward(stage, mb, j)
-        elif a.kind is Kind.W:
-            dur = costs.weight_grad(stage, mb, j)
-        else:
-            dur = costs.backward(stage, mb, j) - costs.weight_grad(stage, mb, j)
+            return costs.forward(stage, mb, j)
+        if a.kind is Kind.B:
+            return costs.backward(stage, mb, j)
+        if a.kind is Kind.W:
+            return costs.weight_grad(stage, mb, j)
+        return costs.backward(stage, mb, j) - costs.weight_grad(stage, mb, j)
+
+    def _compute(self, rank: int, a: Action, ready: float) -> float:
+        stage = self.schedule.stage(rank, a.chunk)
         start = max(self.free[rank], ready)
-        end = start + dur
+        dur = self._duration(stage, a)
+        return self._record(rank, a, start, start + dur, dur)
+
+    def _record(self, rank: int, a: Action, start: float, end: float, busy: float) -> float:
+        stage = self.schedule.stage(rank, a.chunk)
         self.free[rank] = end
-        self.busy[rank] += dur
-        self.events.append(Event(rank, "compute", str(a), start, end, stage, mb, j))
+        self.busy[rank] += busy
+        self.events.append(Event(rank, "compute", str(a), start, end, stage, a.microbatch, a.slice))
         self._account_memory(rank, a, stage, start, end)
         return end
+
+    def _pair(self, rank: int, a: Action, ready: float, p_rank: int, pa: Action, p_ready: float) -> tuple[float, float]:
+        """A context-exchange pair (see the module docstring); returns (``a``'s end, ``pa``'s end)."""
+        pair = self.exchange.by_action[(rank, a)]
+        if pair.sender != rank:
+            p_end, end = self._pair(p_rank, pa, p_ready, rank, a, ready)
+            return end, p_end
+        stage, p_stage = self.schedule.stage(rank, a.chunk), self.schedule.stage(p_rank, pa.chunk)
+        costs = cast(ExchangeCosts, self.costs)
+        work = costs.exchange(stage, a.microbatch, a.slice, pair.moved_tokens, a.kind.is_backward)
+        link = self.costs.link(rank, p_rank)
+        over = work.out_bytes / link.bandwidth + work.messages * link.latency
+        back = work.back_bytes / link.bandwidth + work.messages * link.latency
+        start, p_start = max(self.free[rank], ready), max(self.free[p_rank], p_ready)
+        own, p_own = self._duration(stage, a) - work.block_s, self._duration(p_stage, pa) + work.block_s
+        p_end = max(p_start + p_own, start + over + work.block_s)
+        end = max(start + own, max(p_start, start + over) + work.block_s + back)
+        self.mem[p_rank] += [(p_start, 0.0, work.peer_bytes), (p_end, 0.0, -work.peer_bytes)]
+        return self._record(rank, a, start, end, own), self._record(p_rank, pa, p_start, p_end, p_own)
 
     def _account_memory(self, rank: int, a: Action, stage: int, start: float, end: float) -> None:
         mb, j, costs, n = a.microbatch, a.slice, self.costs, self.schedule.num_slices
@@ -172,7 +212,7 @@ class _Run:
         return self.free[rank]
 
     def run(self, progress: Optional[Progress] = None) -> None:
-        if Walker(self.schedule).run(self._step, progress, "simulating"):
+        if Walker(self.schedule).run(self._step, progress, "simulating", self._pair):
             raise RuntimeError("simulation stalled on a schedule the validator accepted")  # invariant
 
 
@@ -195,6 +235,8 @@ def simulate(schedule: Schedule, costs: PipelineCosts, progress: Optional[Progre
     ``progress(phase, done, total)``: the lowering's, the validator's, then ``simulating`` (actions)."""
     lowered = schedule if schedule.is_lowered else lower(schedule, progress)
     validate(lowered, progress)
+    if lowered.exchange and not hasattr(costs, "exchange"):
+        raise TypeError(f"{type(costs).__name__} cannot price context exchange: it has no exchange() (ExchangeCosts)")
     run = _Run(lowered, costs)
     run.run(progress)
     pipeline_time = max(run.free + [e.end for e in run.events] + [0.0])

@@ -6,7 +6,7 @@ from typing import Callable
 
 from megatron_slim.plan.cost.slicing import is_aligned, max_slices, slice_alignment, splits_uniformly
 from megatron_slim.plan.startup.rule import Rule, cp_comm_type_set, engine_input
-from megatron_slim.plan.startup.settings import LAUNCHER, MEGATRON_ARGS, NO_CP_ENGINE, Settings
+from megatron_slim.plan.startup.settings import LAUNCHER, MEGATRON_ARGS, NO_CP_ENGINE, TRAIN, Settings
 
 
 def _on_slimpipe(name: str, broken: Callable[[Settings], bool], message: str) -> Rule:
@@ -19,6 +19,15 @@ def _unit(s: Settings) -> int:
 
 
 SLIMPIPE_RULES = [
+    Rule(
+        "slice-policy-exchange",
+        (LAUNCHER, TRAIN, MEGATRON_ARGS),
+        lambda s: s.slice_policy == "exchange",
+        lambda s, i: (
+            f"{i.setting('slice_policy', s.slice_policy)}: context exchange is simulated only (megatron-slim "
+            "simulate); the runtime does not run it yet; allowed: uniform, balanced"
+        ),
+    ),
     Rule(
         "slices-need-slimpipe",
         (LAUNCHER,),
@@ -121,7 +130,7 @@ SLIMPIPE_RULES = [
         "uniform-slices",
         (LAUNCHER,),
         lambda s: (
-            s.slimpipe and s.slice_policy == "uniform" and not splits_uniformly(s.seq_length, s.num_slices, _unit(s))
+            s.slimpipe and s.slice_policy != "balanced" and not splits_uniformly(s.seq_length, s.num_slices, _unit(s))
         ),
         lambda s, i: (
             f"--slimpipe-num-slices {s.num_slices}: --seq-length {s.seq_length} does not split into "
