@@ -8,7 +8,7 @@ dp = gpus / (tp*cp*pp) divides the global batch in micro-batches. SlimPipe's sli
 of two between 2 and ``max_slices`` that cut the sequence into equal slices of whole alignment units
 (``cost/slicing.py``), each CP rank's share at least ``MIN_SLICE_TOKENS_PER_GPU`` tokens: the cost
 model prices GEMMs at one efficiency, so without that floor ever thinner slices would always look
-better while real kernels slow down.
+better while real kernels slow down (short sequences, which no count meets, get the smallest one).
 """
 
 from __future__ import annotations
@@ -96,13 +96,12 @@ def layouts(recipe: Recipe, gpus: int) -> list[Layout]:
 
 
 def slice_counts(seq_length: int, layout: Layout, max_slices: int = MAX_SLICES) -> list[int]:
+    """Powers of two from 2 to ``max_slices`` giving equal slices of whole alignment units, each CP
+    rank's share at least ``MIN_SLICE_TOKENS_PER_GPU`` tokens (if none is that long: the smallest count)."""
     unit = slice_alignment(layout.cp, layout.tp, layout.tp > 1)
-    counts, n = [], 2
-    while n <= max_slices and seq_length // (n * layout.cp) >= MIN_SLICE_TOKENS_PER_GPU:
-        if splits_uniformly(seq_length, n, unit):
-            counts.append(n)
-        n *= 2
-    return counts
+    aligned = [n for n in (2**k for k in range(1, max_slices.bit_length())) if splits_uniformly(seq_length, n, unit)]
+    long_enough = [n for n in aligned if seq_length // (n * layout.cp) >= MIN_SLICE_TOKENS_PER_GPU]
+    return long_enough or aligned[:1]
 
 
 def _schedules(recipe: Recipe, layout: Layout, kind: str, max_slices: int) -> Iterator[tuple[int, int, str]]:

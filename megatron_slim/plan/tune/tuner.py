@@ -52,7 +52,7 @@ def check_gpus(recipe: Recipe, gpus: int) -> None:
 def nothing_fits(name: str, result: FamilyResult) -> str:
     cap = f"{result.cap_bytes / _GIB:.1f} GiB"
     if result.smallest is None:
-        return f"{name}: no candidate was examined (cap {cap})"
+        return f"{name}: no candidate in the search space for this recipe and GPU count"
     s = result.smallest
     kind = "simulated" if s.simulated else "lower bound"
     return (
