@@ -126,20 +126,24 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         description="Autotune a recipe's model, sequence length and global batch on --gpus GPUs of its "
         "hardware profile: the fastest configuration that fits memory under the cost model, for "
         "SlimPipe and for the best Megatron-LM baseline (1f1b or interleaved, any recompute), side by "
-        "side with the MFU ratio. The recipe's own parallel and schedule settings are only a starting "
-        "point; micro-batch size and precision are kept.",
+        "side with the MFU ratio. The recipe's own parallel, schedule and recompute settings are "
+        "replaced (they must still pass the recipe's checks after --set); micro-batch size, precision "
+        "and the optimizer are kept.",
     )
     _add_recipe_args(plan)
     plan.add_argument(
         "--gpus", type=_positive_int, metavar="N", help="GPUs to plan for (default: the recipe's tp*pp*cp*dp)"
     )
     plan.add_argument("--json", metavar="PATH", help="write both choices and the speedup as JSON ('-' for stdout)")
+    from megatron_slim.plan.tune.search import DEFAULT_MAX_SIMULATIONS
+
     plan.add_argument(
         "--max-simulations",
         type=_positive_int,
-        default=4,
+        default=DEFAULT_MAX_SIMULATIONS,
         metavar="K",
-        help="exact simulations per family after ranking by the closed-form estimate (default: 4)",
+        help="at most K exact simulations per family, in the order of the closed-form estimate; the "
+        f"search stops sooner once no candidate left can beat the best (default: {DEFAULT_MAX_SIMULATIONS})",
     )
     plan.set_defaults(run="megatron_slim.commands.plan")
 

@@ -5,7 +5,7 @@ one action after another; its first forward waits for the first forward of stage
 (each on another rank), and after its last backward the backwards of stages ``r-1 .. 0`` still
 run; gradient sync and the optimizer follow the pipeline. Communication only adds. For one chunk
 and one slice this is the 1F1B closed form ``(m + p - 1)(f + b)``; with slices and chunks it is the
-SlimPipe one, the first slice's (cheapest) forward and backward in place of the average.
+SlimPipe one, the cheapest slice's forward and backward in place of the average.
 
 ``first_backward_memory`` is a cruder memory bound that needs no schedule: when a rank runs its first
 backward, every slice of that microbatch's chunk is still held (its backward waits for the later

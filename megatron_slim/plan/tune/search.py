@@ -20,6 +20,7 @@ from megatron_slim.plan.hardware import HardwareProfile
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.schedule.ir import Schedule
+from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.sim.costs import RecipeCosts
 from megatron_slim.plan.sim.engine import simulate
 from megatron_slim.plan.tune.bounds import TimeBounds, first_backward_memory, memory_lower_bound, time_bounds
@@ -89,7 +90,11 @@ def ranked(base: Recipe, cands: list[Candidate], cap: float) -> tuple[list[Ranke
     hardware = base.hardware_profile
     out, too_big = [], []
     for c in cands:
-        costs = costs_of(candidate_recipe(base, c), hardware)
+        try:
+            recipe = candidate_recipe(base, c)
+        except ConfigError:  # a choice a recipe rule refuses (the space only enumerates valid ones today)
+            continue
+        costs = costs_of(recipe, hardware)
         floor = first_backward_memory(costs)
         if floor > cap:
             too_big.append((floor, c))
