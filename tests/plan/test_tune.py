@@ -97,7 +97,8 @@ def test_choice_is_no_worse_than_any_candidate(tmp_path, family):
     cap = recipe.hardware_profile.usable_hbm_bytes
     assert fastest is not None and any(peak > cap for *_, peak in runs)  # memory matters in this space
     for c, costs, seconds, peak in runs:  # the bounds hold for every candidate
-        assert time_bounds(costs).lower <= seconds * (1 + 1e-9), c.label
+        cheap, full = time_bounds(costs), time_bounds(costs, every_stage=True)
+        assert cheap.lower <= full.lower <= seconds * (1 + 1e-9) and cheap.estimate <= full.estimate, c.label
         p, s = costs.recipe.parallel, costs.recipe.schedule
         schedule = generate(s.kind, p.pp, p.vpp, costs.recipe.num_microbatches, s.num_slices)
         assert first_backward_memory(costs) <= memory_lower_bound(costs, schedule) <= peak * (1 + 1e-9), c.label

@@ -56,23 +56,27 @@ def _stage_times(costs: RecipeCosts, stages: set[int]) -> dict[int, StageTimes]:
     return out
 
 
-def time_bounds(costs: RecipeCosts) -> TimeBounds:
+def time_bounds(costs: RecipeCosts, every_stage: bool = False) -> TimeBounds:
     """Iteration-time lower bound and ranking estimate of ``costs.recipe`` (seconds).
 
-    With ``pp >= 3`` the bound takes rank ``pp - 2``, whose stages are all middle ones, and prices
-    the stages before it as middle stages too (the embedding only adds), so only one stage's slices
-    are priced. The tail uses whole backwards: the generators emit ``B`` actions, never ``I``/``W``.
-    The estimate adds what unequal slices (uniform slices under a causal mask) cost in simulation:
-    each of the ``p - 1`` hops of fill and drain paced by a rank's dearest slice on all its chunks
-    instead of the cheapest (fitted on the 70B recipe's uniform-slice runs within ~20%)."""
+    Cheap form (``every_stage=False``, ``pp >= 3``): rank ``pp - 2`` alone, whose stages are all
+    middle ones, the stages before it priced as middle ones too (the embedding only adds), so one
+    stage's slices are priced. ``every_stage=True`` prices the first and last stage as well (the
+    output layer of a large vocabulary is a real part of the last rank's time) and takes every
+    rank: never below the cheap form. The tail uses whole backwards: the generators emit ``B``
+    actions, never ``I``/``W``. The estimate adds what unequal slices (uniform slices under a causal
+    mask) cost in simulation: each of the ``p - 1`` hops of fill and drain paced by a rank's dearest
+    slice on all its chunks instead of the cheapest (fitted on the 70B recipe's uniform-slice runs
+    within ~20%)."""
     recipe = costs.recipe
     p, v, m = recipe.parallel.pp, recipe.parallel.vpp, recipe.num_microbatches
     num_stages = p * v
-    ranks = [p - 2] if p >= 3 else list(range(p))
-    times = _stage_times(costs, {1} if p >= 3 else {_stage_class(s, num_stages) for s in range(num_stages)})
+    cheap = p >= 3 and not every_stage
+    ranks = [p - 2] if cheap else list(range(p))
+    times = _stage_times(costs, {1} if cheap else {_stage_class(s, num_stages) for s in range(num_stages)})
 
     def of(stage: int) -> StageTimes:
-        return times[_stage_class(stage, num_stages) if p < 3 else 1]
+        return times[1 if cheap else _stage_class(stage, num_stages)]
 
     pipeline = 0.0
     for r in ranks:

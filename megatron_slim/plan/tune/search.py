@@ -1,17 +1,19 @@
 """Branch and bound over the candidates of one schedule family.
 
 Candidates whose schedule-free memory bound (``first_backward_memory``) exceeds the cap are
-dropped; the rest are ranked by their time estimate (``bounds.time_bounds``). In that order each
-is checked against the cap with ``memory_lower_bound`` (the simulator's memory accounting on the
-generated schedule) and, if it fits, simulated exactly. The search stops when no candidate left
-has a time lower bound below the fastest simulated fit (nothing later can win). With a budget
-(``max_simulations``) it also stops after that many simulations, or once the next estimate is no
-better than the fastest simulated fit; ``None``: no budget, the exact optimum of the candidates.
-Everything is deterministic: ties break on the candidate's fields.
+dropped; the rest are taken best time estimate first (``bounds.time_bounds``: a cheap form for
+all, refined to every stage when a candidate comes up). In that order each is checked against the
+cap with ``memory_lower_bound`` (the simulator's memory accounting on the generated schedule) and,
+if it fits, simulated exactly. The search stops when no candidate left has a time lower bound
+below the fastest simulated fit (nothing later can win). With a budget (``max_simulations``) it
+also stops after that many simulations, or once the next estimate is no better than the fastest
+simulated fit; ``None``: no budget, the exact optimum of the candidates. Everything is
+deterministic: ties break on the candidate's fields.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Optional
 
@@ -85,8 +87,8 @@ def schedule_of(recipe: Recipe, shapes: dict[tuple[str, int, int, int, int], Sch
 
 
 def ranked(base: Recipe, cands: list[Candidate], cap: float) -> tuple[list[Ranked], list[tuple[float, Candidate]]]:
-    """Candidates that may fit, with their time bounds, best estimate first; and the (memory lower
-    bound, candidate) of those that cannot fit."""
+    """Candidates that may fit, with their cheap time bounds; and the (memory lower bound,
+    candidate) of those that cannot fit."""
     hardware = base.hardware_profile
     out, too_big = [], []
     for c in cands:
@@ -100,17 +102,32 @@ def ranked(base: Recipe, cands: list[Candidate], cap: float) -> tuple[list[Ranke
             too_big.append((floor, c))
         else:
             out.append((time_bounds(costs), c, costs))
-    out.sort(key=lambda item: (item[0].estimate, item[1]))
     return out, too_big
 
 
-def _suffix_minima(values: list[float]) -> list[float]:
-    """``out[i] = min(values[i:])``: no candidate from ``i`` on can finish sooner."""
-    out, low = [0.0] * len(values), float("inf")
-    for i in range(len(values) - 1, -1, -1):
-        low = min(low, values[i])
-        out[i] = low
-    return out
+class _Queue:
+    """Candidates best estimate first, each one's bounds refined to ``every_stage`` the first time it
+    comes up (refining only raises them, so it goes back in line); ``floor()``: the lowest time
+    lower bound of everything still queued."""
+
+    def __init__(self, entries: list[Ranked]) -> None:
+        self.heap = [(b.estimate, c, False) for b, c, _ in entries]
+        heapq.heapify(self.heap)
+        self.info = {c: (b, costs) for b, c, costs in entries}
+
+    def pop(self) -> Optional[tuple[TimeBounds, Candidate, RecipeCosts]]:
+        while self.heap:
+            _, c, refined = heapq.heappop(self.heap)
+            bounds, costs = self.info[c]
+            if refined:
+                return bounds, c, costs
+            bounds = time_bounds(costs, every_stage=True)
+            self.info[c] = (bounds, costs)
+            heapq.heappush(self.heap, (bounds.estimate, c, True))
+        return None
+
+    def floor(self) -> float:
+        return min((self.info[c][0].lower for _, c, _ in self.heap), default=float("inf"))
 
 
 class _Best:
@@ -142,9 +159,10 @@ def search(
     for floor, c in too_big:
         best.too_big(floor, c, simulated=False)
     simulated, pruned = 0, len(too_big)
-    floors = _suffix_minima([bounds.lower for bounds, _, _ in candidates])
-    for i, (bounds, c, costs) in enumerate(candidates):
-        if best.beats(floors[i]):
+    queue = _Queue(candidates)
+    while (item := queue.pop()) is not None:
+        bounds, c, costs = item
+        if best.beats(min(bounds.lower, queue.floor())):
             break
         if max_simulations is not None and (simulated >= max_simulations or best.beats(bounds.estimate)):
             break
