@@ -78,7 +78,7 @@ class _EpilogAsWritten(argparse.HelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-slim", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add_command in (_add_simulate, _add_train, _add_overlay, _add_megatron_args, _add_recipes):
+    for add_command in (_add_simulate, _add_plan, _add_train, _add_overlay, _add_megatron_args, _add_recipes):
         add_command(sub)
     return parser
 
@@ -132,6 +132,35 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     sim.add_argument("--phases", type=int, help="with --dynamic: training phases (default 8)")
     sim.set_defaults(run="megatron_slim.commands.simulate")
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="search tp/cp/pp/vpp/dp, schedule, slices and recompute for the fastest fit (SlimPipe vs Megatron)",
+        description="Autotune a recipe's model, sequence length and global batch on --gpus GPUs of its "
+        "hardware profile: the fastest configuration that fits memory under the cost model, for "
+        "SlimPipe and for the best Megatron-LM baseline (1f1b or interleaved, any recompute), side by "
+        "side with the MFU ratio. The recipe's own parallel, schedule and recompute settings are "
+        "replaced (they must still pass the recipe's checks after --set); micro-batch size, precision "
+        "and the optimizer are kept.",
+    )
+    _add_recipe_args(plan)
+    plan.add_argument(
+        "--gpus", type=_positive_int, metavar="N", help="GPUs to plan for (default: the recipe's tp*pp*cp*dp)"
+    )
+    plan.add_argument("--json", metavar="PATH", help="write both choices and the speedup as JSON ('-' for stdout)")
+    from megatron_slim.plan.tune.search import DEFAULT_MAX_SIMULATIONS
+
+    plan.add_argument(
+        "--max-simulations",
+        type=_positive_int,
+        default=DEFAULT_MAX_SIMULATIONS,
+        metavar="K",
+        help="at most K exact simulations per family, in the order of the closed-form estimate; the "
+        f"search stops sooner once no candidate left can beat the best (default: {DEFAULT_MAX_SIMULATIONS})",
+    )
+    plan.set_defaults(run="megatron_slim.commands.plan")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:

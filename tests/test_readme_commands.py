@@ -66,7 +66,7 @@ def _run(argv: list[str], tmp_path, monkeypatch, capsys, command: str) -> None:
 
 def test_the_section_documents_every_command():
     kinds = {_argv(c)[0] for c in COMMANDS}
-    assert {"recipes", "simulate", "train", "megatron-args"} <= kinds, COMMANDS
+    assert {"recipes", "simulate", "plan", "train", "megatron-args"} <= kinds, COMMANDS
     assert any("--cp-engine" in c for c in COMMANDS), "the Zeppelin simulate example"
     assert all("[" not in " ".join(_argv(c)) and "..." not in " ".join(_argv(c)) for c in COMMANDS), (
         "commands, not synopses"

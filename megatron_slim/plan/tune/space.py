@@ -1,0 +1,172 @@
+"""The search space of ``megatron-slim plan``: every valid (layout, schedule, slices, recompute) of a
+recipe on a GPU count, as ``Candidate`` values, and the recipe each one stands for.
+
+Only valid points are enumerated, so no candidate fails the recipe's own checks:
+tp <= min(8, GPUs per node) divides the heads, query groups and FFN width; cp divides the GPUs
+left and (cp > 1) ``seq_length / 2``; pp divides the layers and vpp the layers per rank;
+dp = gpus / (tp*cp*pp) divides the global batch in micro-batches. SlimPipe's slice counts are powers
+of two between 2 and ``max_slices`` that cut the sequence into equal slices of whole alignment units
+(``cost/slicing.py``), each CP rank's share at least ``MIN_SLICE_TOKENS_PER_GPU`` tokens: the cost
+model prices GEMMs at one efficiency, so without that floor ever thinner slices would always look
+better while real kernels slow down (short sequences, which no count meets, get the smallest one).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterator, cast, get_args, get_type_hints
+
+from megatron_slim.plan.cost.slicing import slice_alignment, splits_uniformly
+from megatron_slim.plan.recipe import ParallelConfig, Recipe, ScheduleKind, SlicePolicy, TrainConfig
+
+MAX_TP = 8  # tensor parallelism stays inside one NVLink node
+MAX_SLICES = 64
+MIN_SLICE_TOKENS_PER_GPU = 2048
+
+# What one recompute choice sets in the recipe's train section. The one place the choices come from:
+# every value of ``train.recompute``; widen it here (e.g. with a layer count or an offload ratio)
+# when the cost model learns more recompute and offload settings.
+RECOMPUTE_OPTIONS: tuple[tuple[tuple[str, object], ...], ...] = tuple(
+    (("recompute", value),) for value in get_args(get_type_hints(TrainConfig)["recompute"])
+)
+SLICE_POLICIES: tuple[str, ...] = get_args(SlicePolicy)
+
+FAMILIES: dict[str, tuple[str, ...]] = {"slimpipe": ("slimpipe",), "megatron": ("1f1b", "interleaved")}
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    kind: str
+    tp: int
+    cp: int
+    pp: int
+    vpp: int
+    dp: int
+    num_slices: int
+    slice_policy: str
+    recompute: tuple[tuple[str, object], ...]
+
+    @property
+    def label(self) -> str:
+        v = f" v{self.vpp}" if self.vpp > 1 else ""
+        n = f" n{self.num_slices} {self.slice_policy}" if self.kind == "slimpipe" else ""
+        recompute = ",".join(str(value) for _, value in self.recompute)
+        return f"{self.kind}{v}{n} t{self.tp} c{self.cp} p{self.pp} d{self.dp} recompute={recompute}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_choices(recipe: Recipe) -> list[int]:
+    m = recipe.model
+    top = min(MAX_TP, recipe.hardware_profile.gpus_per_node)
+    return [
+        t
+        for t in range(1, top + 1)
+        if not (m.num_attention_heads % t or m.num_query_groups % t or m.ffn_hidden_size % t)
+    ]
+
+
+def layouts(recipe: Recipe, gpus: int) -> list[Layout]:
+    """Every (tp, cp, pp, dp) that uses exactly ``gpus`` GPUs and passes the recipe's checks."""
+    m, t = recipe.model, recipe.train
+    found = []
+    for tp in tp_choices(recipe):
+        if gpus % tp:
+            continue
+        for cp in divisors(gpus // tp):
+            if cp > 1 and m.seq_length % (2 * cp):
+                continue
+            for pp in divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                if m.num_layers % pp == 0 and t.global_batch_size % (dp * t.micro_batch_size) == 0:
+                    found.append(Layout(tp, cp, pp, dp))
+    return found
+
+
+def slice_counts(seq_length: int, layout: Layout, max_slices: int = MAX_SLICES) -> list[int]:
+    """Powers of two from 2 to ``max_slices`` giving equal slices of whole alignment units, each CP
+    rank's share at least ``MIN_SLICE_TOKENS_PER_GPU`` tokens (if none is that long: the smallest count)."""
+    unit = slice_alignment(layout.cp, layout.tp, layout.tp > 1)
+    aligned = [n for n in (2**k for k in range(1, max_slices.bit_length())) if splits_uniformly(seq_length, n, unit)]
+    long_enough = [n for n in aligned if seq_length // (n * layout.cp) >= MIN_SLICE_TOKENS_PER_GPU]
+    return long_enough or aligned[:1]
+
+
+def _schedules(recipe: Recipe, layout: Layout, kind: str, max_slices: int) -> Iterator[tuple[int, int, str]]:
+    """(vpp, num_slices, slice_policy) of ``kind`` on ``layout``."""
+    vpps = divisors(recipe.model.num_layers // layout.pp)
+    if kind == "1f1b":
+        yield 1, 1, "uniform"
+    elif kind == "interleaved":
+        yield from ((v, 1, "uniform") for v in vpps if v >= 2 and layout.pp > 1)
+    else:
+        for v in vpps if layout.pp > 1 else [1]:
+            for n in slice_counts(recipe.model.seq_length, layout, max_slices):
+                yield from ((v, n, policy) for policy in SLICE_POLICIES)
+
+
+def candidates(
+    recipe: Recipe,
+    gpus: int,
+    kinds: tuple[str, ...],
+    recompute: tuple[tuple[tuple[str, object], ...], ...] = RECOMPUTE_OPTIONS,
+    max_slices: int = MAX_SLICES,
+) -> list[Candidate]:
+    """Every candidate of the schedule ``kinds`` on ``gpus`` GPUs, in a fixed order."""
+    out = []
+    for layout in layouts(recipe, gpus):
+        for kind in kinds:
+            for vpp, n, policy in _schedules(recipe, layout, kind, max_slices):
+                for option in recompute:
+                    out.append(Candidate(kind, layout.tp, layout.cp, layout.pp, vpp, layout.dp, n, policy, option))
+    return sorted(out)
+
+
+def candidate_recipe(base: Recipe, c: Candidate) -> Recipe:
+    """``base`` run as ``c``: sequence parallelism with any TP; SlimPipe runs CP itself (ring, no remap)."""
+    parallel = ParallelConfig(tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, dp=c.dp, sequence_parallel=c.tp > 1)
+    kind, policy = cast(ScheduleKind, c.kind), cast(SlicePolicy, c.slice_policy)
+    schedule = dataclasses.replace(base.schedule, kind=kind, num_slices=c.num_slices, slice_policy=policy)
+    train = dataclasses.replace(base.train, **cast(dict[str, Any], dict(c.recompute)))
+    cp = dataclasses.replace(base.cp, engine="ring", remap=False) if c.kind == "slimpipe" else base.cp
+    return _replace_sections(base, parallel=parallel, schedule=schedule, train=train, cp=cp)
+
+
+def _replace_sections(base: Recipe, **sections: object) -> Recipe:
+    """``dataclasses.replace(base, **sections)`` with the same checks, minus re-reading the hardware
+    profile's YAML for every candidate: a copy keeps ``base``'s loaded profile (its only cached
+    property, and the same file), then ``__post_init__`` runs every cross-section check."""
+    recipe = copy.copy(base)
+    for name, value in sections.items():
+        object.__setattr__(recipe, name, value)
+    recipe.__post_init__()
+    return recipe
+
+
+def settings(c: Candidate) -> dict[str, object]:
+    """The recipe fields a candidate sets, as ``--set`` keys."""
+    out: dict[str, object] = {
+        "parallel.tp": c.tp,
+        "parallel.cp": c.cp,
+        "parallel.pp": c.pp,
+        "parallel.vpp": c.vpp,
+        "parallel.dp": c.dp,
+        "parallel.sequence_parallel": c.tp > 1,
+        "schedule.kind": c.kind,
+        "schedule.num_slices": c.num_slices,
+        "schedule.slice_policy": c.slice_policy,
+    }
+    out.update({f"train.{k}": v for k, v in c.recompute})
+    return out

@@ -1,0 +1,157 @@
+"""The autotuner (``plan/tune``, ``megatron-slim plan``): its candidate space against the recipe's
+own checks, its bounds and its choice against brute-force simulation of every candidate."""
+
+import json
+from itertools import product
+
+import pytest
+import yaml
+
+from megatron_slim.cli import main
+from megatron_slim.plan.cost.slicing import splits_uniformly
+from megatron_slim.plan.paths import config_dir
+from megatron_slim.plan.recipe import Recipe, recipe_from_dict
+from megatron_slim.plan.schedule.generators import generate
+from megatron_slim.plan.schema import ConfigError, apply_overrides
+from megatron_slim.plan.sim.engine import simulate
+from megatron_slim.plan.tune import tune
+from megatron_slim.plan.tune.bounds import first_backward_memory, memory_lower_bound, time_bounds
+from megatron_slim.plan.tune.report import payload
+from megatron_slim.plan.tune.search import costs_of, search
+from megatron_slim.plan.tune.space import FAMILIES, RECOMPUTE_OPTIONS, Layout, candidate_recipe, candidates, layouts
+
+GIB = 2**30
+
+
+def small_recipe(tmp_path, hbm_gib: float = 6.0, seq: int = 16384, layers: int = 4, gbs: int = 4):
+    """A small Llama on an H800-like profile with ``hbm_gib`` of memory, so that some candidates do not fit."""
+    hw = yaml.safe_load((config_dir() / "hardware" / "h800.yaml").read_text())
+    hw.update(name="small-h800", hbm_bytes=int(hbm_gib * GIB))
+    path = tmp_path / "small-h800.yaml"
+    path.write_text(yaml.safe_dump(hw))
+    model = dict(
+        num_layers=layers,
+        hidden_size=2048,
+        ffn_hidden_size=5632,
+        num_attention_heads=16,
+        num_query_groups=4,
+        vocab_size=32000,
+        seq_length=seq,
+    )
+    return recipe_from_dict(
+        {"model": model, "train": {"global_batch_size": gbs}, "hardware": str(path), "name": "small"}
+    )
+
+
+def test_layouts_are_exactly_the_valid_ones(tmp_path):
+    recipe = small_recipe(tmp_path)
+    gpus = 16
+    valid = set()
+    for tp, cp, pp in product(range(1, 17), repeat=3):
+        if gpus % (tp * cp * pp) or tp > 8:
+            continue
+        dp = gpus // (tp * cp * pp)
+        data = recipe.to_dict() | {"parallel": {"tp": tp, "cp": cp, "pp": pp, "dp": dp}}
+        data["schedule"] = {"kind": "1f1b"}
+        try:
+            recipe_from_dict(data)
+        except ConfigError:
+            continue
+        valid.add(Layout(tp, cp, pp, dp))
+    assert set(layouts(recipe, gpus)) == valid and len(valid) > 10
+
+
+def test_every_candidate_is_a_valid_recipe_on_the_gpus(tmp_path):
+    recipe = small_recipe(tmp_path)
+    cands = candidates(recipe, 8, ("1f1b", "interleaved", "slimpipe"))
+    assert {c.kind for c in cands} == {"1f1b", "interleaved", "slimpipe"}
+    assert {c.recompute for c in cands} == set(RECOMPUTE_OPTIONS) and len(RECOMPUTE_OPTIONS) >= 2
+    for c in cands:
+        r = candidate_recipe(recipe, c)
+        assert r.parallel.world_size == 8 and r.model.num_layers % (c.pp * c.vpp) == 0
+        if c.kind == "slimpipe":
+            assert c.num_slices >= 2 and splits_uniformly(r.model.seq_length, c.num_slices, r.slice_alignment)
+        else:
+            assert c.num_slices == 1 and (c.vpp == 1) == (c.kind == "1f1b")
+    assert len(set(cands)) == len(cands)
+
+
+def brute_force(recipe, cands):
+    """Simulate every candidate; (fastest fit's time, every (candidate, time, peak))."""
+    cap = recipe.hardware_profile.usable_hbm_bytes
+    runs = []
+    for c in cands:
+        costs = costs_of(candidate_recipe(recipe, c), recipe.hardware_profile)
+        p, s = costs.recipe.parallel, costs.recipe.schedule
+        res = simulate(generate(s.kind, p.pp, p.vpp, costs.recipe.num_microbatches, s.num_slices), costs)
+        runs.append((c, costs, res.iteration_time_s, max(r.peak_memory_bytes for r in res.ranks)))
+    fits = [t for _, _, t, peak in runs if peak <= cap]
+    return (min(fits) if fits else None), runs
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_choice_is_no_worse_than_any_candidate(tmp_path, family):
+    recipe = small_recipe(tmp_path)
+    cands = candidates(recipe, 4, FAMILIES[family], max_slices=8)
+    fastest, runs = brute_force(recipe, cands)
+    cap = recipe.hardware_profile.usable_hbm_bytes
+    assert fastest is not None and any(peak > cap for *_, peak in runs)  # memory matters in this space
+    for c, costs, seconds, peak in runs:  # the bounds hold for every candidate
+        cheap, full = time_bounds(costs), time_bounds(costs, every_stage=True)
+        assert cheap.lower <= full.lower <= seconds * (1 + 1e-9) and cheap.estimate <= full.estimate, c.label
+        p, s = costs.recipe.parallel, costs.recipe.schedule
+        schedule = generate(s.kind, p.pp, p.vpp, costs.recipe.num_microbatches, s.num_slices)
+        assert first_backward_memory(costs) <= memory_lower_bound(costs, schedule) <= peak * (1 + 1e-9), c.label
+    exact = search(recipe, cands, max_simulations=None)
+    assert exact.best is not None and exact.best.iteration_time_s == pytest.approx(fastest, rel=1e-12)
+    assert exact.best.peak_memory_bytes <= cap and exact.simulated < len(cands)
+    budgeted = search(recipe, cands, max_simulations=2)
+    assert budgeted.simulated <= 2 and budgeted.best.peak_memory_bytes <= cap
+
+
+def test_plan_json_holds_both_choices_and_the_speedup(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--recipe", "tiny-cpu", "--gpus", "8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for family in ("slimpipe", "megatron"):
+        chosen = data[family]
+        assert {"mfu", "iteration_time_s", "peak_memory_bytes", "parallel", "schedule", "train", "set"} <= set(chosen)
+        p = chosen["parallel"]
+        assert p["tp"] * p["cp"] * p["pp"] * p["dp"] == 8
+        assert 0 < chosen["mfu"] < 1 and chosen["peak_memory_bytes"] <= data["hbm_cap_bytes"]
+    assert data["slimpipe"]["schedule"]["kind"] == "slimpipe"
+    assert data["megatron"]["schedule"]["kind"] in ("1f1b", "interleaved")
+    assert data["speedup"] == pytest.approx(data["slimpipe"]["mfu"] / data["megatron"]["mfu"])
+    text = capsys.readouterr().out
+    assert "SlimPipe" in text and "Megatron baseline" in text and "speedup" in text
+
+
+def test_the_reported_set_keys_rebuild_the_choice_and_its_figures(tmp_path):
+    recipe = small_recipe(tmp_path)
+    result = tune(recipe, 4)
+    for name, family in result.families.items():
+        chosen = payload(result)[name]
+        rebuilt = recipe_from_dict(apply_overrides(recipe.to_dict(), chosen["set"], Recipe))
+        costs = costs_of(rebuilt, recipe.hardware_profile)
+        p, s = rebuilt.parallel, rebuilt.schedule
+        res = simulate(generate(s.kind, p.pp, p.vpp, rebuilt.num_microbatches, s.num_slices), costs)
+        assert res.mfu == pytest.approx(chosen["mfu"]) and res.iteration_time_s == pytest.approx(
+            family.best.iteration_time_s
+        )
+        assert max(r.peak_memory_bytes for r in res.ranks) == pytest.approx(chosen["peak_memory_bytes"], abs=1)
+
+
+def test_gpu_count_no_layout_uses_names_it_and_the_nearest(capsys):
+    assert main(["plan", "--recipe", "tiny-cpu", "--gpus", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpus 7" in err and "nearest: 4, 8" in err and "model.num_layers=8" in err
+
+
+def test_nothing_fits_says_the_smallest_peak_and_the_cap(tmp_path):
+    recipe = small_recipe(tmp_path, hbm_gib=0.5, seq=65536)
+    with pytest.raises(ConfigError) as info:
+        tune(recipe, 4)
+    text = str(info.value)
+    cap = f"{recipe.hardware_profile.usable_hbm_bytes / GIB:.1f} GiB"
+    assert f"slimpipe: nothing fits in {cap}" in text and f"megatron: nothing fits in {cap}" in text
+    assert text.count("smallest peak found") == 2
