@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 from megatron_slim.plan.tune.search import Evaluated, FamilyResult
-from megatron_slim.plan.tune.space import settings
+from megatron_slim.plan.tune.space import describe, settings
 from megatron_slim.plan.tune.tuner import TuneResult, nothing_fits
 
 _GIB = 2**30
@@ -75,7 +75,7 @@ def table_rows(result: TuneResult) -> tuple[tuple[str, ...], list[tuple[str, ...
     rows = [
         row("schedule", lambda e: e.label.split(" t")[0]),
         row("tp cp pp dp", lambda e: f"{e.candidate.tp} {e.candidate.cp} {e.candidate.pp} {e.candidate.dp}"),
-        row("recompute", lambda e: ",".join(str(v) for _, v in e.candidate.recompute)),
+        row("recompute", lambda e: describe(e.candidate.recompute)),
         row("microbatches", lambda e: str(e.recipe.num_microbatches)),
         row("iteration s", lambda e: f"{e.iteration_time_s:.2f}"),
         row("bubble", lambda e: f"{100 * e.bubble_ratio:.1f}%"),

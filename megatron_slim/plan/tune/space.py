@@ -16,22 +16,51 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterator, cast, get_args, get_type_hints
+from typing import Any, Iterator, cast, get_args
 
 from megatron_slim.plan.cost.slicing import slice_alignment, splits_uniformly
-from megatron_slim.plan.recipe import ParallelConfig, Recipe, ScheduleKind, SlicePolicy, TrainConfig
+from megatron_slim.plan.recipe import ParallelConfig, Recipe, ScheduleKind, SlicePolicy
+from megatron_slim.plan.recompute import OFFLOAD_RATIOS, Recompute, recompute_choices
 
 MAX_TP = 8  # tensor parallelism stays inside one NVLink node
 MAX_SLICES = 64
 MIN_SLICE_TOKENS_PER_GPU = 2048
 
-# What one recompute choice sets in the recipe's train section. The one place the choices come from:
-# every value of ``train.recompute``; widen it here (e.g. with a layer count or an offload ratio)
-# when the cost model learns more recompute and offload settings.
-RECOMPUTE_OPTIONS: tuple[tuple[tuple[str, object], ...], ...] = tuple(
-    (("recompute", value),) for value in get_args(get_type_hints(TrainConfig)["recompute"])
-)
-SLICE_POLICIES: tuple[str, ...] = get_args(SlicePolicy)
+# What one recompute choice sets in the recipe's train section, as (field, value) pairs. The choices
+# come from plan/recompute.py (``recompute_choices``: none, selective core_attn[+mlp], full uniform 1
+# and full block with every depth of a chunk) and its ``OFFLOAD_RATIOS`` where the schedule can
+# offload (SlimPipe's per-slice offload: Megatron-LM has no such setting, ``megatron-args`` refuses
+# it, so its baselines search no offload).
+RecomputeOption = tuple[tuple[str, object], ...]
+
+
+def recompute_options(layers_per_chunk: int, offload: bool) -> tuple[RecomputeOption, ...]:
+    """Every recompute choice without offload, and offload without recompute: the two ways to trade
+    time for activation memory. Mixing them is left out of the search (offloading what a checkpoint
+    keeps saves little) so that a 256-GPU search stays within its minute."""
+    ratios = [x for x in OFFLOAD_RATIOS if x > 0] if offload else []
+    offloaded = [Recompute(offload_ratio=x) for x in ratios]
+    return tuple(_fields(r) for r in (*recompute_choices(layers_per_chunk), *offloaded))
+
+
+def describe(option: RecomputeOption) -> str:
+    """``none``, ``selective core_attn+mlp``, ``full block 2``, with ``, offload 0.25`` when offloading."""
+    f = dict(option)
+    text = str(f["recompute"])
+    if text == "full":
+        text += f" {f['recompute_method']} {f['recompute_num_layers']}"
+    elif text == "selective":
+        text += " " + "+".join(cast(tuple[str, ...], f["recompute_modules"]))
+    ratio = cast(float, f.get("offload_ratio", 0.0))
+    return text + (f", offload {ratio:g}" if ratio else "")
+
+
+def _fields(r: Recompute) -> RecomputeOption:
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in r.train_fields().items())
+
+
+# Context exchange is priced by `simulate` only and the runtime refuses it: a search picks what runs.
+SLICE_POLICIES: tuple[str, ...] = tuple(p for p in get_args(SlicePolicy) if p != "exchange")
 
 FAMILIES: dict[str, tuple[str, ...]] = {"slimpipe": ("slimpipe",), "megatron": ("1f1b", "interleaved")}
 
@@ -54,14 +83,13 @@ class Candidate:
     dp: int
     num_slices: int
     slice_policy: str
-    recompute: tuple[tuple[str, object], ...]
+    recompute: RecomputeOption
 
     @property
     def label(self) -> str:
         v = f" v{self.vpp}" if self.vpp > 1 else ""
         n = f" n{self.num_slices} {self.slice_policy}" if self.kind == "slimpipe" else ""
-        recompute = ",".join(str(value) for _, value in self.recompute)
-        return f"{self.kind}{v}{n} t{self.tp} c{self.cp} p{self.pp} d{self.dp} recompute={recompute}"
+        return f"{self.kind}{v}{n} t{self.tp} c{self.cp} p{self.pp} d{self.dp} recompute={describe(self.recompute)}"
 
 
 def divisors(n: int) -> list[int]:
@@ -121,7 +149,6 @@ def candidates(
     recipe: Recipe,
     gpus: int,
     kinds: tuple[str, ...],
-    recompute: tuple[tuple[tuple[str, object], ...], ...] = RECOMPUTE_OPTIONS,
     max_slices: int = MAX_SLICES,
 ) -> list[Candidate]:
     """Every candidate of the schedule ``kinds`` on ``gpus`` GPUs, in a fixed order."""
@@ -129,7 +156,8 @@ def candidates(
     for layout in layouts(recipe, gpus):
         for kind in kinds:
             for vpp, n, policy in _schedules(recipe, layout, kind, max_slices):
-                for option in recompute:
+                chunk = recipe.model.num_layers // (layout.pp * vpp)
+                for option in recompute_options(chunk, offload=kind == "slimpipe"):
                     out.append(Candidate(kind, layout.tp, layout.cp, layout.pp, vpp, layout.dp, n, policy, option))
     return sorted(out)
 
@@ -168,5 +196,5 @@ def settings(c: Candidate) -> dict[str, object]:
         "schedule.num_slices": c.num_slices,
         "schedule.slice_policy": c.slice_policy,
     }
-    out.update({f"train.{k}": v for k, v in c.recompute})
+    out.update({f"train.{k}": ",".join(v) if isinstance(v, tuple) else v for k, v in c.recompute})
     return out
