@@ -137,4 +137,12 @@ def test_megatron_args_emits_no_recompute_the_slimpipe_launcher_would_refuse(cap
         == 0
     )
     assert "--recompute-granularity full" in capsys.readouterr().out
-    assert "CPU training loop does not recompute" in _error(capsys, "train", "--set", "train.recompute=full")
+    layernorm = ["train.recompute=selective", "train.recompute_modules=core_attn,layernorm"]
+    assert "train.recompute_modules: got ['core_attn', 'layernorm']; the CPU training loop runs" in _error(
+        capsys, "train", "--set", *layernorm
+    )
+    assert "allowed: a list of core_attn, mlp" in _error(capsys, "train", "--set", *layernorm)
+    under_cp = ["parallel.pp=1", "parallel.cp=2", "schedule.num_slices=1", "train.offload_ratio=0.5"]
+    assert "allowed with parallel.cp > 1: train.recompute=none and train.offload_ratio=0" in _error(
+        capsys, "train", "--set", *under_cp
+    )

@@ -64,10 +64,10 @@ SLIMPIPE_RULES = [
         (LAUNCHER, MEGATRON_ARGS),
         lambda s: s.slimpipe and s.recompute is not None,
         lambda s, i: (
-            f"{i.name('recompute')}: got {s.recompute!r} with {i.setting('slimpipe', True)}; SlimPipe keeps "
-            "each slice's K/V in a cache that a recomputed forward would fill again (activation "
-            f"recomputation is not supported with it yet); allowed: {i.unset('recompute', 'none')}, or "
-            f"Megatron's own schedule ({i.name('megatron_schedule')})"
+            f"{i.name('recompute')}: got {s.recompute!r} with {i.setting('slimpipe', True)}; SlimPipe's "
+            "recomputation (a recomputed slice reads its cached K/V prefix) is checked in megatron-slim train, "
+            "not yet through Megatron-LM's launcher; allowed: "
+            f"{i.unset('recompute', 'none')}, or Megatron's own schedule ({i.name('megatron_schedule')})"
         ),
     ),
     _on_slimpipe(
