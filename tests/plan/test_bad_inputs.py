@@ -120,8 +120,11 @@ def test_train_checks_its_data_source_before_any_work(tmp_path, capsys):
 
 @pytest.mark.single
 def test_megatron_args_emits_no_recompute_the_slimpipe_launcher_would_refuse(capsys):
-    err = _error(capsys, "megatron-args", "--recipe", "tiny-cpu", "--set", "train.recompute=full")
-    assert "train.recompute: got 'full' with schedule.kind=slimpipe" in err
+    under_cp = ["train.recompute=full", "parallel.cp=2", "parallel.pp=1"]
+    err = _error(capsys, "megatron-args", "--recipe", "tiny-cpu", "--set", *under_cp)
+    assert "train.recompute: got 'full' with schedule.kind=slimpipe and parallel.cp=2" in err
+    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", "train.recompute=full"]) == 0
+    assert "--use-slimpipe" in (out := capsys.readouterr().out) and "--recompute-granularity full" in out
     assert (
         main(
             [
