@@ -19,6 +19,11 @@ attention (``runtime.pipeline.cp_slice_attention``) on the model's own CP group 
 a CP engine's core attention, ``megatron.cp_schedule``, runs that engine instead, one slice per
 microbatch). Losses are normalised as megatron does on each CP rank (``runtime.pipeline.loss``),
 and DDP averages over data x context parallel ranks as it always does.
+
+Recomputation is megatron-core's (the chunks' ``TransformerConfig.recompute_*``); the interpreter
+runs each backward in its slice's context so a recomputed layer reads the cached K/V prefix.
+``SlimPipeSettings.offload_ratio`` moves that share of each chunk's layers' saved activations to
+host memory until backward (``offload_layers``).
 """
 
 from __future__ import annotations

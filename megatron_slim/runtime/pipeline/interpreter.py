@@ -2,7 +2,9 @@
 
 The interpreter holds the in-flight state (received inputs, forward outputs kept for backward,
 received output gradients, input gradients waiting to be sent) and checks it: no compute before
-its receive, nothing left over at the end. Under torch's profiler every action runs in
+its receive, nothing left over at the end. A backward runs inside its slice's context marked
+``recompute`` (checkpointed layers re-run forward there and must not cache K/V again); a forward
+runs under the activation meter's and the offloader's saved-tensor hooks. Under torch's profiler every action runs in
 ``record_function("<action>")``, named by the IR string the simulator's traces use (``F3.2``,
 ``1B0.7``, ``SEND_F3.2``), so a measured trace lines up with a simulated one; without a profiler
 no label is entered. An evaluation step runs a forward-only schedule
