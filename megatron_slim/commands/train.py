@@ -39,6 +39,7 @@ def _stage_entries(reports, pp: int) -> list[dict]:
             "stage": s,
             "peak_activation_bytes": int(by_stage[s].peak_activation_bytes),
             "peak_kv_bytes": int(by_stage[s].peak_kv_bytes),
+            "offloaded_bytes": int(by_stage[s].offloaded_bytes),  # per iteration, moved to host memory
         }
         for s in range(pp)
     ]
@@ -294,6 +295,6 @@ def _report(args, recipe, reports, began) -> int:
         for s in payload["stages"]:
             print(
                 f"  stage {s['stage']}: peak activations {s['peak_activation_bytes'] / 2**20:.2f} MiB, "
-                f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB"
+                f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB, offloaded {s['offloaded_bytes'] / 2**20:.2f} MiB"
             )
     return STOPPED_EXIT_CODE if reporter.stopped else 0

@@ -57,6 +57,7 @@ class RankReport:
     iteration_seconds: list = field(default_factory=list)
     peak_activation_bytes: int = 0
     peak_kv_bytes: int = 0
+    offloaded_bytes: int = 0  # activation bytes one iteration moved to host memory (train.offload_ratio)
     resumed_from: Optional[int] = None
     last_iteration: int = 0
     attention_backend: str = ""
@@ -69,11 +70,14 @@ class RankReport:
 
 def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
     """The schedule settings every rank of ``megatron-slim train`` runs under: the recipe's kind and
-    the slice plan the simulator is given (``plan.sim.costs.slice_lengths``)."""
+    the slice plan the simulator is given (``plan.sim.costs.slice_lengths``), and the share of each
+    slice's layer activations that waits in host memory for its backward (``train.offload_ratio``)."""
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings
 
     lengths = slice_lengths(recipe, CostModel(recipe))
-    return SlimPipeSettings(lengths, measure_memory=measure_memory, kind=recipe.schedule.kind)
+    return SlimPipeSettings(
+        lengths, measure_memory=measure_memory, kind=recipe.schedule.kind, offload_ratio=recipe.train.offload_ratio
+    )
 
 
 def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options: TrainOptions) -> RankReport:
@@ -81,6 +85,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     from megatron_slim.megatron.model.gpt import build_rank_chunks
     from megatron_slim.megatron.model.optimizer import build_optimizer
     from megatron_slim.megatron.model.parallel import init_model_parallel
+    from megatron_slim.megatron.model.recompute import recompute_config
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
     from megatron_slim.runtime.attention import choose_backend
@@ -92,7 +97,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     groups = init_model_parallel(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, dp=p.dp, seed=t.seed)
     cp_step = CPTrainStep(recipe, groups, prepared.tokenizer.eod) if p.cp > 1 else None
     layers = cp_layer_classes(recipe) if cp_step else {"core_attention": SliceCoreAttention}
-    chunks = build_rank_chunks(recipe.model, groups, **layers, seed=t.seed)
+    chunks = build_rank_chunks(recipe.model, groups, **layers, seed=t.seed, **recompute_config(t.recompute_plan))
     if cp_step:
         cp_step.attach(chunks)
     optimizer, scheduler = build_optimizer(chunks, t)
@@ -238,6 +243,7 @@ class _RankTraining:
         self.profiler.after(number, stats.schedule_digest)
         report.peak_activation_bytes = max(report.peak_activation_bytes, stats.peak_activation_bytes)
         report.peak_kv_bytes = max(report.peak_kv_bytes, stats.peak_kv_bytes)
+        report.offloaded_bytes = max(report.offloaded_bytes, stats.offloaded_bytes)
         report.schedule_digest = stats.schedule_digest
 
     def _print(self, number: int, loss: float, norm: float, stepped: bool, elapsed: float, cp_summary) -> None:

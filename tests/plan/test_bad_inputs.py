@@ -120,8 +120,11 @@ def test_train_checks_its_data_source_before_any_work(tmp_path, capsys):
 
 @pytest.mark.single
 def test_megatron_args_emits_no_recompute_the_slimpipe_launcher_would_refuse(capsys):
-    err = _error(capsys, "megatron-args", "--recipe", "tiny-cpu", "--set", "train.recompute=full")
-    assert "train.recompute: got 'full' with schedule.kind=slimpipe" in err
+    under_cp = ["train.recompute=full", "parallel.cp=2", "parallel.pp=1"]
+    err = _error(capsys, "megatron-args", "--recipe", "tiny-cpu", "--set", *under_cp)
+    assert "train.recompute: got 'full' with schedule.kind=slimpipe and parallel.cp=2" in err
+    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", "train.recompute=full"]) == 0
+    assert "--use-slimpipe" in (out := capsys.readouterr().out) and "--recompute-granularity full" in out
     assert (
         main(
             [
@@ -137,4 +140,12 @@ def test_megatron_args_emits_no_recompute_the_slimpipe_launcher_would_refuse(cap
         == 0
     )
     assert "--recompute-granularity full" in capsys.readouterr().out
-    assert "CPU training loop does not recompute" in _error(capsys, "train", "--set", "train.recompute=full")
+    layernorm = ["train.recompute=selective", "train.recompute_modules=core_attn,layernorm"]
+    assert "train.recompute_modules: got ['core_attn', 'layernorm']; the CPU training loop runs" in _error(
+        capsys, "train", "--set", *layernorm
+    )
+    assert "allowed: a list of core_attn, mlp" in _error(capsys, "train", "--set", *layernorm)
+    under_cp = ["parallel.pp=1", "parallel.cp=2", "schedule.num_slices=1", "train.offload_ratio=0.5"]
+    assert "allowed with parallel.cp > 1: train.recompute=none and train.offload_ratio=0" in _error(
+        capsys, "train", "--set", *under_cp
+    )

@@ -45,8 +45,8 @@ SHARED = {
         },
     ),
     "slimpipe-recompute": (
-        {**SLIMPIPE_FLAGS, "recompute_granularity": "full"},
-        {MEGATRON_ARGS: ["schedule.num_slices=2", "train.recompute=full"]},
+        {**SLIMPIPE_FLAGS, "recompute_granularity": "full", "context_parallel_size": 2},
+        {MEGATRON_ARGS: ["schedule.num_slices=2", "train.recompute=full", "parallel.cp=2", "parallel.pp=1"]},
     ),
 }
 RECIPE_ENTRY = {

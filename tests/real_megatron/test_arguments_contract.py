@@ -172,6 +172,7 @@ BASE = [
     "0",
 ]
 SLIMPIPE = ["--use-slimpipe", "--slimpipe-num-slices", "4"]
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ACCEPTED = {
     "interleaved-slimpipe": (
         8,
@@ -179,6 +180,7 @@ ACCEPTED = {
         + ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1", "--num-layers", "8"],
     ),
     "slimpipe-pp2": (2, SLIMPIPE + ["--pipeline-model-parallel-size", "2"]),
+    "slimpipe-full-recompute": (2, SLIMPIPE + ["--pipeline-model-parallel-size", "2"] + FULL_RECOMPUTE),
     "cp-engine-zeppelin": (
         2,
         [
@@ -225,10 +227,10 @@ REJECTED = {
         ],
         "SlimPipe slice boundaries are multiples of 8 tokens",
     ),
-    "recompute-under-slimpipe": (
-        1,
-        SLIMPIPE + ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
-        "drop --recompute-granularity",
+    "recompute-under-slimpipe-and-cp": (
+        2,
+        SLIMPIPE + FULL_RECOMPUTE + ["--context-parallel-size", "2"],
+        "drop --recompute-granularity, --context-parallel-size 1",
     ),
     "remap-without-zeppelin": (1, ["--cp-remap"], "--cp-remap: only with --cp-engine zeppelin"),
     "cp-engine-without-cp": (1, ["--cp-engine", "ring"], "needs --context-parallel-size > 1"),

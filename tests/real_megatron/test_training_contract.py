@@ -51,6 +51,20 @@ CASES = [
         ("parallel.pp=2", "parallel.dp=2", "train.global_batch_size=8"),
         extra=("--overlap-grad-reduce",),
     ),
+    # activation recomputation, megatron-core's own, against Megatron's 1F1B with the same flags
+    Case("pp2-full-uniform-recompute", 2, ("parallel.pp=2", "train.recompute=full", "train.recompute_num_layers=2")),
+    Case(
+        "pp2-full-block-recompute",
+        2,
+        ("parallel.pp=2", "train.recompute=full", "train.recompute_method=block", "train.recompute_num_layers=3"),
+        slices=2,
+    ),
+    Case(
+        "pp2-selective-recompute",
+        2,
+        ("parallel.pp=2", "train.recompute=selective", "train.recompute_modules=core_attn,mlp"),
+        slices=2,
+    ),
     Case("tp2", 2, ("parallel.tp=2",)),
     Case("tp2-sequence-parallel", 2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
     Case("tp2xpp2", 4, ("parallel.tp=2", "parallel.pp=2")),

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 import torch.distributed as dist
 
 from megatron_slim.megatron import compat
-from megatron_slim.megatron.model.rng import reset_rng_tracker, seed_model_parallel_rng
+from megatron_slim.megatron.model.rng import checkpoint_rng_without_cuda, reset_rng_tracker, seed_model_parallel_rng
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,6 +150,7 @@ def init_model_parallel(
         distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
     )
     groups = groups_from_parallel_state(vpp)
+    checkpoint_rng_without_cuda()
     if seed is not None:
         seed_model_parallel_rng(seed, tp_rank=groups.tp_rank)
     return groups

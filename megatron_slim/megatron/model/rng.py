@@ -6,6 +6,11 @@ tracker around dropout in tensor-parallel regions (and around the embedding drop
 parallelism), so on CPU we install a tracker with the same names and seeds whose states are CPU
 generator states and whose ``fork`` swaps the CPU default generator.
 
+Activation recomputation (megatron's ``CheckpointFunction``, ``CheckpointWithoutOutput``) saves and
+restores the CUDA generator state next to the CPU one and the tracker's; without CUDA the CUDA part
+is made an empty state (``checkpoint_rng_without_cuda``, run by ``init_model_parallel``), so
+megatron's own recomputation runs on CPU.
+
 Seeds follow megatron's scheme, so a CPU run and a GPU run draw from comparably seeded streams:
 data-parallel state ``seed``, tensor-parallel state ``seed + 2718 + tp_rank``, expert state
 ``seed + 1024 + 100 * ep_rank + etp_rank``. Weight initialisation in
@@ -96,6 +101,23 @@ def seed_model_parallel_rng(
     tracker.add(names["expert"], seed + 1024 + 100 * ep_rank + etp_rank)
     random._CUDA_RNG_STATE_TRACKER = tracker
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    checkpoint_rng_without_cuda()
+
+
+def checkpoint_rng_without_cuda() -> None:
+    """Megatron's checkpoint functions read and set the CUDA generator state unconditionally; on a
+    torch without CUDA there is none, so reading gives an empty state and setting does nothing."""
+    if torch.cuda.is_available():
+        return
+    random = _random_module()
+
+    def get_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_state(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    random._get_cuda_rng_state, random._set_cuda_rng_state = get_state, set_state
 
 
 def reset_rng_tracker() -> None:

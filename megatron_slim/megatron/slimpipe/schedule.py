@@ -19,6 +19,11 @@ attention (``runtime.pipeline.cp_slice_attention``) on the model's own CP group 
 a CP engine's core attention, ``megatron.cp_schedule``, runs that engine instead, one slice per
 microbatch). Losses are normalised as megatron does on each CP rank (``runtime.pipeline.loss``),
 and DDP averages over data x context parallel ranks as it always does.
+
+Recomputation is megatron-core's (the chunks' ``TransformerConfig.recompute_*``); the interpreter
+runs each backward in its slice's context so a recomputed layer reads the cached K/V prefix.
+``SlimPipeSettings.offload_ratio`` moves that share of each chunk's layers' saved activations to
+host memory until backward (``offload_layers``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_slim.megatron.slimpipe.offload_layers import attach_offload
 from megatron_slim.megatron.slimpipe.stage import (
     Chunks,
     NonLossData,
@@ -56,6 +62,7 @@ class SlimPipeSettings:
     kind: str = "slimpipe"  # 1f1b and interleaved run through the same interpreter (one slice)
     attention_backend: Optional[str] = None
     measure_memory: bool = False
+    offload_ratio: float = 0.0  # of each slice's decoder-layer activations, held on the host until backward
 
     @property
     def num_slices(self) -> int:
@@ -68,6 +75,7 @@ class RunStats:
 
     peak_activation_bytes: int = 0
     peak_kv_bytes: int = 0
+    offloaded_bytes: int = 0  # activation bytes the last call moved to the host (train.offload_ratio)
     schedule_digest: str = ""
     agreed_digests: set = field(default_factory=set)
 
@@ -205,34 +213,35 @@ class _Run:
         ops = stage_ops(chunks, forward_step_func, sliced, self.non_loss_only, settings.slice_lengths, micro_batch_size)
         p2p = self._p2p(device)
         loss = self._loss()
-        meter = (
-            ActivationMeter(
-                [p for m in models for p in m.parameters()], lambda: set().union(*(s.storage_ptrs() for s in stores))
-            )
-            if settings.measure_memory
-            else None
-        )
+        kv_storages = lambda: set().union(*(s.storage_ptrs() for s in stores))  # noqa: E731
+        params = [p for m in models for p in m.parameters()]
+        meter = ActivationMeter(params, kv_storages) if settings.measure_memory else None
+        offload, hooks = attach_offload(models, 0.0 if forward_only else settings.offload_ratio, kv_storages)
         grad_sync, param_sync = syncs(chunks, schedule.ranks[rank], forward_only)
         executed = executable_forward_only(schedule) if forward_only else schedule
-        run_timed(
-            PipelineInterpreter(
-                executed,
-                rank,
-                ops,
-                p2p,
-                settings.slice_lengths,
-                context,
-                stores,
-                loss,
-                meter=meter,
-                grad_sync=grad_sync,
-                param_sync=param_sync,
-            ),
-            config,
+        interpreter = PipelineInterpreter(
+            executed,
+            rank,
+            ops,
+            p2p,
+            settings.slice_lengths,
+            context,
+            stores,
+            loss,
+            meter=meter,
+            grad_sync=grad_sync,
+            param_sync=param_sync,
+            offload=offload,
         )
+        try:
+            run_timed(interpreter, config)
+        finally:
+            for hook in hooks:
+                hook.remove()
         if meter is not None:
             stats.peak_activation_bytes = meter.peak_bytes
             stats.peak_kv_bytes = ledger.peak_bytes
+        stats.offloaded_bytes = offload.moved_bytes if offload is not None else 0
         return loss
 
     def _p2p(self, device: torch.device) -> Optional[P2P]:

@@ -21,6 +21,7 @@ def _common(recipe: Recipe) -> dict[str, Any]:
         slice_policy=s.slice_policy,
         seq_length=m.seq_length,
         recompute=None if t.recompute == "none" else t.recompute,
+        recompute_modules=t.recompute_plan.modules,
         precision=t.precision,
         eval_iters=t.eval_iters,
         offload_ratio=t.offload_ratio,

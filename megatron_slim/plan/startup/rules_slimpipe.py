@@ -71,12 +71,13 @@ SLIMPIPE_RULES = [
     Rule(
         "slimpipe-recompute",
         (LAUNCHER, MEGATRON_ARGS),
-        lambda s: s.slimpipe and s.recompute is not None,
+        lambda s: s.slimpipe and s.recompute is not None and s.cp > 1,
         lambda s, i: (
-            f"{i.name('recompute')}: got {s.recompute!r} with {i.setting('slimpipe', True)}; SlimPipe keeps "
-            "each slice's K/V in a cache that a recomputed forward would fill again (activation "
-            f"recomputation is not supported with it yet); allowed: {i.unset('recompute', 'none')}, or "
-            f"Megatron's own schedule ({i.name('megatron_schedule')})"
+            f"{i.name('recompute')}: got {s.recompute!r} with {i.setting('slimpipe', True)} and "
+            f"{i.setting('cp', s.cp)}; SlimPipe's recomputation (a recomputed slice reads its cached K/V "
+            "prefix) is checked without context parallelism only; allowed: "
+            f"{i.unset('recompute', 'none')}, {i.setting('cp', 1)}, or Megatron's own schedule "
+            f"({i.name('megatron_schedule')})"
         ),
     ),
     _on_slimpipe(

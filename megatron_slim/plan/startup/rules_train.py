@@ -6,6 +6,9 @@ from megatron_slim.plan.schema import fail
 from megatron_slim.plan.startup.rule import Rule
 from megatron_slim.plan.startup.settings import TRAIN
 
+# what megatron-core's selective recomputation runs on CPU with megatron_slim's core attention
+TRAIN_RECOMPUTE_MODULES = ("core_attn", "mlp")
+
 TRAIN_RULES = [
     Rule(
         "cpu-sequence-parallel",
@@ -17,22 +20,24 @@ TRAIN_RULES = [
         ),
     ),
     Rule(
-        "cpu-recompute",
+        "cpu-recompute-modules",
         (TRAIN,),
-        lambda s: s.recompute is not None,
+        lambda s: s.recompute == "selective" and not set(s.recompute_modules) <= set(TRAIN_RECOMPUTE_MODULES),
         lambda s, i: (
-            f"train.recompute: got {s.recompute!r}; the CPU training loop does not recompute activations (the models "
-            "here are small; Megatron-LM does, through megatron-args with schedule.kind=1f1b or interleaved); "
-            "allowed: none"
+            f"train.recompute_modules: got {list(s.recompute_modules)}; the CPU training loop runs megatron-core's "
+            "selective recomputation of the attention kernel and the MLP (layernorm needs Transformer Engine's "
+            "checkpointing, the MoE and MLA modules layers this model lacks); allowed: a list of "
+            f"{', '.join(TRAIN_RECOMPUTE_MODULES)}"
         ),
     ),
     Rule(
-        "cpu-offload",
+        "cpu-recompute-cp",
         (TRAIN,),
-        lambda s: s.offload_ratio > 0,
+        lambda s: s.cp > 1 and (s.recompute is not None or s.offload_ratio > 0),
         lambda s, i: (
-            f"train.offload_ratio: got {s.offload_ratio}; the CPU training loop does not offload activations "
-            "(the simulator prices it); allowed: 0"
+            f"train.recompute={s.recompute or 'none'}, train.offload_ratio={s.offload_ratio} with parallel.cp={s.cp}: "
+            f"the CP engines' attention (cp.engine={s.cp_engine}) is not checked under recomputation or offloading "
+            "here; allowed with parallel.cp > 1: train.recompute=none and train.offload_ratio=0"
         ),
     ),
     Rule(

@@ -31,6 +31,7 @@ class Settings:
     slice_policy: str = "uniform"
     seq_length: int = 0
     recompute: Optional[str] = None  # the recomputation granularity ("full", "selective"); None: none
+    recompute_modules: tuple[str, ...] = ()  # what selective recomputation checkpoints
     precision: str = "fp32"
     eval_iters: int = 0
     offload_ratio: float = 0.0  # a recipe's train.offload_ratio (Megatron-LM has no such flag)

@@ -53,12 +53,15 @@ class _Cached:
     microbatch: int = 0
     slice: int = 0
     layer: int = 0
+    recompute: bool = False  # a forward inside the slice's backward: its K/V are cached already
 
     def prefix(self) -> list[tuple[Tensor, Tensor]]:
         return self.store.prefix(self.microbatch, self.layer, self.slice) if self.store is not None else []
 
     def append(self, k: Tensor, v: Tensor) -> None:
-        if self.store is not None:
+        if self.store is not None and self.recompute:
+            self.store.check_recomputed(self.microbatch, self.layer, self.slice)
+        elif self.store is not None:
             self.store.append(self.microbatch, self.layer, self.slice, k, v)
 
     def accumulate(self, i: int, dk: Tensor, dv: Tensor) -> None:
@@ -228,7 +231,7 @@ def cp_sliced_attention(
     if (store is None) != (info is None):
         raise ValueError("store and info: pass both (a cached slice) or neither (one whole sequence)")
     setup = _Setup(backend, softmax_scale, group, dist.get_rank(group), ZigzagLayout(cp, length))
-    cached = _Cached(store) if info is None else _Cached(store, info.microbatch, info.slice, layer)
+    cached = _Cached(store) if info is None else _Cached(store, info.microbatch, info.slice, layer, info.recompute)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
         with torch.no_grad():

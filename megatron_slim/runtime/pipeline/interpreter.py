@@ -2,7 +2,9 @@
 
 The interpreter holds the in-flight state (received inputs, forward outputs kept for backward,
 received output gradients, input gradients waiting to be sent) and checks it: no compute before
-its receive, nothing left over at the end. Under torch's profiler every action runs in
+its receive, nothing left over at the end. A backward runs inside its slice's context marked
+``recompute`` (checkpointed layers re-run forward there and must not cache K/V again); a forward
+runs under the activation meter's and the offloader's saved-tensor hooks. Under torch's profiler every action runs in
 ``record_function("<action>")``, named by the IR string the simulator's traces use (``F3.2``,
 ``1B0.7``, ``SEND_F3.2``), so a measured trace lines up with a simulated one; without a profiler
 no label is entered. An evaluation step runs a forward-only schedule
@@ -24,6 +26,7 @@ from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.loss import SlicedLoss
 from megatron_slim.runtime.pipeline.memory_meter import ActivationMeter
+from megatron_slim.runtime.pipeline.offload import ActivationOffload
 from megatron_slim.runtime.pipeline.p2p import P2P
 from megatron_slim.runtime.pipeline.slice_context import SliceContext, SliceInfo
 
@@ -74,6 +77,7 @@ class PipelineInterpreter:
         meter: Optional[ActivationMeter] = None,
         grad_sync: Optional[GradSync] = None,
         param_sync: Optional[ParamSync] = None,
+        offload: Optional[ActivationOffload] = None,
     ) -> None:
         if not schedule.is_lowered:
             raise ValueError("the interpreter runs lowered schedules (plan.schedule.add_communication)")
@@ -87,7 +91,7 @@ class PipelineInterpreter:
         self.schedule, self.rank, self.ops, self.p2p = schedule, rank, ops, p2p
         self.lengths = list(slice_lengths)
         self.starts = [sum(self.lengths[:j]) for j in range(len(self.lengths))]
-        self.ctx, self.kv, self.loss, self.meter = context, kv_stores, loss, meter
+        self.ctx, self.kv, self.loss, self.meter, self.offload = context, kv_stores, loss, meter, offload
         self.grad_sync, self.param_sync, self.forward_only = grad_sync, param_sync, schedule.forward_only
         self.row = list(schedule.ranks[rank])
         self.state = RunState()
@@ -114,7 +118,7 @@ class PipelineInterpreter:
             + format_grid(self.schedule, {self.rank: self._step})
         )
 
-    def _slice_info(self, a: Action) -> SliceInfo:
+    def _slice_info(self, a: Action, recompute: bool = False) -> SliceInfo:
         return SliceInfo(
             a.microbatch,
             a.slice,
@@ -122,7 +126,16 @@ class PipelineInterpreter:
             self.starts[a.slice],
             self.lengths[a.slice],
             self.forward_only,
+            recompute,
         )
+
+    def _saved_tensor_hooks(self, unit: Unit):
+        """What watches (meter) and moves (offload) the activations a forward action saves."""
+        if self.forward_only:
+            return nullcontext()
+        if self.meter is not None:
+            return self.meter.track(unit, self.offload)
+        return self.offload.track() if self.offload is not None else nullcontext()
 
     # ---- handlers -----------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
@@ -132,10 +145,9 @@ class PipelineInterpreter:
             if unit not in self.state.inputs:
                 raise self._fail("forward before its input was received")
             inp = self.state.inputs.pop(unit)
-        meter = self.meter.track(unit) if self.meter is not None and not self.forward_only else nullcontext()
         if self.param_sync is not None:
             self.param_sync.before_forward(a.chunk)
-        with self.ctx.enter(self._slice_info(a)), meter:
+        with self.ctx.enter(self._slice_info(a)), self._saved_tensor_hooks(unit):
             output, loss_func = self.ops.forward(a.chunk, inp)
             if stage == self.schedule.num_stages - 1:
                 self.loss.add(a.microbatch, a.slice, loss_func(output), keep_graph=not self.forward_only)
@@ -189,7 +201,8 @@ class PipelineInterpreter:
             grad = self.state.grads.pop(unit)
         if self.grad_sync is not None:
             self.grad_sync.before_backward(a.chunk, self._step)
-        input_grad = self.ops.backward(inp, output, grad)
+        with self.ctx.enter(self._slice_info(a, recompute=True)):  # checkpointed layers re-run forward here
+            input_grad = self.ops.backward(inp, output, grad)
         if self.grad_sync is not None:
             self.grad_sync.after_backward(a.chunk, self._step)
         if self.meter is not None:

@@ -4,6 +4,8 @@ Per (microbatch, layer) the store keeps one chunk per slice, never a concatenate
 
 * forward of slice j appends its K and V (detached; slice j's own autograd graph owns the
   gradient path) and reads chunks 0..j-1 as the prefix it attends to;
+* a forward that recomputes slice j inside its backward (activation recomputation) reads the same
+  prefix and appends nothing: slice j's chunk is still the newest one cached (``check_recomputed``);
 * backward runs slices in reverse: slice j adds the prefix part of its dK/dV into fp32 buffers of
   chunks 0..j-1, takes the buffer of its own chunk (the sum over every later slice) and adds it to
   the gradient of its K and V; then its K/V chunk and buffer are freed: no earlier slice reads
@@ -69,6 +71,17 @@ class KVCacheStore:
         cache.keys.append(key.detach())
         cache.values.append(value.detach())
         self._track(_nbytes(key) + _nbytes(value))
+
+    def check_recomputed(self, microbatch: int, layer: int, slice_: int) -> None:
+        """A recomputed forward of ``slice_`` finds its K/V cached as the newest chunk (backward runs
+        slices in reverse, so every later slice was released at this layer)."""
+        cache = self._layers.get((microbatch, layer))
+        if cache is None or len(cache.keys) != slice_ + 1:
+            cached = 0 if cache is None else len(cache.keys)
+            raise RuntimeError(
+                f"K/V cache of microbatch {microbatch} layer {layer}: slice {slice_} is recomputed with "
+                f"{cached} cached slices (expected {slice_ + 1}: recomputation runs in its slice's backward)"
+            )
 
     def prefix(self, microbatch: int, layer: int, slice_: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K/V chunks of slices ``0 .. slice_-1``."""

@@ -2,17 +2,20 @@
 
 A ``saved_tensors_hooks`` pack hook sees every tensor autograd saves during a forward action.
 Bytes are counted per storage (a view keeps its whole storage alive), once per storage, and
-without parameters (weights saved by matmuls are static memory) or K/V cache chunks (counted by
-the cache store as K/V). They are released when the action's backward ends. This is the same
-accounting the simulator uses, so the two can be compared number for number.
+without parameters (weights saved by matmuls are static memory), K/V cache chunks (counted by
+the cache store as K/V) or what an ``ActivationOffload`` moved to host memory. They are released
+when the action's backward ends. This is the same accounting the simulator uses, so the two can be
+compared number for number.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Optional
 
 import torch
+
+from megatron_slim.runtime.pipeline.offload import ActivationOffload
 
 
 class ActivationMeter:
@@ -25,17 +28,20 @@ class ActivationMeter:
         self.peak_bytes = 0
 
     @contextlib.contextmanager
-    def track(self, action: Hashable):
+    def track(self, action: Hashable, offload: Optional[ActivationOffload] = None):
         seen: dict[int, int] = {}
 
         def pack(t: torch.Tensor):
+            held = offload.pack(t) if offload is not None else None
+            if held is not None:
+                return held
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in self._static and ptr not in self._owned:
                 seen[ptr] = storage.nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, ActivationOffload.unpack):
             yield
         kv = self._kv_storages()
         nbytes = 0

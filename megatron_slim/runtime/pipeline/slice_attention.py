@@ -6,7 +6,8 @@ the slice's own K/V, forward and backward. (One large call beats one call per ca
 wide margin, and the join is a transient copy of the prefix that the kernel reads anyway.) The
 cache itself stays per slice. Backward runs slices in reverse: the prefix rows of dK/dV go into
 the store's fp32 buffers of their slices; this slice's own rows get the buffer the later slices
-filled; then the slice's cache chunk is released.
+filled; then the slice's cache chunk is released. A forward run inside the slice's backward
+(``info.recompute``: activation recomputation) reads the same prefix and leaves the cache as it is.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ def _joined(prefix: list[tuple[torch.Tensor, torch.Tensor]], k: torch.Tensor, v:
     return (torch.cat([k_i for k_i, _ in prefix] + [k], dim=1), torch.cat([v_i for _, v_i in prefix] + [v], dim=1))
 
 
+def _keep(store: KVCacheStore, info: SliceInfo, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    if info.recompute:
+        store.check_recomputed(info.microbatch, layer, info.slice)
+    else:
+        store.append(info.microbatch, layer, info.slice, k, v)
+
+
 class _SliceAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -31,7 +39,7 @@ class _SliceAttention(torch.autograd.Function):
     ):
         keys, values = _joined(store.prefix(info.microbatch, layer, info.slice), k, v)
         out, lse = backend.forward(q, keys, values, causal=True, softmax_scale=scale)
-        store.append(info.microbatch, layer, info.slice, k, v)
+        _keep(store, info, layer, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.meta = (backend, scale, store, info, layer)
         return out
@@ -80,6 +88,6 @@ def sliced_attention(
         with torch.no_grad():
             keys, values = _joined(store.prefix(info.microbatch, layer, info.slice), k, v)
             out, _ = backend.forward(q, keys, values, causal=True, softmax_scale=softmax_scale)
-            store.append(info.microbatch, layer, info.slice, k, v)
+            _keep(store, info, layer, k, v)
         return out
     return _SliceAttention.apply(q, k, v, backend, softmax_scale, store, info, layer)

@@ -1,7 +1,8 @@
 """Which microbatch slice a rank is computing right now.
 
-The interpreter sets it around every forward and backward; the slice attention (K/V cache key,
-prefix length) and the rotary wrapper (positions) read it. One object per model-chunk set,
+The interpreter sets it around every forward and backward (marked ``recompute``: a forward run
+inside a backward rebuilds checkpointed activations); the slice attention (K/V cache key, prefix
+length, whether to append) and the rotary wrapper (positions) read it. One object per model-chunk set,
 injected at the edge: no module-level state.
 """
 
@@ -18,6 +19,9 @@ class SliceInfo:
     start: int  # first token position of the slice in its sequence
     length: int  # tokens in the slice (the whole sequence, not the CP/SP shard)
     forward_only: bool = False
+    # set around a backward action: a forward run then is activation recomputation, which reads
+    # the slice's cached K/V prefix and must not append the slice to the cache a second time
+    recompute: bool = False
 
     @property
     def is_last(self) -> bool:

@@ -81,3 +81,41 @@ def test_forward_only_appends_without_graph():
     assert store.live_bytes == 3 * 2 * x.numel() * 4
     store.drop_microbatch(5)
     assert store.is_empty() and store.live_bytes == 0
+
+
+def test_recomputed_slices_read_the_cached_prefix_and_append_nothing():
+    """As under activation checkpointing: each slice's forward runs without autograd (it caches
+    its K/V), and its backward first runs the forward again (``recompute``) with autograd."""
+    torch.manual_seed(3)
+    lengths, b, hq, hkv, d = (5, 3, 8), 2, 4, 2, 8
+    s = sum(lengths)
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.float64) for h in (hq, hkv, hkv))
+    weight = torch.randn(b, s, hq, d, dtype=torch.float64)
+    ref = _whole(*(t.clone().requires_grad_() for t in (q, k, v)), weight)
+    store, starts = KVCacheStore(), [0, 5, 8]
+    kwargs = dict(backend=ReferenceBackend(), softmax_scale=d**-0.5, store=store, layer=1)
+    outs = []
+    for j, (a, n) in enumerate(zip(starts, lengths)):
+        with torch.no_grad():
+            outs.append(
+                sliced_attention(
+                    q[:, a : a + n], k[:, a : a + n], v[:, a : a + n], **kwargs, info=SliceInfo(0, j, 3, a, n)
+                )
+            )
+    cached = store.live_bytes
+    with pytest.raises(RuntimeError, match="slice 0 is recomputed with 3 cached slices"):
+        sliced_attention(q[:, :5], k[:, :5], v[:, :5], **kwargs, info=SliceInfo(0, 0, 3, 0, 5, recompute=True))
+    grads = []
+    for j in reversed(range(3)):
+        a, n = starts[j], lengths[j]
+        pieces = [t[:, a : a + n].clone().requires_grad_() for t in (q, k, v)]
+        out = sliced_attention(*pieces, **kwargs, info=SliceInfo(0, j, 3, a, n, recompute=True))
+        assert store.live_bytes == cached  # nothing appended
+        torch.testing.assert_close(out.detach(), outs[j])
+        (out * weight[:, a : a + n]).sum().backward()
+        cached = store.live_bytes
+        grads.insert(0, [p.grad for p in pieces])
+    assert store.is_empty()
+    torch.testing.assert_close(torch.cat(outs, 1), ref[0])
+    for idx in range(3):
+        torch.testing.assert_close(torch.cat([g[idx] for g in grads], 1), ref[idx + 1])
