@@ -74,6 +74,16 @@ def test_slimpipe_keeps_the_kv_cache_under_full_recompute():
     assert cm.backward_transient_bytes(1, N) == pytest.approx(A - INPUT)  # the rebuilt layer's K/V is cached
 
 
+def test_slimpipe_selective_core_attn_keeps_the_slices_kv_twice():
+    """The checkpointed core attention saves its K/V inputs, which the cache also holds: under
+    SlimPipe selective core_attn raises the resident bytes (as measured on CPU ranks), mlp lowers them."""
+    core = _cost("train.recompute=selective", kind="slimpipe", slices=8)
+    assert core.activation_bytes(1, N) == pytest.approx(L * (A - LSE + K))
+    assert core.activation_bytes(1, N) > _cost(kind="slimpipe", slices=8).activation_bytes(1, N)
+    mlp = _cost("train.recompute=selective", "train.recompute_modules=mlp", kind="slimpipe", slices=8)
+    assert mlp.activation_bytes(1, N) == pytest.approx(L * (A - N * E * (H / TP + 3 * F / TP)))
+
+
 def test_backward_repeats_the_recomputed_forward_work():
     base = _cost()
     per_layer = base.forward_time(1, N, 4 * N) / L  # a middle stage: decoder layers only

@@ -4,7 +4,8 @@ For a chunk of ``L`` layers and a slice of ``n`` tokens (``A`` = one layer's act
 recompute, ``K`` = its K/V, ``I`` = a checkpoint's input, ``S`` = a layer's selective savings):
 
 * none:      resident ``L·A``; K/V ``L·K``; nothing rebuilt.
-* selective: resident ``L·(A − S)``; K/V ``L·K``; backward rebuilds ``S`` of one layer at a time.
+* selective: resident ``L·(A − S)`` (plus ``L·K`` under SlimPipe when ``core_attn`` is checkpointed:
+  its K/V inputs duplicate the cache's); K/V ``L·K``; backward rebuilds ``S`` of one layer at a time.
 * full:      ``r`` recomputed layers (uniform: all ``L``; block: the first ``N``) keep only their
   checkpoint inputs (uniform: one per group of ``N``; block: one each), the rest keep ``A``:
   resident ``g·I + (L − r)·A``. A recomputed layer's K/V goes too, except under SlimPipe slicing,
@@ -35,7 +36,10 @@ class ChunkActivations:
         s, p, L = self.shape, self.plan, self.layers
         full = s.activation_bytes(tokens)
         if p.granularity == "selective":
-            return L * (full - s.selective_savings_bytes(tokens, p.modules))
+            # Under SlimPipe the checkpointed core attention keeps the slice's K and V as its inputs
+            # while the K/V cache holds them too (measured on CPU ranks: the stage peak rises).
+            duplicate = s.kv_bytes(tokens) if self.kv_cached and "core_attn" in p.modules else 0.0
+            return L * (full - s.selective_savings_bytes(tokens, p.modules) + duplicate)
         kept = p.kept_inputs(L) * s.checkpoint_input_bytes(tokens)
         return kept + (L - p.recomputed_layers(L)) * full
 
