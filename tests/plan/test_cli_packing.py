@@ -30,7 +30,7 @@ def test_every_method_writes_its_metrics_under_packing(tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--packing", "slimpack,zip", *LENGTHS], "--packing 'slimpack,zip': allowed: 'all' or a comma list of slimpack"),
+        (["--packing", "slimpack,zip", *LENGTHS], "--packing 'slimpack,zip': allowed: 'all' or a comma list"),
         (["--packing", "slimpack"], "--lengths: required with --packing"),
         (["--packing", "megatron", *LENGTHS, "--cp-engine", "ring"], "--cp-engine: not available with --packing"),
         (["--packing", "megatron", *LENGTHS, "--dynamic", "freeze"], "--dynamic: not available with --packing"),
