@@ -113,11 +113,25 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--lengths",
         metavar="FILE|SPEC",
-        help="sequence lengths for --cp-engine: a file (one length per line) or a spec such as "
+        help="sequence lengths for --cp-engine or --packing: a file (one length per line) or a spec such as "
         "lognormal:mean=8192,sigma=1.1,min=1024,max=65536 (see plan/cp/lengths.py)",
     )
     sim.add_argument(
         "--seed", type=int, help="seed for drawing --lengths, or of --dynamic moe's router drift (default 0)"
+    )
+    sim.add_argument(
+        "--packing",
+        metavar="METHODS",
+        help="time packers of variable-length samples with the pipeline simulator instead: 'all' or a "
+        "comma list of slimpack, megatron, bfd, lpfhp, hybrid_cp, wlb (docs/packing.md); one global batch "
+        "of --lengths filling train.global_batch_size * model.seq_length tokens, split over parallel.dp ranks",
+    )
+    sim.add_argument(
+        "--micropack-tokens",
+        type=int,
+        metavar="N",
+        help="with --packing: the most tokens one MicroPack (microbatch) holds, the same for every "
+        "method (default: model.seq_length)",
     )
     sim.add_argument(
         "--dynamic",

@@ -105,6 +105,12 @@ def main(args) -> int:
     recipe = load_recipe(args.recipe, args.set)
     calibration = load_calibration(args.calibration) if args.calibration else None
     note = world_size_note(args.recipe, args.set, recipe)
+    if getattr(args, "packing", None) is not None:
+        from megatron_slim.commands import simulate_pack
+
+        return simulate_pack.run(args, recipe, calibration, note)
+    if getattr(args, "micropack_tokens", None) is not None:
+        raise ConfigError("--micropack-tokens: only with --packing METHODS (allowed: add --packing, or drop it)")
     if getattr(args, "dynamic", None):
         from megatron_slim.commands import simulate_dynamic
 

@@ -142,3 +142,10 @@ def test_balanced_slices_cost_at_most_a_first_slice():
         assert COSTS.forward(size + 1, prefix) + COSTS.backward(size + 1, prefix) > budget
     assert COSTS.longest_within(budget, 0) == 4096
     assert causal_pairs(3, 2) == 3 * 2 + 6
+
+
+def test_wlb_keeps_an_outlier_when_long_documents_fill_the_micropack_count():
+    # 300 tokens make two chained MicroPacks, as many as 500 tokens need: the 200-token outlier
+    # (over cap / 2) still gets a MicroPack of its own
+    plan = plan_baseline("wlb", [300, 200], COSTS, 1, 256)
+    assert sorted(m.pieces for m in plan.ranks[0])[-1] == (Piece(1, 0, 200),)

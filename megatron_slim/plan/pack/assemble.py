@@ -56,7 +56,8 @@ def round_robin(bins: Sequence[list[Piece]], dp: int) -> list[Rank]:
     return ranks
 
 
-def _spread(ranks: Sequence[Rank]) -> set[int]:
+def spread_samples(ranks: Sequence[Rank]) -> set[int]:
+    """Samples whose pieces sit on more than one DP rank."""
     seen: dict[int, int] = {}
     spread: set[int] = set()
     for r, packs in enumerate(ranks):
@@ -94,7 +95,7 @@ def price(
 
     ``shards``: samples cut into that many context-parallel shards (priced as shares)."""
     shards = shards or {}
-    spread = _spread(ranks)
+    spread = spread_samples(ranks)
     out = []
     for packs in ranks:
         rank = []

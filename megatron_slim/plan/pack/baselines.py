@@ -146,7 +146,8 @@ def wlb(lengths: Sequence[int], cap: int, dp: int, costs: SliceCosts) -> list[Ra
     total = sum(lengths)
     needed = -(-total // cap)
     count = -(-needed // dp) * dp
-    while len(bins) < count or len(bins) < len(outliers):
+    chains = len(bins)
+    while len(bins) < count or len(bins) - chains < len(outliers):  # an empty MicroPack per outlier
         bins.append([])
         room.append(cap)
     load = [math.fsum(costs.forward(p.length, p.start) for p in b) for b in bins]
