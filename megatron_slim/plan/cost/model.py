@@ -19,6 +19,10 @@ from megatron_slim.plan.cost.layer import FP32_BYTES, LayerShape, OpWork
 from megatron_slim.plan.hardware import HardwareProfile
 from megatron_slim.plan.recipe import Recipe
 
+_LAYER_TIMES: dict[tuple[object, ...], float] = {}
+_LAYER_KEYS: dict[tuple[object, ...], int] = {}  # what a layer's time depends on -> a small id, hashed once
+_LAYER_TIMES_KEPT = 1_000_000
+
 
 @dataclass(frozen=True)
 class Link:
@@ -45,6 +49,17 @@ class CostModel:
         self.num_stages = p.pp * p.vpp
         self.layers_per_stage = recipe.model.num_layers // self.num_stages
         self.recompute = recipe.train.recompute_plan
+        # Everything a decoder layer's time depends on: the autotuner prices tens of thousands of
+        # recipes that differ only in what does not enter it (recompute, slices, pp), so the times
+        # are shared between cost models (not under a calibration, which is not hashable).
+        self._layer_key = (
+            None
+            if calibration is not None
+            else _LAYER_KEYS.setdefault(
+                (self.shape, self.hw, p, recipe.schedule.kind, recipe.train.micro_batch_size, self.element_bytes),
+                len(_LAYER_KEYS),
+            )
+        )
         sliced = recipe.schedule.kind == "slimpipe" and recipe.schedule.num_slices > 1
         self.chunk = ChunkActivations(self.shape, self.recompute, self.layers_per_stage, kv_cached=sliced)
 
@@ -132,6 +147,17 @@ class CostModel:
         return serial, overlapped
 
     def _layer_time(self, tokens: float, prefix: float, backward: bool) -> float:
+        if self._layer_key is None:
+            return self._price_layer(tokens, prefix, backward)
+        key = (self._layer_key, tokens, prefix, backward)
+        t = _LAYER_TIMES.get(key)
+        if t is None:
+            if len(_LAYER_TIMES) > _LAYER_TIMES_KEPT:
+                _LAYER_TIMES.clear()
+            t = _LAYER_TIMES[key] = self._price_layer(tokens, prefix, backward)
+        return t
+
+    def _price_layer(self, tokens: float, prefix: float, backward: bool) -> float:
         s = self.shape
         work = s.backward_work(tokens, prefix) if backward else s.forward_work(tokens, prefix)
         attn = OpWork(0.0, work.attention_flops, 0.0)
@@ -150,6 +176,8 @@ class CostModel:
     def _offload_exposed_time(self, tokens: float, compute: float) -> float:
         """A slice's offloaded share crosses PCIe once each way (to host after forward, back before
         backward) on a copy stream beside the compute: only what outlasts the action shows."""
+        if not self.recompute.offload_ratio:
+            return 0.0
         copy = self.chunk.offloaded_bytes(tokens) / self.hw.pcie_bandwidth
         return max(0.0, copy - compute)
 
