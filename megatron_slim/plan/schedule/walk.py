@@ -32,6 +32,7 @@ clock and records 0).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 from megatron_slim.plan.progress import EVERY, Progress, report
@@ -104,6 +105,7 @@ def window_waits(schedule: Schedule, window: int = SEND_WINDOW) -> dict[tuple[in
     return waits
 
 
+@functools.lru_cache(maxsize=16)  # the runtime asks once per step for the same few schedules
 def bounded_sends(schedule: Schedule) -> frozenset[tuple[int, Action]]:
     """The ``(rank, SEND)`` pairs that wait for their link's window before posting (the others
     were released by the walk because waiting would deadlock)."""
