@@ -40,6 +40,7 @@ def _stage_entries(reports, pp: int) -> list[dict]:
             "peak_activation_bytes": int(by_stage[s].peak_activation_bytes),
             "peak_kv_bytes": int(by_stage[s].peak_kv_bytes),
             "offloaded_bytes": int(by_stage[s].offloaded_bytes),  # per iteration, moved to host memory
+            "peak_p2p_bytes": int(by_stage[s].peak_p2p_bytes),
         }
         for s in range(pp)
     ]
@@ -295,6 +296,7 @@ def _report(args, recipe, reports, began) -> int:
         for s in payload["stages"]:
             print(
                 f"  stage {s['stage']}: peak activations {s['peak_activation_bytes'] / 2**20:.2f} MiB, "
-                f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB, offloaded {s['offloaded_bytes'] / 2**20:.2f} MiB"
+                f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB, offloaded {s['offloaded_bytes'] / 2**20:.2f} MiB, "
+                f"peak in-flight p2p {s['peak_p2p_bytes'] / 2**20:.2f} MiB"
             )
     return STOPPED_EXIT_CODE if reporter.stopped else 0

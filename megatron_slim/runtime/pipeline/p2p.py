@@ -88,9 +88,6 @@ class P2P:
             while queue and _completed(queue[0].work):
                 self._finish(queue.popleft(), wait=False)
 
-    def outstanding(self, dst: int) -> int:
-        return len(self._outstanding.get(dst, ()))
-
     def _finish(self, sent: _Sent, wait: bool) -> None:
         if wait:
             sent.work.wait()
