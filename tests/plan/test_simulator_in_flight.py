@@ -28,6 +28,9 @@ class UnitCosts:
     def activation_bytes(self, stage, mb, j):
         return A
 
+    def backward_transient_bytes(self, stage, mb, j):
+        return 0.0
+
     def kv_bytes(self, stage, mb, j):
         return 0.0
 

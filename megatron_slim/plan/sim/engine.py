@@ -234,7 +234,9 @@ def _memory_peaks(result: RankResult, deltas: list[tuple[float, float, float]], 
     act = kv = sent = received = 0.0
     timeline = [(0.0, 0.0, 0.0)]
     merged = [(t, da, dk, 0.0, 0.0) for t, da, dk in deltas] + [(t, 0.0, 0.0, ds, dr) for t, ds, dr in p2p]
-    for t, da, dk, ds, dr in sorted(merged, key=lambda d: d[0]):
+    # at one instant a message's buffer is freed before that instant's allocations (a received
+    # buffer becomes the input of the compute that starts then); other changes keep their order
+    for t, da, dk, ds, dr in sorted(merged, key=lambda d: (d[0], 0 if d[3] < 0 or d[4] < 0 else 1)):
         act, kv, sent, received = act + da, kv + dk, sent + ds, received + dr
         if da or dk:
             timeline.append((t, act, kv))
