@@ -45,7 +45,7 @@ from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schedule.validate import validate
 from megatron_slim.plan.schedule.walk import Walker
 from megatron_slim.plan.sim.costs import ExchangeCosts, PipelineCosts
-from megatron_slim.plan.sim.in_flight import InFlight, P2PDelta
+from megatron_slim.plan.sim.in_flight import InFlight, MemoryDelta
 
 
 @dataclass(frozen=True)
@@ -125,10 +125,10 @@ class _Run:
         self.free = [0.0] * schedule.pp  # compute stream
         self.link_free: dict[tuple[int, int], float] = {}
         self.events: list[Event] = []
-        self.mem: list[list[tuple[float, float, float]]] = [[] for _ in range(schedule.pp)]
+        self.mem: list[list[MemoryDelta]] = [[] for _ in range(schedule.pp)]
         self.busy = [0.0] * schedule.pp
         self.exchange = ExchangePlan.from_text(schedule.exchange)
-        self.p2p = InFlight(schedule)
+        self.p2p = InFlight(schedule, self.mem)  # one list per rank: ties keep the order of events
 
     def _step(self, rank: int, a: Action, ready: float) -> float:
         """Run ``a`` no earlier than ``ready``; the time its result is available (a SEND's: arrival)."""
@@ -230,13 +230,11 @@ class _Run:
             raise RuntimeError("simulation stalled on a schedule the validator accepted")  # invariant
 
 
-def _memory_peaks(result: RankResult, deltas: list[tuple[float, float, float]], p2p: list[P2PDelta]) -> None:
+def _memory_peaks(result: RankResult, deltas: list[MemoryDelta]) -> None:
     act = kv = sent = received = 0.0
     timeline = [(0.0, 0.0, 0.0)]
-    merged = [(t, da, dk, 0.0, 0.0) for t, da, dk in deltas] + [(t, 0.0, 0.0, ds, dr) for t, ds, dr in p2p]
-    # at one instant a message's buffer is freed before that instant's allocations (a received
-    # buffer becomes the input of the compute that starts then); other changes keep their order
-    for t, da, dk, ds, dr in sorted(merged, key=lambda d: (d[0], 0 if d[3] < 0 or d[4] < 0 else 1)):
+    for d in sorted(deltas, key=lambda d: d[0]):  # stable: changes at one instant keep their order
+        t, da, dk, ds, dr = (d + (0.0, 0.0))[:5]
         act, kv, sent, received = act + da, kv + dk, sent + ds, received + dr
         if da or dk:
             timeline.append((t, act, kv))
@@ -264,7 +262,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts, progress: Optional[Progre
         res = RankResult(
             r, tuple(schedule.stage(r, c) for c in range(schedule.vpp)), costs.static_bytes(r), busy_s=run.busy[r]
         )
-        _memory_peaks(res, run.mem[r], run.p2p.deltas[r])
+        _memory_peaks(res, run.mem[r])
         ranks.append(res)
     iteration = pipeline_time + max(costs.after_pipeline(r) for r in range(schedule.pp))
     bubble = 1.0 - sum(run.busy) / (schedule.pp * pipeline_time) if pipeline_time > 0 else 0.0

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 
-P2PDelta = tuple[float, float, float]  # (time, change of sent-buffer bytes, change of received-buffer bytes)
+# (time, activation, K/V[, sent-buffer, received-buffer bytes]): changes, in the order they happen
+MemoryDelta = tuple[float, ...]
 Message = tuple[bool, int, int, int]  # (forward, receiving stage, microbatch, slice)
 
 _RECV_CONSUMED_BY = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.I: Kind.RECV_B}
 
 
 class InFlight:
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule, deltas: list[list[MemoryDelta]]) -> None:
+        """Appends to ``deltas[rank]``, the simulator's memory changes of each rank."""
         self.schedule = schedule
-        self.deltas: list[list[P2PDelta]] = [[] for _ in range(schedule.pp)]
+        self.deltas = deltas
         self._sent: dict[Message, tuple[int, float]] = {}  # message -> (sending rank, bytes)
         self._received: dict[tuple[int, Kind, int, int, int], float] = {}  # (rank, RECV kind, unit) -> bytes
 
@@ -34,13 +36,13 @@ class InFlight:
 
     def sent(self, rank: int, a: Action, nbytes: float, at: float) -> None:
         self._sent[self._message(rank, a)] = (rank, nbytes)
-        self.deltas[rank].append((at, nbytes, 0.0))
+        self.deltas[rank].append((at, 0.0, 0.0, nbytes, 0.0))
 
     def posted(self, rank: int, a: Action, at: float, completed_at: float) -> None:
         """``RECV`` ``a`` posted ``at`` and completed at ``completed_at`` (frees the sender's buffer)."""
         sender, nbytes = self._sent.pop(self._message(rank, a))
-        self.deltas[sender].append((completed_at, -nbytes, 0.0))
-        self.deltas[rank].append((at, 0.0, nbytes))
+        self.deltas[sender].append((completed_at, 0.0, 0.0, -nbytes, 0.0))
+        self.deltas[rank].append((at, 0.0, 0.0, 0.0, nbytes))
         self._received[(rank, a.kind, a.chunk, a.microbatch, a.slice)] = nbytes
 
     def consumed(self, rank: int, a: Action, at: float) -> None:
@@ -48,4 +50,4 @@ class InFlight:
         kind = _RECV_CONSUMED_BY.get(a.kind)
         nbytes = self._received.pop((rank, kind, a.chunk, a.microbatch, a.slice), None) if kind else None
         if nbytes is not None:
-            self.deltas[rank].append((at, 0.0, -nbytes))
+            self.deltas[rank].append((at, 0.0, 0.0, 0.0, -nbytes))
