@@ -32,17 +32,13 @@ from megatron_slim.plan.schema import ConfigError
 STOPPED_EXIT_CODE = 3
 
 
+# per pipeline stage, from its RankReport (offloaded_bytes: per iteration, moved to host memory)
+_STAGE_FIGURES = ("peak_activation_bytes", "peak_kv_bytes", "offloaded_bytes", "peak_p2p_bytes")
+
+
 def _stage_entries(reports, pp: int) -> list[dict]:
     by_stage = {r.pp_rank: r for r in reports if r.dp_rank == 0 and r.tp_rank == 0 and r.cp_rank == 0}
-    return [
-        {
-            "stage": s,
-            "peak_activation_bytes": int(by_stage[s].peak_activation_bytes),
-            "peak_kv_bytes": int(by_stage[s].peak_kv_bytes),
-            "offloaded_bytes": int(by_stage[s].offloaded_bytes),  # per iteration, moved to host memory
-        }
-        for s in range(pp)
-    ]
+    return [{"stage": s, **{k: int(getattr(by_stage[s], k)) for k in _STAGE_FIGURES}} for s in range(pp)]
 
 
 def _cp_entry(recipe, reporter) -> dict:
@@ -295,6 +291,7 @@ def _report(args, recipe, reports, began) -> int:
         for s in payload["stages"]:
             print(
                 f"  stage {s['stage']}: peak activations {s['peak_activation_bytes'] / 2**20:.2f} MiB, "
-                f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB, offloaded {s['offloaded_bytes'] / 2**20:.2f} MiB"
+                f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB, offloaded {s['offloaded_bytes'] / 2**20:.2f} MiB, "
+                f"peak in-flight p2p {s['peak_p2p_bytes'] / 2**20:.2f} MiB"
             )
     return STOPPED_EXIT_CODE if reporter.stopped else 0

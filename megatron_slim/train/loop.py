@@ -58,6 +58,7 @@ class RankReport:
     peak_activation_bytes: int = 0
     peak_kv_bytes: int = 0
     offloaded_bytes: int = 0  # activation bytes one iteration moved to host memory (train.offload_ratio)
+    peak_p2p_bytes: int = 0
     resumed_from: Optional[int] = None
     last_iteration: int = 0
     attention_backend: str = ""
@@ -244,6 +245,7 @@ class _RankTraining:
         report.peak_activation_bytes = max(report.peak_activation_bytes, stats.peak_activation_bytes)
         report.peak_kv_bytes = max(report.peak_kv_bytes, stats.peak_kv_bytes)
         report.offloaded_bytes = max(report.offloaded_bytes, stats.offloaded_bytes)
+        report.peak_p2p_bytes = max(report.peak_p2p_bytes, stats.peak_p2p_bytes)
         report.schedule_digest = stats.schedule_digest
 
     def _print(self, number: int, loss: float, norm: float, stepped: bool, elapsed: float, cp_summary) -> None:

@@ -5,7 +5,16 @@ import pytest
 from megatron_slim.cli import main
 from megatron_slim.plan.schedule import Action
 
-RANK_KEYS = {"rank", "stage", "peak_memory_bytes", "peak_activation_bytes", "peak_kv_bytes", "static_bytes", "busy_s"}
+RANK_KEYS = {
+    "rank",
+    "stage",
+    "peak_memory_bytes",
+    "peak_activation_bytes",
+    "peak_kv_bytes",
+    "peak_p2p_bytes",
+    "static_bytes",
+    "busy_s",
+}
 
 
 def test_simulate_writes_json_trace_and_plot(tmp_path, capsys):

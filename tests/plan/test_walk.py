@@ -34,7 +34,7 @@ def test_the_walk_records_each_fact_at_the_time_the_step_gives():
     assert walker.run(step) == {}
     assert len(seen) == sum(len(r) for r in s.ranks)
     for rank, a, ready in seen:
-        assert ready == max([walker.done[f] for f in required(s, rank, a)], default=0.0)
+        assert ready == max([walker.done[f] for f in walker.requires(rank, a)], default=0.0)
         assert produced(s, rank, a) in walker.done
 
 

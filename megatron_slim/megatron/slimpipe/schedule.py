@@ -76,6 +76,7 @@ class RunStats:
     peak_activation_bytes: int = 0
     peak_kv_bytes: int = 0
     offloaded_bytes: int = 0  # activation bytes the last call moved to the host (train.offload_ratio)
+    peak_p2p_bytes: int = 0  # point-to-point buffers in flight (sent and received)
     schedule_digest: str = ""
     agreed_digests: set = field(default_factory=set)
 
@@ -241,6 +242,7 @@ class _Run:
         if meter is not None:
             stats.peak_activation_bytes = meter.peak_bytes
             stats.peak_kv_bytes = ledger.peak_bytes
+            stats.peak_p2p_bytes = meter.p2p.peak_bytes
         stats.offloaded_bytes = offload.moved_bytes if offload is not None else 0
         return loss
 

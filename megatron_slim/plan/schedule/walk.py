@@ -12,7 +12,13 @@ An action may run when every fact it requires is available:
 * compute: its ``deps.compute_dependencies``; in a lowered schedule a dependency held by another
   rank arrives through this rank's ``RECV`` of the same unit, so that ``RECV`` is required instead;
 * ``SEND``: the compute whose result it sends;
-* ``RECV``: the matching ``SEND`` on the peer rank (a ``SEND`` never blocks).
+* ``RECV``: the matching ``SEND`` on the peer rank;
+* ``SEND`` again, once ``SEND_WINDOW`` messages are outstanding on its directed link: the peer's
+  ``RECV`` of the message ``SEND_WINDOW`` places earlier on that link. The runtime keeps at most
+  that many sends (and so their buffers) in flight per link and waits for the oldest before
+  posting another (``runtime/pipeline/p2p.py``), and the simulator stalls the sender as the
+  runtime does. Where waiting would deadlock (every rank stuck), the walk lets such a send go
+  unbounded instead (``Walker._release_a_window``; ``bounded_sends`` lists the others).
 
 Context exchange (``Schedule.exchange``) couples two compute actions on two ranks: a pair runs as
 one rendezvous, once both are next on their ranks and both are ready (the sender cannot finish
@@ -26,6 +32,7 @@ clock and records 0).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 from megatron_slim.plan.progress import EVERY, Progress, report
@@ -41,6 +48,12 @@ PairStep = Callable[[int, Action, float, int, Action, float], tuple[float, float
 _RECV_FOR = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}
 _SEND_FOR_RECV = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
 _SENT_BY = {Kind.SEND_F: Kind.F, Kind.SEND_B: Kind.B}
+_RECV_FOR_SEND = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
+
+SEND_WINDOW = 2
+"""Sends a rank keeps outstanding on one directed link. Each holds its slice's buffer until its
+transfer completes, so this bounds that memory to two messages per link; two (not one) let a
+slice's send overlap the compute of the next slice, which is all a 1F1B-style schedule needs."""
 
 
 def _comm(rank: int, kind: Kind, stage: int, a: Action) -> Fact:
@@ -71,6 +84,36 @@ def required(schedule: Schedule, rank: int, a: Action) -> list[Fact]:
     return [_comm(schedule.placement(peer_stage)[0], _SEND_FOR_RECV[a.kind], peer_stage, a)]
 
 
+def window_waits(schedule: Schedule, window: int = SEND_WINDOW) -> dict[tuple[int, Action], Fact]:
+    """``{(rank, SEND): the peer's RECV it waits for}`` for every send that finds ``window``
+    messages before it on its link: it waits until the one ``window`` places earlier is received."""
+    waits: dict[tuple[int, Action], Fact] = {}
+    if not schedule.is_lowered:
+        return waits
+    for rank, row in enumerate(schedule.ranks):
+        sent: dict[int, list[Fact]] = {}  # peer rank -> receive facts of this rank's sends, in order
+        for a in row:
+            if a.kind not in _SENT_BY:
+                continue
+            stage = schedule.stage(rank, a.chunk)
+            peer_stage = stage + 1 if a.kind is Kind.SEND_F else stage - 1
+            peer = schedule.placement(peer_stage)[0]
+            link = sent.setdefault(peer, [])
+            if len(link) >= window:
+                waits[(rank, a)] = link[-window]
+            link.append(_comm(peer, _RECV_FOR_SEND[a.kind], peer_stage, a))
+    return waits
+
+
+@functools.lru_cache(maxsize=16)  # the runtime asks once per step for the same few schedules
+def bounded_sends(schedule: Schedule) -> frozenset[tuple[int, Action]]:
+    """The ``(rank, SEND)`` pairs that wait for their link's window before posting (the others
+    were released by the walk because waiting would deadlock)."""
+    walker = Walker(schedule)
+    walker.run(lambda rank, a, ready: 0.0)
+    return frozenset(walker.window)
+
+
 def describe(schedule: Schedule, fact: Fact) -> str:
     """The action behind ``fact`` and where it runs, e.g. ``SEND_F1.0 on rank 0``."""
     if fact[0] == "comm":
@@ -89,6 +132,13 @@ class Walker:
         self.exchange = ExchangePlan.from_text(schedule.exchange)
         self.done: dict[Fact, float] = {}
         self.pos = [0] * schedule.pp
+        self.window = window_waits(schedule)
+
+    def requires(self, rank: int, a: Action) -> list[Fact]:
+        """``required`` plus, for a send, the receive the send window waits for."""
+        facts = required(self.schedule, rank, a)
+        waits = self.window.get((rank, a))
+        return facts if waits is None else facts + [waits]
 
     def waiting_partner(self, rank: int, a: Action) -> Optional[tuple[int, Action]]:
         """``a``'s exchange partner while it is not next and ready on its rank, else None."""
@@ -105,17 +155,31 @@ class Walker:
         self.pos[rank] += 1
 
     def unmet(self, rank: int, a: Action) -> list[Fact]:
-        return [f for f in required(self.schedule, rank, a) if f not in self.done]
+        return [f for f in self.requires(rank, a) if f not in self.done]
 
     def ready_time(self, rank: int, a: Action) -> Optional[float]:
         """Latest time among the facts ``a`` needs, or None while one is missing."""
         t = 0.0
-        for f in required(self.schedule, rank, a):
+        for f in self.requires(rank, a):
             at = self.done.get(f)
             if at is None:
                 return None
             t = max(t, at)
         return t
+
+    def _release_a_window(self) -> bool:
+        """With every rank stuck: let the first send that waits on its window go without waiting
+        (the bound would deadlock there, e.g. two ranks each sending ahead of the other's
+        receives); True if one was released. Which sends are released depends on the schedule
+        alone, never on the step's times, so the validator, the simulator and the runtime
+        (``bounded_sends``) agree."""
+        for rank, row in enumerate(self.schedule.ranks):
+            if self.pos[rank] < len(row):
+                waits = self.window.get((rank, row[self.pos[rank]]))
+                if waits is not None and waits not in self.done:
+                    del self.window[(rank, row[self.pos[rank]])]
+                    return True
+        return False
 
     def run(
         self,
@@ -132,7 +196,7 @@ class Walker:
         report(progress, phase, 0, total)
         steps = 0
         progressed = True
-        while progressed:
+        while progressed or self._release_a_window():
             progressed = False
             for rank, row in enumerate(rows):
                 while self.pos[rank] < len(row):

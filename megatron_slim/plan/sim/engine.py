@@ -5,12 +5,17 @@ stream; an action starts once the readiness rules the validator shares (``schedu
 allow it, at the latest time among what it waits for. A ``SEND`` starts when its data is computed
 and the directed link is free, occupies the link for ``bytes / bandwidth`` and arrives ``latency``
 later; a ``RECV`` holds the rank's compute stream until the data has arrived (as the runtime's blocking wait does).
+A ``SEND`` that waits for its link's send window (``schedule/walk.py``) holds the compute stream
+too, as the runtime's wait for its oldest send does.
 
 Memory per rank, over time:
 * activations: saved by ``F`` when it ends, released when the matching ``B`` (or ``W``) ends;
 * K/V: the cache a slice's ``F`` leaves behind, released by its ``B``/``I``; plus the dK/dV
   accumulation buffers of the earlier slices, allocated when a microbatch's last slice starts its
   backward and released chunk by chunk as each slice's backward consumes them;
+* in-flight messages (p2p): a sent slice's buffer from its ``SEND`` until the peer's ``RECV`` of it
+  completes (the transfer needs both ends); a received buffer from its ``RECV`` until the compute
+  that consumes it starts (from there it is that compute's input, priced as its activations);
 * static: weights, gradients and optimizer state, constant.
 
 Context exchange (``Schedule.exchange``, ``schedule/exchange.py``): a pair's two compute actions
@@ -40,6 +45,7 @@ from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schedule.validate import validate
 from megatron_slim.plan.schedule.walk import Walker
 from megatron_slim.plan.sim.costs import ExchangeCosts, PipelineCosts
+from megatron_slim.plan.sim.in_flight import InFlight, MemoryDelta
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class RankResult:
     peak_memory_bytes: float = 0.0
     peak_activation_bytes: float = 0.0
     peak_kv_bytes: float = 0.0
+    peak_p2p_bytes: float = 0.0  # in-flight send and receive buffers
+    peak_recv_bytes: float = 0.0  # the receive buffers among them
     memory: list[tuple[float, float, float]] = field(default_factory=list)  # (time, activation, kv)
 
     def to_json(self) -> dict[str, Any]:
@@ -73,6 +81,7 @@ class RankResult:
             "peak_memory_bytes": int(self.peak_memory_bytes),
             "peak_activation_bytes": int(self.peak_activation_bytes),
             "peak_kv_bytes": int(self.peak_kv_bytes),
+            "peak_p2p_bytes": int(self.peak_p2p_bytes),
             "static_bytes": int(self.static_bytes),
             "busy_s": self.busy_s,
         }
@@ -116,9 +125,10 @@ class _Run:
         self.free = [0.0] * schedule.pp  # compute stream
         self.link_free: dict[tuple[int, int], float] = {}
         self.events: list[Event] = []
-        self.mem: list[list[tuple[float, float, float]]] = [[] for _ in range(schedule.pp)]
+        self.mem: list[list[MemoryDelta]] = [[] for _ in range(schedule.pp)]
         self.busy = [0.0] * schedule.pp
         self.exchange = ExchangePlan.from_text(schedule.exchange)
+        self.p2p = InFlight(schedule, self.mem)  # one list per rank: ties keep the order of events
 
     def _step(self, rank: int, a: Action, ready: float) -> float:
         """Run ``a`` no earlier than ``ready``; the time its result is available (a SEND's: arrival)."""
@@ -146,6 +156,7 @@ class _Run:
 
     def _record(self, rank: int, a: Action, start: float, end: float, busy: float) -> float:
         stage = self.schedule.stage(rank, a.chunk)
+        self.p2p.consumed(rank, a, start)
         self.free[rank] = end
         self.busy[rank] += busy
         self.events.append(Event(rank, "compute", str(a), start, end, stage, a.microbatch, a.slice))
@@ -197,6 +208,8 @@ class _Run:
         dst = self.schedule.placement(dst_stage)[0]
         link = self.costs.link(rank, dst)
         nbytes = self.costs.p2p_bytes(stage if forward else dst_stage, a.microbatch, a.slice)
+        self.free[rank] = max(self.free[rank], ready)  # a send window's wait holds the compute stream
+        self.p2p.sent(rank, a, nbytes, ready)
         start = max(ready, self.link_free.get((rank, dst), 0.0))
         done = start + nbytes / link.bandwidth
         self.link_free[(rank, dst)] = done
@@ -205,6 +218,7 @@ class _Run:
         return arrival
 
     def _recv(self, rank: int, a: Action, arrival: float) -> float:
+        self.p2p.posted(rank, a, self.free[rank], max(arrival, self.free[rank]))
         if arrival > self.free[rank]:
             stage = self.schedule.stage(rank, a.chunk)
             self.events.append(Event(rank, "recv", str(a), self.free[rank], arrival, stage, a.microbatch, a.slice))
@@ -216,16 +230,19 @@ class _Run:
             raise RuntimeError("simulation stalled on a schedule the validator accepted")  # invariant
 
 
-def _memory_peaks(result: RankResult, deltas: list[tuple[float, float, float]]) -> None:
-    act = kv = 0.0
+def _memory_peaks(result: RankResult, deltas: list[MemoryDelta]) -> None:
+    act = kv = sent = received = 0.0
     timeline = [(0.0, 0.0, 0.0)]
-    for t, da, dk in sorted(deltas, key=lambda d: d[0]):
-        act += da
-        kv += dk
-        timeline.append((t, act, kv))
+    for d in sorted(deltas, key=lambda d: d[0]):  # stable: changes at one instant keep their order
+        t, da, dk, ds, dr = (d + (0.0, 0.0))[:5]
+        act, kv, sent, received = act + da, kv + dk, sent + ds, received + dr
+        if da or dk:
+            timeline.append((t, act, kv))
         result.peak_activation_bytes = max(result.peak_activation_bytes, act)
         result.peak_kv_bytes = max(result.peak_kv_bytes, kv)
-        result.peak_memory_bytes = max(result.peak_memory_bytes, act + kv)
+        result.peak_p2p_bytes = max(result.peak_p2p_bytes, sent + received)
+        result.peak_recv_bytes = max(result.peak_recv_bytes, received)
+        result.peak_memory_bytes = max(result.peak_memory_bytes, act + kv + sent + received)
     result.peak_memory_bytes += result.static_bytes
     result.memory = timeline
 

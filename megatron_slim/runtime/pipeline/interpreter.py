@@ -7,7 +7,9 @@ its receive, nothing left over at the end. A backward runs inside its slice's co
 runs under the activation meter's and the offloader's saved-tensor hooks. Under torch's profiler every action runs in
 ``record_function("<action>")``, named by the IR string the simulator's traces use (``F3.2``,
 ``1B0.7``, ``SEND_F3.2``), so a measured trace lines up with a simulated one; without a profiler
-no label is entered. An evaluation step runs a forward-only schedule
+no label is entered. Sends the plan bounds wait for their link's send window, completed sends
+are dropped after every action, and with a meter in-flight buffers are counted
+(``runtime/pipeline/p2p.py``, ``plan/schedule/walk.py``). An evaluation step runs a forward-only schedule
 (``plan.schedule.executable_forward_only``): no autograd graph is kept.
 """
 
@@ -22,6 +24,7 @@ from torch.profiler import record_function
 
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.validate import format_grid
+from megatron_slim.plan.schedule.walk import bounded_sends
 from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.loss import SlicedLoss
@@ -95,6 +98,10 @@ class PipelineInterpreter:
         self.grad_sync, self.param_sync, self.forward_only = grad_sync, param_sync, schedule.forward_only
         self.row = list(schedule.ranks[rank])
         self.state = RunState()
+        self._bounded = {a for r, a in bounded_sends(schedule) if r == rank} if p2p is not None else set()
+        self._in_flight = meter.p2p if meter is not None else None
+        if p2p is not None:
+            p2p.ledger = self._in_flight
         self._step = 0
         self._handlers = {
             Kind.F: self._forward,
@@ -145,6 +152,7 @@ class PipelineInterpreter:
             if unit not in self.state.inputs:
                 raise self._fail("forward before its input was received")
             inp = self.state.inputs.pop(unit)
+            self._consumed(Kind.RECV_F, unit)
         if self.param_sync is not None:
             self.param_sync.before_forward(a.chunk)
         with self.ctx.enter(self._slice_info(a)), self._saved_tensor_hooks(unit):
@@ -169,7 +177,7 @@ class PipelineInterpreter:
             raise self._fail("sending an output that was not computed")
         output = self.state.outputs[unit][1]
         dst = self.schedule.placement(stage + 1)[0]
-        self.p2p.send(output, dst, self.p2p.tag(False, stage + 1, a.microbatch, a.slice))
+        self.p2p.send(output, dst, self.p2p.tag(False, stage + 1, a.microbatch, a.slice), a in self._bounded)
         if self.forward_only:
             del self.state.outputs[unit]
         else:
@@ -186,6 +194,7 @@ class PipelineInterpreter:
             self.p2p.tag(False, stage, a.microbatch, a.slice),
         )
         self.state.inputs[a.unit] = t.requires_grad_(not self.forward_only)
+        self._received(Kind.RECV_F, a.unit, t)
 
     def _backward(self, a: Action) -> None:
         unit, stage = a.unit, self._stage(a)
@@ -199,6 +208,7 @@ class PipelineInterpreter:
             if unit not in self.state.grads:
                 raise self._fail("backward before its output gradient was received")
             grad = self.state.grads.pop(unit)
+            self._consumed(Kind.RECV_B, unit)
         if self.grad_sync is not None:
             self.grad_sync.before_backward(a.chunk, self._step)
         with self.ctx.enter(self._slice_info(a, recompute=True)):  # checkpointed layers re-run forward here
@@ -222,7 +232,8 @@ class PipelineInterpreter:
         if a.unit not in self.state.to_send:
             raise self._fail("sending an input gradient that was not computed")
         dst = self.schedule.placement(stage - 1)[0]
-        self.p2p.send(self.state.to_send.pop(a.unit), dst, self.p2p.tag(True, stage - 1, a.microbatch, a.slice))
+        tag = self.p2p.tag(True, stage - 1, a.microbatch, a.slice)
+        self.p2p.send(self.state.to_send.pop(a.unit), dst, tag, a in self._bounded)
 
     def _recv_backward(self, a: Action) -> None:
         assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
@@ -234,6 +245,16 @@ class PipelineInterpreter:
             src,
             self.p2p.tag(True, stage, a.microbatch, a.slice),
         )
+        self._received(Kind.RECV_B, a.unit, self.state.grads[a.unit])
+
+    def _received(self, kind: Kind, unit: Unit, buffer: torch.Tensor) -> None:
+        if self._in_flight is not None:
+            self._in_flight.add((kind, unit), buffer.nbytes, received=True)
+
+    def _consumed(self, kind: Kind, unit: Unit) -> None:
+        """A received buffer becomes the input of the compute that starts now."""
+        if self._in_flight is not None:
+            self._in_flight.remove((kind, unit))
 
     # ---- run ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -245,6 +266,8 @@ class PipelineInterpreter:
             self._step = step
             with record_function(str(a)) if torch.autograd._profiler_enabled() else nullcontext():
                 self._handlers[a.kind](a)
+            if self.p2p is not None:
+                self.p2p.poll()
         if self.p2p is not None:
             self.p2p.wait_all()
         if self.grad_sync is not None and not self.forward_only:

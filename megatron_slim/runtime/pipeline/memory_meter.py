@@ -6,6 +6,10 @@ without parameters (weights saved by matmuls are static memory), K/V cache chunk
 the cache store as K/V) or what an ``ActivationOffload`` moved to host memory. They are released
 when the action's backward ends. This is the same accounting the simulator uses, so the two can be
 compared number for number.
+
+``InFlightBytes`` (the meter's ``p2p``) counts point-to-point buffers while they are in flight, the
+spans ``plan/sim/in_flight.py`` prices: a sent slice from its send until the transfer is found
+complete, a received one from its receive until the compute that consumes it starts.
 """
 
 from __future__ import annotations
@@ -18,6 +22,28 @@ import torch
 from megatron_slim.runtime.pipeline.offload import ActivationOffload
 
 
+class InFlightBytes:
+    def __init__(self) -> None:
+        self._held: dict[Hashable, tuple[int, bool]] = {}  # key -> (bytes, received)
+        self.live_bytes = self.peak_bytes = 0
+        self.live_recv_bytes = self.peak_recv_bytes = 0
+
+    def add(self, key: Hashable, nbytes: int, received: bool) -> None:
+        self._held[key] = (nbytes, received)
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if received:
+            self.live_recv_bytes += nbytes
+            self.peak_recv_bytes = max(self.peak_recv_bytes, self.live_recv_bytes)
+
+    def remove(self, key: Hashable) -> None:
+        """``key``'s buffer is no longer in flight (no-op for a key never added)."""
+        nbytes, received = self._held.pop(key, (0, False))
+        self.live_bytes -= nbytes
+        if received:
+            self.live_recv_bytes -= nbytes
+
+
 class ActivationMeter:
     def __init__(self, parameters: Iterable[torch.Tensor], kv_storages=lambda: set()) -> None:
         self._static = {p.untyped_storage().data_ptr() for p in parameters}
@@ -26,6 +52,7 @@ class ActivationMeter:
         self._per_action: dict[Hashable, int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.p2p = InFlightBytes()
 
     @contextlib.contextmanager
     def track(self, action: Hashable, offload: Optional[ActivationOffload] = None):

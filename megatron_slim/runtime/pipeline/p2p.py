@@ -3,14 +3,37 @@
 Every message is tagged with (direction, stage, microbatch, slice) so gloo matches it exactly;
 for NCCL, which ignores tags, the planner guarantees each directed link carries its messages in
 the same order on both ends (``plan.schedule.validate.check_link_order``).
+
+A send's handle keeps its tensor, and so the slice's storage, alive: Megatron's
+``deallocate_output_tensor`` frees nothing while it is held. Handles are dropped as soon as their
+transfer is seen complete (``poll``), and a link keeps at most ``SEND_WINDOW`` sends outstanding:
+a send that the plan bounds (``plan.schedule.walk.bounded_sends``) first waits for the oldest ones.
+Sends complete in posting order on a link, so only the oldest are ever checked.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_slim.plan.schedule.walk import SEND_WINDOW
+from megatron_slim.runtime.pipeline.memory_meter import InFlightBytes
+
+
+@dataclass(frozen=True)
+class _Sent:
+    work: dist.Work
+    key: tuple[str, int, int]  # ("send", dst, tag)
+
+
+def _completed(work: dist.Work) -> bool:
+    """True once the transfer is known done; without ``is_completed`` it is found done only by waiting."""
+    is_completed = getattr(work, "is_completed", None)
+    return bool(is_completed()) if is_completed is not None else False
 
 
 class P2P:
@@ -22,23 +45,35 @@ class P2P:
         num_stages: int,
         num_microbatches: int,
         num_slices: int,
+        window: int = SEND_WINDOW,
     ) -> None:
         """``pp_ranks[i]`` is the global rank of pipeline rank ``i`` in ``group``."""
         self.group = group
         self.pp_ranks = list(pp_ranks)
         self.device = device
+        self.window = window
         self._dims = (num_stages, num_microbatches, num_slices)
-        self._pending: list[dist.Work] = []
+        self._outstanding: dict[int, deque[_Sent]] = {}  # destination -> sends, oldest first
+        self.ledger: Optional[InFlightBytes] = None  # counts in-flight buffers when set
 
     def tag(self, backward: bool, stage: int, microbatch: int, slice_: int) -> int:
         stages, mbs, slices = self._dims
         return (((int(backward) * stages + stage) * mbs + microbatch) * slices + slice_) % (2**31 - 1)
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, bounded: bool = True) -> None:
+        """Post a send to pipeline rank ``dst``; if ``bounded``, first wait until fewer than
+        ``window`` sends are outstanding on that link."""
+        self.poll()
+        queue = self._outstanding.setdefault(dst, deque())
+        while bounded and len(queue) >= self.window:
+            self._finish(queue.popleft(), wait=True)
         tensor = tensor.detach().contiguous()
         work = dist.isend(tensor, dst=self.pp_ranks[dst], group=self.group, tag=tag)
         assert work is not None  # None only for a rank outside the group
-        self._pending.append(work)
+        sent = _Sent(work, ("send", dst, tag))
+        queue.append(sent)
+        if self.ledger is not None:
+            self.ledger.add(sent.key, tensor.nbytes, received=False)
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
@@ -47,8 +82,20 @@ class P2P:
         work.wait()
         return buffer
 
+    def poll(self) -> None:
+        """Drop the handles of completed sends (oldest first on each link) so their buffers can go."""
+        for queue in self._outstanding.values():
+            while queue and _completed(queue[0].work):
+                self._finish(queue.popleft(), wait=False)
+
+    def _finish(self, sent: _Sent, wait: bool) -> None:
+        if wait:
+            sent.work.wait()
+        if self.ledger is not None:
+            self.ledger.remove(sent.key)
+
     def wait_all(self) -> None:
-        """Sends are waited on only at the end: a rank never blocks on its own send."""
-        for work in self._pending:
-            work.wait()
-        self._pending.clear()
+        """Wait for every send still outstanding (at the end of a step)."""
+        for queue in self._outstanding.values():
+            while queue:
+                self._finish(queue.popleft(), wait=True)
