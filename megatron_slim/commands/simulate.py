@@ -99,12 +99,8 @@ def _refuse_dynamic_only_flags(args) -> None:
             raise ConfigError(f"{flag}: only with --dynamic SCHEME (allowed: add --dynamic, or drop {flag})")
 
 
-def main(args) -> int:
-    """Every input is read and checked (recipe, overrides, calibration, schedules, output paths)
-    before the first simulation."""
-    recipe = load_recipe(args.recipe, args.set)
-    calibration = load_calibration(args.calibration) if args.calibration else None
-    note = world_size_note(args.recipe, args.set, recipe)
+def _other_study(args, recipe: Recipe, calibration: Calibration | None, note: str | None) -> int | None:
+    """Run the study a mode flag asks for (packing, dynamic model, CP engines); ``None``: none did."""
     if getattr(args, "packing", None) is not None:
         from megatron_slim.commands import simulate_pack
 
@@ -125,6 +121,18 @@ def main(args) -> int:
             f"--seed {args.seed}: it seeds the sequence lengths drawn for --lengths, and a pipeline "
             "simulation draws none (allowed: --seed with --lengths/--cp-engine, or no --seed)"
         )
+    return None
+
+
+def main(args) -> int:
+    """Every input is read and checked (recipe, overrides, calibration, schedules, output paths)
+    before the first simulation."""
+    recipe = load_recipe(args.recipe, args.set)
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    note = world_size_note(args.recipe, args.set, recipe)
+    status = _other_study(args, recipe, calibration, note)
+    if status is not None:
+        return status
     kinds = [k.strip() for k in (args.compare or "").split(",")]
     if args.compare is not None and not all(kinds):
         raise ConfigError(
