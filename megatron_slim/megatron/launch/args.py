@@ -55,6 +55,7 @@ def recipe_from_megatron_args(args: argparse.Namespace) -> Recipe:
             "kind": "slimpipe",
             "num_slices": args.slimpipe_num_slices,
             "slice_policy": args.slimpipe_slice_policy,
+            "vocab_parallel": bool(getattr(args, "slimpipe_vocab_parallel", False)),
         },
     }
     return recipe_from_dict(data)
@@ -78,6 +79,7 @@ def settings_from_megatron_args(args: argparse.Namespace) -> Settings:
         slimpipe=bool(flag("use_slimpipe")),
         num_slices=flag("slimpipe_num_slices", 1),
         slice_policy=flag("slimpipe_slice_policy", "uniform"),
+        vocab_parallel=bool(flag("slimpipe_vocab_parallel")),
         seq_length=flag("seq_length", 0),
         recompute=flag("recompute_granularity"),
         hierarchical_cp_sizes=flag("hierarchical_context_parallel_sizes"),

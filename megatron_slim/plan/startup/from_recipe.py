@@ -19,6 +19,7 @@ def _common(recipe: Recipe) -> dict[str, Any]:
         sequence_parallel=p.sequence_parallel,
         num_slices=s.num_slices,
         slice_policy=s.slice_policy,
+        vocab_parallel=s.vocab_parallel,
         seq_length=m.seq_length,
         recompute=None if t.recompute == "none" else t.recompute,
         precision=t.precision,

@@ -29,6 +29,15 @@ SLIMPIPE_RULES = [
         ),
     ),
     Rule(
+        "vocab-parallel",
+        (LAUNCHER, TRAIN, MEGATRON_ARGS),
+        lambda s: s.vocab_parallel,
+        lambda s, i: (
+            f"{i.setting('vocab_parallel', True)}: vocab_parallel is simulated only (megatron-slim simulate); "
+            f"the runtime does not run it yet; allowed: {i.unset('vocab_parallel', 'false')}"
+        ),
+    ),
+    Rule(
         "slices-need-slimpipe",
         (LAUNCHER,),
         lambda s: not s.slimpipe and s.num_slices != 1,

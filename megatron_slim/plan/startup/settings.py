@@ -29,6 +29,7 @@ class Settings:
     slimpipe: bool = False
     num_slices: int = 1
     slice_policy: str = "uniform"
+    vocab_parallel: bool = False
     seq_length: int = 0
     recompute: Optional[str] = None  # the recomputation granularity ("full", "selective"); None: none
     precision: str = "fp32"
@@ -104,6 +105,7 @@ _RECIPE_NAMES = {
     "slimpipe": "schedule.kind=slimpipe",
     "num_slices": "schedule.num_slices",
     "slice_policy": "schedule.slice_policy",
+    "vocab_parallel": "schedule.vocab_parallel",
     "seq_length": "model.seq_length",
     "recompute": "train.recompute",
     "precision": "train.precision",
@@ -122,6 +124,7 @@ _FLAG_NAMES = {
     "slimpipe": "--use-slimpipe",
     "num_slices": "--slimpipe-num-slices",
     "slice_policy": "--slimpipe-slice-policy",
+    "vocab_parallel": "--slimpipe-vocab-parallel",
     "seq_length": "--seq-length",
     "recompute": "--recompute-granularity",
     "megatron_schedule": "no --use-slimpipe",
