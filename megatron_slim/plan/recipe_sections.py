@@ -184,8 +184,6 @@ class ScheduleConfig:
 
     def __post_init__(self) -> None:
         _require_positive("schedule", self, ("num_slices",))
-        if not isinstance(self.vocab_parallel, bool):
-            raise fail("schedule.vocab_parallel", self.vocab_parallel, "true or false")
 
 
 @dataclass(frozen=True)

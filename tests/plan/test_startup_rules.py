@@ -44,6 +44,13 @@ SHARED = {
             MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.slice_policy=exchange"],
         },
     ),
+    "vocab-parallel": (
+        {**SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True},
+        {
+            TRAIN: ["schedule.num_slices=2", "schedule.vocab_parallel=true"],
+            MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.vocab_parallel=true"],
+        },
+    ),
     "slimpipe-recompute": (
         {**SLIMPIPE_FLAGS, "recompute_granularity": "full"},
         {MEGATRON_ARGS: ["schedule.num_slices=2", "train.recompute=full"]},
@@ -104,6 +111,23 @@ def test_context_exchange_is_refused_at_start_up_with_the_allowed_policies():
     assert "the runtime does not run it yet; allowed: uniform, balanced" in launcher
     recipe = load_recipe("tiny-cpu", ["schedule.num_slices=2", "schedule.slice_policy=exchange"])
     assert _refusal(check_trainable, recipe).startswith("schedule.slice_policy=exchange: context exchange")
+
+
+def test_vocab_parallel_is_refused_at_start_up_by_every_entry_point():
+    from megatron_slim.megatron.launch.flags import add_arguments
+
+    parsed = add_arguments(argparse.ArgumentParser()).parse_args(["--slimpipe-vocab-parallel"])
+    assert parsed.slimpipe_vocab_parallel is True  # the launcher accepts the flag, then refuses the run
+    args = argparse.Namespace(**{**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True})
+    assert _refusal(check_megatron_args, args) == (
+        "--slimpipe-vocab-parallel: vocab_parallel is simulated only (megatron-slim simulate); "
+        "the runtime does not run it yet; allowed: drop --slimpipe-vocab-parallel"
+    )
+    recipe = load_recipe("tiny-cpu", ["schedule.num_slices=2", "schedule.vocab_parallel=true"])
+    assert _refusal(check_trainable, recipe).startswith("schedule.vocab_parallel=true: vocab_parallel is simulated")
+    assert "allowed: schedule.vocab_parallel=false" in _refusal(recipe_to_megatron_args, recipe)
+    flags = recipe_to_megatron_args(load_recipe("tiny-cpu", ["schedule.num_slices=2"]))
+    assert "--slimpipe-vocab-parallel" not in flags
 
 
 def test_recipe_field_names_and_flags_cover_the_same_settings():

@@ -121,4 +121,3 @@ class VocabPlacement:
             return (s.embedding_params() + s.output_params() - s.hidden) / self.pp + s.hidden
         params = s.embedding_params() if rank == 0 else 0.0
         return params + (s.output_params() if rank == self.pp - 1 else 0.0)
-
