@@ -72,6 +72,7 @@ def settings_from_megatron_args(args: argparse.Namespace) -> Settings:
         cp=flag("context_parallel_size", 1),
         tp=flag("tensor_model_parallel_size", 1),
         pp=flag("pipeline_model_parallel_size", 1),
+        vpp=flag("virtual_pipeline_model_parallel_size", 1),
         micro_batch_size=flag("micro_batch_size", 1),
         sequence_parallel=bool(flag("sequence_parallel")),
         cp_engine=flag("cp_engine", NO_CP_ENGINE),

@@ -15,6 +15,7 @@ def _common(recipe: Recipe) -> dict[str, Any]:
         cp=p.cp,
         tp=p.tp,
         pp=p.pp,
+        vpp=p.vpp,
         micro_batch_size=t.micro_batch_size,
         sequence_parallel=p.sequence_parallel,
         num_slices=s.num_slices,

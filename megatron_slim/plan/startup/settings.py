@@ -22,6 +22,7 @@ class Settings:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    vpp: int = 1
     micro_batch_size: int = 1
     sequence_parallel: bool = False
     cp_engine: str = NO_CP_ENGINE
@@ -98,6 +99,7 @@ _RECIPE_NAMES = {
     "cp": "parallel.cp",
     "tp": "parallel.tp",
     "pp": "parallel.pp",
+    "vpp": "parallel.vpp",
     "micro_batch_size": "train.micro_batch_size",
     "sequence_parallel": "parallel.sequence_parallel",
     "cp_engine": "cp.engine",
@@ -117,6 +119,7 @@ _FLAG_NAMES = {
     "cp": "--context-parallel-size",
     "tp": "--tensor-model-parallel-size",
     "pp": "--pipeline-model-parallel-size",
+    "vpp": "--virtual-pipeline-model-parallel-size",
     "micro_batch_size": "--micro-batch-size",
     "sequence_parallel": "--sequence-parallel",
     "cp_engine": "--cp-engine",
