@@ -19,7 +19,8 @@ where and why no rank can wait forever) every rank joins ``VocabExchange.join``:
 Messages are tagged above the schedule's own tags, so gloo never matches one for the other. After
 the step ``VocabHead.reduce_grads`` sums the copies' gradients over the pipeline group (as Megatron
 sums tied embedding copies), so the optimizer-owned copies step with the whole gradient;
-``VocabHead.refresh`` copies the last stage's weight into the replicas before each step's forward.
+``VocabHead.refresh`` copies the last stage's weight into the replicas before each step's forward
+and clears their gradients.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ class VocabHead:
         return len(self.pp_ranks)
 
     def refresh(self) -> None:
-        """Replicas take the last stage's weight (optimizer-owned copies already hold it)."""
+        """Replicas take the last stage's weight (optimizer-owned copies already hold it) and drop
+        the previous step's gradient (no optimizer zeroes it)."""
+        if not self.owned:
+            self.weight.grad = None
         if self.size == 1:
             return
         source = dist.get_rank() == self.pp_ranks[-1]
