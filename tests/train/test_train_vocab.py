@@ -21,4 +21,6 @@ def test_vocab_parallel_trains_the_unpipelined_model(tmp_path, data_cache, tied)
     run = _train(tmp_path, "vocab", data_cache, *COMMON, *embeddings, *VOCAB_PP2)
     assert run["loss_iterations"] == reference["loss_iterations"] == [1, 2, 3]
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-6, abs=0)
-    assert max(reference["losses"]) - min(reference["losses"]) > 0.02  # the updates move the loss far more than the tolerance
+    assert (
+        max(reference["losses"]) - min(reference["losses"]) > 0.02
+    )  # the updates move the loss far more than the tolerance

@@ -24,7 +24,9 @@ def build_vocab_head(chunks: list, groups) -> VocabHead:
     elif last.slim_chunk_info.post_process:
         weight, owned = last.output_layer.weight, True
     else:
-        weight = torch.nn.Parameter(torch.empty(last.vocab_size, last.config.hidden_size, dtype=last.config.params_dtype))
+        weight = torch.nn.Parameter(
+            torch.empty(last.vocab_size, last.config.hidden_size, dtype=last.config.params_dtype)
+        )
         owned = False
     ranks = dist.get_process_group_ranks(groups.pp) if groups.pp_size > 1 else [dist.get_rank()]
     head = VocabHead(weight, owned, groups.pp, ranks)

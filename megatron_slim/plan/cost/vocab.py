@@ -21,7 +21,8 @@ collectives over the PP group are charged beside it, on every rank:
 A collective over ``p`` ranks moving a tensor of ``B`` bytes is charged ``2 (p-1)/p B / bandwidth
 + 2 (p-1) latency`` (a ring reduce-scatter plus all-gather) on the slowest link of the PP group.
 The waits for the slowest rank inside those collectives are not modelled: the paper places them
-at per-rank offsets in the slice pipeline so that no rank idles on them.
+at per-rank offsets in the slice pipeline so that no rank idles on them. ``megatron-slim train``
+runs a simpler exact variant (output layer only, replicated weight: ``runtime/pipeline/vocab.py``).
 """
 
 from __future__ import annotations

@@ -33,9 +33,7 @@ def vocab_exchange_steps(schedule: Schedule, rank: int) -> dict[int, int]:
         )
     last_slice = schedule.num_slices - 1
     kind = Kind.F if rank == schedule.pp - 1 else Kind.SEND_F
-    steps = {
-        i: a.microbatch for i, a in enumerate(schedule.ranks[rank]) if a.kind is kind and a.slice == last_slice
-    }
+    steps = {i: a.microbatch for i, a in enumerate(schedule.ranks[rank]) if a.kind is kind and a.slice == last_slice}
     expected = list(range(schedule.num_microbatches))
     if sorted(steps.values()) != expected or list(steps.values()) != expected:
         raise ValueError(

@@ -129,7 +129,7 @@ class VocabExchange:
                     torch.empty(b, hi - lo, dtype=torch.float32),
                 )
                 for kind, t in zip((_HIDDEN, _LABELS, _MASK), bufs):
-                    dist.irecv(t, ranks[-1], group, self._tag(kind, microbatch, j)).wait()
+                    _receive(t, ranks[-1], group, self._tag(kind, microbatch, j))
                 mine.append(bufs)
         return mine
 
@@ -177,9 +177,15 @@ class VocabExchange:
             for r in range(p - 1):
                 lo, hi = _bounds_of(self.slice_lengths[j], p, r)
                 buf = torch.empty(hi - lo, *grad.shape[1:], dtype=grad.dtype)
-                dist.irecv(buf, ranks[r], group, self._tag(_GRAD, microbatch, j)).wait()
+                _receive(buf, ranks[r], group, self._tag(_GRAD, microbatch, j))
                 parts.append(buf)
             self.grads[(microbatch, j)] = torch.cat([*parts, grad], 0)
+
+
+def _receive(buffer: torch.Tensor, src: int, group: Optional[dist.ProcessGroup], tag: int) -> None:
+    work = dist.irecv(buffer, src, group, tag)
+    assert work is not None  # None only for a rank outside the group
+    work.wait()
 
 
 def _bounds_of(length: int, parts: int, index: int) -> tuple[int, int]:
