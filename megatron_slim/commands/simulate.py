@@ -36,6 +36,7 @@ class Simulated:
         out: dict[str, Any] = {"recipe": self.recipe.name, "hardware": self.recipe.hardware, "label": self.label}
         out.update(self.result.to_json())
         out["slice_policy"] = self.recipe.schedule.slice_policy
+        out["vocab_parallel"] = self.recipe.schedule.vocab_parallel
         out["slice_lengths"] = list(self.costs.lengths)
         return out
 
@@ -43,7 +44,8 @@ class Simulated:
 def schedule_label(recipe: Recipe) -> str:
     s, p = recipe.schedule, recipe.parallel
     extra = f" v{p.vpp}" if p.vpp > 1 else ""
-    return f"{s.kind}{extra}" + (f" n{s.num_slices} {s.slice_policy}" if s.kind == "slimpipe" else "")
+    vocab = " vocab-pp" if s.vocab_parallel and p.pp > 1 else ""
+    return f"{s.kind}{extra}" + (f" n{s.num_slices} {s.slice_policy}" if s.kind == "slimpipe" else "") + vocab
 
 
 def run_one(recipe: Recipe, calibration: Calibration | None = None, progress: Progress | None = None) -> Simulated:

@@ -179,6 +179,8 @@ class ScheduleConfig:
     kind: ScheduleKind = "1f1b"
     num_slices: int = 1
     slice_policy: SlicePolicy = "uniform"
+    # The embedding and output layer spread over all pipeline ranks (plan/cost/vocab.py); simulated only.
+    vocab_parallel: bool = False
 
     def __post_init__(self) -> None:
         _require_positive("schedule", self, ("num_slices",))

@@ -20,7 +20,7 @@ from megatron_slim.plan.recipe import Recipe, recipe_from_dict
 from megatron_slim.plan.sim.costs import slice_lengths
 from megatron_slim.train import checkpoint
 from megatron_slim.train.metrics import MetricsOptions, open_metrics
-from megatron_slim.train.microbatch import dp_mean, forward_step, microbatches, summed_loss
+from megatron_slim.train.microbatch import dp_mean, forward_step, microbatches, summed_loss, vocab_forward_step
 from megatron_slim.train.profiler import IterationProfiler, ProfileOptions
 from megatron_slim.train.step import (
     average_data_parallel,
@@ -87,6 +87,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     from megatron_slim.megatron.model.optimizer import build_optimizer
     from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.megatron.model.recompute import recompute_config
+    from megatron_slim.megatron.model.vocab_head import build_vocab_head
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
     from megatron_slim.runtime.attention import choose_backend
@@ -102,7 +103,10 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     if cp_step:
         cp_step.attach(chunks)
     optimizer, scheduler = build_optimizer(chunks, t)
-    forward_backward = make_forward_backward_func(pipeline_settings(recipe, options.measure_memory))
+    vocab_head = build_vocab_head(chunks, groups) if recipe.schedule.vocab_parallel else None
+    forward_backward = make_forward_backward_func(
+        pipeline_settings(recipe, options.measure_memory), vocab_head=vocab_head
+    )
     dataset = build_gpt_dataset(prepared, recipe.model.seq_length, t.global_batch_size * t.iters, seed=t.seed)
     report = RankReport(
         rank,
@@ -125,6 +129,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
         dataset,
         cp_step,
         report,
+        vocab_head,
     )
     start = training.resume()
     training.metrics = open_metrics(options.metrics, recipe, training.reporter)
@@ -153,6 +158,7 @@ class _RankTraining:
     dataset: Any
     cp_step: Any
     report: RankReport
+    vocab_head: Any = None  # schedule.vocab_parallel: this rank's copy of the output weight
     metrics: Any = None
     profiler: Any = None
 
@@ -192,7 +198,10 @@ class _RankTraining:
         t, report, groups, dp = self.recipe.train, self.report, self.groups, self.recipe.parallel.dp
         began = time.perf_counter()
         reports = self._forward_backward(number)
-        sum_tied_embedding_grads(self.chunks, groups.embd)
+        if self.vocab_head is not None:  # every copy, tied embedding ones included, gets the sum
+            self.vocab_head.reduce_grads()
+        else:
+            sum_tied_embedding_grads(self.chunks, groups.embd)
         average_data_parallel(self.params, self.grad_group, self.grad_size)
         cp_summary = reduce_summary(self.cp_step.summary(), groups.dp, dp) if self.cp_step else None
         if cp_summary is not None and self.reporter:
@@ -227,6 +236,9 @@ class _RankTraining:
         self.optimizer.zero_grad(set_to_none=True)
         batches = list(microbatches(self.dataset, self.recipe, number - 1, self.groups.dp_rank))
         step_func = forward_step
+        if self.vocab_head is not None:
+            self.vocab_head.refresh()
+            step_func = vocab_forward_step
         if self.cp_step:
             batches, step_func = self.cp_step.plan_iteration(batches), self.cp_step.forward_step
         return self.forward_backward(

@@ -29,6 +29,22 @@ def forward_step(data_iterator, model):
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
+def vocab_targets(labels: torch.Tensor, loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Under ``schedule.vocab_parallel`` the loss is computed by every pipeline rank
+    (``runtime/pipeline/vocab.py``): the last stage hands on the slice's labels and loss mask."""
+    return labels, loss_mask
+
+
+def vocab_forward_step(data_iterator, model):
+    """``forward_step`` with the output layer left to the pipeline's vocabulary exchange."""
+    from megatron_slim.megatron.model.vocab_head import final_hidden_states
+
+    batch = next(data_iterator)
+    with final_hidden_states(model):
+        output = model(batch["tokens"], batch["position_ids"], None)
+    return output, functools.partial(vocab_targets, batch["labels"], batch["loss_mask"])
+
+
 def microbatches(dataset, recipe: Recipe, iteration: int, dp_rank: int):
     """Data-parallel rank ``dp_rank``'s microbatches of (0-based) ``iteration``."""
     t, m = recipe.train, recipe.num_microbatches

@@ -146,6 +146,12 @@ REFUSED = {
     "slice_count_type": (lambda c: None, {"num_slices": "4"}, "num_slices: got '4'"),
     "slice_policy": (lambda c: None, {"slice_policy": "even"}, "slice_policy: got 'even'"),
     "attention_kernels": (lambda c: None, {"attention_backend": "cudnn"}, "attention_backend: got 'cudnn'"),
+    "vocab_parallel": (
+        lambda c: None,
+        {"vocab_parallel": True},
+        "install(vocab_parallel=True): vocab_parallel runs in megatron-slim train only",
+    ),
+    "vocab_parallel_type": (lambda c: None, {"vocab_parallel": "yes"}, "vocab_parallel: got 'yes'"),
     "hardware": (lambda c: None, {"hardware": "tpu-v9"}, "tpu-v9"),
 }
 

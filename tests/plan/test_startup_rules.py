@@ -10,7 +10,7 @@ from megatron_slim.megatron.launch.args import settings_from_megatron_args
 from megatron_slim.megatron.launch.flags import check_megatron_args, recipe_to_megatron_args
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schema import ConfigError
-from megatron_slim.plan.startup import INPUTS, LAUNCHER, MEGATRON_ARGS, RULES, TRAIN, Inputs, broken_rule
+from megatron_slim.plan.startup import INPUTS, LAUNCHER, MEGATRON_ARGS, RULES, TRAIN, Inputs, Settings, broken_rule
 from megatron_slim.plan.startup.from_recipe import megatron_args_settings, train_settings
 from megatron_slim.train.checks import check_trainable
 from tests.oracle.models import TINY_CP_MEGATRON_ARGS
@@ -43,6 +43,10 @@ SHARED = {
             TRAIN: ["schedule.num_slices=2", "schedule.slice_policy=exchange"],
             MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.slice_policy=exchange"],
         },
+    ),
+    "vocab-parallel-megatron": (
+        {**SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True},
+        {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.vocab_parallel=true"]},
     ),
     "slimpipe-recompute": (
         {**SLIMPIPE_FLAGS, "recompute_granularity": "full", "context_parallel_size": 2},
@@ -104,6 +108,37 @@ def test_context_exchange_is_refused_at_start_up_with_the_allowed_policies():
     assert "the runtime does not run it yet; allowed: uniform, balanced" in launcher
     recipe = load_recipe("tiny-cpu", ["schedule.num_slices=2", "schedule.slice_policy=exchange"])
     assert _refusal(check_trainable, recipe).startswith("schedule.slice_policy=exchange: context exchange")
+
+
+def test_vocab_parallel_runs_in_train_and_is_refused_by_the_megatron_launcher():
+    from megatron_slim.megatron.launch.flags import add_arguments
+
+    parsed = add_arguments(argparse.ArgumentParser()).parse_args(["--slimpipe-vocab-parallel"])
+    assert parsed.slimpipe_vocab_parallel is True  # the launcher accepts the flag, then refuses the run
+    args = argparse.Namespace(**{**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True})
+    assert _refusal(check_megatron_args, args) == (
+        "--slimpipe-vocab-parallel: vocab_parallel runs in megatron-slim train only (and is simulated by "
+        "megatron-slim simulate); Megatron-LM's launcher does not run it yet; allowed: drop "
+        "--slimpipe-vocab-parallel"
+    )
+    recipe = load_recipe("tiny-cpu", ["parallel.pp=2", "schedule.num_slices=2", "schedule.vocab_parallel=true"])
+    check_trainable(recipe)  # megatron-slim train runs it
+    assert "allowed: schedule.vocab_parallel=false" in _refusal(recipe_to_megatron_args, recipe)
+    flags = recipe_to_megatron_args(load_recipe("tiny-cpu", ["schedule.num_slices=2"]))
+    assert "--slimpipe-vocab-parallel" not in flags
+
+
+@pytest.mark.parametrize("bad", ["parallel.tp=2", "parallel.vpp=2"])
+def test_train_refuses_vocab_parallel_where_the_exchange_does_not_run(bad):
+    recipe = load_recipe("tiny-cpu", ["parallel.pp=2", "schedule.num_slices=2", "schedule.vocab_parallel=true", bad])
+    refused = _refusal(check_trainable, recipe)
+    assert refused.startswith("schedule.vocab_parallel=true with parallel.tp=")
+    assert bad in refused and refused.endswith(
+        "allowed: parallel.tp=1, parallel.cp=1 and parallel.vpp=1, or schedule.vocab_parallel=false"
+    )
+    # context parallelism: other rules refuse a SlimPipe x CP train run first; this one still covers it
+    rule = broken_rule(Settings(pp=2, cp=2, vocab_parallel=True), TRAIN)
+    assert rule is not None and rule.name == "vocab-parallel-train"
 
 
 def test_recipe_field_names_and_flags_cover_the_same_settings():

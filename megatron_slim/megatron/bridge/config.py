@@ -24,6 +24,7 @@ FIELD_NAMES = {
     "--use-slimpipe": "SlimPipe (megatron_slim.megatron.bridge.install)",
     "--slimpipe-num-slices": "install(num_slices=...)",
     "--slimpipe-slice-policy": "install(slice_policy=...)",
+    "--slimpipe-vocab-parallel": "install(vocab_parallel=True)",
     "--seq-length": "model.seq_length",
     "--num-experts": "model.num_moe_experts",
     "--context-parallel-size": "model.context_parallel_size",
@@ -56,6 +57,7 @@ class SlimPipeOptions:
     hardware: str
     calibration: Optional[str]
     attention_backend: str
+    vocab_parallel: bool = False
 
     def flags(self) -> dict[str, Any]:
         """The Megatron-LM arguments these settings stand for."""
@@ -63,6 +65,7 @@ class SlimPipeOptions:
             use_slimpipe=True,
             slimpipe_num_slices=self.num_slices,
             slimpipe_slice_policy=self.slice_policy,
+            slimpipe_vocab_parallel=self.vocab_parallel,
             slimpipe_hardware=self.hardware,
             slimpipe_calibration=self.calibration,
             cp_engine="te",
@@ -177,6 +180,8 @@ def check_config(config: Any, slimpipe: SlimPipeOptions) -> argparse.Namespace:
     num_slices = slimpipe.num_slices
     if not isinstance(num_slices, int) or isinstance(num_slices, bool):
         raise ConfigError(f"num_slices: got {num_slices!r}; allowed: an integer >= 1")
+    if not isinstance(slimpipe.vocab_parallel, bool):
+        raise ConfigError(f"vocab_parallel: got {slimpipe.vocab_parallel!r}; allowed: True, False")
     _refuse_bridge_only(config)
     args = bridge_args(config, slimpipe)
     try:

@@ -98,15 +98,18 @@ def install(
     hardware: str = "h100",
     calibration: Optional[str] = None,
     attention_backend: str = "auto",
+    vocab_parallel: bool = False,
 ) -> BridgeInstall:
     """Make Bridge's ``pretrain(config, ...)`` run SlimPipe with ``num_slices`` slices per microbatch
     (``slice_policy`` ``uniform`` or ``balanced``: equal work under the causal mask, from the cost
-    model of ``hardware`` / measured ``calibration``). Raises ``ConfigError`` before changing
+    model of ``hardware`` / measured ``calibration``; ``vocab_parallel``: the embedding and output
+    layer on every pipeline rank, simulated only for now, so refused). Raises ``ConfigError`` before changing
     anything when the config cannot run under SlimPipe."""
     from megatron_slim.megatron.slimpipe.hooks import slimpipe_settings
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
 
-    args = check_config(config, SlimPipeOptions(num_slices, slice_policy, hardware, calibration, attention_backend))
+    options = SlimPipeOptions(num_slices, slice_policy, hardware, calibration, attention_backend, vocab_parallel)
+    args = check_config(config, options)
     settings = slimpipe_settings(args)
     schedules = importlib.import_module(SCHEDULES_MODULE)
     original_getter = schedules.get_forward_backward_func

@@ -55,6 +55,7 @@ def recipe_from_megatron_args(args: argparse.Namespace) -> Recipe:
             "kind": "slimpipe",
             "num_slices": args.slimpipe_num_slices,
             "slice_policy": args.slimpipe_slice_policy,
+            "vocab_parallel": bool(getattr(args, "slimpipe_vocab_parallel", False)),
         },
     }
     return recipe_from_dict(data)
@@ -71,6 +72,7 @@ def settings_from_megatron_args(args: argparse.Namespace) -> Settings:
         cp=flag("context_parallel_size", 1),
         tp=flag("tensor_model_parallel_size", 1),
         pp=flag("pipeline_model_parallel_size", 1),
+        vpp=flag("virtual_pipeline_model_parallel_size", 1),
         micro_batch_size=flag("micro_batch_size", 1),
         sequence_parallel=bool(flag("sequence_parallel")),
         cp_engine=flag("cp_engine", NO_CP_ENGINE),
@@ -78,6 +80,7 @@ def settings_from_megatron_args(args: argparse.Namespace) -> Settings:
         slimpipe=bool(flag("use_slimpipe")),
         num_slices=flag("slimpipe_num_slices", 1),
         slice_policy=flag("slimpipe_slice_policy", "uniform"),
+        vocab_parallel=bool(flag("slimpipe_vocab_parallel")),
         seq_length=flag("seq_length", 0),
         recompute=flag("recompute_granularity"),
         hierarchical_cp_sizes=flag("hierarchical_context_parallel_sizes"),

@@ -47,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         ),
     )
     g.add_argument(
+        "--slimpipe-vocab-parallel",
+        action="store_true",
+        help=(
+            "run the output layer and loss on every pipeline rank, each on a part of the sequence (megatron-slim "
+            "train and simulate run it; this launcher refuses it at start-up for now)"
+        ),
+    )
+    g.add_argument(
         "--slimpipe-hardware",
         default="h100",
         help="hardware profile the balanced policy's cost model uses (megatron_slim/configs/hardware)",
@@ -234,7 +242,7 @@ def _schedule_flags(recipe: Recipe) -> list:
             s.slice_policy,
             "--slimpipe-hardware",
             recipe.hardware,
-        ]
+        ] + (["--slimpipe-vocab-parallel"] if s.vocab_parallel else [])
     if p.cp > 1 and s.kind != "slimpipe":
         # megatron-slim's engines plan each pack of documents: positions and masks reset at each one
         out += [

@@ -54,6 +54,7 @@ from megatron_slim.runtime.pipeline.memory_meter import ActivationMeter
 from megatron_slim.runtime.pipeline.p2p import P2P
 from megatron_slim.runtime.pipeline.slice_context import SliceContext
 from megatron_slim.runtime.pipeline.sliced_data import SlicedIterator
+from megatron_slim.runtime.pipeline.vocab import VocabExchange, VocabHead
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,12 @@ def _refuse_unsupported_call(settings: SlimPipeSettings, seq_length: int, adjust
 
 
 def make_forward_backward_func(
-    settings: SlimPipeSettings, context: Optional[SliceContext] = None
+    settings: SlimPipeSettings, context: Optional[SliceContext] = None, vocab_head: Optional[VocabHead] = None
 ) -> ForwardBackwardFunc:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
-    hook reads it); a new one by default."""
+    hook reads it); a new one by default. ``vocab_head``: run the output layer and loss on every
+    pipeline rank (``runtime/pipeline/vocab.py``); the forward step's loss function then returns
+    the slice's ``(labels, loss_mask)`` and the last stage's model its final hidden states."""
     stats = RunStats()
     context = context if context is not None else SliceContext()
 
@@ -177,7 +180,7 @@ def make_forward_backward_func(
         schedule = planned_schedule(settings, group.size(), len(chunks.models), num_microbatches)
         stats.schedule_digest = schedule.digest()
         _agree_on_plan(stats.schedule_digest, group, stats, chunks.first_param.device)
-        run = _Run(settings, chunks, group, schedule, forward_only, collect_non_loss_data and forward_only)
+        run = _Run(settings, chunks, group, schedule, forward_only, collect_non_loss_data and forward_only, vocab_head)
         loss = run.interpret(forward_step_func, data_iterator, micro_batch_size, context, stats)
         if not forward_only and getattr(chunks.config, "finalize_model_grads_func", None) is not None:
             finalize_grads(chunks, loss, pg_collection or grad_finalize_pgs, force_all_reduce)
@@ -200,6 +203,7 @@ class _Run:
     schedule: Schedule
     forward_only: bool
     non_loss_only: bool  # collect_non_loss_data in a forward-only call
+    vocab_head: Optional[VocabHead] = None
 
     def interpret(
         self, forward_step_func, data_iterator, micro_batch_size: int, context: SliceContext, stats: RunStats
@@ -220,6 +224,7 @@ class _Run:
         offload, hooks = attach_offload(models, 0.0 if forward_only else settings.offload_ratio, kv_storages)
         grad_sync, param_sync = syncs(chunks, schedule.ranks[rank], forward_only)
         executed = executable_forward_only(schedule) if forward_only else schedule
+        vocab = self._vocab(micro_batch_size)
         interpreter = PipelineInterpreter(
             executed,
             rank,
@@ -233,18 +238,41 @@ class _Run:
             grad_sync=grad_sync,
             param_sync=param_sync,
             offload=offload,
+            vocab=vocab,
         )
         try:
             run_timed(interpreter, config)
         finally:
             for hook in hooks:
                 hook.remove()
+        if vocab is not None:
+            loss.reports.extend(vocab.reports)
         if meter is not None:
             stats.peak_activation_bytes = meter.peak_bytes
             stats.peak_kv_bytes = ledger.peak_bytes
             stats.peak_p2p_bytes = meter.p2p.peak_bytes
         stats.offloaded_bytes = offload.moved_bytes if offload is not None else 0
         return loss
+
+    def _vocab(self, micro_batch_size: int) -> Optional[VocabExchange]:
+        if self.vocab_head is None:
+            return None
+        if getattr(self.chunks.config, "calculate_per_token_loss", False) or self.non_loss_only:
+            raise ValueError(
+                "schedule.vocab_parallel: per-token loss and non-loss data are not supported; allowed: "
+                "Megatron's default per-microbatch loss"
+            )
+        s = self.schedule
+        return VocabExchange(
+            self.vocab_head,
+            self.group.rank(),
+            self.settings.slice_lengths,
+            micro_batch_size,
+            self.chunks.config.hidden_size,
+            s.num_microbatches,
+            tag_base=2 * s.num_stages * s.num_microbatches * s.num_slices,
+            forward_only=self.forward_only,
+        )
 
     def _p2p(self, device: torch.device) -> Optional[P2P]:
         """The send/receive pairs between pipeline stages; none for a single stage."""

@@ -1,7 +1,8 @@
 """The cost model: time and memory of every schedule action of a recipe on a hardware profile.
 
 Pipeline stage ``s`` (of ``pp * vpp``) holds ``num_layers / (pp * vpp)`` decoder layers; stage 0
-also holds the embedding, the last stage the final norm, output layer and loss. A slice of
+also holds the embedding, the last stage the final norm, output layer and loss (or, with
+``schedule.vocab_parallel``, every pipeline rank a share of both: ``plan/cost/vocab.py``). A slice of
 ``tokens`` tokens starting at ``prefix`` is what every per-action query takes.
 
 GPU placement follows Megatron's rank order (tp fastest, then cp, dp, pp): two GPUs share a node
@@ -16,6 +17,7 @@ from typing import Optional
 from megatron_slim.plan.cost.activations import ChunkActivations
 from megatron_slim.plan.cost.calibration import Calibration
 from megatron_slim.plan.cost.layer import FP32_BYTES, LayerShape, OpWork
+from megatron_slim.plan.cost.vocab import VocabPlacement
 from megatron_slim.plan.hardware import HardwareProfile
 from megatron_slim.plan.recipe import Recipe
 
@@ -62,6 +64,7 @@ class CostModel:
         )
         sliced = recipe.schedule.kind == "slimpipe" and recipe.schedule.num_slices > 1
         self.chunk = ChunkActivations(self.shape, self.recompute, self.layers_per_stage, kv_cached=sliced)
+        self.vocab = VocabPlacement(self)
 
     # ---- kernel time --------------------------------------------------------------------------
     def _rate(self, op: str, work: float) -> float:
@@ -182,11 +185,7 @@ class CostModel:
         return max(0.0, copy - compute)
 
     def forward_time(self, stage: int, tokens: float, prefix: float) -> float:
-        t = self._layers_time(tokens, prefix, backward=False)
-        if stage == 0:
-            t += self.kernel_time(self.shape.embedding_forward_work(tokens), False)
-        if stage == self.num_stages - 1:
-            t += self.kernel_time(self.shape.output_forward_work(tokens), False)
+        t = self._layers_time(tokens, prefix, backward=False) + self.vocab.forward_time(stage, tokens)
         return t + self._offload_exposed_time(tokens, t)
 
     def recompute_time(self, tokens: float, prefix: float) -> float:
@@ -197,11 +196,7 @@ class CostModel:
         return t + self.kernel_time(self.chunk.selective_work(tokens, prefix), False)
 
     def backward_time(self, stage: int, tokens: float, prefix: float) -> float:
-        t = self._layers_time(tokens, prefix, backward=True)
-        if stage == 0:
-            t += 2 * self.kernel_time(self.shape.embedding_forward_work(tokens), False)
-        if stage == self.num_stages - 1:
-            t += 2 * self.kernel_time(self.shape.output_forward_work(tokens), False)
+        t = self._layers_time(tokens, prefix, backward=True) + self.vocab.backward_time(stage, tokens)
         t += self.recompute_time(tokens, prefix)
         return t + self._offload_exposed_time(tokens, t)
 
@@ -214,10 +209,7 @@ class CostModel:
     # ---- memory -------------------------------------------------------------------------------
     def activation_bytes(self, stage: int, tokens: float) -> float:
         """What a slice keeps on the GPU from its forward to its backward (K/V aside)."""
-        b = self.chunk.resident_bytes(tokens)
-        if stage == self.num_stages - 1:
-            b += self.shape.output_activation_bytes(tokens)
-        return b
+        return self.chunk.resident_bytes(tokens) + self.vocab.activation_bytes(stage, tokens)
 
     def backward_transient_bytes(self, stage: int, tokens: float) -> float:
         """Held only while a slice's backward runs: recompute working set and prefetched offload."""
@@ -232,12 +224,7 @@ class CostModel:
 
     def rank_params(self, rank: int) -> float:
         p = self.recipe.parallel
-        params = self.shape.layer_params() * self.layers_per_stage * p.vpp
-        if rank == 0:
-            params += self.shape.embedding_params()
-        if rank == p.pp - 1:
-            params += self.shape.output_params()
-        return params
+        return self.shape.layer_params() * self.layers_per_stage * p.vpp + self.vocab.rank_params(rank)
 
     def static_bytes(self, rank: int) -> float:
         """Weights, gradients and Adam state on one GPU of pipeline rank ``rank``.

@@ -29,6 +29,27 @@ SLIMPIPE_RULES = [
         ),
     ),
     Rule(
+        "vocab-parallel-megatron",
+        (LAUNCHER, MEGATRON_ARGS),
+        lambda s: s.vocab_parallel,
+        lambda s, i: (
+            f"{i.setting('vocab_parallel', True)}: vocab_parallel runs in megatron-slim train only (and is "
+            f"simulated by megatron-slim simulate); Megatron-LM's launcher does not run it yet; allowed: "
+            f"{i.unset('vocab_parallel', 'false')}"
+        ),
+    ),
+    Rule(
+        "vocab-parallel-train",
+        (TRAIN,),
+        lambda s: s.vocab_parallel and (s.tp > 1 or s.cp > 1 or s.vpp > 1),
+        lambda s, i: (
+            f"{i.setting('vocab_parallel', True)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)}, "
+            f"{i.setting('vpp', s.vpp)}: the pipeline's vocabulary exchange runs without tensor or context "
+            f"parallelism and with one model chunk per pipeline rank; allowed: {i.name('tp')}=1, "
+            f"{i.name('cp')}=1 and {i.name('vpp')}=1, or {i.unset('vocab_parallel', 'false')}"
+        ),
+    ),
+    Rule(
         "slices-need-slimpipe",
         (LAUNCHER,),
         lambda s: not s.slimpipe and s.num_slices != 1,

@@ -22,6 +22,7 @@ class Settings:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    vpp: int = 1
     micro_batch_size: int = 1
     sequence_parallel: bool = False
     cp_engine: str = NO_CP_ENGINE
@@ -29,6 +30,7 @@ class Settings:
     slimpipe: bool = False
     num_slices: int = 1
     slice_policy: str = "uniform"
+    vocab_parallel: bool = False
     seq_length: int = 0
     recompute: Optional[str] = None  # the recomputation granularity ("full", "selective"); None: none
     recompute_modules: tuple[str, ...] = ()  # what selective recomputation checkpoints
@@ -98,6 +100,7 @@ _RECIPE_NAMES = {
     "cp": "parallel.cp",
     "tp": "parallel.tp",
     "pp": "parallel.pp",
+    "vpp": "parallel.vpp",
     "micro_batch_size": "train.micro_batch_size",
     "sequence_parallel": "parallel.sequence_parallel",
     "cp_engine": "cp.engine",
@@ -105,6 +108,7 @@ _RECIPE_NAMES = {
     "slimpipe": "schedule.kind=slimpipe",
     "num_slices": "schedule.num_slices",
     "slice_policy": "schedule.slice_policy",
+    "vocab_parallel": "schedule.vocab_parallel",
     "seq_length": "model.seq_length",
     "recompute": "train.recompute",
     "precision": "train.precision",
@@ -116,6 +120,7 @@ _FLAG_NAMES = {
     "cp": "--context-parallel-size",
     "tp": "--tensor-model-parallel-size",
     "pp": "--pipeline-model-parallel-size",
+    "vpp": "--virtual-pipeline-model-parallel-size",
     "micro_batch_size": "--micro-batch-size",
     "sequence_parallel": "--sequence-parallel",
     "cp_engine": "--cp-engine",
@@ -123,6 +128,7 @@ _FLAG_NAMES = {
     "slimpipe": "--use-slimpipe",
     "num_slices": "--slimpipe-num-slices",
     "slice_policy": "--slimpipe-slice-policy",
+    "vocab_parallel": "--slimpipe-vocab-parallel",
     "seq_length": "--seq-length",
     "recompute": "--recompute-granularity",
     "megatron_schedule": "no --use-slimpipe",

@@ -25,6 +25,7 @@ from torch.profiler import record_function
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.validate import format_grid
 from megatron_slim.plan.schedule.walk import bounded_sends
+from megatron_slim.plan.schedule.vocab import vocab_exchange_steps
 from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.loss import SlicedLoss
@@ -32,6 +33,7 @@ from megatron_slim.runtime.pipeline.memory_meter import ActivationMeter
 from megatron_slim.runtime.pipeline.offload import ActivationOffload
 from megatron_slim.runtime.pipeline.p2p import P2P
 from megatron_slim.runtime.pipeline.slice_context import SliceContext, SliceInfo
+from megatron_slim.runtime.pipeline.vocab import VocabExchange
 
 Unit = tuple[int, int, int]  # (chunk, microbatch, slice)
 
@@ -81,7 +83,10 @@ class PipelineInterpreter:
         grad_sync: Optional[GradSync] = None,
         param_sync: Optional[ParamSync] = None,
         offload: Optional[ActivationOffload] = None,
+        vocab: Optional[VocabExchange] = None,
     ) -> None:
+        """``vocab``: the output layer runs on every pipeline rank (``runtime/pipeline/vocab.py``);
+        the last stage's loss function then returns the slice's ``(labels, loss_mask)``."""
         if not schedule.is_lowered:
             raise ValueError("the interpreter runs lowered schedules (plan.schedule.add_communication)")
         if schedule.has_split_backward:
@@ -97,6 +102,8 @@ class PipelineInterpreter:
         self.ctx, self.kv, self.loss, self.meter, self.offload = context, kv_stores, loss, meter, offload
         self.grad_sync, self.param_sync, self.forward_only = grad_sync, param_sync, schedule.forward_only
         self.row = list(schedule.ranks[rank])
+        self.vocab = vocab
+        self._vocab_steps = vocab_exchange_steps(schedule, rank) if vocab is not None else {}
         self.state = RunState()
         self._bounded = {a for r, a in bounded_sends(schedule) if r == rank} if p2p is not None else set()
         self._in_flight = meter.p2p if meter is not None else None
@@ -157,7 +164,9 @@ class PipelineInterpreter:
             self.param_sync.before_forward(a.chunk)
         with self.ctx.enter(self._slice_info(a)), self._saved_tensor_hooks(unit):
             output, loss_func = self.ops.forward(a.chunk, inp)
-            if stage == self.schedule.num_stages - 1:
+            if stage == self.schedule.num_stages - 1 and self.vocab is not None:
+                self.vocab.keep(a.microbatch, a.slice, output, loss_func(output))
+            elif stage == self.schedule.num_stages - 1:
                 self.loss.add(a.microbatch, a.slice, loss_func(output), keep_graph=not self.forward_only)
         if self.forward_only and a.slice == self.schedule.num_slices - 1:
             self.kv[a.chunk].drop_microbatch(a.microbatch)
@@ -202,7 +211,9 @@ class PipelineInterpreter:
             raise self._fail("backward of a unit with no forward output")
         inp, output = self.state.outputs.pop(unit)
         grad = None
-        if stage == self.schedule.num_stages - 1:
+        if stage == self.schedule.num_stages - 1 and self.vocab is not None:
+            grad = self.vocab.hidden_grad(a.microbatch, a.slice)
+        elif stage == self.schedule.num_stages - 1:
             output = self.loss.backward_tensor(a.microbatch, a.slice)
         else:
             if unit not in self.state.grads:
@@ -268,6 +279,9 @@ class PipelineInterpreter:
                 self._handlers[a.kind](a)
             if self.p2p is not None:
                 self.p2p.poll()
+            if step in self._vocab_steps:
+                assert self.vocab is not None  # steps are planned only with a vocabulary exchange
+                self.vocab.join(self._vocab_steps[step])
         if self.p2p is not None:
             self.p2p.wait_all()
         if self.grad_sync is not None and not self.forward_only:
@@ -281,7 +295,8 @@ class PipelineInterpreter:
             if getattr(self.state, name)
         }
         stores = [f"chunk {c}: {s.describe()}" for c, s in enumerate(self.kv) if not s.is_empty()]
-        if left or stores or not self.loss.is_drained():
+        vocab_left = self.vocab is not None and not self.vocab.is_drained()
+        if left or stores or not self.loss.is_drained() or vocab_left:
             raise PipelineStateError(f"rank {self.rank}: state left after the schedule: {left} {stores}")
 
     def last_backward_steps(self) -> dict[int, int]:

@@ -1,0 +1,43 @@
+"""Rank function of the vocabulary-parallel exactness test (module level so spawn can import it)."""
+
+import dataclasses
+
+from megatron_slim.plan.recipe import ModelConfig
+from megatron_slim.train.microbatch import vocab_forward_step
+from tests.oracle import reference
+from tests.oracle.models import TINY_GQA_4L
+from tests.runtime.pipeline._workers import make_batches
+
+
+def run_vocab_parallel(rank, world_size, configs, seed=1234):
+    """Each config: (tied, kind, num_microbatches, slice_lengths). Returns per config
+    (reports, grads of every parameter this rank's optimizer steps, reference on rank 0)."""
+    from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
+    from megatron_slim.megatron.model.parallel import init_model_parallel
+    from megatron_slim.megatron.model.vocab_head import build_vocab_head
+    from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
+
+    groups = init_model_parallel(pp=world_size)
+    results = []
+    for tied, kind, m, lengths in configs:
+        model = ModelConfig(**{**TINY_GQA_4L, "untie_embeddings_and_output_weights": not tied})
+        batches = make_batches(model, m, micro_batch=2, seed=seed + m)
+        chunks = build_rank_chunks(model, groups, core_attention=SliceCoreAttention, seed=seed)
+        head = build_vocab_head(chunks, groups)
+        fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths), kind=kind), vocab_head=head)
+        reports = fb(
+            forward_step_func=vocab_forward_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=m,
+            seq_length=model.seq_length,
+            micro_batch_size=2,
+        )
+        head.reduce_grads()
+        grads = {}
+        for c in chunks:
+            grads.update(global_grads(c))
+        ref = reference.unsliced_step(model, dataclasses.replace(groups), batches, seed) if rank == 0 else None
+        results.append(([r["lm loss"] for r in reports], grads, ref, head.owned))
+    return results
