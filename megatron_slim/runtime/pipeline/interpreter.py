@@ -24,8 +24,8 @@ from torch.profiler import record_function
 
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.validate import format_grid
-from megatron_slim.plan.schedule.walk import bounded_sends
 from megatron_slim.plan.schedule.vocab import vocab_exchange_steps
+from megatron_slim.plan.schedule.walk import bounded_sends
 from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.loss import SlicedLoss
