@@ -37,17 +37,17 @@ from __future__ import annotations
 
 import bisect
 
-from megatron_slim.plan.cp.assemble import GroupSpec, assemble
+from megatron_slim.plan.cp.assemble import GroupSpec
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import (
     ALL_LAYERS,
     SplitOption,
+    SplitOptions,
     ZeppelinLayers,
     choose_split,
     local_time,
-    split_options,
 )
-from megatron_slim.plan.cp.layout import CPPlan, GroupKind
+from megatron_slim.plan.cp.layout import GroupKind
 from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.schema import fail
 
@@ -82,23 +82,27 @@ def _target(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, remap: b
     return sum(local_time(s, topo, costs, remap) for s in lengths) / topo.num_ranks
 
 
+def overflow_cost(topo: CPTopology, costs: CPCosts, remap: bool) -> float:
+    """A token beyond its node's share crosses a NIC 4 times a layer (to and from the MLP layout, in
+    forward and backward) inside a collective every rank waits for; in the worst case one rank's
+    NIC share carries a node's whole overflow, and node loads add ``m`` ranks' seconds."""
+    if not remap or topo.num_nodes == 1:
+        return 0.0
+    return 4 * costs.hidden_bytes / topo.nic.bandwidth * topo.ranks_per_node
+
+
 def partition_pack(
     lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers = ALL_LAYERS
 ) -> tuple[list[SplitOption], list[tuple[int, ...]], list[float]]:
     """Steps 1-3 and the refinement: every sequence's split, its members, every rank's load."""
     remap = layers.remap
     by_length = {  # packs of many short documents repeat lengths: price each length once
-        s: split_options(s, topo, costs, remap=remap, routing=layers.routing, hierarchical=layers.hierarchical)
+        s: SplitOptions(s, topo, costs, remap=remap, routing=layers.routing, hierarchical=layers.hierarchical)
         for s in set(lengths)
     }
     options = [by_length[s] for s in lengths]  # read only: equal lengths share one list
     target = _target(lengths, topo, costs, remap)
-    # A token beyond its node's share crosses a NIC 4 times a layer (to and from the MLP layout, in
-    # forward and backward) inside a collective every rank waits for; in the worst case one rank's
-    # NIC share carries a node's whole overflow, and node loads add ``m`` ranks' seconds.
-    overflow_s = (
-        4 * costs.hidden_bytes / topo.nic.bandwidth * topo.ranks_per_node if remap and topo.num_nodes > 1 else 0.0
-    )
+    overflow_s = overflow_cost(topo, costs, remap)
     first = {s: opts.index(choose_split(opts, target)) for s, opts in by_length.items()}
     choice = [first[s] for s in lengths]
     splits = [options[i][c] for i, c in enumerate(choice)]
@@ -127,6 +131,8 @@ def partition_pack(
 
 
 def _least_loaded(loads: list[float], candidates: tuple[int, ...] | range, count: int) -> tuple[int, ...]:
+    if count == 1:
+        return (min(candidates, key=loads.__getitem__),)  # min keeps the first (lowest) of equals
     picked = sorted(candidates, key=lambda c: (loads[c], c))[:count]
     return tuple(sorted(picked))
 
@@ -155,11 +161,9 @@ def partition(
         for r in members[i]:
             rank_load[r] += splits[i].est_s
     for i in (i for i in by_total if splits[i].nodes == 1):
-
-        def after(k: int) -> float:
-            return node_load[k] + overflow_s * max(0.0, node_tokens[k] + lengths[i] - cap)  # noqa: B023 (used now)
-
-        node = min(range(n), key=lambda k: (after(k), k))
+        s = lengths[i]  # to the node (lowest index on ties) where load + penalty ends lowest
+        ends = [load + overflow_s * max(0.0, tok + s - cap) for load, tok in zip(node_load, node_tokens)]
+        node = ends.index(min(ends))
         node_load[node] += splits[i].est_s * splits[i].span
         node_tokens[node] += lengths[i]
         node_items[node].append(i)
@@ -217,12 +221,18 @@ def _polish(
             load[dst] += splits[moved].est_s
 
 
-def plan_zeppelin(
+def zeppelin_specs(
     lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers = ALL_LAYERS
-) -> CPPlan:
-    lengths = tuple(lengths)
-    check_lengths(lengths)
+) -> list[GroupSpec]:
+    """Zeppelin's own placement (steps 1-5) as group specs."""
     splits, members, _ = partition_pack(lengths, topo, costs, layers)
+    return specs_of(splits, members, topo, layers)
+
+
+def specs_of(
+    splits: list[SplitOption], members: list[tuple[int, ...]], topo: CPTopology, layers: ZeppelinLayers
+) -> list[GroupSpec]:
+    """Step 5: sequences with the same kind and member set share one group."""
     groups: dict[tuple[GroupKind, tuple[int, ...]], list[int]] = {}
     for i, ranks in enumerate(members):
         kind: GroupKind = "local" if len(ranks) == 1 else splits[i].kind
@@ -239,4 +249,4 @@ def plan_zeppelin(
                 routed=layers.routing and inter and kind == "zigzag",
             )
         )
-    return assemble("zeppelin", lengths, topo, specs)
+    return specs

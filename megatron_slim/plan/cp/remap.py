@@ -124,4 +124,9 @@ def plan_remap(tokens: tuple[int, ...], topo: CPTopology) -> RemapPlan:
 
 
 def plan_remap_for(plan: CPPlan, topo: CPTopology) -> RemapPlan:
-    return plan_remap(plan.tokens_per_rank(), topo)
+    """A Zeppelin plan that kept a baseline engine's placement (``plan.picked``) runs the MLP in
+    that layout, as the engine does: the identity (nothing moves)."""
+    tokens = plan.tokens_per_rank()
+    if plan.picked and not plan.picked.startswith(plan.engine):
+        return RemapPlan(tokens, tokens, tokens, ())
+    return plan_remap(tokens, topo)
