@@ -18,12 +18,12 @@
 The simulator that prices these plans is ``megatron_slim.plan.sim.cp.sim``.
 """
 
+from megatron_slim.plan.cp.choose import plan_zeppelin
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.engines import ENGINES, plan_pack
 from megatron_slim.plan.cp.estimate import ZeppelinLayers
 from megatron_slim.plan.cp.layout import CPGroup, CPPlan, RankLayout, Segment
 from megatron_slim.plan.cp.lengths import LengthSource, make_packs, parse_lengths
-from megatron_slim.plan.cp.choose import plan_zeppelin
 from megatron_slim.plan.cp.remap import RemapPlan, Transfer, plan_remap, plan_remap_for
 from megatron_slim.plan.cp.routing import Route, RoutedHop, RoutePart, RoutingPlan, plan_routing, route_transfer
 from megatron_slim.plan.cp.topology import CPTopology

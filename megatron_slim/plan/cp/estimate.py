@@ -145,7 +145,8 @@ class SplitOptions(Sequence[SplitOption]):
         if j < m:
             return SplitOption("zigzag", j + 1, 1, zigzag_time(s, j + 1, topo, costs, remap, inter=False, routed=False))
         k = j - m + 2
-        best = SplitOption("zigzag", k * m, k, zigzag_time(s, k * m, topo, costs, remap, inter=True, routed=self._routing))
+        ring = zigzag_time(s, k * m, topo, costs, remap, inter=True, routed=self._routing)
+        best = SplitOption("zigzag", k * m, k, ring)
         if self._hier:
             hier = SplitOption("hierarchical", k * m, k, hierarchical_time(s, k, topo, costs, remap))
             if hier.est_s < best.est_s:
