@@ -191,22 +191,26 @@ def _polish(
     for i in items:
         for r in members[i]:
             held[r].add(i)
+    est = {i: splits[i].est_s for i in items}
     for _ in range(8 * len(ranks)):
-        hi = max(ranks, key=lambda r: (load[r], -r))
-        lo = min(ranks, key=lambda r: (load[r], r))
+        hi = max(ranks, key=load.__getitem__)  # the first of equals: the lowest rank
+        lo = min(ranks, key=load.__getitem__)
         gap = load[hi] - load[lo]
         if gap <= 0:
             return
-        on_hi = sorted(held[hi] - held[lo], key=lambda i: (splits[i].est_s, i))
-        on_lo = sorted(held[lo] - held[hi], key=lambda i: (splits[i].est_s, i))
-        lo_costs = [splits[j].est_s for j in on_lo]
+        on_hi = sorted(held[hi] - held[lo], key=lambda i: (est[i], i))
+        on_lo = sorted(held[lo] - held[hi], key=lambda i: (est[i], i))
+        lo_costs = [est[j] for j in on_lo]
+        largest_lo = lo_costs[-1] if lo_costs else 0.0
         best, best_delta = None, 0.0
         for i in on_hi:  # moving e from hi to lo lowers the pair's maximum iff 0 < e < gap
-            e_i = splits[i].est_s
+            e_i = est[i]
+            if e_i - largest_lo >= gap:
+                break  # this and every later (costlier) piece moves too much with any partner
             # the partner j whose cost is closest to e_i - gap / 2 (none: a plain move)
             k = bisect.bisect_left(lo_costs, e_i - gap / 2)
             for j in [None] + [on_lo[x] for x in (k - 1, k) if 0 <= x < len(on_lo)]:
-                e = e_i - (splits[j].est_s if j is not None else 0.0)
+                e = e_i - (est[j] if j is not None else 0.0)
                 if 0 < e < gap and abs(gap / 2 - e) < abs(gap / 2 - best_delta):
                     best, best_delta = (i, j), e
         if best is None or best_delta < 1e-12:
@@ -217,8 +221,8 @@ def _polish(
             members[moved] = tuple(sorted(dst if r == src else r for r in members[moved]))
             held[src].discard(moved)
             held[dst].add(moved)
-            load[src] -= splits[moved].est_s
-            load[dst] += splits[moved].est_s
+            load[src] -= est[moved]
+            load[dst] += est[moved]
 
 
 def zeppelin_specs(
