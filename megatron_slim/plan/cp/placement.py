@@ -23,7 +23,7 @@ too without) and the K/V traffic a split's ring cannot hide on its link class.
    pieces between them, while that lowers the pair's maximum.
 4. **Refinement**: while it clearly lowers the estimated maximum rank load (or does not raise it
    and clearly lowers the load above the mean), a sequence on one of the busiest ranks moves to its next larger span
-   and steps 2-3 are redone.
+   and steps 2-3 are redone (trials without step 3's local search, which runs once at the end).
 5. Sequences with the same kind and member set share one group (one ring).
 
 Bound: steps 2-3 are list scheduling, so a node ends at most one sequence above the node average
@@ -106,7 +106,9 @@ def partition_pack(
     first = {s: opts.index(choose_split(opts, target)) for s, opts in by_length.items()}
     choice = [first[s] for s in lengths]
     splits = [options[i][c] for i, c in enumerate(choice)]
-    members, loads = partition(lengths, splits, topo, overflow_s)
+    # the refinement compares greedy partitions (step 3 without its local search, half the cost);
+    # the local search runs once, on the final splits
+    members, loads = partition(lengths, splits, topo, overflow_s, polish=False)
     for _ in range(_REFINE_ROUNDS):
         worst = sorted(range(len(loads)), key=lambda r: (-loads[r], r))[: topo.ranks_per_node]
         growable = [
@@ -120,13 +122,14 @@ def partition_pack(
         for i in list(dict.fromkeys(growable))[:_REFINE_TRIES]:
             trial = list(splits)
             trial[i] = options[i][choice[i] + 1]
-            t_members, t_loads = partition(lengths, trial, topo, overflow_s)
+            t_members, t_loads = partition(lengths, trial, topo, overflow_s, polish=False)
             if _better(t_loads, loads, target):
                 choice[i] += 1
                 splits, members, loads = trial, t_members, t_loads
                 break
         else:
             break
+    members, loads = partition(lengths, splits, topo, overflow_s)
     return splits, members, loads
 
 
@@ -138,7 +141,12 @@ def _least_loaded(loads: list[float], candidates: tuple[int, ...] | range, count
 
 
 def partition(
-    lengths: tuple[int, ...], splits: list[SplitOption], topo: CPTopology, overflow_s: float = 0.0
+    lengths: tuple[int, ...],
+    splits: list[SplitOption],
+    topo: CPTopology,
+    overflow_s: float = 0.0,
+    *,
+    polish: bool = True,
 ) -> tuple[list[tuple[int, ...]], list[float]]:
     """Steps 2 and 3: members of every sequence (ascending ranks, hence node-major) and the
     estimated load of every rank. ``overflow_s``: what a token beyond a node's balanced share
@@ -173,7 +181,8 @@ def partition(
             members[i] = _least_loaded(rank_load, ranks, splits[i].span)
             for r in members[i]:
                 rank_load[r] += splits[i].est_s
-        _polish(ranks, node_items[node], splits, members, rank_load)
+        if polish:
+            _polish(ranks, node_items[node], splits, members, rank_load)
     return members, rank_load
 
 

@@ -19,6 +19,7 @@ next to assembling it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from megatron_slim.plan.cp.assemble import GroupSpec
 from megatron_slim.plan.cp.costs import CPCosts
@@ -39,7 +40,7 @@ class PackCost:
     def load(self, rank: int) -> float:
         return self.compute[rank] + self.intra[rank] + self.inter[rank]
 
-    @property
+    @cached_property
     def time_s(self) -> float:
         return max(self.load(r) for r in range(len(self.compute)))
 
