@@ -171,8 +171,7 @@ def verdict(data: dict) -> list[str]:
     lines = [
         "## Zeppelin against the fastest other engine, every distribution and seed",
         "",
-        "| distribution | seed | zeppelin s | fastest other | its s | other / zeppelin | "
-        "zeppelin picks (own / spread / baseline placements) |",
+        "| distribution | seed | zeppelin s | fastest other | its s | other / zeppelin | zeppelin picks per pack |",
         "|---|---|---|---|---|---|---|",
     ]
     for dist in data["distributions"]:
@@ -180,14 +179,15 @@ def verdict(data: dict) -> list[str]:
             sel = {r["variant"]: r for r in data["rows"] if r["distribution"] == dist and r["seed"] == seed}
             zep = sel["zeppelin"]
             other = min((e for e in ENGINES if e != "zeppelin"), key=lambda e: sel[e]["iteration_time_s"])
-            picks = zep["picked"]
-            own = sum(p == "zeppelin" for p in picks)
-            spread = sum(p == "zeppelin-spread" for p in picks)
+            counts: dict[str, int] = {}
+            for p in zep["picked"]:
+                counts[p] = counts.get(p, 0) + 1
+            picks = ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
             lines.append(
                 f"| {dist} | {seed} | {zep['iteration_time_s']:.3f} | {other} | "
                 f"{sel[other]['iteration_time_s']:.3f} | "
                 f"{sel[other]['iteration_time_s'] / zep['iteration_time_s']:.3f} | "
-                f"{own} / {spread} / {len(picks) - own - spread} |"
+                f"{picks} |"
             )
     return [*lines, ""]
 

@@ -1,7 +1,9 @@
 """Zeppelin per pack: its own placement or any baseline engine's, whichever prices lowest.
 
 The candidates are Zeppelin's hierarchical placement (``placement.zeppelin_specs``), the same with
-its inter-node sequences spread over every rank in one group (``spread_specs``), and the
+its inter-node sequences spread over every rank in one group (``spread_specs``), its own placement
+without the remap (``zeppelin-unremapped``: when moving tokens to the balanced layout costs more
+than it saves, e.g. over a slow NIC), and the
 placements ``ulysses``, ``a2a+p2p``, ``ring``, ``dynamic`` and ``allgather`` would make for the
 same pack (``baselines.*_specs``), all scored by one cost model (``price.price_specs``); the
 cheapest is kept (ties: the earlier in ``CANDIDATES``) and the plan names it in ``CPPlan.picked``.
@@ -32,7 +34,16 @@ from megatron_slim.plan.cp.placement import check_lengths, overflow_cost, partit
 from megatron_slim.plan.cp.price import PackCost, price_specs
 from megatron_slim.plan.cp.topology import CPTopology
 
-CANDIDATES = ("zeppelin", "zeppelin-spread", "ulysses", "a2a+p2p", "ring", "dynamic", "allgather")
+CANDIDATES = (
+    "zeppelin",
+    "zeppelin-spread",
+    "zeppelin-unremapped",
+    "ulysses",
+    "a2a+p2p",
+    "ring",
+    "dynamic",
+    "allgather",
+)
 Specs = Callable[[tuple[int, ...], CPTopology], list[GroupSpec]]
 _BASELINES: dict[str, Specs] = {
     "ulysses": ulysses_specs,
@@ -53,8 +64,8 @@ class Choice:
 
 def runnable(name: str, topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers) -> bool:
     """Whether candidate ``name`` can run this model on this topology under ``layers``."""
-    if name in ("zeppelin", "zeppelin-spread"):
-        return name == "zeppelin" or topo.num_nodes > 1
+    if name in ("zeppelin", "zeppelin-spread", "zeppelin-unremapped"):
+        return name == "zeppelin" or (topo.num_nodes > 1 if name == "zeppelin-spread" else layers.remap)
     if not layers.baselines or topo.num_ranks == 1:
         return False
     if name == "ulysses":
@@ -121,7 +132,11 @@ def choose_placement(
         priced["zeppelin-spread"] = price_specs(lengths, spread, topo, costs, remap=remap)
         if priced["zeppelin-spread"].time_s < priced[best].time_s:
             best, best_specs = "zeppelin-spread", spread
-    for name in CANDIDATES[2:]:
+    if runnable("zeppelin-unremapped", topo, costs, layers):
+        priced["zeppelin-unremapped"] = price_specs(lengths, own, topo, costs, remap=False)
+        if priced["zeppelin-unremapped"].time_s < priced[best].time_s:
+            best, best_specs = "zeppelin-unremapped", own
+    for name in CANDIDATES[3:]:
         if not runnable(name, topo, costs, layers):
             continue
         if _floor(name, lengths, topo, costs) >= priced[best].time_s:

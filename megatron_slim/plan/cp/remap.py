@@ -123,10 +123,14 @@ def plan_remap(tokens: tuple[int, ...], topo: CPTopology) -> RemapPlan:
     return RemapPlan(tokens, target, keep, tuple(transfers))
 
 
+REMAPPED_PICKS = ("", "zeppelin", "zeppelin-spread")  # "": a plan no chooser made (a baseline engine's own)
+
+
 def plan_remap_for(plan: CPPlan, topo: CPTopology) -> RemapPlan:
-    """A Zeppelin plan that kept a baseline engine's placement (``plan.picked``) runs the MLP in
-    that layout, as the engine does: the identity (nothing moves)."""
+    """A Zeppelin plan that kept a baseline engine's placement or its own unremapped one
+    (``plan.picked``, ``choose.py``) runs the MLP in the attention layout: the identity (nothing
+    moves)."""
     tokens = plan.tokens_per_rank()
-    if plan.picked and not plan.picked.startswith(plan.engine):
+    if plan.picked not in REMAPPED_PICKS:
         return RemapPlan(tokens, tokens, tokens, ())
     return plan_remap(tokens, topo)
