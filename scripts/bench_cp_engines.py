@@ -212,7 +212,8 @@ def markdown(data: dict, summary: list[dict], header: dict) -> str:
         "",
         *header_lines(data, header),
         "- Zeppelin's planner prices, per pack, its own placement, the same with its inter-node "
-        "sequences spread over every rank, and each other engine's placement with one cost model "
+        "sequences spread over every rank, its own without the remap, and each other engine's placement "
+        "with one cost model "
         "(`plan/cp/price.py`), and keeps the cheapest (`plan/cp/choose.py`); per-pack picks and "
         "breakdowns: `cp_engines_packs.md`",
         "- numbers come from the simulator (`megatron_slim/plan/sim/cp/sim.py`), not from GPUs; "
