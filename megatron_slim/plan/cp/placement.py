@@ -158,7 +158,8 @@ def partition(
     node_tokens = [0.0] * n
     rank_load = [0.0] * topo.num_ranks
     members: list[tuple[int, ...]] = [()] * len(lengths)
-    by_total = sorted(range(len(lengths)), key=lambda i: (-splits[i].est_s * splits[i].span, i))
+    weight = [-sp.est_s * sp.span for sp in splits]
+    by_total = sorted(range(len(lengths)), key=weight.__getitem__)  # stable: equal weights by index
     node_items: list[list[int]] = [[] for _ in range(n)]
     for i in (i for i in by_total if splits[i].nodes > 1):
         nodes = _least_loaded(node_load, range(n), splits[i].nodes)
@@ -170,7 +171,9 @@ def partition(
             rank_load[r] += splits[i].est_s
     for i in (i for i in by_total if splits[i].nodes == 1):
         s = lengths[i]  # to the node (lowest index on ties) where load + penalty ends lowest
-        ends = [load + overflow_s * max(0.0, tok + s - cap) for load, tok in zip(node_load, node_tokens)]
+        ends = [
+            load + overflow_s * (tok + s - cap) if tok + s > cap else load for load, tok in zip(node_load, node_tokens)
+        ]
         node = ends.index(min(ends))
         node_load[node] += splits[i].est_s * splits[i].span
         node_tokens[node] += lengths[i]
