@@ -1,6 +1,11 @@
 #!/usr/bin/env python
 """Compare context-parallel engines on the simulator: Zeppelin vs ring (TE p2p), Ulysses, a2a+p2p,
-all-gather (Llama-3) and Megatron dynamic CP, plus Zeppelin ablations (no routing / no remap).
+all-gather (Llama-3) and Megatron dynamic CP, plus Zeppelin ablations (no routing / no remap / no
+baseline placements among its candidates).
+
+The last two distributions (bimodal chat + documents, uniform 16K-128K) were added after the
+planner's candidate search and were not tuned on. Also writes ``<out>/cp_engines_packs.md``: per
+pack, the placement Zeppelin kept and the cost model's breakdown next to the best other engine's.
 
 Every engine runs the same 4M-token batches (the recipe's packs) drawn from each length
 distribution with several seeds. Writes ``<out>/cp_engines.md`` and ``<out>/cp_engines.json``
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -28,14 +34,22 @@ from megatron_slim.plan.cp.lengths import make_packs, parse_lengths
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.sim.cp.sim import cp_setup, simulate_cp
 
+sys.path.insert(0, str(Path(__file__).parent))
+import cp_pack_breakdown  # noqa: E402 (a sibling module of this script)
+
 DISTRIBUTIONS = {
     "short-skewed (lognormal mean 4K)": "lognormal:mean=4096,sigma=1.2,min=256,max=65536",
     "short-skewed (lognormal mean 8K)": "lognormal:mean=8192,sigma=1.1,min=1024,max=65536",
     "long-tailed (90% mean 4K, 10% mean 64K up to 256K)": "mix:0.9*lognormal(mean=4096,sigma=1.0,min=256,max=32768)"
     "+0.1*lognormal(mean=65536,sigma=1.0,min=16384,max=262144)",
+    "bimodal chat + documents (70% mean 2K, 30% mean 48K; not tuned on)": "mix:0.7*lognormal(mean=2048,sigma=0.8,"
+    "min=128,max=16384)+0.3*lognormal(mean=49152,sigma=0.6,min=16384,max=262144)",
+    "uniform 16K-128K (not tuned on)": "uniform:min=16384,max=131072",
 }
 # (label, engine, overrides for simulate_cp)
 VARIANTS = [(e, e, {}) for e in ENGINES] + [
+    # Zeppelin's own placements only (hierarchical and spread), no baseline engine's among them
+    ("zeppelin -baselines", "zeppelin", {"baselines": False}),
     ("zeppelin -remap", "zeppelin", {"remap": False}),
     ("zeppelin -routing", "zeppelin", {"routing": False}),
     # without the a2a+ring splits, long sequences ride flat zigzag rings across nodes: the
@@ -71,15 +85,17 @@ def git_commit() -> str:
 def run(recipe_name: str, seeds: list[int]) -> dict:
     recipe = load_recipe(recipe_name)
     topo, costs = cp_setup(recipe)
-    rows = []
+    rows, pack_rows = [], []
     for dist, spec in DISTRIBUTIONS.items():
         source = parse_lengths(spec)
         for seed in seeds:
             packs = make_packs(source, recipe.model.seq_length, recipe.num_microbatches, seed)
             lengths = [s for p in packs for s in p]
+            pack_times: dict[str, list[float]] = {}
             for label, engine, extra in VARIANTS:
                 t0 = time.perf_counter()
                 res = simulate_cp(recipe, engine, packs, topo=topo, costs=costs, **extra)
+                pack_times[label] = [p.time_s for p in res.packs]
                 n = len(res.ranks)
                 rows.append(
                     {
@@ -99,9 +115,12 @@ def run(recipe_name: str, seeds: list[int]) -> dict:
                         "longest": max(lengths),
                         "mean_length": statistics.fmean(lengths),
                         "plan_digests": [p.digest[:16] for p in res.packs],
+                        "picked": [p.plan["picked"] for p in res.packs],
                         "wall_s": time.perf_counter() - t0,
                     }
                 )
+            layers = recipe.model.num_layers
+            pack_rows += cp_pack_breakdown.pack_rows(dist, seed, packs, pack_times, topo, costs, layers)
     for row in rows:
         ring = next(
             r
@@ -120,6 +139,7 @@ def run(recipe_name: str, seeds: list[int]) -> dict:
         "seeds": seeds,
         "distributions": DISTRIBUTIONS,
         "rows": rows,
+        "packs": pack_rows,
     }
 
 
@@ -146,18 +166,56 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
-def markdown(data: dict, summary: list[dict], header: dict) -> str:
+def verdict(data: dict) -> list[str]:
+    """Zeppelin against the fastest other engine on every (distribution, seed)."""
     lines = [
-        "# Context-parallel engines: simulated iteration time",
+        "## Zeppelin against the fastest other engine, every distribution and seed",
         "",
+        "| distribution | seed | zeppelin s | fastest other | its s | other / zeppelin | zeppelin picks per pack |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for dist in data["distributions"]:
+        for seed in data["seeds"]:
+            sel = {r["variant"]: r for r in data["rows"] if r["distribution"] == dist and r["seed"] == seed}
+            zep = sel["zeppelin"]
+            other = min((e for e in ENGINES if e != "zeppelin"), key=lambda e: sel[e]["iteration_time_s"])
+            counts: dict[str, int] = {}
+            for p in zep["picked"]:
+                counts[p] = counts.get(p, 0) + 1
+            picks = ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+            lines.append(
+                f"| {dist} | {seed} | {zep['iteration_time_s']:.3f} | {other} | "
+                f"{sel[other]['iteration_time_s']:.3f} | "
+                f"{sel[other]['iteration_time_s'] / zep['iteration_time_s']:.3f} | "
+                f"{picks} |"
+            )
+    return [*lines, ""]
+
+
+def header_lines(data: dict, header: dict) -> list[str]:
+    return [
         f"- command: `{header['command']}`",
         f"- date: {header['date']}",
-        f"- machine: {header['platform']}; CPU: {header['cpu']}; Python {header['python']}",
+        f"- machine: {header['platform']}; CPU: {header['cpu']} ({header['cores']} cores, shared); "
+        f"Python {header['python']}",
         f"- commit: {header['commit']} (plus the working tree)",
         f"- recipe `{data['recipe']}` on `{data['hardware']}`: CP over {data['cp']} GPUs "
         f"({data['cp'] // data['ranks_per_node']} nodes x {data['ranks_per_node']}), "
         f"{data['packs_per_iteration']} packs x {data['pack_length']} tokens = "
         f"{data['tokens_per_iteration']:,} tokens per iteration; seeds {data['seeds']}",
+    ]
+
+
+def markdown(data: dict, summary: list[dict], header: dict) -> str:
+    lines = [
+        "# Context-parallel engines: simulated iteration time",
+        "",
+        *header_lines(data, header),
+        "- Zeppelin's planner prices, per pack, its own placement, the same with its inter-node "
+        "sequences spread over every rank, its own without the remap, and each other engine's placement "
+        "with one cost model "
+        "(`plan/cp/price.py`), and keeps the cheapest (`plan/cp/choose.py`); per-pack picks and "
+        "breakdowns: `cp_engines_packs.md`",
         "- numbers come from the simulator (`megatron_slim/plan/sim/cp/sim.py`), not from GPUs; "
         "speedup = ring time / engine time per (distribution, seed), averaged",
         "",
@@ -180,6 +238,7 @@ def markdown(data: dict, summary: list[dict], header: dict) -> str:
                 f"{s['inter_node_gb_per_rank']:.0f} |"
             )
         lines.append("")
+    lines += verdict(data)
     lines += [
         "## Averages over all distributions and seeds",
         "",
@@ -211,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(),
         "cpu": cpu_name(),
         "python": platform.python_version(),
+        "cores": os.cpu_count(),
         "commit": git_commit(),
         "wall_s": round(time.perf_counter() - started, 1),
     }
@@ -218,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cp_engines.md").write_text(markdown(data, summary, header))
+    (out / "cp_engines_packs.md").write_text(cp_pack_breakdown.markdown(data["packs"], header_lines(data, header)))
     (out / "cp_engines.json").write_text(json.dumps({"header": header, **data, "summary": summary}, indent=1) + "\n")
     print(markdown(data, summary, header))
     print(f"wrote {out / 'cp_engines.md'} and {out / 'cp_engines.json'} in {header['wall_s']} s")

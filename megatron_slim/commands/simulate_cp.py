@@ -125,8 +125,19 @@ def run(args, recipe: Recipe, calibration: Calibration | None, note: str | None 
         file=out,
     )
     print(table(results), file=out)
+    for res in (r for r in results if r.engine == "zeppelin"):
+        print(picks_line(res), file=out)
     _write_files(args, results, out)
     return 0
+
+
+def picks_line(res: CPSimResult) -> str:
+    """``zeppelin kept per pack: zeppelin 7, a2a+p2p 8, ulysses 1`` (``CPPlan.picked``, most first)."""
+    counts: dict[str, int] = {}
+    for pack in res.packs:
+        counts[pack.plan["picked"]] = counts.get(pack.plan["picked"], 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return "zeppelin kept per pack: " + ", ".join(f"{name} {n}" for name, n in ranked)
 
 
 def _write_files(args, results: list, out: TextIO) -> None:

@@ -16,7 +16,8 @@ def add_mode_args(sim: argparse.ArgumentParser) -> None:
         metavar="ENGINE",
         help="simulate context-parallel attention over variable-length packs instead of the "
         "pipeline: zeppelin | ring | ulysses | a2a+p2p | allgather | dynamic, 'all', or a "
-        "comma list (default with --lengths: the recipe's cp.engine)",
+        "comma list (default with --lengths: the recipe's cp.engine); zeppelin keeps, per pack, "
+        "the cheapest of its own placements and the other engines' (the picks are printed)",
     )
     sim.add_argument(
         "--lengths",

@@ -2,7 +2,9 @@
 
 Profiles live in ``megatron_slim/configs/hardware/<name>.yaml`` and cite the spec sheets they come from.
 Efficiencies are the fraction of peak a kernel class reaches; a calibration file of measured
-times (see ``plan/cost/calibration.py``) replaces them where a GPU has been measured.
+times (see ``plan/cost/calibration.py``) replaces them where a GPU has been measured. Links are
+``latency + bytes / bandwidth`` per message at the full per-direction rate; what that leaves out and
+where each profile's numbers come from: ``docs/cp-placement-choice.md``.
 """
 
 from __future__ import annotations

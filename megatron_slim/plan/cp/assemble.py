@@ -69,7 +69,9 @@ def _segments(
     return out
 
 
-def assemble(engine: str, lengths: tuple[int, ...], topo: CPTopology, specs: list[GroupSpec]) -> CPPlan:
+def assemble(
+    engine: str, lengths: tuple[int, ...], topo: CPTopology, specs: list[GroupSpec], picked: str = ""
+) -> CPPlan:
     lengths = tuple(int(s) for s in lengths)
     offsets, acc = [], 0
     for s in lengths:
@@ -96,4 +98,4 @@ def assemble(engine: str, lengths: tuple[int, ...], topo: CPTopology, specs: lis
         for member, rank in enumerate(spec.ranks):
             per_rank[rank].extend(_segments(spec, index, member, lengths, tuple(offsets)))
     layouts = tuple(RankLayout(r, tuple(segs)) for r, segs in enumerate(per_rank))
-    return CPPlan(engine, lengths, topo.num_ranks, topo.ranks_per_node, tuple(groups), layouts)
+    return CPPlan(engine, lengths, topo.num_ranks, topo.ranks_per_node, tuple(groups), layouts, picked)

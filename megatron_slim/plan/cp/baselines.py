@@ -34,10 +34,18 @@ def _all(topo: CPTopology) -> tuple[int, ...]:
     return tuple(range(topo.num_ranks))
 
 
+def _one_group(kind: GroupKind, lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]:
+    """Every sequence in one group of ``kind`` over all ranks (``local`` on one rank)."""
+    return [GroupSpec(kind if topo.num_ranks > 1 else "local", _all(topo), tuple(range(len(lengths))))]
+
+
+def ring_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]:
+    return _one_group("zigzag", lengths, topo)
+
+
 def plan_ring(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
     check_lengths(lengths)
-    kind: GroupKind = "zigzag" if topo.num_ranks > 1 else "local"
-    return assemble("ring", lengths, topo, [GroupSpec(kind, _all(topo), tuple(range(len(lengths))))])
+    return assemble("ring", lengths, topo, ring_specs(lengths, topo))
 
 
 def check_heads(engine: str, heads: int, ways: int, what: str) -> None:
@@ -49,19 +57,26 @@ def check_heads(engine: str, heads: int, ways: int, what: str) -> None:
         )
 
 
+def ulysses_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]:
+    return _one_group("ulysses", lengths, topo)
+
+
 def plan_ulysses(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> CPPlan:
     check_lengths(lengths)
     if topo.num_ranks > 1:
         check_heads("ulysses", costs.heads, topo.num_ranks, "parallel.cp")
-    kind: GroupKind = "ulysses" if topo.num_ranks > 1 else "local"
-    return assemble("ulysses", lengths, topo, [GroupSpec(kind, _all(topo), tuple(range(len(lengths))))])
+    return assemble("ulysses", lengths, topo, ulysses_specs(lengths, topo))
 
 
 def plan_a2a_p2p(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> CPPlan:
     check_lengths(lengths)
-    m = topo.ranks_per_node
     if topo.num_ranks > 1:
-        check_heads("a2a+p2p", costs.heads, m, "CP ranks per node")
+        check_heads("a2a+p2p", costs.heads, topo.ranks_per_node, "CP ranks per node")
+    return assemble("a2a+p2p", lengths, topo, a2a_p2p_specs(lengths, topo))
+
+
+def a2a_p2p_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]:
+    m = topo.ranks_per_node
     seqs = tuple(range(len(lengths)))
     if topo.num_ranks == 1:
         spec = GroupSpec("local", (0,), seqs)
@@ -71,13 +86,16 @@ def plan_a2a_p2p(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> 
         spec = GroupSpec("ulysses", _all(topo), seqs)
     else:
         spec = GroupSpec("hierarchical", _all(topo), seqs, a2a_size=m)
-    return assemble("a2a+p2p", lengths, topo, [spec])
+    return [spec]
+
+
+def allgather_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]:
+    return _one_group("allgather", lengths, topo)
 
 
 def plan_allgather(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
     check_lengths(lengths)
-    kind: GroupKind = "allgather" if topo.num_ranks > 1 else "local"
-    return assemble("allgather", lengths, topo, [GroupSpec(kind, _all(topo), tuple(range(len(lengths))))])
+    return assemble("allgather", lengths, topo, allgather_specs(lengths, topo))
 
 
 def dynamic_size(s: int, budget: int, num_ranks: int) -> int:
@@ -92,7 +110,24 @@ def dynamic_size(s: int, budget: int, num_ranks: int) -> int:
 
 def plan_dynamic(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
     check_lengths(lengths)
-    lengths = tuple(lengths)
+    return assemble("dynamic", tuple(lengths), topo, dynamic_specs(tuple(lengths), topo))
+
+
+def _dynamic_block(size: int, share: float, budget: int, work: list[float], tokens: list[float]) -> tuple[int, ...]:
+    """The aligned block of ``size`` ranks whose busiest member has the least work among blocks
+    with room for ``share`` more tokens per member (ties: the lowest); with none, the most room."""
+    candidates = [tuple(range(b, b + size)) for b in range(0, len(work), size)]
+
+    def room(block: tuple[int, ...]) -> float:
+        return min(budget - tokens[r] for r in block)
+
+    fitting = [b for b in candidates if room(b) >= share]
+    if fitting:
+        return min(fitting, key=lambda b: (max(work[r] for r in b), b[0]))
+    return max(candidates, key=lambda b: (room(b), -b[0]))
+
+
+def dynamic_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]:
     num_ranks = topo.num_ranks
     budget = -(-sum(lengths) // num_ranks)
     work = [0.0] * num_ranks
@@ -101,20 +136,16 @@ def plan_dynamic(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         s = lengths[i]
         size = dynamic_size(s, budget, num_ranks)
-        candidates = [tuple(range(b, b + size)) for b in range(0, num_ranks, size)]
         share = s / size
-
-        def room(block: tuple[int, ...]) -> float:
-            return min(budget - tokens[r] for r in block)
-
-        fitting = [b for b in candidates if room(b) >= share]
-        if fitting:
-            block = min(fitting, key=lambda b: (max(work[r] for r in b), b[0]))
+        if size == 1:  # the common case, without building one-rank blocks
+            room = [budget - t for t in tokens]
+            fitting = [r for r in range(num_ranks) if room[r] >= share]
+            r0 = min(fitting, key=work.__getitem__) if fitting else room.index(max(room))
+            block: tuple[int, ...] = (r0,)
         else:
-            block = max(candidates, key=lambda b: (room(b), -b[0]))
+            block = _dynamic_block(size, share, budget, work, tokens)
         for r in block:
             work[r] += s * s / size
             tokens[r] += share
         blocks.setdefault(block, []).append(i)
-    specs = [GroupSpec("zigzag" if len(b) > 1 else "local", b, tuple(seqs)) for b, seqs in blocks.items()]
-    return assemble("dynamic", lengths, topo, specs)
+    return [GroupSpec("zigzag" if len(b) > 1 else "local", b, tuple(seqs)) for b, seqs in blocks.items()]

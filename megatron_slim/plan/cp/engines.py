@@ -10,10 +10,10 @@ from megatron_slim.plan.cp.baselines import (
     plan_ring,
     plan_ulysses,
 )
+from megatron_slim.plan.cp.choose import plan_zeppelin
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import ZeppelinLayers
 from megatron_slim.plan.cp.layout import CPPlan
-from megatron_slim.plan.cp.placement import plan_zeppelin
 from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.schema import fail
 
@@ -62,11 +62,13 @@ def plan_pack(
     remap: bool = True,
     routing: bool = True,
     hierarchical: bool = True,
+    baselines: bool = True,
 ) -> CPPlan:
-    """``remap``/``routing``/``hierarchical`` switch Zeppelin's layers (ablations); baselines ignore them."""
+    """``remap``/``routing``/``hierarchical``/``baselines`` switch Zeppelin's layers (ablations;
+    ``baselines``: also consider the other engines' placements); the baselines ignore them."""
     check_engine(engine)
     if engine == "zeppelin":
-        return plan_zeppelin(lengths, topo, costs, ZeppelinLayers(remap, routing, hierarchical))
+        return plan_zeppelin(lengths, topo, costs, ZeppelinLayers(remap, routing, hierarchical, baselines))
     if engine == "ring":
         return plan_ring(lengths, topo)
     if engine == "ulysses":

@@ -21,6 +21,7 @@ attention engine fills it with other groups' and local work.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence, overload
 
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.layout import GroupKind
@@ -34,6 +35,7 @@ class ZeppelinLayers:
     remap: bool = True
     routing: bool = True
     hierarchical: bool = True
+    baselines: bool = True  # also price the baseline engines' placements (choose.py)
 
 
 ALL_LAYERS = ZeppelinLayers()
@@ -107,25 +109,59 @@ def hierarchical_allowed(topo: CPTopology, costs: CPCosts) -> bool:
     return m > 1 and costs.heads % m == 0
 
 
+class SplitOptions(Sequence[SplitOption]):
+    """``split_options`` priced on demand, in the same order: Zeppelin reads a short sequence's
+    first option or two (the first that fits the target, the next when refining), so pricing all
+    ``m + n - 1`` spans of every length would be most of the planner's time."""
+
+    def __init__(
+        self, s: int, topo: CPTopology, costs: CPCosts, *, remap: bool, routing: bool, hierarchical: bool
+    ) -> None:
+        self._s, self._topo, self._costs = s, topo, costs
+        self._remap, self._routing = remap, routing
+        self._hier = hierarchical and hierarchical_allowed(topo, costs)
+        self._made: list[SplitOption] = []
+
+    def __len__(self) -> int:
+        return self._topo.ranks_per_node + self._topo.num_nodes - 1
+
+    @overload
+    def __getitem__(self, i: int) -> SplitOption: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[SplitOption]: ...
+    def __getitem__(self, i: int | slice) -> SplitOption | Sequence[SplitOption]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        while len(self._made) <= i:
+            self._made.append(self._make(len(self._made)))
+        return self._made[i]
+
+    def _make(self, j: int) -> SplitOption:
+        s, topo, costs, remap, m = self._s, self._topo, self._costs, self._remap, self._topo.ranks_per_node
+        if j == 0:
+            return SplitOption("local", 1, 1, local_time(s, topo, costs, remap))
+        if j < m:
+            return SplitOption("zigzag", j + 1, 1, zigzag_time(s, j + 1, topo, costs, remap, inter=False, routed=False))
+        k = j - m + 2
+        ring = zigzag_time(s, k * m, topo, costs, remap, inter=True, routed=self._routing)
+        best = SplitOption("zigzag", k * m, k, ring)
+        if self._hier:
+            hier = SplitOption("hierarchical", k * m, k, hierarchical_time(s, k, topo, costs, remap))
+            if hier.est_s < best.est_s:
+                best = hier
+        return best
+
+
 def split_options(
     s: int, topo: CPTopology, costs: CPCosts, *, remap: bool, routing: bool, hierarchical: bool
 ) -> list[SplitOption]:
     """Every placement Zeppelin considers for a sequence of ``s`` tokens, by increasing span."""
-    m, n = topo.ranks_per_node, topo.num_nodes
-    out = [SplitOption("local", 1, 1, local_time(s, topo, costs, remap))]
-    for g in range(2, m + 1):
-        out.append(SplitOption("zigzag", g, 1, zigzag_time(s, g, topo, costs, remap, inter=False, routed=False)))
-    for k in range(2, n + 1):
-        best = SplitOption("zigzag", k * m, k, zigzag_time(s, k * m, topo, costs, remap, inter=True, routed=routing))
-        if hierarchical and hierarchical_allowed(topo, costs):
-            hier = SplitOption("hierarchical", k * m, k, hierarchical_time(s, k, topo, costs, remap))
-            if hier.est_s < best.est_s:
-                best = hier
-        out.append(best)
-    return out
+    return list(SplitOptions(s, topo, costs, remap=remap, routing=routing, hierarchical=hierarchical))
 
 
-def choose_split(options: list[SplitOption], target_s: float) -> SplitOption:
+def choose_split(options: Sequence[SplitOption], target_s: float) -> SplitOption:
     """The smallest span whose per-rank cost fits the per-rank target (a fair share of the pack);
     when none fits, the cheapest per rank (ties: the smaller span)."""
     for opt in options:

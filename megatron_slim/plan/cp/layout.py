@@ -126,6 +126,7 @@ class CPPlan:
     ranks_per_node: int
     groups: tuple[CPGroup, ...]
     ranks: tuple[RankLayout, ...]
+    picked: str = ""  # Zeppelin: whose placement it kept for this pack ("zeppelin", "ulysses", ...)
 
     @cached_property
     def offsets(self) -> tuple[int, ...]:
@@ -152,8 +153,9 @@ class CPPlan:
         return tuple(g for g in self.groups if rank in g.ranks)
 
     def canonical_text(self) -> str:
+        picked = f" picked={self.picked}" if self.picked else ""
         lines = [
-            f"engine={self.engine} ranks={self.num_ranks} per_node={self.ranks_per_node}",
+            f"engine={self.engine}{picked} ranks={self.num_ranks} per_node={self.ranks_per_node}",
             "lengths=" + ",".join(map(str, self.lengths)),
         ]
         lines += [g.text() for g in self.groups]
@@ -172,6 +174,7 @@ class CPPlan:
         tokens = self.tokens_per_rank()
         return {
             "engine": self.engine,
+            "picked": self.picked or self.engine,
             "sequences": len(self.lengths),
             "groups": len(self.groups),
             "sequences_by_kind": by_kind,

@@ -23,7 +23,7 @@ too without) and the K/V traffic a split's ring cannot hide on its link class.
    pieces between them, while that lowers the pair's maximum.
 4. **Refinement**: while it clearly lowers the estimated maximum rank load (or does not raise it
    and clearly lowers the load above the mean), a sequence on one of the busiest ranks moves to its next larger span
-   and steps 2-3 are redone.
+   and steps 2-3 are redone (trials without step 3's local search, which runs once at the end).
 5. Sequences with the same kind and member set share one group (one ring).
 
 Bound: steps 2-3 are list scheduling, so a node ends at most one sequence above the node average
@@ -37,17 +37,17 @@ from __future__ import annotations
 
 import bisect
 
-from megatron_slim.plan.cp.assemble import GroupSpec, assemble
+from megatron_slim.plan.cp.assemble import GroupSpec
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import (
     ALL_LAYERS,
     SplitOption,
+    SplitOptions,
     ZeppelinLayers,
     choose_split,
     local_time,
-    split_options,
 )
-from megatron_slim.plan.cp.layout import CPPlan, GroupKind
+from megatron_slim.plan.cp.layout import GroupKind
 from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.schema import fail
 
@@ -82,27 +82,33 @@ def _target(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, remap: b
     return sum(local_time(s, topo, costs, remap) for s in lengths) / topo.num_ranks
 
 
+def overflow_cost(topo: CPTopology, costs: CPCosts, remap: bool) -> float:
+    """A token beyond its node's share crosses a NIC 4 times a layer (to and from the MLP layout, in
+    forward and backward) inside a collective every rank waits for; in the worst case one rank's
+    NIC share carries a node's whole overflow, and node loads add ``m`` ranks' seconds."""
+    if not remap or topo.num_nodes == 1:
+        return 0.0
+    return 4 * costs.hidden_bytes / topo.nic.bandwidth * topo.ranks_per_node
+
+
 def partition_pack(
     lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers = ALL_LAYERS
 ) -> tuple[list[SplitOption], list[tuple[int, ...]], list[float]]:
     """Steps 1-3 and the refinement: every sequence's split, its members, every rank's load."""
     remap = layers.remap
     by_length = {  # packs of many short documents repeat lengths: price each length once
-        s: split_options(s, topo, costs, remap=remap, routing=layers.routing, hierarchical=layers.hierarchical)
+        s: SplitOptions(s, topo, costs, remap=remap, routing=layers.routing, hierarchical=layers.hierarchical)
         for s in set(lengths)
     }
     options = [by_length[s] for s in lengths]  # read only: equal lengths share one list
     target = _target(lengths, topo, costs, remap)
-    # A token beyond its node's share crosses a NIC 4 times a layer (to and from the MLP layout, in
-    # forward and backward) inside a collective every rank waits for; in the worst case one rank's
-    # NIC share carries a node's whole overflow, and node loads add ``m`` ranks' seconds.
-    overflow_s = (
-        4 * costs.hidden_bytes / topo.nic.bandwidth * topo.ranks_per_node if remap and topo.num_nodes > 1 else 0.0
-    )
+    overflow_s = overflow_cost(topo, costs, remap)
     first = {s: opts.index(choose_split(opts, target)) for s, opts in by_length.items()}
     choice = [first[s] for s in lengths]
     splits = [options[i][c] for i, c in enumerate(choice)]
-    members, loads = partition(lengths, splits, topo, overflow_s)
+    # the refinement compares greedy partitions (step 3 without its local search, half the cost);
+    # the local search runs once, on the final splits
+    members, loads = partition(lengths, splits, topo, overflow_s, polish=False)
     for _ in range(_REFINE_ROUNDS):
         worst = sorted(range(len(loads)), key=lambda r: (-loads[r], r))[: topo.ranks_per_node]
         growable = [
@@ -116,23 +122,31 @@ def partition_pack(
         for i in list(dict.fromkeys(growable))[:_REFINE_TRIES]:
             trial = list(splits)
             trial[i] = options[i][choice[i] + 1]
-            t_members, t_loads = partition(lengths, trial, topo, overflow_s)
+            t_members, t_loads = partition(lengths, trial, topo, overflow_s, polish=False)
             if _better(t_loads, loads, target):
                 choice[i] += 1
                 splits, members, loads = trial, t_members, t_loads
                 break
         else:
             break
+    members, loads = partition(lengths, splits, topo, overflow_s)
     return splits, members, loads
 
 
 def _least_loaded(loads: list[float], candidates: tuple[int, ...] | range, count: int) -> tuple[int, ...]:
+    if count == 1:
+        return (min(candidates, key=loads.__getitem__),)  # min keeps the first (lowest) of equals
     picked = sorted(candidates, key=lambda c: (loads[c], c))[:count]
     return tuple(sorted(picked))
 
 
 def partition(
-    lengths: tuple[int, ...], splits: list[SplitOption], topo: CPTopology, overflow_s: float = 0.0
+    lengths: tuple[int, ...],
+    splits: list[SplitOption],
+    topo: CPTopology,
+    overflow_s: float = 0.0,
+    *,
+    polish: bool = True,
 ) -> tuple[list[tuple[int, ...]], list[float]]:
     """Steps 2 and 3: members of every sequence (ascending ranks, hence node-major) and the
     estimated load of every rank. ``overflow_s``: what a token beyond a node's balanced share
@@ -144,7 +158,8 @@ def partition(
     node_tokens = [0.0] * n
     rank_load = [0.0] * topo.num_ranks
     members: list[tuple[int, ...]] = [()] * len(lengths)
-    by_total = sorted(range(len(lengths)), key=lambda i: (-splits[i].est_s * splits[i].span, i))
+    weight = [-sp.est_s * sp.span for sp in splits]
+    by_total = sorted(range(len(lengths)), key=weight.__getitem__)  # stable: equal weights by index
     node_items: list[list[int]] = [[] for _ in range(n)]
     for i in (i for i in by_total if splits[i].nodes > 1):
         nodes = _least_loaded(node_load, range(n), splits[i].nodes)
@@ -155,11 +170,11 @@ def partition(
         for r in members[i]:
             rank_load[r] += splits[i].est_s
     for i in (i for i in by_total if splits[i].nodes == 1):
-
-        def after(k: int) -> float:
-            return node_load[k] + overflow_s * max(0.0, node_tokens[k] + lengths[i] - cap)  # noqa: B023 (used now)
-
-        node = min(range(n), key=lambda k: (after(k), k))
+        s = lengths[i]  # to the node (lowest index on ties) where load + penalty ends lowest
+        ends = [
+            load + overflow_s * (tok + s - cap) if tok + s > cap else load for load, tok in zip(node_load, node_tokens)
+        ]
+        node = ends.index(min(ends))
         node_load[node] += splits[i].est_s * splits[i].span
         node_tokens[node] += lengths[i]
         node_items[node].append(i)
@@ -169,7 +184,8 @@ def partition(
             members[i] = _least_loaded(rank_load, ranks, splits[i].span)
             for r in members[i]:
                 rank_load[r] += splits[i].est_s
-        _polish(ranks, node_items[node], splits, members, rank_load)
+        if polish:
+            _polish(ranks, node_items[node], splits, members, rank_load)
     return members, rank_load
 
 
@@ -187,22 +203,26 @@ def _polish(
     for i in items:
         for r in members[i]:
             held[r].add(i)
+    est = {i: splits[i].est_s for i in items}
     for _ in range(8 * len(ranks)):
-        hi = max(ranks, key=lambda r: (load[r], -r))
-        lo = min(ranks, key=lambda r: (load[r], r))
+        hi = max(ranks, key=load.__getitem__)  # the first of equals: the lowest rank
+        lo = min(ranks, key=load.__getitem__)
         gap = load[hi] - load[lo]
         if gap <= 0:
             return
-        on_hi = sorted(held[hi] - held[lo], key=lambda i: (splits[i].est_s, i))
-        on_lo = sorted(held[lo] - held[hi], key=lambda i: (splits[i].est_s, i))
-        lo_costs = [splits[j].est_s for j in on_lo]
+        on_hi = sorted(held[hi] - held[lo], key=lambda i: (est[i], i))
+        on_lo = sorted(held[lo] - held[hi], key=lambda i: (est[i], i))
+        lo_costs = [est[j] for j in on_lo]
+        largest_lo = lo_costs[-1] if lo_costs else 0.0
         best, best_delta = None, 0.0
         for i in on_hi:  # moving e from hi to lo lowers the pair's maximum iff 0 < e < gap
-            e_i = splits[i].est_s
+            e_i = est[i]
+            if e_i - largest_lo >= gap:
+                break  # this and every later (costlier) piece moves too much with any partner
             # the partner j whose cost is closest to e_i - gap / 2 (none: a plain move)
             k = bisect.bisect_left(lo_costs, e_i - gap / 2)
             for j in [None] + [on_lo[x] for x in (k - 1, k) if 0 <= x < len(on_lo)]:
-                e = e_i - (splits[j].est_s if j is not None else 0.0)
+                e = e_i - (est[j] if j is not None else 0.0)
                 if 0 < e < gap and abs(gap / 2 - e) < abs(gap / 2 - best_delta):
                     best, best_delta = (i, j), e
         if best is None or best_delta < 1e-12:
@@ -213,16 +233,22 @@ def _polish(
             members[moved] = tuple(sorted(dst if r == src else r for r in members[moved]))
             held[src].discard(moved)
             held[dst].add(moved)
-            load[src] -= splits[moved].est_s
-            load[dst] += splits[moved].est_s
+            load[src] -= est[moved]
+            load[dst] += est[moved]
 
 
-def plan_zeppelin(
+def zeppelin_specs(
     lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers = ALL_LAYERS
-) -> CPPlan:
-    lengths = tuple(lengths)
-    check_lengths(lengths)
+) -> list[GroupSpec]:
+    """Zeppelin's own placement (steps 1-5) as group specs."""
     splits, members, _ = partition_pack(lengths, topo, costs, layers)
+    return specs_of(splits, members, topo, layers)
+
+
+def specs_of(
+    splits: list[SplitOption], members: list[tuple[int, ...]], topo: CPTopology, layers: ZeppelinLayers
+) -> list[GroupSpec]:
+    """Step 5: sequences with the same kind and member set share one group."""
     groups: dict[tuple[GroupKind, tuple[int, ...]], list[int]] = {}
     for i, ranks in enumerate(members):
         kind: GroupKind = "local" if len(ranks) == 1 else splits[i].kind
@@ -239,4 +265,4 @@ def plan_zeppelin(
                 routed=layers.routing and inter and kind == "zigzag",
             )
         )
-    return assemble("zeppelin", lengths, topo, specs)
+    return specs

@@ -123,5 +123,14 @@ def plan_remap(tokens: tuple[int, ...], topo: CPTopology) -> RemapPlan:
     return RemapPlan(tokens, target, keep, tuple(transfers))
 
 
+REMAPPED_PICKS = ("", "zeppelin", "zeppelin-spread")  # "": a plan no chooser made (a baseline engine's own)
+
+
 def plan_remap_for(plan: CPPlan, topo: CPTopology) -> RemapPlan:
-    return plan_remap(plan.tokens_per_rank(), topo)
+    """A Zeppelin plan that kept a baseline engine's placement or its own unremapped one
+    (``plan.picked``, ``choose.py``) runs the MLP in the attention layout: the identity (nothing
+    moves)."""
+    tokens = plan.tokens_per_rank()
+    if plan.picked not in REMAPPED_PICKS:
+        return RemapPlan(tokens, tokens, tokens, ())
+    return plan_remap(tokens, topo)

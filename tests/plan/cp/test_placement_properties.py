@@ -6,9 +6,10 @@ import random
 
 import pytest
 
+from megatron_slim.plan.cp.choose import plan_zeppelin
 from megatron_slim.plan.cp.engines import ENGINES, plan_pack
 from megatron_slim.plan.cp.layout import SCOPE_PRIORITY
-from megatron_slim.plan.cp.placement import partition_pack, plan_zeppelin
+from megatron_slim.plan.cp.placement import partition_pack
 from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.schema import ConfigError
 

@@ -107,6 +107,21 @@ def _skewed_plan():
     return assemble("skewed-test", MIXED, topology(), specs)
 
 
+def _picked_plan(picked: str):
+    """Zeppelin plans as ``plan.cp.choose`` may keep them: its spread shape (one hierarchical group
+    over every rank next to intra-node and local groups) and a baseline's placement (Ulysses)."""
+    if picked == "ulysses":
+        specs = [GroupSpec("ulysses", (0, 1, 2, 3), tuple(range(len(MIXED))))]
+    else:
+        specs = [
+            GroupSpec("hierarchical", (0, 1, 2, 3), (0, 6), a2a_size=PER_NODE),
+            GroupSpec("zigzag", (2, 3), (2,)),
+            GroupSpec("local", (0,), (1, 3)),
+            GroupSpec("local", (1,), (4, 5)),
+        ]
+    return assemble("zeppelin", MIXED, topology(), specs, picked)
+
+
 def case(name: str):
     """``(plan, routing or None)`` of a named test case."""
     topo = topology()
@@ -137,6 +152,8 @@ def case(name: str):
     if name in EMPTY_RANK_CASES:
         pack, engine = name.split("-", 1)
         return plan_pack(engine, ONES if pack == "ones" else FEW, topo, costs()), None
+    if name in ("zeppelin-spread", "zeppelin-ulysses"):
+        return _picked_plan({"zeppelin-spread": "zeppelin-spread", "zeppelin-ulysses": "ulysses"}[name]), None
     if name == "relay":
         plan = _relay_plan()
         return plan, forced_routing(plan)
@@ -158,6 +175,8 @@ CASES = (
     "dynamic",
     "relay",
     "skewed",
+    "zeppelin-spread",
+    "zeppelin-ulysses",
     "tiny",
     "tiny-a2a",
     *EMPTY_RANK_CASES,

@@ -61,7 +61,7 @@ def engine_cases(rank, world_size, names, dtype_name, backend_name, dv, seed=7):
 
 
 FP32_CASES = ("zeppelin", "zeppelin-routed", "ring", "hierarchical", "ulysses", "relay")
-REMAP_CASES = ("skewed", "zeppelin", "dynamic")
+REMAP_CASES = ("skewed", "zeppelin", "dynamic", "zeppelin-spread", "zeppelin-ulysses")
 
 
 def engine_suite(rank, world_size):

@@ -127,13 +127,15 @@ def simulate_cp(
     remap: bool | None = None,
     routing: bool = True,
     hierarchical: bool = True,
+    baselines: bool = True,
     topo: CPTopology | None = None,
     costs: CPCosts | None = None,
     record: bool = False,
     progress: Progress | None = None,
 ) -> CPSimResult:
     """``remap`` defaults to the recipe's ``cp.remap`` (only Zeppelin remaps); ``routing`` and
-    ``hierarchical`` switch Zeppelin's routing layer and its a2a+ring inter-node splits off;
+    ``hierarchical`` switch Zeppelin's routing layer and its a2a+ring inter-node splits off,
+    ``baselines=False`` its pricing of the other engines' placements;
     ``record`` keeps every pack's layer passes (``CPSimResult.passes``) for a trace;
     ``progress("packs", planned and simulated, total)`` is called after every pack."""
     if topo is None or costs is None:
@@ -148,7 +150,7 @@ def simulate_cp(
     passes: list[LayerPass] = []
     total = 0.0
     model_flops = 0.0
-    pack_sim = _PackSim(engine, topo, costs, layers, do_remap, do_route, hierarchical, record)
+    pack_sim = _PackSim(engine, topo, costs, layers, do_remap, do_route, hierarchical, baselines, record)
     for k, pack in enumerate(packs):
         result, pack_passes, pack_flops = pack_sim.run(k, pack, ranks)
         passes += pack_passes
@@ -190,6 +192,7 @@ class _PackSim:
     remap: bool
     routing: bool
     hierarchical: bool
+    baselines: bool
     record: bool
 
     def run(self, k: int, pack: tuple[int, ...], ranks: list[RankStats]) -> tuple[PackResult, list[LayerPass], float]:
@@ -197,7 +200,14 @@ class _PackSim:
         recorded layer passes and its model FLOPs."""
         topo, costs, layers = self.topo, self.costs, self.layers
         plan = plan_pack(
-            self.engine, pack, topo, costs, remap=self.remap, routing=self.routing, hierarchical=self.hierarchical
+            self.engine,
+            pack,
+            topo,
+            costs,
+            remap=self.remap,
+            routing=self.routing,
+            hierarchical=self.hierarchical,
+            baselines=self.baselines,
         )
         rmp = plan_remap_for(plan, topo) if self.remap else None
         rtg = plan_routing(plan, topo, costs.kv_bytes) if self.routing else None

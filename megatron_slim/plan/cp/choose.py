@@ -1,0 +1,159 @@
+"""Zeppelin per pack: its own placement or any baseline engine's, whichever prices lowest.
+
+The candidates are Zeppelin's hierarchical placement (``placement.zeppelin_specs``), the same with
+its inter-node sequences spread over every rank in one group (``spread_specs``), its own placement
+without the remap (``zeppelin-unremapped``: when moving tokens to the balanced layout costs more
+than it saves, e.g. over a slow NIC), and the
+placements ``ulysses``, ``a2a+p2p``, ``ring``, ``dynamic`` and ``allgather`` would make for the
+same pack (``baselines.*_specs``), all scored by one cost model (``price.price_specs``); the
+cheapest is kept (ties: the earlier in ``CANDIDATES``) and the plan names it in ``CPPlan.picked``.
+A baseline's placement is kept as that engine builds it (its groups unrouted, no remap:
+``remap.plan_remap_for`` gives such a plan the identity), so a pack that picks it runs exactly as
+under that engine and is priced so. Every candidate is a list of group kinds
+the step programs (``program.lower_cp``) and the runtime already execute, so any pick lowers and
+runs. Candidates a model cannot run are skipped: ``ulysses`` when ``C`` does not divide the heads,
+``a2a+p2p`` when the ranks per node do not (or with the hierarchical layer switched off).
+
+Pruning: every candidate spends at least the pack's compute spread evenly and its own
+communication floor; a baseline whose floor already exceeds the best price so far is not priced
+in full (``_floor``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from megatron_slim.plan.cp.assemble import GroupSpec, assemble
+from megatron_slim.plan.cp.baselines import a2a_p2p_specs, allgather_specs, dynamic_specs, ring_specs, ulysses_specs
+from megatron_slim.plan.cp.costs import CPCosts
+from megatron_slim.plan.cp.estimate import ALL_LAYERS, SplitOption, ZeppelinLayers, hierarchical_allowed
+from megatron_slim.plan.cp.layout import CPPlan
+from megatron_slim.plan.cp.placement import check_lengths, overflow_cost, partition, partition_pack, specs_of
+from megatron_slim.plan.cp.price import PackCost, price_specs
+from megatron_slim.plan.cp.topology import CPTopology
+
+CANDIDATES = (
+    "zeppelin",
+    "zeppelin-spread",
+    "zeppelin-unremapped",
+    "ulysses",
+    "a2a+p2p",
+    "ring",
+    "dynamic",
+    "allgather",
+)
+Specs = Callable[[tuple[int, ...], CPTopology], list[GroupSpec]]
+_BASELINES: dict[str, Specs] = {
+    "ulysses": ulysses_specs,
+    "a2a+p2p": a2a_p2p_specs,
+    "ring": ring_specs,
+    "dynamic": dynamic_specs,
+    "allgather": allgather_specs,
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    picked: str
+    specs: list[GroupSpec]
+    priced: dict[str, PackCost] = field(default_factory=dict)  # every candidate priced in full
+    pruned: tuple[str, ...] = ()  # candidates whose floor exceeded the best price
+
+
+def runnable(name: str, topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers) -> bool:
+    """Whether candidate ``name`` can run this model on this topology under ``layers``."""
+    if name in ("zeppelin", "zeppelin-spread", "zeppelin-unremapped"):
+        return name == "zeppelin" or (topo.num_nodes > 1 if name == "zeppelin-spread" else layers.remap)
+    if not layers.baselines or topo.num_ranks == 1:
+        return False
+    if name == "ulysses":
+        return costs.heads % topo.num_ranks == 0
+    if name == "a2a+p2p":
+        return layers.hierarchical and costs.heads % topo.ranks_per_node == 0
+    return True
+
+
+def _floor(name: str, lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> float:
+    """A lower bound of ``name``'s price: the pack's compute spread evenly (no placement does
+    less), plus, for ``allgather``, its un-overlapped K/V all-gather (one third of it)."""
+    total = sum(lengths)
+    pairs = sum(s * (s + 1) / 2 for s in lengths)
+    even = (pairs * costs.pair_s() + costs.token_s(total, remap=False)) / topo.num_ranks
+    if name != "allgather" or topo.num_nodes == 1:
+        return even
+    own = total / topo.num_ranks * costs.kv_bytes
+    return even + own * (topo.num_nodes - 1) / topo.nic.bandwidth
+
+
+def spread_specs(
+    lengths: tuple[int, ...],
+    topo: CPTopology,
+    costs: CPCosts,
+    layers: ZeppelinLayers,
+    own: tuple[list[SplitOption], list[tuple[int, ...]]],
+) -> list[GroupSpec] | None:
+    """Zeppelin's inter-node sequences in one group over all ranks (all-to-all inside the nodes +
+    ring across them where the heads allow, else a routed zigzag ring), the others partitioned
+    around it with the splits Zeppelin chose for them. Whole-node spans leave ranks idle when
+    several long sequences share a pack (two of 116K tokens on 4 nodes: one on 4 nodes, one on 3,
+    the fourth node's ranks filled with short ones at 45% of the others' load); one group over
+    every rank loads them evenly. None when there is nothing to spread or nothing else to place."""
+    splits, members = own
+    spread = tuple(i for i, ranks in enumerate(members) if topo.node_of(ranks[0]) != topo.node_of(ranks[-1]))
+    rest = [i for i in range(len(lengths)) if i not in set(spread)]
+    if not spread or not rest:
+        return None
+    everyone = tuple(range(topo.num_ranks))
+    if layers.hierarchical and hierarchical_allowed(topo, costs):
+        first = GroupSpec("hierarchical", everyone, spread, a2a_size=topo.ranks_per_node)
+    else:
+        first = GroupSpec("zigzag", everyone, spread, routed=layers.routing)
+    rest_splits = [splits[i] for i in rest]
+    rest_members, _ = partition(
+        tuple(lengths[i] for i in rest), rest_splits, topo, overflow_cost(topo, costs, layers.remap)
+    )
+    others = specs_of(rest_splits, rest_members, topo, layers)
+    return [first] + [dataclasses.replace(s, seqs=tuple(rest[j] for j in s.seqs)) for s in others]
+
+
+def choose_placement(
+    lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers = ALL_LAYERS
+) -> Choice:
+    remap = layers.remap
+    splits, members, _ = partition_pack(lengths, topo, costs, layers)
+    own = specs_of(splits, members, topo, layers)
+    priced = {"zeppelin": price_specs(lengths, own, topo, costs, remap=remap)}
+    best, best_specs = "zeppelin", own
+    pruned: list[str] = []
+    spread = spread_specs(lengths, topo, costs, layers, (splits, members)) if topo.num_nodes > 1 else None
+    if spread is not None:
+        priced["zeppelin-spread"] = price_specs(lengths, spread, topo, costs, remap=remap)
+        if priced["zeppelin-spread"].time_s < priced[best].time_s:
+            best, best_specs = "zeppelin-spread", spread
+    if runnable("zeppelin-unremapped", topo, costs, layers):
+        priced["zeppelin-unremapped"] = price_specs(lengths, own, topo, costs, remap=False)
+        if priced["zeppelin-unremapped"].time_s < priced[best].time_s:
+            best, best_specs = "zeppelin-unremapped", own
+    for name in CANDIDATES[3:]:
+        if not runnable(name, topo, costs, layers):
+            continue
+        if _floor(name, lengths, topo, costs) >= priced[best].time_s:
+            pruned.append(name)
+            continue
+        specs = _BASELINES[name](lengths, topo)
+        priced[name] = price_specs(lengths, specs, topo, costs, remap=False)
+        if priced[name].time_s < priced[best].time_s:
+            best, best_specs = name, specs
+    return Choice(best, best_specs, priced, tuple(pruned))
+
+
+def plan_zeppelin(
+    lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers = ALL_LAYERS
+) -> CPPlan:
+    """Zeppelin's plan of one pack: the cheapest candidate placement, named in ``plan.picked``."""
+    lengths = tuple(lengths)
+    check_lengths(lengths)
+    choice = choose_placement(lengths, topo, costs, layers)
+    return assemble("zeppelin", lengths, topo, choice.specs, choice.picked)

@@ -1,0 +1,185 @@
+"""One cost model for any placement of a pack: what Zeppelin's planner scores its candidates with.
+
+A placement is a list of ``GroupSpec``s (Zeppelin's own or a baseline engine's). ``price_specs``
+returns, per rank, the seconds of one layer's forward + backward split into
+
+* ``compute``: attention pairs plus the token work (QKV/O in the attention layout, the MLP in the
+  balanced layout when remapping, else in the attention layout);
+* ``intra`` / ``inter``: communication the rank waits for on NVLink / on a NIC: ring hops a ring
+  step's compute does not hide (``estimate._ring``), the head all-to-alls of ``ulysses`` and
+  ``hierarchical`` groups, the K/V all-gather, and the remap's all-to-alls;
+
+and the pack time, the busiest rank's sum (``idle`` = time - own sum). Groups are charged one
+after the other, so the model is pessimistic for placements of many groups (the attention engine
+fills one group's waits with another's work) and exact in structure for one-group placements.
+Only counts of tokens and pairs are used (no segment is built), so pricing a candidate is cheap
+next to assembling it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from megatron_slim.plan.cp.assemble import GroupSpec
+from megatron_slim.plan.cp.costs import CPCosts
+from megatron_slim.plan.cp.estimate import _ring
+from megatron_slim.plan.cp.topology import CPTopology
+
+COMPONENTS = ("compute", "intra", "inter", "idle")
+
+
+@dataclass(frozen=True)
+class PackCost:
+    """Estimated seconds of one layer (forward + backward) of one pack, per rank and component."""
+
+    compute: tuple[float, ...]
+    intra: tuple[float, ...]
+    inter: tuple[float, ...]
+
+    def load(self, rank: int) -> float:
+        return self.compute[rank] + self.intra[rank] + self.inter[rank]
+
+    @cached_property
+    def time_s(self) -> float:
+        return max(self.load(r) for r in range(len(self.compute)))
+
+    def breakdown(self) -> dict[str, float]:
+        """Mean over ranks of each component; they sum to ``time_s``."""
+        n = len(self.compute)
+        mean = {k: sum(getattr(self, k)) / n for k in COMPONENTS[:3]}
+        mean["idle"] = self.time_s - sum(mean.values())
+        return mean
+
+
+class _Loads:
+    def __init__(self, n: int) -> None:
+        self.compute = [0.0] * n
+        self.intra = [0.0] * n
+        self.inter = [0.0] * n
+        self.tokens = [0.0] * n
+
+    def comm(self, rank: int, seconds: float, inter: bool) -> None:
+        (self.inter if inter else self.intra)[rank] += seconds
+
+
+def _spans_nodes(ranks: tuple[int, ...], topo: CPTopology) -> bool:
+    return len({topo.node_of(r) for r in ranks}) > 1
+
+
+def _zigzag(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
+    g = len(spec.ranks)
+    total, squares = sum(lens), sum(s * s for s in lens)
+    inter = _spans_nodes(spec.ranks, topo)
+    block = total / g * costs.kv_bytes
+
+    def hop(nbytes: float) -> float:
+        return topo.inter_hop_time(nbytes, spec.routed) if inter else topo.nvlink.transfer_time(nbytes)
+
+    pairs = squares / (2 * g * g)
+    cf, cb = costs.attention_s(pairs, False), costs.attention_s(pairs, True)
+    ring = _ring(g, cf, hop(block), cb, hop(2 * block), hop(block))
+    compute = g * (cf + cb)
+    for r in spec.ranks:
+        loads.compute[r] += compute
+        loads.comm(r, ring - compute, inter)
+        loads.tokens[r] += total / g
+
+
+def _hierarchical(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
+    a = spec.a2a_size
+    n = len(spec.ranks) // a
+    total, squares = sum(lens), sum(s * s for s in lens)
+    per_rank = total / (n * a)
+    kv_share = max(1.0 / a, 1.0 / costs.kv_heads)
+    qkv = costs.q_bytes + costs.kv_bytes * kv_share * a
+    a2a = 4 * topo.nvlink.latency + 2 * (qkv + costs.q_bytes) * per_rank * (a - 1) / a / topo.nvlink.bandwidth
+    pairs = squares / (2 * n * n * a)
+    block = total / n * costs.kv_bytes * kv_share
+    cf, cb = costs.attention_s(pairs, False), costs.attention_s(pairs, True)
+    nic = topo.nic
+    ring = _ring(n, cf, nic.transfer_time(block), cb, nic.transfer_time(2 * block), nic.transfer_time(block))
+    compute = n * (cf + cb)
+    for r in spec.ranks:
+        loads.compute[r] += compute
+        loads.comm(r, ring - compute, True)
+        loads.comm(r, a2a, False)
+        loads.tokens[r] += per_rank
+
+
+def _ulysses(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
+    p = len(spec.ranks)
+    rows = sum(lens) / p
+    kv_share = max(1.0 / p, 1.0 / costs.kv_heads)
+    per_peer = rows * (4 * costs.q_bytes / p + 2 * costs.kv_bytes * kv_share)  # the 4 all-to-alls
+    compute = sum(s * (s + 1) / 2 for s in lens) / p * costs.pair_s()
+    for r in spec.ranks:
+        same = sum(1 for x in spec.ranks if topo.same_node(x, r))
+        nvl = per_peer * (same - 1) / topo.nvlink.bandwidth + 4 * topo.nvlink.latency
+        nic = per_peer * (p - same) / topo.nic.bandwidth + (4 * topo.nic.latency if p > same else 0.0)
+        loads.compute[r] += compute
+        loads.comm(r, max(nvl, nic), nic > nvl)
+        loads.tokens[r] += rows
+
+
+def _allgather(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
+    g = len(spec.ranks)
+    total = sum(lens)
+    own = total / g * costs.kv_bytes
+    nodes = len({topo.node_of(r) for r in spec.ranks})
+    m = g // nodes
+    nic = own * (nodes - 1) / topo.nic.bandwidth
+    nvl = (own * (g - 1) - own * (nodes - 1)) / topo.nvlink.bandwidth
+    lat = (nodes - 1) * topo.nic.latency + (m - 1) * topo.nvlink.latency
+    collective = max(nic, nvl) + lat  # forward: one gather; backward: gather and reduce-scatter
+    compute = sum(s * (s + 1) / 2 for s in lens) / g * costs.pair_s()
+    for r in spec.ranks:
+        loads.compute[r] += compute
+        loads.comm(r, 3 * collective, nodes > 1 and nic >= nvl)
+        loads.tokens[r] += total / g
+
+
+def _local(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
+    r = spec.ranks[0]
+    loads.compute[r] += sum(s * (s + 1) / 2 for s in lens) * costs.pair_s()
+    loads.tokens[r] += sum(lens)
+
+
+_KINDS = {"local": _local, "zigzag": _zigzag, "hierarchical": _hierarchical, "ulysses": _ulysses}
+_KINDS["allgather"] = _allgather
+
+
+def _remap(loads: _Loads, topo: CPTopology, costs: CPCosts) -> None:
+    """Token work, and the remap all-to-alls (there and back, forward and backward) of every rank
+    whose attention-layout tokens differ from the balanced share; the part of a node's surplus or
+    deficit that the node cannot settle inside crosses a NIC."""
+    n = len(loads.tokens)
+    share = sum(loads.tokens) / n
+    per_hidden = 4 * costs.hidden_bytes
+    for node in range(topo.num_nodes):
+        ranks = topo.ranks_of_node(node)
+        gaps = [loads.tokens[r] - share for r in ranks]
+        moved = sum(abs(x) for x in gaps)
+        net = abs(sum(gaps))
+        for r, gap in zip(ranks, gaps):
+            if not gap:
+                continue
+            off_node = abs(gap) * net / moved
+            loads.comm(r, (abs(gap) - off_node) * per_hidden / topo.nvlink.bandwidth, False)
+            loads.comm(r, off_node * per_hidden / topo.nic.bandwidth, True)
+
+
+def price_specs(
+    lengths: tuple[int, ...], specs: list[GroupSpec], topo: CPTopology, costs: CPCosts, *, remap: bool
+) -> PackCost:
+    loads = _Loads(topo.num_ranks)
+    for spec in specs:
+        _KINDS[spec.kind](spec, [lengths[i] for i in spec.seqs], topo, costs, loads)
+    attn_token_s = costs.token_s(1.0, remap=True)
+    mlp_s = costs.mlp_fwd_s + costs.mlp_bwd_s
+    share = sum(lengths) / topo.num_ranks
+    for r in range(topo.num_ranks):
+        loads.compute[r] += loads.tokens[r] * attn_token_s + (share if remap else loads.tokens[r]) * mlp_s
+    if remap:
+        _remap(loads, topo, costs)
+    return PackCost(tuple(loads.compute), tuple(loads.intra), tuple(loads.inter))
