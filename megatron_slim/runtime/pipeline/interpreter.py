@@ -16,8 +16,7 @@ are dropped after every action, and with a meter in-flight buffers are counted
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -33,39 +32,8 @@ from megatron_slim.runtime.pipeline.memory_meter import ActivationMeter
 from megatron_slim.runtime.pipeline.offload import ActivationOffload
 from megatron_slim.runtime.pipeline.p2p import P2P
 from megatron_slim.runtime.pipeline.slice_context import SliceContext, SliceInfo
+from megatron_slim.runtime.pipeline.stage_ops import PipelineStateError, RunState, StageOps, Unit
 from megatron_slim.runtime.pipeline.vocab import VocabExchange
-
-Unit = tuple[int, int, int]  # (chunk, microbatch, slice)
-
-
-class PipelineStateError(RuntimeError):
-    """The runtime found the schedule and its own state disagreeing (a bug, never a user error)."""
-
-
-@dataclass
-class StageOps:
-    """The model side, supplied by the Megatron adapter or by tests.
-
-    ``forward(chunk, input)`` runs the chunk's forward step for the slice set in the context and
-    returns ``(output, loss_func)`` (loss_func is used on the last stage); ``backward(input,
-    output, output_grad)`` back-propagates and returns the input's gradient (None on the first
-    stage); ``tensor_shape(microbatch, slice)`` is the shape of a slice's hidden states between
-    stages (per microbatch: under data-dependent context-parallel plans it varies).
-    """
-
-    forward: Callable[[int, Optional[torch.Tensor]], tuple]
-    backward: Callable[[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]], Optional[torch.Tensor]]
-    tensor_shape: Callable[[int, int], tuple]
-    dtype: torch.dtype
-    release_output: Callable[[torch.Tensor], None] = lambda t: None
-
-
-@dataclass
-class RunState:
-    inputs: dict = field(default_factory=dict)  # unit -> received (or handed-over) input
-    outputs: dict = field(default_factory=dict)  # unit -> (input, output) kept for backward
-    grads: dict = field(default_factory=dict)  # unit -> output gradient
-    to_send: dict = field(default_factory=dict)  # unit -> input gradient awaiting SEND_B
 
 
 class PipelineInterpreter:
@@ -301,6 +269,9 @@ class PipelineInterpreter:
 
     def last_backward_steps(self) -> dict[int, int]:
         return last_backward_steps(self.row, self.schedule.vpp)
+
+
+__all__ = ["PipelineInterpreter", "PipelineStateError", "RunState", "StageOps", "last_backward_steps"]
 
 
 def last_backward_steps(row: Sequence[Action], vpp: int) -> dict[int, int]:
