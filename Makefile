@@ -55,7 +55,9 @@ test-all: $(STAMP)
 
 # The contract tier against Megatron-LM core_v0.19.0 (and 0.17/0.18 argument parsing): megatron-core
 # 0.17+ needs Python 3.12, whose PyPI torch is a CUDA build (about 5 GB, pinned; it runs on CPU).
-$(STAMP312): pyproject.toml
+# No prerequisite on pyproject.toml: VENV312's name already carries its hash, and a fresh clone's
+# pyproject.toml is always newer than an existing environment's stamp (CI would rebuild every time).
+$(STAMP312):
 	rm -rf $(VENV312)
 	$(PYTHON312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install --quiet --upgrade pip
