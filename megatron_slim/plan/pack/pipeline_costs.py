@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 from megatron_slim.plan.cost.model import CostModel, Link
 from megatron_slim.plan.pack.plan import MicroPack, Piece
+from megatron_slim.plan.sim.costs import CostModelTerms
 
 TimeFn = Callable[[int, float, float], float]
 
@@ -70,7 +71,7 @@ def cut_micropack(pack: MicroPack, num_slices: int, spread: frozenset[int] = fro
     return tuple(PackedSlice(tuple(s), e, r) for s, e, r in zip(slices, external, received))
 
 
-class PackedCosts:
+class PackedCosts(CostModelTerms):
     """What the simulator asks, for the MicroPacks ``packs`` of one DP rank (``PipelineCosts``).
 
     ``model_flops_total``: the model FLOPs this rank's share of the batch stands for (the MFU
@@ -141,20 +142,5 @@ class PackedCosts:
     def p2p_bytes(self, stage: int, microbatch: int, slice_: int) -> float:
         return self.cost.p2p_bytes(self._tokens(microbatch, slice_))
 
-    def link(self, src_rank: int, dst_rank: int) -> Link:
-        return self.cost.pp_link(src_rank, dst_rank)
-
-    def static_bytes(self, rank: int) -> float:
-        return self.cost.static_bytes(rank)
-
-    def after_pipeline(self, rank: int) -> float:
-        return self.cost.grad_sync_time(rank) + self.cost.optimizer_time(rank)
-
     def model_flops(self) -> float:
         return self._model_flops
-
-    def peak_flops(self) -> float:
-        return self.cost.hw.peak_bf16_flops
-
-    def hbm_bytes(self) -> float:
-        return self.cost.hw.usable_hbm_bytes

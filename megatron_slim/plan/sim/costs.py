@@ -51,7 +51,29 @@ def slice_lengths(recipe: Recipe, cost: CostModel) -> tuple[int, ...]:
     return balanced_slices(seq, s.num_slices, per_token, per_pair, recipe.slice_alignment)
 
 
-class RecipeCosts:
+class CostModelTerms:
+    """The ``PipelineCosts`` answers that depend on the cost model alone, not on slices or packing:
+    pipeline links, static memory, what runs after the pipeline, peak rates."""
+
+    cost: CostModel
+
+    def link(self, src_rank: int, dst_rank: int) -> Link:
+        return self.cost.pp_link(src_rank, dst_rank)
+
+    def static_bytes(self, rank: int) -> float:
+        return self.cost.static_bytes(rank)
+
+    def after_pipeline(self, rank: int) -> float:
+        return self.cost.grad_sync_time(rank) + self.cost.optimizer_time(rank)
+
+    def peak_flops(self) -> float:
+        return self.cost.hw.peak_bf16_flops
+
+    def hbm_bytes(self) -> float:
+        return self.cost.hw.usable_hbm_bytes
+
+
+class RecipeCosts(CostModelTerms):
     """Every microbatch has the recipe's sequence length, cut by the recipe's slice policy."""
 
     def __init__(self, recipe: Recipe, cost: CostModel | None = None, lengths: tuple[int, ...] | None = None) -> None:
@@ -90,20 +112,5 @@ class RecipeCosts:
     def exchange(self, stage: int, microbatch: int, slice_: int, moved: int, backward: bool) -> ExchangeWork:
         return exchange_work(self.cost, self.lengths[slice_], moved, backward)
 
-    def link(self, src_rank: int, dst_rank: int) -> Link:
-        return self.cost.pp_link(src_rank, dst_rank)
-
-    def static_bytes(self, rank: int) -> float:
-        return self.cost.static_bytes(rank)
-
-    def after_pipeline(self, rank: int) -> float:
-        return self.cost.grad_sync_time(rank) + self.cost.optimizer_time(rank)
-
     def model_flops(self) -> float:
         return self.recipe.num_microbatches * self.cost.model_flops(self.recipe.model.seq_length)
-
-    def peak_flops(self) -> float:
-        return self.cost.hw.peak_bf16_flops
-
-    def hbm_bytes(self) -> float:
-        return self.cost.hw.usable_hbm_bytes
