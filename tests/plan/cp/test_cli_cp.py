@@ -6,6 +6,7 @@ from megatron_slim.cli import main
 from megatron_slim.plan.cp.engines import ENGINES
 
 SMALL = ["--set", "train.global_batch_size=1"]
+CP_SIMULATE = ["simulate", "--recipe", "zeppelin-7b-h800"]
 TWO_NODES = ["--set", "parallel.cp=16", "--set", "model.seq_length=65536"]  # of the recipe's four
 SPEC = "lognormal:mean=4096,sigma=1.2,min=256,max=65536"
 
@@ -16,9 +17,7 @@ def test_each_engine_writes_json(engine, tmp_path, capsys):
     assert (
         main(
             [
-                "simulate",
-                "--recipe",
-                "zeppelin-7b-h800",
+                *CP_SIMULATE,
                 "--cp-engine",
                 engine,
                 "--lengths",
@@ -66,9 +65,7 @@ def test_recipe_engine_is_the_default_and_a_file_works(tmp_path, capsys):
     assert (
         main(
             [
-                "simulate",
-                "--recipe",
-                "zeppelin-7b-h800",
+                *CP_SIMULATE,
                 "--lengths",
                 str(lengths),
                 *SMALL,
@@ -120,9 +117,7 @@ def test_a_missing_calibration_fails_before_any_work(tmp_path, capsys):
     assert (
         main(
             [
-                "simulate",
-                "--recipe",
-                "zeppelin-7b-h800",
+                *CP_SIMULATE,
                 "--cp-engine",
                 "ring",
                 "--lengths",
@@ -160,9 +155,7 @@ def test_trace_and_plot_show_each_engine_per_rank(tmp_path, monkeypatch, capsys)
     assert (
         main(
             [
-                "simulate",
-                "--recipe",
-                "zeppelin-7b-h800",
+                *CP_SIMULATE,
                 "--cp-engine",
                 "ring,zeppelin",
                 "--lengths",
@@ -212,9 +205,7 @@ def test_one_engine_writes_both_trace_and_plot(tmp_path, capsys):
     assert (
         main(
             [
-                "simulate",
-                "--recipe",
-                "zeppelin-7b-h800",
+                *CP_SIMULATE,
                 "--cp-engine",
                 "dynamic",
                 "--lengths",
@@ -243,9 +234,7 @@ def test_seed_defaults_to_zero_with_lengths(capsys):
     assert (
         main(
             [
-                "simulate",
-                "--recipe",
-                "zeppelin-7b-h800",
+                *CP_SIMULATE,
                 "--cp-engine",
                 "ring",
                 "--lengths",
@@ -261,9 +250,7 @@ def test_seed_defaults_to_zero_with_lengths(capsys):
     assert (
         main(
             [
-                "simulate",
-                "--recipe",
-                "zeppelin-7b-h800",
+                *CP_SIMULATE,
                 "--cp-engine",
                 "ring",
                 "--lengths",
