@@ -9,10 +9,13 @@ from megatron_slim.plan.cost.model import Link
 from megatron_slim.plan.schedule import generate, lower
 from megatron_slim.plan.schedule.exchange import with_exchange
 from megatron_slim.plan.sim.engine import simulate
+from tests.plan.synthetic_costs import SyntheticCosts
 
 
-class HandCosts:
+class HandCosts(SyntheticCosts):
     """Forward of slice j takes 1 + j, backward twice that; messages are free; exchange fixed."""
+
+    hbm = 1e9
 
     def __init__(self, block: float) -> None:
         self.work = ExchangeWork(block_s=block, out_bytes=0.5, back_bytes=0.25, messages=1, peer_bytes=100.0)
@@ -37,21 +40,6 @@ class HandCosts:
 
     def link(self, src, dst):
         return Link(1.0, 0.0, True)  # 1 byte/s: out takes 0.5 s, back 0.25 s
-
-    def static_bytes(self, rank):
-        return 0.0
-
-    def after_pipeline(self, rank):
-        return 0.0
-
-    def model_flops(self):
-        return 1.0
-
-    def peak_flops(self):
-        return 1.0
-
-    def hbm_bytes(self):
-        return 1e9
 
 
 def _events(result):

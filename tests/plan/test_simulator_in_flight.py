@@ -6,12 +6,15 @@ from megatron_slim.plan.schedule import Action, add_communication, generate, val
 from megatron_slim.plan.schedule.executable import executable, executable_forward_only
 from megatron_slim.plan.schedule.walk import SEND_WINDOW, bounded_sends, window_waits
 from megatron_slim.plan.sim.engine import simulate
+from tests.plan.synthetic_costs import SyntheticCosts
 
 M, A, STATIC = 1000.0, 5000.0, 7.0  # message, activation and static bytes
 
 
-class UnitCosts:
+class UnitCosts(SyntheticCosts):
     """F takes ``forward_s[rank]``, B twice that; a message takes 0.5 s on the link."""
+
+    static = STATIC
 
     def __init__(self, forward_s=(1.0, 1.0)):
         self.forward_s = forward_s
@@ -42,21 +45,6 @@ class UnitCosts:
 
     def link(self, src, dst):
         return Link(bandwidth=2 * M, latency=0.0, intra_node=True)
-
-    def static_bytes(self, rank):
-        return STATIC
-
-    def after_pipeline(self, rank):
-        return 0.0
-
-    def model_flops(self):
-        return 1.0
-
-    def peak_flops(self):
-        return 1.0
-
-    def hbm_bytes(self):
-        return 1e12
 
 
 def test_a_message_is_held_from_its_send_until_received_and_from_its_receive_until_consumed():
