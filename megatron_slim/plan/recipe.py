@@ -80,6 +80,12 @@ class Recipe:
                 getattr(p, field_name.split(".")[1]),
                 f"values with pp*vpp dividing model.num_layers={m.num_layers} (now pp*vpp={chunks})",
             )
+        if p.layers_per_stage and sum(p.layers_per_stage) != m.num_layers:
+            raise fail(
+                "parallel.layers_per_stage",
+                list(p.layers_per_stage),
+                f"{p.pp} per-stage counts summing to model.num_layers={m.num_layers}, or [] for the even split",
+            )
         if m.num_attention_heads % p.tp:
             raise fail("parallel.tp", p.tp, f"a divisor of model.num_attention_heads={m.num_attention_heads}")
         if m.num_query_groups % p.tp:
@@ -146,16 +152,21 @@ class Recipe:
         t, m, p = self.train, self.model, self.parallel
         if t.recompute_num_layers is None:
             return
-        layers = m.num_layers // (p.pp * p.vpp)
+        counts = p.layers_per_stage or (m.num_layers // (p.pp * p.vpp),)
+        layers = min(counts)
         n = t.recompute_num_layers
         if t.recompute_method == "block" and n > layers:
             raise fail("train.recompute_num_layers", n, f"an integer in [1, {layers}] (layers per pipeline chunk)")
-        if t.recompute_method != "block" and layers % n:
-            divisors = [d for d in range(1, layers + 1) if layers % d == 0]
+        if t.recompute_method != "block" and any(c % n for c in counts):
+            divisors = [d for d in range(1, layers + 1) if all(c % d == 0 for c in counts)]
+            distinct = sorted(set(counts))
+            held = (
+                f"the {layers} layers per pipeline chunk" if len(distinct) == 1 else f"every stage's layers {distinct}"
+            )
             raise fail(
                 "train.recompute_num_layers",
                 n,
-                f"with recompute_method=uniform, a divisor of the {layers} layers per pipeline chunk: {divisors}",
+                f"with recompute_method=uniform, a divisor of {held}: {divisors}",
             )
 
     @property

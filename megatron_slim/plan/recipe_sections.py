@@ -80,15 +80,30 @@ class ParallelConfig:
     cp: int = 1
     dp: int = 1
     sequence_parallel: bool = False
+    # layers of each pipeline stage, in order (a DynMo split); empty: Megatron's even split
+    layers_per_stage: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _require_positive("parallel", self, ("tp", "pp", "vpp", "cp", "dp"))
+        _check_layers_per_stage(self)
         if self.sequence_parallel and self.tp == 1:
             raise fail("parallel.sequence_parallel", True, "false when parallel.tp=1")
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+
+def _check_layers_per_stage(p: ParallelConfig) -> None:
+    split = p.layers_per_stage
+    if not split:
+        return
+    if len(split) != p.pp or min(split) < 1:
+        raise fail(
+            "parallel.layers_per_stage", list(split), f"{p.pp} integers >= 1 (one per stage, parallel.pp={p.pp})"
+        )
+    if p.vpp != 1:
+        raise fail("parallel.layers_per_stage", list(split), "[] (the even split) when parallel.vpp > 1")
 
 
 MAX_SEED = 2**32 - 1

@@ -19,6 +19,7 @@ from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.recipe import Recipe, recipe_from_dict
 from megatron_slim.plan.sim.costs import slice_lengths
 from megatron_slim.train import checkpoint
+from megatron_slim.train.dynmo.planned import migrate_if_planned
 from megatron_slim.train.metrics import MetricsOptions, open_metrics
 from megatron_slim.train.microbatch import dp_mean, forward_step, microbatches, summed_loss, vocab_forward_step
 from megatron_slim.train.profiler import IterationProfiler, ProfileOptions
@@ -44,6 +45,7 @@ class TrainOptions:
     quiet: bool = False
     metrics: Optional[MetricsOptions] = None  # --tensorboard-dir / --wandb-project
     profile: Optional[ProfileOptions] = None  # --profile
+    migrations: tuple = ()  # DynMo: (iteration, layers per stage) pairs, moved live after it (train.dynmo)
 
 
 @dataclass
@@ -99,7 +101,8 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     groups = init_model_parallel(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, dp=p.dp, seed=t.seed)
     cp_step = CPTrainStep(recipe, groups, prepared.tokenizer.eod) if p.cp > 1 else None
     layers = cp_layer_classes(recipe) if cp_step else {"core_attention": SliceCoreAttention}
-    chunks = build_rank_chunks(recipe.model, groups, **layers, seed=t.seed, **recompute_config(t.recompute_plan))
+    built = dict(layers_per_stage=p.layers_per_stage, seed=t.seed, **recompute_config(t.recompute_plan))
+    chunks = build_rank_chunks(recipe.model, groups, **layers, **built)
     if cp_step:
         cp_step.attach(chunks)
     optimizer, scheduler = build_optimizer(chunks, t)
@@ -137,6 +140,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     for it in range(start, t.iters):
         if not training.iteration(it + 1):
             break
+        migrate_if_planned(training, it + 1)
     if training.metrics:
         training.metrics.close()
     return report

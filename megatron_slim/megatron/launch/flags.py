@@ -14,7 +14,7 @@ from megatron_slim.megatron.launch.args import settings_from_megatron_args
 from megatron_slim.megatron.launch.cp_checks import check_engine_fits
 from megatron_slim.megatron.launch.recompute_flags import recompute_flags, refuse_what_megatron_cannot_recompute
 from megatron_slim.plan.recipe import MAX_SEED, CPEngine, ModelConfig, Recipe, SlicePolicy, TrainConfig
-from megatron_slim.plan.schema import ConfigError
+from megatron_slim.plan.schema import ConfigError, fail
 from megatron_slim.plan.startup import LAUNCHER, MEGATRON_ARGS, check
 from megatron_slim.plan.startup.from_recipe import megatron_args_settings
 
@@ -168,6 +168,12 @@ def _model_flags(m: ModelConfig) -> list:
 
 def _parallel_flags(recipe: Recipe) -> list:
     m, p = recipe.model, recipe.parallel
+    if p.layers_per_stage and len(set(p.layers_per_stage)) > 1:
+        raise fail(
+            "parallel.layers_per_stage",
+            list(p.layers_per_stage),
+            "[] or an even split for Megatron-LM launches (uneven splits run under `megatron-slim train`)",
+        )
     out: list = [
         "--tensor-model-parallel-size",
         p.tp,

@@ -18,8 +18,9 @@ models (``weight.data.cuda()`` plus an all-reduce) out of CPU runs.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -217,14 +218,35 @@ def build_chunk(
     return chunk
 
 
-def build_rank_chunks(model: ModelConfig, groups: ParallelGroups, **kwargs) -> list[GPTModel]:
-    """All virtual chunks of this pipeline rank (``groups.vpp`` of them), in chunk order."""
+def split_layers(num_layers: int, layers_per_stage: Sequence[int]) -> list[list[range]]:
+    """``stage_layers``'s shape for an uneven split without virtual chunks: ``result[rank][0]`` holds
+    ``layers_per_stage[rank]`` consecutive layers."""
+    if sum(layers_per_stage) != num_layers or min(layers_per_stage, default=0) < 1:
+        raise ValueError(
+            f"layers_per_stage={list(layers_per_stage)}: allowed values are counts >= 1 summing to {num_layers}"
+        )
+    ends = list(itertools.accumulate(layers_per_stage))
+    return [[range(end - n, end)] for n, end in zip(layers_per_stage, ends)]
+
+
+def build_rank_chunks(
+    model: ModelConfig, groups: ParallelGroups, layers_per_stage: Sequence[int] = (), **kwargs
+) -> list[GPTModel]:
+    """All virtual chunks of this pipeline rank (``groups.vpp`` of them), in chunk order; with
+    ``layers_per_stage`` (one count per pipeline rank, vpp 1) that split instead of the even one."""
     pp, vpp = groups.pp_size, groups.vpp
-    ranges = stage_layers(model.num_layers, pp, vpp)[groups.pp_rank]
+    if layers_per_stage and (vpp != 1 or len(layers_per_stage) != pp):
+        raise ValueError(
+            f"layers_per_stage={list(layers_per_stage)}: allowed values are {pp} counts (one per pipeline "
+            f"rank) with vpp=1 (now vpp={vpp})"
+        )
+    split = split_layers(model.num_layers, layers_per_stage) if layers_per_stage else None
+    ranges = (split or stage_layers(model.num_layers, pp, vpp))[groups.pp_rank]
     chunks = []
     for c, layers in enumerate(ranges):
         pre, post = chunk_roles(groups.pp_rank, c, pp, vpp)
         chunks.append(build_chunk(model, groups, layers=layers, pre_process=pre, post_process=post, **kwargs))
+        chunks[-1].slim_build_kwargs = dict(kwargs)  # a live migration rebuilds the rank's chunks alike
     return chunks
 
 
@@ -246,6 +268,7 @@ __all__ = [
     "global_state_dict",
     "layer_spec",
     "load_global_state_dict",
+    "split_layers",
     "stage_layers",
     "transformer_config",
 ]

@@ -22,6 +22,7 @@ CHANGEABLE = (
     "train.save_interval",
     "train.log_interval",
     "parallel.pp",
+    "parallel.layers_per_stage",
     "parallel.vpp",
     "parallel.dp",
     "schedule.kind",
