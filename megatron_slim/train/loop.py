@@ -140,7 +140,6 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     for it in range(start, t.iters):
         if not training.iteration(it + 1):
             break
-        migrate_if_planned(training, it + 1)
     if training.metrics:
         training.metrics.close()
     return report
@@ -233,6 +232,7 @@ class _RankTraining:
             dp_mean(summed_loss(reports), self.grad_group, self.grad_size)
         report.last_iteration = number
         self._save_if_due(number)
+        migrate_if_planned(self, number)
         return number != self.options.exit_interval
 
     def _forward_backward(self, number: int) -> list:

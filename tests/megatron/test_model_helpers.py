@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_slim.megatron.model import weights
-from megatron_slim.megatron.model.gpt import chunk_roles, stage_layers, transformer_config
+from megatron_slim.megatron.model.gpt import chunk_roles, split_layers, stage_layers, transformer_config
 from megatron_slim.megatron.model.parallel import _check_sizes
 from megatron_slim.megatron.model.rotary import zigzag_positions
 from tests.megatron._workers import tiny_config
@@ -48,6 +48,13 @@ def test_stage_layers_is_megatrons_interleaved_assignment(num_layers, pp, vpp):
 def test_stage_layers_rejects_bad_sizes(args, match):
     with pytest.raises(ValueError, match=match):
         stage_layers(*args)
+
+
+def test_split_layers_gives_consecutive_ranges_of_the_given_sizes():
+    assert split_layers(8, (1, 5, 2)) == [[range(0, 1)], [range(1, 6)], [range(6, 8)]]
+    for bad in ((4, 3), (8, 0), ()):
+        with pytest.raises(ValueError, match="allowed values are counts >= 1 summing to 8"):
+            split_layers(8, bad)
 
 
 def test_chunk_roles():

@@ -108,7 +108,7 @@ def current_partition(chunks: list, groups: Any) -> Partition:
 def _vote(problem: str, new: Partition) -> None:
     """Raise ``MigrationError`` on every rank when any rank refuses or the ranks disagree."""
     mine = (problem, tuple(new.layers_per_stage) if isinstance(new, Partition) else repr(new))
-    votes = [mine]
+    votes: list[Any] = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         votes = [None] * dist.get_world_size()
         dist.all_gather_object(votes, mine)
@@ -155,7 +155,9 @@ def _exchange(training: Any, old: Partition, new: Partition) -> tuple[dict[int, 
         return {}, 0
     ranks = dist.get_process_group_ranks(groups.pp)
     outgoing = [pack(layer_params(chunk, g), training.optimizer) for g in leaving]
-    works = [dist.isend(buf, dst=ranks[new_owner[g]], group=groups.pp, tag=g) for g, buf in zip(leaving, outgoing)]
+    works: list[Any] = [
+        dist.isend(buf, dst=ranks[new_owner[g]], group=groups.pp, tag=g) for g, buf in zip(leaving, outgoing)
+    ]
     # the arriving layer's parameter shapes equal the leaving one's: every layer is built from one spec
     template = layer_params(chunk, chunk.slim_chunk_info.layers.start)
     received = {g: torch.empty(packed_numel(template)) for g in arriving}
