@@ -55,3 +55,14 @@ def test_flags_megatron_would_reject_inside_its_loop_are_refused_or_always_emitt
     for flag in ("--save-interval", "--eval-interval", "--eval-iters", "--no-create-attention-mask-in-dataloader"):
         assert flag in flags
     assert flags[flags.index("--save-interval") + 1] == flags[flags.index("--train-iters") + 1]
+
+
+def test_an_uneven_pipeline_split_is_refused_for_megatron_launches(capsys):
+    """Megatron-LM sets only the first and last stage's layer counts; `megatron-slim train` runs any split."""
+    sets = ["parallel.pp=4", "parallel.layers_per_stage=[8,8,8,8]"]
+    even = recipe_to_megatron_args(load_recipe("llama2-7b-64k", sets))
+    assert even == recipe_to_megatron_args(load_recipe("llama2-7b-64k", ["parallel.pp=4"]))
+    sets = ["parallel.pp=4", "parallel.layers_per_stage=[11,7,7,7]"]
+    assert main(["megatron-args", "--recipe", "llama2-7b-64k", "--set", *sets]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.layers_per_stage" in err and "uneven splits run under `megatron-slim train`" in err
