@@ -232,8 +232,7 @@ class _RankTraining:
             dp_mean(summed_loss(reports), self.grad_group, self.grad_size)
         report.last_iteration = number
         self._save_if_due(number)
-        migrate_if_planned(self, number)
-        return number != self.options.exit_interval
+        return migrate_if_planned(self, number) and number != self.options.exit_interval
 
     def _forward_backward(self, number: int) -> list:
         self.profiler.before(number)

@@ -51,15 +51,23 @@ def _migrating_run(data_cache, pp: int, migrations):
 
 
 def _assert_moves_kept_state(records, migrations, pp: int):
+    """Every rank refused the bad partition and recorded each move it took part in; ranks that stay
+    hold the new split's layers with every checksum as before; released ranks record no more moves."""
     for rank, rank_records in enumerate(records):
-        assert len(rank_records) == len(migrations)
+        stages = pp  # the run's stage count when each migration was asked for
         for record, (_, split) in zip(rank_records, migrations):
             assert (
-                "migration refused, nothing moved" in record["refused"] and f"allowed: {pp} stages" in record["refused"]
+                "migration refused, nothing moved" in record["refused"] and f"allowed: {stages} stages" in record["refused"]
             )
-            assert record["same"] and record["names"] > 0
+            stages = len(split)
+            if rank >= len(split):
+                assert record["moved"].released and rank_records[-1] is record
+                break
+            assert record["same"] and record["names"] > 0 and not record["moved"].released
             start = sum(split[:rank])
             assert record["layers"] == [list(range(start, start + split[rank]))]
+        else:
+            assert len(rank_records) == len(migrations)
 
 
 def test_layers_moved_mid_run_keep_their_state_and_the_losses(data_cache, pp2_even):
@@ -95,3 +103,23 @@ def test_a_checkpoint_resumes_at_another_uneven_split(tmp_path, data_cache, pp2_
     resumed = _train(tmp_path, "b", data_cache, *SETS, "parallel.pp=2", "parallel.layers_per_stage=[7,1]", extra=ckpt)
     assert resumed["resumed_from"] == 2
     assert resumed["losses"] == pytest.approx(pp2_even["losses"], rel=1e-6, abs=0)
+
+
+def test_consolidation_onto_one_rank_keeps_the_state_and_the_losses(data_cache, pp2_even):
+    reports, records = _migrating_run(data_cache, 2, [(2, (8,))])
+    _assert_moves_kept_state(records, [(2, (8,))], 2)
+    assert records[1][0]["moved"].released and records[1][0]["moved"].layers_sent == 4
+    assert records[0][0]["moved"].layers_received == 4 and reports[1].losses == []
+    assert reports[0].last_iteration == 4 and reports[1].last_iteration == 2
+    assert _losses(reports) == pytest.approx(pp2_even["losses"], rel=1e-6, abs=0)
+
+
+@pytest.mark.slow
+def test_pp4_consolidates_onto_two_ranks_then_rebalances(data_cache):
+    recipe = _recipe(data_cache, "parallel.pp=4")
+    static = run_ranks(train_rank, 4, recipe.to_dict(), _prepared(recipe), TrainOptions(quiet=True))
+    migrations = [(1, (5, 3)), (2, (2, 6))]
+    reports, records = _migrating_run(data_cache, 4, migrations)
+    _assert_moves_kept_state(records, migrations, 4)
+    assert [len(r) for r in records] == [2, 2, 1, 1]
+    assert _losses(reports) == pytest.approx(_losses(static), rel=1e-6, abs=0)

@@ -44,11 +44,17 @@ class MigrationReport:
     layers_sent: int
     layers_received: int
     numbers_sent: int  # fp32 numbers this rank sent
+    released: bool = False  # consolidation freed this rank: its training ends
 
 
 def migrate(training: Any, new_partition: Partition) -> MigrationReport:
     """Move this pipeline group's layers to ``new_partition`` (collective: every rank calls it with
-    the same partition). ``training`` is the loop's per-rank state (``train.loop._RankTraining``)."""
+    the same partition). ``training`` is the loop's per-rank state (``train.loop._RankTraining``).
+    Fewer stages than ``parallel.pp`` consolidate onto fewer ranks (``consolidation``)."""
+    if isinstance(new_partition, Partition) and new_partition.num_stages < training.recipe.parallel.pp:
+        from megatron_slim.train.dynmo.consolidation import consolidate
+
+        return consolidate(training, new_partition)
     old = current_partition(training.chunks, training.groups)
     problem, rebuilt = _local_problem(training, new_partition), None
     if not problem:
@@ -56,7 +62,7 @@ def migrate(training: Any, new_partition: Partition) -> MigrationReport:
             rebuilt = _rebuild(training, new_partition)
         except Exception as exc:  # reported through the vote, so no rank moves anything
             problem = f"building the chunks for {list(new_partition.layers_per_stage)} failed: {exc!r}"
-    _vote(problem, new_partition)
+    vote(problem, new_partition)
     assert rebuilt is not None, "the vote refuses when a rank could not rebuild"
     chunks, optimizer, scheduler = rebuilt
     pp_rank = training.groups.pp_rank
@@ -105,7 +111,7 @@ def current_partition(chunks: list, groups: Any) -> Partition:
     return Partition(tuple(len(s) for s in spans))
 
 
-def _vote(problem: str, new: Partition) -> None:
+def vote(problem: str, new: Partition) -> None:
     """Raise ``MigrationError`` on every rank when any rank refuses or the ranks disagree."""
     mine = (problem, tuple(new.layers_per_stage) if isinstance(new, Partition) else repr(new))
     votes: list[Any] = [mine]
@@ -167,15 +173,20 @@ def _exchange(training: Any, old: Partition, new: Partition) -> tuple[dict[int, 
     return received, sum(buf.numel() for buf in outgoing)
 
 
-def _fill(old_chunk, old_optimizer, new_chunk, new_optimizer, received: dict[int, torch.Tensor]) -> None:
-    """The new chunk's state: arriving layers from ``received``, the rest copied from the old chunk."""
+def end_params(chunk) -> dict[str, torch.nn.Parameter]:
+    """The chunk's parameters outside its decoder layers (embedding, final norm, output layer), by
+    whole-model name."""
     from megatron_slim.megatron.model.weights import global_named_parameters
 
+    return {n: p for n, p in global_named_parameters(chunk).items() if not n.startswith("decoder.layers.")}
+
+
+def _fill(old_chunk, old_optimizer, new_chunk, new_optimizer, received: dict[int, torch.Tensor]) -> None:
+    """The new chunk's state: arriving layers from ``received``, the rest copied from the old chunk."""
     for g in new_chunk.slim_chunk_info.layers:
         state = received[g] if g in received else pack(layer_params(old_chunk, g), old_optimizer)
         unpack(state, layer_params(new_chunk, g), new_optimizer)
-    old_ends = {n: p for n, p in global_named_parameters(old_chunk).items() if not n.startswith("decoder.layers.")}
-    new_ends = {n: p for n, p in global_named_parameters(new_chunk).items() if not n.startswith("decoder.layers.")}
+    old_ends, new_ends = end_params(old_chunk), end_params(new_chunk)
     if set(old_ends) != set(new_ends):
         raise RuntimeError(f"the stage's end parameters changed: {sorted(old_ends)} -> {sorted(new_ends)}")
     for name, param in new_ends.items():
