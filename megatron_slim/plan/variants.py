@@ -46,7 +46,9 @@ def schedule_variant(recipe: Recipe, kind: str) -> Recipe:
         parallel, schedule = dataclasses.replace(p, vpp=1), dataclasses.replace(s, kind=kind, num_slices=1)
     elif kind == "interleaved":
         vpp = p.vpp if p.vpp > 1 else _smallest_vpp(recipe)
-        parallel, schedule = dataclasses.replace(p, vpp=vpp), dataclasses.replace(s, kind=kind, num_slices=1)
+        # virtual chunks take the even split (an uneven one is per pipeline rank, vpp=1)
+        parallel = dataclasses.replace(p, vpp=vpp, layers_per_stage=())
+        schedule = dataclasses.replace(s, kind=kind, num_slices=1)
     else:
         slices = s.num_slices if s.kind == "slimpipe" else _default_slices(recipe)
         parallel, schedule = p, dataclasses.replace(s, kind=kind, num_slices=slices)

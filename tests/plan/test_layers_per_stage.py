@@ -47,3 +47,12 @@ def test_uniform_recompute_groups_must_divide_every_stage():
 
 def test_partition_even_is_the_default_split_of_a_divisible_model():
     assert Partition.even(8, 4).layers_per_stage == (2, 2, 2, 2)
+
+
+def test_the_interleaved_variant_of_an_uneven_recipe_takes_the_even_split():
+    from megatron_slim.plan.variants import schedule_variant
+
+    recipe = load_recipe("tiny-cpu", ["parallel.layers_per_stage=[1,2,4,1]"])
+    variant = schedule_variant(recipe, "interleaved")
+    assert (variant.parallel.vpp, variant.parallel.layers_per_stage) == (2, ())
+    assert schedule_variant(recipe, "slimpipe").parallel.layers_per_stage == (1, 2, 4, 1)
