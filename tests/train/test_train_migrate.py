@@ -43,21 +43,22 @@ def test_an_uneven_split_trains_like_one_process(tmp_path, data_cache, pp2_even)
     assert single["losses"][-1] < single["losses"][0]
 
 
-def _migrating_run(data_cache, pp: int, migrations):
-    recipe = _recipe(data_cache, f"parallel.pp={pp}")
+def _migrating_run(data_cache, pp: int, migrations, dp: int = 1):
+    recipe = _recipe(data_cache, f"parallel.pp={pp}", f"parallel.dp={dp}")
     options = TrainOptions(quiet=True, migrations=tuple(migrations))
-    results = run_ranks(train_migrating, pp, recipe.to_dict(), _prepared(recipe), options)
+    results = run_ranks(train_migrating, pp * dp, recipe.to_dict(), _prepared(recipe), options)
     return [r for r, _ in results], [records for _, records in results]
 
 
-def _assert_moves_kept_state(records, migrations, pp: int):
+def _assert_moves_kept_state(records, migrations, pp: int, pp_ranks=None):
     """Every rank refused the bad partition and recorded each move it took part in; ranks that stay
     hold the new split's layers with every checksum as before; released ranks record no more moves."""
-    for rank, rank_records in enumerate(records):
+    for rank, rank_records in zip(pp_ranks or range(len(records)), records):
         stages = pp  # the run's stage count when each migration was asked for
         for record, (_, split) in zip(rank_records, migrations):
             assert (
-                "migration refused, nothing moved" in record["refused"] and f"allowed: {stages} stages" in record["refused"]
+                "migration refused, nothing moved" in record["refused"]
+                and f"allowed: {stages} stages" in record["refused"]
             )
             stages = len(split)
             if rank >= len(split):
@@ -85,6 +86,17 @@ def test_pp4_moves_across_several_stages(data_cache):
     migrations = [(1, (5, 1, 1, 1)), (2, (1, 1, 1, 5)), (3, (2, 3, 2, 1))]
     reports, records = _migrating_run(data_cache, 4, migrations)
     _assert_moves_kept_state(records, migrations, 4)
+    assert _losses(reports) == pytest.approx(_losses(static), rel=1e-6, abs=0)
+
+
+@pytest.mark.slow
+def test_each_data_parallel_replica_moves_its_own_layers(data_cache):
+    recipe = _recipe(data_cache, "parallel.pp=2", "parallel.dp=2")
+    static = run_ranks(train_rank, 4, recipe.to_dict(), _prepared(recipe), TrainOptions(quiet=True))
+    migrations = [(1, (6, 2)), (2, (3, 5))]
+    reports, records = _migrating_run(data_cache, 2, migrations, dp=2)
+    assert sorted(r.pp_rank for r in reports) == [0, 0, 1, 1]
+    _assert_moves_kept_state(records, migrations, 2, pp_ranks=[r.pp_rank for r in reports])
     assert _losses(reports) == pytest.approx(_losses(static), rel=1e-6, abs=0)
 
 
