@@ -12,6 +12,11 @@ more: megatron's rotary table (and ``CpuRotaryEmbedding``) is built for ``local 
 from the offset ``SliceRotary`` adds, then cut zigzag-wise, so a rank's tokens get
 ``slice start + their zigzag positions within the slice``. Outside a schedule under CP the local
 tokens are taken as the zigzag shard of one whole sequence (uncached CP attention).
+
+Packed windows: when the slicing data iterator recorded document lengths for the current
+microbatch (``SliceContext.documents``: the batch key ``document_lengths`` or a block-causal
+attention mask), attention stays inside each document (varlen kernels of the chosen backend) and
+RoPE positions restart at 0 in each document. Not under context or tensor parallelism (refused).
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ from typing import Any, Optional
 import torch
 
 from megatron_slim.megatron.model.core_attention import SlimCoreAttention
+from megatron_slim.megatron.model.rotary import rope_table
 from megatron_slim.megatron.model.wrapping import RotaryWrapper, wrap_rotary
 from megatron_slim.runtime.pipeline.cp_slice_attention import cp_sliced_attention
+from megatron_slim.runtime.pipeline.documents import DOCUMENT_LENGTHS, SliceDocuments, slice_documents, slice_positions
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_attention import sliced_attention
-from megatron_slim.runtime.pipeline.slice_context import SliceContext
+from megatron_slim.runtime.pipeline.slice_context import SliceContext, SliceInfo
 
 
 class SliceCoreAttention(SlimCoreAttention):
@@ -47,6 +54,7 @@ class SliceCoreAttention(SlimCoreAttention):
                 f"layer {self.layer_number}: slice attention has no K/V cache store attached "
                 "(call megatron_slim.megatron.slimpipe.slicing.attach_slicing)"
             )
+        documents = self._documents(info, q, under_cp)
         if under_cp:
             return cp_sliced_attention(
                 q,
@@ -68,7 +76,25 @@ class SliceCoreAttention(SlimCoreAttention):
             store=self.store,
             info=info,
             layer=self.layer_number,
+            documents=documents,
         )
+
+    def _documents(self, info: SliceInfo, q: torch.Tensor, under_cp: bool) -> Optional[SliceDocuments]:
+        """The current slice's documents if its microbatch is a packed window, else None."""
+        assert self.context is not None
+        lengths = self.context.documents.lookup(info.microbatch)
+        if lengths is None:
+            return None
+        tp_group = self.tp_group
+        if under_cp or (tp_group is not None and tp_group.size() > 1):
+            raise ValueError(
+                f"{DOCUMENT_LENGTHS}: packed windows under SlimPipe with context parallel size "
+                f"{self.cp_group.size()} / tensor parallel size {tp_group.size() if tp_group else 1} are not "
+                "supported; allowed: cp=1 and tp=1 (CP packs: a CP engine, --cp-engine)"
+            )
+        if q.shape[0] != 1:
+            raise ValueError(f"{DOCUMENT_LENGTHS}: micro-batch size {q.shape[0]}; allowed: 1 (one packed window)")
+        return slice_documents(lengths, info.start, info.length)
 
 
 class SliceRotary(RotaryWrapper):
@@ -77,6 +103,15 @@ class SliceRotary(RotaryWrapper):
     def forward(self, max_seq_len: int, offset: int = 0, *args: Any, **kwargs: Any) -> torch.Tensor:
         info = self.context.current
         start = info.start if info is not None else 0
+        documents = self.context.documents.lookup(info.microbatch) if info is not None else None
+        if documents is not None:
+            if offset or max_seq_len != info.length:
+                raise ValueError(
+                    f"{DOCUMENT_LENGTHS}: rotary table of {max_seq_len} positions at offset {offset} for a slice "
+                    f"of {info.length} tokens; allowed: the whole slice at offset 0 (no sequence/context split)"
+                )
+            positions = slice_positions(documents, info.start, info.length)
+            return rope_table(self.inner, torch.tensor(positions, device=self.inner.inv_freq.device))
         return self.inner(max_seq_len, offset + start, *args, **kwargs)
 
 
