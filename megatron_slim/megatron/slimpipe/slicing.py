@@ -26,10 +26,10 @@ from typing import Any, Optional
 import torch
 
 from megatron_slim.megatron.model.core_attention import SlimCoreAttention
-from megatron_slim.megatron.model.rotary import rope_table
+from megatron_slim.megatron.model.rotary import rope_table, zigzag_positions
 from megatron_slim.megatron.model.wrapping import RotaryWrapper, wrap_rotary
 from megatron_slim.runtime.pipeline.cp_slice_attention import cp_sliced_attention
-from megatron_slim.runtime.pipeline.documents import DOCUMENT_LENGTHS, SliceDocuments, slice_documents, slice_positions
+from megatron_slim.runtime.pipeline.documents import DOCUMENT_LENGTHS, slice_documents, slice_positions
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_attention import sliced_attention
 from megatron_slim.runtime.pipeline.slice_context import SliceContext, SliceInfo
@@ -54,7 +54,7 @@ class SliceCoreAttention(SlimCoreAttention):
                 f"layer {self.layer_number}: slice attention has no K/V cache store attached "
                 "(call megatron_slim.megatron.slimpipe.slicing.attach_slicing)"
             )
-        documents = self._documents(info, q, under_cp)
+        documents = self._documents(info, q)
         if under_cp:
             return cp_sliced_attention(
                 q,
@@ -66,6 +66,7 @@ class SliceCoreAttention(SlimCoreAttention):
                 store=self.store,
                 info=info,
                 layer=self.layer_number,
+                documents=documents,
             )
         return sliced_attention(
             q,
@@ -76,25 +77,25 @@ class SliceCoreAttention(SlimCoreAttention):
             store=self.store,
             info=info,
             layer=self.layer_number,
-            documents=documents,
+            documents=slice_documents(documents, info.start, info.length) if documents is not None else None,
         )
 
-    def _documents(self, info: SliceInfo, q: torch.Tensor, under_cp: bool) -> Optional[SliceDocuments]:
-        """The current slice's documents if its microbatch is a packed window, else None."""
+    def _documents(self, info: SliceInfo, q: torch.Tensor) -> Optional[tuple[int, ...]]:
+        """The document lengths of the current microbatch if it is a packed window, else None."""
         assert self.context is not None
         lengths = self.context.documents.lookup(info.microbatch)
         if lengths is None:
             return None
         tp_group = self.tp_group
-        if under_cp or (tp_group is not None and tp_group.size() > 1):
+        if tp_group is not None and tp_group.size() > 1:
             raise ValueError(
-                f"{DOCUMENT_LENGTHS}: packed windows under SlimPipe with context parallel size "
-                f"{self.cp_group.size()} / tensor parallel size {tp_group.size() if tp_group else 1} are not "
-                "supported; allowed: cp=1 and tp=1 (CP packs: a CP engine, --cp-engine)"
+                f"{DOCUMENT_LENGTHS}: packed windows under SlimPipe with tensor parallel size {tp_group.size()} "
+                "are not supported (Megatron's TP batch broadcast carries tensors only, so the other TP ranks "
+                "would not see the documents); allowed: tp=1"
             )
         if q.shape[0] != 1:
             raise ValueError(f"{DOCUMENT_LENGTHS}: micro-batch size {q.shape[0]}; allowed: 1 (one packed window)")
-        return slice_documents(lengths, info.start, info.length)
+        return lengths
 
 
 class SliceRotary(RotaryWrapper):
@@ -108,10 +109,13 @@ class SliceRotary(RotaryWrapper):
             if offset or max_seq_len != info.length:
                 raise ValueError(
                     f"{DOCUMENT_LENGTHS}: rotary table of {max_seq_len} positions at offset {offset} for a slice "
-                    f"of {info.length} tokens; allowed: the whole slice at offset 0 (no sequence/context split)"
+                    f"of {info.length} tokens; allowed: the whole slice at offset 0 (before any context-parallel split)"
                 )
-            positions = slice_positions(documents, info.start, info.length)
-            return rope_table(self.inner, torch.tensor(positions, device=self.inner.inv_freq.device))
+            positions = torch.tensor(slice_positions(documents, info.start, info.length))
+            cp_group = kwargs.get("cp_group") or getattr(self.inner, "cp_group", None)
+            if cp_group is not None and cp_group.size() > 1 and not kwargs.get("packed_seq", False):
+                positions = positions[zigzag_positions(info.length, cp_group.rank(), cp_group.size())]
+            return rope_table(self.inner, positions.to(self.inner.inv_freq.device))
         return self.inner(max_seq_len, offset + start, *args, **kwargs)
 
 

@@ -86,3 +86,111 @@ def run_packed(rank, world_size, configs, seed=1234):
         ref = reference.per_document_step(model, groups, _packs(batches, windows), seed) if rank == 0 else None
         results.append((loss, grads, ref, backends))
     return results
+
+
+def cp_document_cases(rank, world_size, cases):
+    """Each case: (backend name, slice lengths, document lengths), b = 1. Returns per case this
+    rank's global rows and, at those rows, out / dQ / dK / dV of the CP slice attention (float64)."""
+    import torch.distributed as dist
+
+    from megatron_slim.runtime.attention import ReferenceBackend, SdpaBackend
+    from megatron_slim.runtime.pipeline.cp_slice_attention import cp_sliced_attention
+    from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
+    from megatron_slim.runtime.pipeline.slice_context import SliceInfo
+    from megatron_slim.runtime.pipeline.zigzag import ZigzagLayout
+
+    group = dist.new_group(list(range(world_size)))
+    backends = {"reference": ReferenceBackend(), "sdpa": SdpaBackend()}
+    results = []
+    for index, (name, lengths, documents) in enumerate(cases):
+        q, k, v, dout = document_qkv(index, sum(lengths))
+        store, starts = KVCacheStore(), [sum(lengths[:j]) for j in range(len(lengths))]
+        rows = [a + ZigzagLayout(world_size, n).positions(rank) for a, n in zip(starts, lengths)]
+        pieces, outs = [], []
+        for j, (a, n) in enumerate(zip(starts, lengths)):
+            part = [t[rows[j]].unsqueeze(0).clone().requires_grad_() for t in (q, k, v)]
+            info = SliceInfo(0, j, len(lengths), a, n)
+            outs.append(
+                cp_sliced_attention(
+                    *part, backend=backends[name], softmax_scale=q.shape[-1] ** -0.5, group=group, store=store,
+                    info=info, layer=1, documents=documents,
+                )
+            )  # fmt: skip
+            pieces.append(part)
+        for j in reversed(range(len(lengths))):
+            outs[j].backward(dout[rows[j]].unsqueeze(0))
+        result = {"rows": torch.cat(rows), "out": torch.cat([o.detach()[0] for o in outs]), "empty": store.is_empty()}
+        for i, name in enumerate(("dq", "dk", "dv")):
+            result[name] = torch.cat([p[i].grad[0] for p in pieces])
+        results.append(result)
+    return results
+
+
+def document_qkv(seed: int, s: int, hq=4, hkv=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
+
+
+def _cp_forward_step(cp_group, data_iterator, model):
+    """pretrain_gpt's shape: the batch's tensors through megatron's CP split, the CP-exact loss."""
+    import functools
+
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from tests.runtime.pipeline._cp_workers import cp_loss_func
+
+    batch = {name: value for name, value in next(data_iterator).items() if torch.is_tensor(value)}
+    batch = get_batch_on_this_cp_rank(batch, cp_group=cp_group)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(cp_loss_func, batch["loss_mask"], cp_group=cp_group)
+
+
+def run_packed_cp(rank, world_size, configs, seed=1234):
+    """pp2 x cp2 on 4 ranks. Each config: (vpp, slice_lengths, windows, backend). Returns per config
+    (token-weighted loss summed over CP, DDP-averaged grads, reference (loss, grads) on rank 0)."""
+    import functools
+
+    import torch.distributed as dist
+
+    from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
+    from megatron_slim.megatron.model.parallel import init_model_parallel, teardown
+    from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
+    from tests.runtime.pipeline._cp_workers import _ddp_average
+
+    model = ModelConfig(**TINY_GQA_8L)
+    solo = init_model_parallel()
+    refs = [
+        reference.per_document_step(model, solo, _packs(make_packed_batches(model, w, seed), w), seed)
+        if rank == 0
+        else None
+        for _, _, w, _ in configs
+    ]
+    teardown()
+    groups = init_model_parallel(pp=2, cp=2)
+    results = []
+    for (vpp, lengths, windows, backend), ref in zip(configs, refs):
+        batches = make_packed_batches(model, windows, seed)
+        chunks = build_rank_chunks(
+            model, dataclasses.replace(groups, vpp=vpp), core_attention=SliceCoreAttention, seed=seed
+        )
+        fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths), attention_backend=backend))
+        reports = fb(
+            forward_step_func=functools.partial(_cp_forward_step, groups.cp),
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=len(batches),
+            seq_length=model.seq_length,
+            micro_batch_size=1,
+        )
+        loss = None
+        if reports:
+            total = torch.stack([r["lm loss"] for r in reports]).sum(0)
+            dist.all_reduce(total, group=groups.cp)
+            loss = total[0] / total[1]
+        grads = {}
+        for c in chunks:
+            grads.update(global_grads(c))
+        results.append((loss, _ddp_average(grads, groups.cp), ref))
+    teardown()
+    return results

@@ -15,7 +15,9 @@ from megatron_slim.runtime.pipeline.documents import (
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_attention import sliced_attention
 from megatron_slim.runtime.pipeline.slice_context import SliceInfo
+from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.attention import naive_grads
+from tests.runtime.pipeline import _packed_workers
 from tests.runtime.pipeline._packed_workers import block_causal_mask
 
 DOCS = (3, 14, 2, 2, 5, 6)
@@ -78,3 +80,31 @@ def test_sliced_documents_equal_whole_window_varlen(backend, slices, docs):
     torch.testing.assert_close(torch.cat([o.detach()[0] for o in outs]), ref_out, **tol)
     for idx, ref in enumerate((ref_dq, ref_dk, ref_dv)):
         torch.testing.assert_close(torch.cat([p[idx].grad[0] for p in pieces]), ref, **tol)
+
+
+CP_CASES = [
+    ("reference", (8, 8, 8, 8), DOCS),
+    ("sdpa", (8, 16, 8), (8, 1, 20, 3)),
+    ("reference", (16, 8, 8), (1, 1, 30)),
+    ("sdpa", (32,), DOCS),
+    ("reference", (8, 24), (5, 2, 9, 16)),
+]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_sliced_documents_equal_whole_window_varlen(cp):
+    results = run_ranks(_packed_workers.cp_document_cases, cp, CP_CASES, timeout_s=300)
+    for index, (_, slices, docs) in enumerate(CP_CASES):
+        q, k, v, dout = _packed_workers.document_qkv(index, sum(slices))
+        out, _, dq, dk, dv = naive_grads(q, k, v, dout, True, 8**-0.5, varlen_lens=(docs, docs))
+        want = {"out": out, "dq": dq, "dk": dk, "dv": dv}
+        got = {name: torch.zeros_like(t) for name, t in want.items()}
+        for rank_results in results:
+            r = rank_results[index]
+            assert r["empty"]
+            for name in got:
+                got[name][r["rows"]] = r[name]
+        for name in got:
+            torch.testing.assert_close(
+                got[name], want[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{slices} {docs} {name}: {m}"
+            )

@@ -52,3 +52,10 @@ def test_packed_slices_pp2_match_per_document_reference(vpp):
     configs = [(vpp, EIGHTS, WINDOWS, "sdpa", False), (vpp, UNEVEN, WINDOWS[1:], "reference", False)]
     results = run_ranks(_packed_workers.run_packed, 2, configs, timeout_s=900)
     _check(results, len(configs))
+
+
+def test_packed_slices_pp2_cp2_match_per_document_reference():
+    """Through the SlimPipe x CP path (query-out CP slice attention, megatron's zigzag split)."""
+    configs = [(1, EIGHTS, WINDOWS, "sdpa"), (2, (4, 12, 8, 8), WINDOWS[1:], "reference")]
+    results = run_ranks(_packed_workers.run_packed_cp, 4, configs, timeout_s=900)
+    _check(results, len(configs))
