@@ -115,7 +115,7 @@ class SliceRotary(RotaryWrapper):
             cp_group = kwargs.get("cp_group") or getattr(self.inner, "cp_group", None)
             if cp_group is not None and cp_group.size() > 1 and not kwargs.get("packed_seq", False):
                 positions = positions[zigzag_positions(info.length, cp_group.rank(), cp_group.size())]
-            return rope_table(self.inner, positions.to(self.inner.inv_freq.device))
+            return rope_table(self.inner, positions)  # on the table's device
         return self.inner(max_seq_len, offset + start, *args, **kwargs)
 
 

@@ -99,13 +99,14 @@ class SlicedIterator:
         lengths = batch_documents(batch, sum(self.lengths))
         if lengths is None:
             return False
-        info = self.context.current if self.context is not None else None
-        if info is None:
+        context = self.context
+        info = context.current if context is not None else None
+        if context is None or info is None:
             raise ValueError(
                 f"{DOCUMENT_LENGTHS}: a packed batch is read outside a SlimPipe slice (no SliceContext "
                 "with a current slice); allowed: read it from the schedule's forward step"
             )
-        self.context.documents.record(info.microbatch, lengths)
+        context.documents.record(info.microbatch, lengths)
         return True
 
 
