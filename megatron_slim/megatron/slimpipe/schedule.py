@@ -214,7 +214,8 @@ class _Run:
         rank = self.group.rank()
         ledger, stores = attach_kv_stores(chunks, context, settings.slice_lengths, settings.attention_backend)
         iterators = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator] * len(models)
-        sliced = [SlicedIterator(it, settings.slice_lengths) if it is not None else None for it in iterators]
+        context.documents.clear()
+        sliced = [SlicedIterator(it, settings.slice_lengths, context) if it is not None else None for it in iterators]
         ops = stage_ops(chunks, forward_step_func, sliced, self.non_loss_only, settings.slice_lengths, micro_batch_size)
         p2p = self._p2p(device)
         loss = self._loss()
