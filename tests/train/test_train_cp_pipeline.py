@@ -111,3 +111,20 @@ def test_cli_trains_pp2_cp2_with_zeppelin_and_matches_pp1(tmp_path, data_cache, 
     assert piped["losses"] == pytest.approx(flat["losses"], abs=2e-4)
     assert piped["cp"]["engine"] == "zeppelin" and all(i["packs"] == 4 for i in piped["cp"]["iterations"])
     assert sum(i["inter"] for i in piped["cp"]["iterations"]) > 0
+
+
+@pytest.mark.multi
+def test_cli_trains_interleaved_pp2_vpp2_cp2_with_ring_and_matches_pp1(tmp_path, data_cache, short_documents, hardware):
+    sets = ["parallel.cp=2", "cp.engine=ring", f"hardware={hardware}", "model.num_layers=4"]
+    interleaved = _train(
+        tmp_path,
+        "vpp2",
+        data_cache,
+        short_documents,
+        *sets,
+        "parallel.pp=2",
+        "parallel.vpp=2",
+        "schedule.kind=interleaved",
+    )
+    flat = _train(tmp_path, "pp1", data_cache, short_documents, *sets)
+    assert interleaved["losses"] == pytest.approx(flat["losses"], abs=2e-4)
