@@ -7,7 +7,8 @@ stages hold this CP rank's per-microbatch token count in the plan's attention la
 EVERY parameter gradient of both stages (fp32; RoPE, RMSNorm, SwiGLU and GQA on), for Zeppelin
 (with remap, so the remapped layout must be undone before a stage boundary), ring and Ulysses,
 and for the engines that leave a CP rank without tokens (its one padding row crosses the
-boundary too). The CLI then trains pp2 x cp2 end to end.
+boundary too). Stages that planned different windows stop on every rank, naming the digests. The
+CLI then trains pp2 x cp2 (1F1B) and pp2 x vpp2 x cp2 (interleaved) to the losses of pp1.
 """
 
 import pytest
@@ -99,6 +100,32 @@ def test_pp2_cp2_with_an_empty_cp_rank_matches_the_reference_under_every_other_e
     results = run_ranks(pipeline_step, 4, cases, hardware, ONE_TOKEN_WINDOWS, timeout_s=600)
     assert results[0]["allgather", False]["summary"]["padded"] == 1
     _check_against_reference(results, cases)
+
+
+def plan_on_each_stage(rank, world_size, hardware_path, stage_windows):
+    """Plan ``stage_windows[pp_rank]`` on each stage; returns the error text of the agreement (or "")."""
+    from megatron_slim.megatron.model.parallel import init_model_parallel
+    from megatron_slim.train.cp import CPTrainStep
+
+    groups = init_model_parallel(pp=2, cp=2)
+    windows = [_window(lengths, 7 + k) for k, lengths in enumerate(stage_windows[groups.pp_rank])]
+    step = CPTrainStep(_recipe("zeppelin", True, 2, hardware_path, len(windows)), groups, EOD)
+    try:
+        step.plan_iteration(windows)
+    except RuntimeError as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.multi
+def test_pipeline_stages_that_plan_different_windows_stop_on_every_rank(hardware):
+    same = run_ranks(plan_on_each_stage, 4, hardware, (WINDOWS, WINDOWS), timeout_s=300)
+    assert same == [""] * 4
+    other = [tuple(reversed(w)) for w in WINDOWS]  # same tokens per window, other documents
+    errors = run_ranks(plan_on_each_stage, 4, hardware, (WINDOWS, other), timeout_s=300)
+    for error in errors:
+        assert error.startswith("pipeline ranks disagree on the iteration's CP plans (pipeline rank 0: "), error
+        assert error.endswith("every pipeline stage must plan the same windows with the same recipe")
 
 
 @pytest.mark.multi
