@@ -104,9 +104,8 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
         cp_step.attach(chunks)
     optimizer, scheduler = build_optimizer(chunks, t)
     vocab_head = build_vocab_head(chunks, groups) if recipe.schedule.vocab_parallel else None
-    forward_backward = make_forward_backward_func(
-        pipeline_settings(recipe, options.measure_memory), vocab_head=vocab_head
-    )
+    settings, rows = pipeline_settings(recipe, options.measure_memory), cp_step.stage_rows if cp_step else None
+    forward_backward = make_forward_backward_func(settings, vocab_head=vocab_head, stage_rows=rows)
     dataset = build_gpt_dataset(prepared, recipe.model.seq_length, t.global_batch_size * t.iters, seed=t.seed)
     report = RankReport(
         rank,
