@@ -109,3 +109,49 @@ def early_exit(rank, world_size, seed):
             losses.mean().backward()
             out[name] = {"losses": losses.detach(), "grads": global_grads(chunk)}
     return out
+
+
+PROFILED = dict(TINY_GQA_4L, hidden_size=256, ffn_hidden_size=1024, seq_length=256)
+ROUNDS = 5
+
+
+def profiling(rank, world_size, seed):
+    """``ROUNDS`` profiled iterations with every layer training, then as many with ``FROZEN`` frozen;
+    each iteration's profile, and the bytes an outer saved-tensor hook saw in the last forward."""
+    from megatron_slim.megatron.model.optimizer import build_optimizer
+    from megatron_slim.megatron.model.parallel import model_parallel
+    from megatron_slim.train.dynmo.freeze import set_frozen
+    from megatron_slim.train.dynmo.profile import LayerProfiler
+
+    cfg = ModelConfig(**PROFILED)
+    ids, labels = _batch(cfg, seed, batch=4)
+    out: dict = {"rounds": []}
+    with model_parallel(seed=seed) as groups:
+        chunk = _model(cfg, groups, seed)
+        optimizer, _ = build_optimizer([chunk], TrainConfig(global_batch_size=1))
+        profiler = LayerProfiler([chunk], optimizer, num_microbatches=2, smoothing=1.0)
+        statics = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+        for it in range(2 * ROUNDS):
+            if it == ROUNDS:
+                set_frozen([chunk], FROZEN)
+            optimizer.zero_grad(set_to_none=True)
+            seen: dict = {}
+            with torch.autograd.graph.saved_tensors_hooks(_outer_pack(seen, statics), lambda t: t):
+                losses = [chunk(ids, None, None, labels=labels) for _ in range(2)]  # two microbatches
+            for loss in losses:  # one backward after the other, as a pipeline runs them
+                loss.mean().backward()
+            optimizer.step()
+            out["rounds"].append(profiler.finish())
+            out["outer_bytes"] = sum(seen.values()) / 2
+        out["whole_model"] = profiler.whole_model
+    return out
+
+
+def _outer_pack(seen: dict, statics: set):
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in statics:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    return pack
