@@ -87,7 +87,8 @@ def _parse_step(part: str, text: str) -> FreezeStep:
 
     when, sep, layers = part.partition(":")
     if not sep:
-        raise bad("no ':' between iteration and layers")
+        # YAML reads an unquoted 5:10 as the base-60 integer 310
+        raise bad("no ':' between iteration and layers; in --set, quote it: dynmo.freeze='\"5:10\"'")
     first, dash, last = layers.partition("-")
     try:
         iteration, lo = int(when), int(first)

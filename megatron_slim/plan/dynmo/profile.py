@@ -31,7 +31,7 @@ class LayerProfile:
     def to_layer_cost(self) -> LayerCost:
         return LayerCost(self.forward_s, self.backward_s, float(self.static_bytes), self.activation_bytes)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
