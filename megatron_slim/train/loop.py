@@ -100,9 +100,8 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     torch.manual_seed(t.seed)
     groups = init_model_parallel(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, dp=p.dp, seed=t.seed)
     cp_step = CPTrainStep(recipe, groups, prepared.tokenizer.eod) if p.cp > 1 else None
-    layers = with_dynamic_layers(
-        recipe, cp_layer_classes(recipe) if cp_step else {"core_attention": SliceCoreAttention}
-    )
+    layers = cp_layer_classes(recipe) if cp_step else {"core_attention": SliceCoreAttention}
+    layers = with_dynamic_layers(recipe, layers)
     chunks = build_rank_chunks(recipe.model, groups, **layers, seed=t.seed, **recompute_config(t.recompute_plan))
     if cp_step:
         cp_step.attach(chunks)

@@ -10,7 +10,7 @@ ever to thaw them.
 
 from __future__ import annotations
 
-from megatron_slim.train.dynmo.profile import decoder_layers
+from megatron_slim.megatron.model.gpt import decoder_layers
 
 
 def set_frozen(chunks, frozen: frozenset[int]) -> list[int]:

@@ -26,13 +26,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_slim.megatron.model.gpt import decoder_layers
 from megatron_slim.plan.dynmo.profile import LayerProfile, merged, smoothed
-
-
-def decoder_layers(chunks) -> list:
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
 
 
 class _Clock:
