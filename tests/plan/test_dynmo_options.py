@@ -101,3 +101,11 @@ def test_ranks_profiles_merge_in_layer_order_into_layer_costs():
         merged([ranks[0], ranks[0]])
     with pytest.raises(ValueError, match="exactly once"):
         layer_costs(ranks[0])
+
+
+def test_megatron_args_refuses_what_only_train_runs(capsys):
+    from megatron_slim.cli import main
+
+    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", "dynmo.exit_threshold=0.3"]) == 2
+    assert "dynmo: " in capsys.readouterr().err
+    assert main(["megatron-args", "--recipe", "tiny-cpu"]) == 0
