@@ -144,6 +144,9 @@ def profiling(rank, world_size, seed):
             out["rounds"].append(profiler.finish())
             out["outer_bytes"] = sum(seen.values()) / 2
         out["whole_model"] = profiler.whole_model
+        with torch.no_grad():  # an evaluation forward: not profiled
+            chunk(ids, None, None, labels=labels)
+        out["no_grad"] = profiler.finish()
     return out
 
 

@@ -42,6 +42,7 @@ def test_dynmo_section_reports_profile_frozen_layers_and_exits(runs):
         d = run["dynmo"]
         assert d["frozen_layers"] == [0, 1, 2]
         assert [p["layer"] for p in d["layer_profile"]] == list(range(8))  # gathered over pipeline ranks
+        assert all(p["forward_s"] > 0 and p["backward_s"] > 0 for p in d["layer_profile"])
         assert all(p["gradient_bytes"] == 0 for p in d["layer_profile"][:3])
         assert all(p["gradient_bytes"] == p["parameter_bytes"] > 0 for p in d["layer_profile"][3:])
         assert sorted(d["active_token_share"]) == [str(i) for i in range(3, 8)]

@@ -6,7 +6,8 @@ is ready (its backward starts), one on its input when the gradient leaving it is
 backward ends); weight-gradient accumulation that autograd runs after that is not counted. On CPU
 the stamps are ``time.perf_counter``; on CUDA they are recorded events, resolved after a
 synchronise at the end of the iteration. A layer whose input needs no gradient (none here: the
-embedding always trains) would report no backward time.
+embedding always trains) would report no backward time; forwards without autograd (evaluation)
+are not counted.
 
 Activation bytes: while a layer's forward runs, a saved-tensor pack hook counts the storages
 autograd saves (once each, parameters left out) and then hands the tensor to whatever pack hook was
@@ -75,9 +76,11 @@ class LayerProfiler:
             handle.remove()
 
     def _before_forward(self, layer, args, kwargs) -> None:
+        if not torch.is_grad_enabled():  # evaluation: not training work, not profiled
+            return
         index = layer.layer_number - 1
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
             hidden.register_hook(self._backward_end(index))
         hooks = _counting_hooks(self._static, lambda n: self._add_saved(index, n))
         hooks.__enter__()
@@ -85,11 +88,13 @@ class LayerProfiler:
 
     def _after_forward(self, layer, args, kwargs, output) -> None:
         index = layer.layer_number - 1
+        if index not in self._open:
+            return
         started, hooks = self._open.pop(index)
         hooks.__exit__(None, None, None)
         self._forward[index].append((started, self._clock.stamp()))
         hidden = output[0] if isinstance(output, tuple) else output
-        if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
             hidden.register_hook(self._backward_begin(index))
 
     def _add_saved(self, index: int, nbytes: int) -> None:
