@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from megatron_slim.commands.simulate_modes import add_mode_args
+from megatron_slim.commands.train_dynmo import add_dynmo_args
 from megatron_slim.plan.schema import ConfigError
 
 
@@ -181,6 +182,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="stop after iteration N with a checkpoint, as an interrupted run would",
     )
     _add_observability_args(train)
+    add_dynmo_args(train)
     train.set_defaults(run="megatron_slim.commands.train")
 
 
