@@ -115,16 +115,16 @@ def plan_dynamic(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
 
 def _dynamic_block(size: int, share: float, budget: int, work: list[float], tokens: list[float]) -> tuple[int, ...]:
     """The aligned block of ``size`` ranks whose busiest member has the least work among blocks
-    with room for ``share`` more tokens per member (ties: the lowest); with none, the most room."""
-    candidates = [tuple(range(b, b + size)) for b in range(0, len(work), size)]
-
-    def room(block: tuple[int, ...]) -> float:
-        return min(budget - tokens[r] for r in block)
-
-    fitting = [b for b in candidates if room(b) >= share]
-    if fitting:
-        return min(fitting, key=lambda b: (max(work[r] for r in b), b[0]))
-    return max(candidates, key=lambda b: (room(b), -b[0]))
+    with room for ``share`` more tokens per member (ties: the lowest); with none, the most room.
+    A block's room is its fullest member's (``budget - t`` falls as ``t`` grows, so the minimum
+    room is ``budget - max(t)`` exactly)."""
+    starts = range(0, len(work), size)
+    room = [budget - max(tokens[b : b + size]) for b in starts]
+    fitting = [b for b, x in zip(starts, room) if x >= share]
+    if not fitting:
+        return tuple(range(starts[room.index(max(room))], starts[room.index(max(room))] + size))
+    first = min(fitting, key=lambda b: max(work[b : b + size]))  # min keeps the first of equals
+    return tuple(range(first, first + size))
 
 
 def dynamic_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]:
@@ -138,9 +138,12 @@ def dynamic_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]
         size = dynamic_size(s, budget, num_ranks)
         share = s / size
         if size == 1:  # the common case, without building one-rank blocks
-            room = [budget - t for t in tokens]
-            fitting = [r for r in range(num_ranks) if room[r] >= share]
-            r0 = min(fitting, key=work.__getitem__) if fitting else room.index(max(room))
+            fitting = [r for r, t in enumerate(tokens) if budget - t >= share]
+            if fitting:
+                r0 = min(fitting, key=work.__getitem__)
+            else:
+                room = [budget - t for t in tokens]
+                r0 = room.index(max(room))
             block: tuple[int, ...] = (r0,)
         else:
             block = _dynamic_block(size, share, budget, work, tokens)

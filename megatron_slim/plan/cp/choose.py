@@ -21,16 +21,16 @@ in full (``_floor``).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_slim.plan.cp.assemble import GroupSpec, assemble
 from megatron_slim.plan.cp.baselines import a2a_p2p_specs, allgather_specs, dynamic_specs, ring_specs, ulysses_specs
+from megatron_slim.plan.cp.buckets import partition
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import ALL_LAYERS, SplitOption, ZeppelinLayers, hierarchical_allowed
 from megatron_slim.plan.cp.layout import CPPlan
-from megatron_slim.plan.cp.placement import check_lengths, overflow_cost, partition, partition_pack, specs_of
+from megatron_slim.plan.cp.placement import check_lengths, overflow_cost, partition_pack, specs_of
 from megatron_slim.plan.cp.price import PackCost, price_specs
 from megatron_slim.plan.cp.topology import CPTopology
 
@@ -115,7 +115,7 @@ def spread_specs(
         tuple(lengths[i] for i in rest), rest_splits, topo, overflow_cost(topo, costs, layers.remap)
     )
     others = specs_of(rest_splits, rest_members, topo, layers)
-    return [first] + [dataclasses.replace(s, seqs=tuple(rest[j] for j in s.seqs)) for s in others]
+    return [first] + [GroupSpec(s.kind, s.ranks, tuple(rest[j] for j in s.seqs), s.a2a_size, s.routed) for s in others]
 
 
 def choose_placement(

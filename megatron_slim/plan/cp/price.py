@@ -62,9 +62,23 @@ class _Loads:
     def comm(self, rank: int, seconds: float, inter: bool) -> None:
         (self.inter if inter else self.intra)[rank] += seconds
 
+    def charge(
+        self, ranks: tuple[int, ...], compute: float, comm: float, inter: bool, tokens: float, intra_s: float = 0.0
+    ) -> None:
+        """Every member of a group: ``compute``, ``comm`` on its link class, ``tokens``, and, when
+        ``intra_s`` is given, NVLink time charged after ``comm`` (a hierarchical group's
+        all-to-alls)."""
+        link = self.inter if inter else self.intra
+        for r in ranks:
+            self.compute[r] += compute
+            link[r] += comm
+            if intra_s:
+                self.intra[r] += intra_s
+            self.tokens[r] += tokens
+
 
 def _spans_nodes(ranks: tuple[int, ...], topo: CPTopology) -> bool:
-    return len({topo.node_of(r) for r in ranks}) > 1
+    return topo.node_of(min(ranks)) != topo.node_of(max(ranks))  # nodes are rank ranges
 
 
 def _zigzag(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
@@ -79,11 +93,7 @@ def _zigzag(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, 
     pairs = squares / (2 * g * g)
     cf, cb = costs.attention_s(pairs, False), costs.attention_s(pairs, True)
     ring = _ring(g, cf, hop(block), cb, hop(2 * block), hop(block))
-    compute = g * (cf + cb)
-    for r in spec.ranks:
-        loads.compute[r] += compute
-        loads.comm(r, ring - compute, inter)
-        loads.tokens[r] += total / g
+    loads.charge(spec.ranks, g * (cf + cb), ring - g * (cf + cb), inter, total / g)
 
 
 def _hierarchical(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
@@ -99,12 +109,7 @@ def _hierarchical(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPC
     cf, cb = costs.attention_s(pairs, False), costs.attention_s(pairs, True)
     nic = topo.nic
     ring = _ring(n, cf, nic.transfer_time(block), cb, nic.transfer_time(2 * block), nic.transfer_time(block))
-    compute = n * (cf + cb)
-    for r in spec.ranks:
-        loads.compute[r] += compute
-        loads.comm(r, ring - compute, True)
-        loads.comm(r, a2a, False)
-        loads.tokens[r] += per_rank
+    loads.charge(spec.ranks, n * (cf + cb), ring - n * (cf + cb), True, per_rank, intra_s=a2a)
 
 
 def _ulysses(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
@@ -133,10 +138,7 @@ def _allgather(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCost
     lat = (nodes - 1) * topo.nic.latency + (m - 1) * topo.nvlink.latency
     collective = max(nic, nvl) + lat  # forward: one gather; backward: gather and reduce-scatter
     compute = sum(s * (s + 1) / 2 for s in lens) / g * costs.pair_s()
-    for r in spec.ranks:
-        loads.compute[r] += compute
-        loads.comm(r, 3 * collective, nodes > 1 and nic >= nvl)
-        loads.tokens[r] += total / g
+    loads.charge(spec.ranks, compute, 3 * collective, nodes > 1 and nic >= nvl, total / g)
 
 
 def _local(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
