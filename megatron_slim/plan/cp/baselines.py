@@ -121,9 +121,8 @@ def _dynamic_block(size: int, share: float, budget: int, work: list[float], toke
     starts = range(0, len(work), size)
     room = [budget - max(tokens[b : b + size]) for b in starts]
     fitting = [b for b, x in zip(starts, room) if x >= share]
-    if not fitting:
-        return tuple(range(starts[room.index(max(room))], starts[room.index(max(room))] + size))
-    first = min(fitting, key=lambda b: max(work[b : b + size]))  # min keeps the first of equals
+    most = starts[room.index(max(room))]
+    first = min(fitting, key=lambda b: max(work[b : b + size])) if fitting else most  # min: the first of equals
     return tuple(range(first, first + size))
 
 

@@ -124,8 +124,10 @@ def greedy(
     node_items = _node_of_each(lengths, local, [e * g for e, g in zip(est, span)], overflow_s, state)
     if max(state.load) > m * give_up_above * (1 + 1e-9):
         return None
-    for node, items in enumerate(node_items):
-        ranks = topo.ranks_of_node(node)
+    # nodes are independent from here on: a trial visits the busiest first, where it gives up soonest
+    visit = range(n) if give_up_above == math.inf else sorted(range(n), key=state.load.__getitem__, reverse=True)
+    for node in visit:
+        items, ranks = node_items[node], topo.ranks_of_node(node)
         _fill_ranks(ranks, items, est, span, rank_load, members)
         if max(rank_load[r] for r in ranks) > give_up_above:
             return None

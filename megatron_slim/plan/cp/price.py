@@ -42,7 +42,7 @@ class PackCost:
 
     @cached_property
     def time_s(self) -> float:
-        return max(self.load(r) for r in range(len(self.compute)))
+        return max([c + a + e for c, a, e in zip(self.compute, self.intra, self.inter)])  # as load(r)
 
     def breakdown(self) -> dict[str, float]:
         """Mean over ranks of each component; they sum to ``time_s``."""
@@ -180,8 +180,9 @@ def price_specs(
     attn_token_s = costs.token_s(1.0, remap=True)
     mlp_s = costs.mlp_fwd_s + costs.mlp_bwd_s
     share = sum(lengths) / topo.num_ranks
-    for r in range(topo.num_ranks):
-        loads.compute[r] += loads.tokens[r] * attn_token_s + (share if remap else loads.tokens[r]) * mlp_s
+    loads.compute = [
+        c + t * attn_token_s + (share if remap else t) * mlp_s for c, t in zip(loads.compute, loads.tokens)
+    ]
     if remap:
         _remap(loads, topo, costs)
     return PackCost(tuple(loads.compute), tuple(loads.intra), tuple(loads.inter))
