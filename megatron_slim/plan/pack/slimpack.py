@@ -42,18 +42,33 @@ class SlimPackResult:
     merged: tuple[int, ...]
 
 
-def make_units(lengths: Sequence[int], costs: SliceCosts, slices: list[list[Piece]], merged: set[int]) -> list[Unit]:
-    """One unit per document, or per slice of a DP-merged one (``slices``: each document's)."""
+def make_units(
+    lengths: Sequence[int],
+    costs: SliceCosts,
+    slices: list[list[Piece]],
+    merged: set[int],
+    memo: Optional[dict[tuple[int, bool], list[Unit]]] = None,
+) -> list[Unit]:
+    """One unit per document, or per slice of a DP-merged one (``slices``: each document's).
+    ``memo``: units already made for ``(sample, merged)``, shared by the DP-merge candidates."""
+    memo = {} if memo is None else memo
     units = []
     for sample, length in enumerate(lengths):
-        if sample in merged:
-            for p in slices[sample]:
-                moved = costs.transfer(p.start)
-                units.append(
-                    Unit((p,), costs.forward(p.length, p.start) + moved, costs.backward(p.length, p.start) + 2 * moved)
-                )
-        else:
-            units.append(Unit(tuple(slices[sample]), *costs.sample_work(length)))
+        key = (sample, sample in merged)
+        if key not in memo:
+            memo[key] = _units_of(sample, length, costs, slices[sample], key[1])
+        units += memo[key]
+    return units
+
+
+def _units_of(sample: int, length: int, costs: SliceCosts, pieces: list[Piece], merged: bool) -> list[Unit]:
+    if not merged:
+        return [Unit(tuple(pieces), *costs.sample_work(length))]
+    units = []
+    for p in pieces:
+        moved = costs.transfer(p.start)
+        fwd, bwd = costs.forward(p.length, p.start), costs.backward(p.length, p.start)
+        units.append(Unit((p,), fwd + moved, bwd + 2 * moved))
     return units
 
 
@@ -99,8 +114,9 @@ def _best_candidate(
         if m not in options:
             options.append(m)
     candidates: list[tuple[float, float, int, list[Unit], list[int], set[int], Vector, Vector]] = []
+    memo: dict[tuple[int, bool], list[Unit]] = {}
     for merged in options:
-        units = make_units(lengths, costs, slices, merged)
+        units = make_units(lengths, costs, slices, merged, memo)
         f, b = normalised(units, dp)
         assign = lpt(f, b, dp)
         fwd, bwd = np.bincount(assign, f, dp), np.bincount(assign, b, dp)
