@@ -31,7 +31,7 @@ from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import ALL_LAYERS, SplitOption, ZeppelinLayers, hierarchical_allowed
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.placement import check_lengths, overflow_cost, partition_pack, specs_of
-from megatron_slim.plan.cp.price import PackCost, price_specs
+from megatron_slim.plan.cp.price import PackCost, price_both, price_specs
 from megatron_slim.plan.cp.topology import CPTopology
 
 CANDIDATES = (
@@ -124,7 +124,9 @@ def choose_placement(
     remap = layers.remap
     splits, members, _ = partition_pack(lengths, topo, costs, layers)
     own = specs_of(splits, members, topo, layers)
-    priced = {"zeppelin": price_specs(lengths, own, topo, costs, remap=remap)}
+    unremapped = runnable("zeppelin-unremapped", topo, costs, layers)
+    own_prices = price_both(lengths, own, topo, costs, (remap, False) if unremapped else (remap,))
+    priced = {"zeppelin": own_prices[0]}
     best, best_specs = "zeppelin", own
     pruned: list[str] = []
     spread = spread_specs(lengths, topo, costs, layers, (splits, members)) if topo.num_nodes > 1 else None
@@ -132,8 +134,8 @@ def choose_placement(
         priced["zeppelin-spread"] = price_specs(lengths, spread, topo, costs, remap=remap)
         if priced["zeppelin-spread"].time_s < priced[best].time_s:
             best, best_specs = "zeppelin-spread", spread
-    if runnable("zeppelin-unremapped", topo, costs, layers):
-        priced["zeppelin-unremapped"] = price_specs(lengths, own, topo, costs, remap=False)
+    if unremapped:
+        priced["zeppelin-unremapped"] = own_prices[1]
         if priced["zeppelin-unremapped"].time_s < priced[best].time_s:
             best, best_specs = "zeppelin-unremapped", own
     for name in CANDIDATES[3:]:

@@ -140,10 +140,13 @@ class SplitOptions(Sequence[SplitOption]):
 
     def fitting_index(self, target_s: float) -> int:
         """The index of ``choose_split(self, target_s)``, pricing only the options it reads."""
+        made = self._made
         for j in range(len(self)):
-            if self[j].est_s <= target_s:
+            if j == len(made):
+                made.append(self._make(j))
+            if made[j].est_s <= target_s:
                 return j
-        return min(range(len(self)), key=lambda j: (self[j].est_s, self[j].span))
+        return min(range(len(self)), key=lambda j: (made[j].est_s, made[j].span))
 
     def _make(self, j: int) -> SplitOption:
         s, topo, costs, remap, m = self._s, self._topo, self._costs, self._remap, self._topo.ranks_per_node

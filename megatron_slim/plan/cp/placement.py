@@ -43,7 +43,6 @@ from megatron_slim.plan.cp.estimate import (
     SplitOption,
     SplitOptions,
     ZeppelinLayers,
-    local_time,
 )
 from megatron_slim.plan.cp.layout import GroupKind
 from megatron_slim.plan.cp.topology import CPTopology
@@ -74,10 +73,6 @@ def _better(new: list[float], old: list[float], target: float) -> bool:
     if max(new) < max(old) - gain:
         return True
     return max(new) <= max(old) and _excess(new) < _excess(old) - gain * gain
-
-
-def _target(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, remap: bool) -> float:
-    return sum(local_time(s, topo, costs, remap) for s in lengths) / topo.num_ranks
 
 
 def overflow_cost(topo: CPTopology, costs: CPCosts, remap: bool) -> float:
@@ -116,7 +111,7 @@ def partition_pack(
         for s in set(lengths)
     }
     options = [by_length[s] for s in lengths]  # read only: equal lengths share one list
-    target = _target(lengths, topo, costs, remap)
+    target = sum(opts[0].est_s for opts in options) / topo.num_ranks  # a fair share of local costs
     overflow_s = overflow_cost(topo, costs, remap)
     first = {s: opts.fitting_index(target) for s, opts in by_length.items()}
     choice = [first[s] for s in lengths]

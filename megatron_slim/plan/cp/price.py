@@ -174,15 +174,27 @@ def _remap(loads: _Loads, topo: CPTopology, costs: CPCosts) -> None:
 def price_specs(
     lengths: tuple[int, ...], specs: list[GroupSpec], topo: CPTopology, costs: CPCosts, *, remap: bool
 ) -> PackCost:
-    loads = _Loads(topo.num_ranks)
+    return price_both(lengths, specs, topo, costs, (remap,))[0]
+
+
+def price_both(
+    lengths: tuple[int, ...], specs: list[GroupSpec], topo: CPTopology, costs: CPCosts, remaps: tuple[bool, ...]
+) -> tuple[PackCost, ...]:
+    """``price_specs`` of one placement under each of ``remaps``: the groups are charged once."""
+    groups = _Loads(topo.num_ranks)
     for spec in specs:
-        _KINDS[spec.kind](spec, [lengths[i] for i in spec.seqs], topo, costs, loads)
+        _KINDS[spec.kind](spec, [lengths[i] for i in spec.seqs], topo, costs, groups)
     attn_token_s = costs.token_s(1.0, remap=True)
     mlp_s = costs.mlp_fwd_s + costs.mlp_bwd_s
     share = sum(lengths) / topo.num_ranks
-    loads.compute = [
-        c + t * attn_token_s + (share if remap else t) * mlp_s for c, t in zip(loads.compute, loads.tokens)
-    ]
-    if remap:
-        _remap(loads, topo, costs)
-    return PackCost(tuple(loads.compute), tuple(loads.intra), tuple(loads.inter))
+    out = []
+    for remap in remaps:
+        loads = _Loads(0)
+        loads.intra, loads.inter, loads.tokens = list(groups.intra), list(groups.inter), groups.tokens
+        loads.compute = [
+            c + t * attn_token_s + (share if remap else t) * mlp_s for c, t in zip(groups.compute, groups.tokens)
+        ]
+        if remap:
+            _remap(loads, topo, costs)
+        out.append(PackCost(tuple(loads.compute), tuple(loads.intra), tuple(loads.inter)))
+    return tuple(out)
