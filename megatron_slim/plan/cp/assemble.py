@@ -101,12 +101,12 @@ def assemble(
     for s in lengths:
         offsets.append(acc)
         acc += s
-    scoped = [(SCOPE_PRIORITY[scope_of(s.ranks, topo)], n, s) for n, s in enumerate(specs)]
-    scoped.sort(key=lambda t: (t[0], t[1]))
+    scopes = [scope_of(s.ranks, topo) for s in specs]
+    order = sorted(range(len(specs)), key=lambda n: SCOPE_PRIORITY[scopes[n]])  # stable: the planner's order
     groups: list[CPGroup] = []
     per_rank: list[list[Segment]] = [[] for _ in range(topo.num_ranks)]
-    for index, (_, _, spec) in enumerate(scoped):
-        scope = scope_of(spec.ranks, topo)
+    for index, n in enumerate(order):
+        spec, scope = specs[n], scopes[n]
         groups.append(
             CPGroup(
                 index,

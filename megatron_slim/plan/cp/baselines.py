@@ -113,17 +113,27 @@ def plan_dynamic(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
     return assemble("dynamic", tuple(lengths), topo, dynamic_specs(tuple(lengths), topo))
 
 
+def _block_max(values: list[float], size: int) -> list[float]:
+    """``max(values[k * size : (k + 1) * size])`` for every aligned block ``k``."""
+    if size == 1:
+        return values
+    return list(map(max, *(values[j::size] for j in range(size))))
+
+
 def _dynamic_block(size: int, share: float, budget: int, work: list[float], tokens: list[float]) -> tuple[int, ...]:
     """The aligned block of ``size`` ranks whose busiest member has the least work among blocks
     with room for ``share`` more tokens per member (ties: the lowest); with none, the most room.
     A block's room is its fullest member's (``budget - t`` falls as ``t`` grows, so the minimum
     room is ``budget - max(t)`` exactly)."""
     starts = range(0, len(work), size)
-    room = [budget - max(tokens[b : b + size]) for b in starts]
-    fitting = [b for b, x in zip(starts, room) if x >= share]
-    most = starts[room.index(max(room))]
-    first = min(fitting, key=lambda b: max(work[b : b + size])) if fitting else most  # min: the first of equals
-    return tuple(range(first, first + size))
+    room = [budget - t for t in _block_max(tokens, size)]
+    fitting = [k for k, x in enumerate(room) if x >= share]
+    if fitting:
+        busiest = _block_max(work, size)
+        k = min(fitting, key=busiest.__getitem__)  # min keeps the first of equals
+    else:
+        k = room.index(max(room))
+    return tuple(range(starts[k], starts[k] + size))
 
 
 def dynamic_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]:

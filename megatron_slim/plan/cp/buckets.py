@@ -80,12 +80,13 @@ def _fill_ranks(
     span: list[int],
     rank_load: list[float],
     members: list[tuple[int, ...]],
+    order: list[tuple[float, int, int]],
 ) -> None:
-    """Pieces by decreasing per-member cost, each on the node's least-loaded ranks: a heap of
-    ``(load, rank)`` pops them in the order "least load, then lowest rank"."""
+    """Pieces by decreasing per-member cost (``order[i]`` = ``(-est, -span, i)``), each on the
+    node's least-loaded ranks: a heap of ``(load, rank)`` pops them as "least load, then lowest rank"."""
     heap = [(rank_load[r], r) for r in ranks]
     heapq.heapify(heap)
-    for i in sorted(items, key=lambda i: (-est[i], -span[i], i)):
+    for i in sorted(items, key=order.__getitem__):
         e = est[i]
         if span[i] == 1:
             load, r = heap[0]
@@ -126,9 +127,10 @@ def greedy(
         return None
     # nodes are independent from here on: a trial visits the busiest first, where it gives up soonest
     visit = range(n) if give_up_above == math.inf else sorted(range(n), key=state.load.__getitem__, reverse=True)
+    order = list(zip([-e for e in est], [-g for g in span], range(len(est))))
     for node in visit:
         items, ranks = node_items[node], topo.ranks_of_node(node)
-        _fill_ranks(ranks, items, est, span, rank_load, members)
+        _fill_ranks(ranks, items, est, span, rank_load, members, order)
         if max(rank_load[r] for r in ranks) > give_up_above:
             return None
     return Buckets(members, rank_load, node_items)
