@@ -102,7 +102,8 @@ def spread_specs(
     every rank loads them evenly. None when there is nothing to spread or nothing else to place."""
     splits, members = own
     spread = tuple(i for i, ranks in enumerate(members) if topo.node_of(ranks[0]) != topo.node_of(ranks[-1]))
-    rest = [i for i in range(len(lengths)) if i not in set(spread)]
+    spread_set = set(spread)
+    rest = [i for i in range(len(lengths)) if i not in spread_set]
     if not spread or not rest:
         return None
     everyone = tuple(range(topo.num_ranks))
