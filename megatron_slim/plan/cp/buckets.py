@@ -52,11 +52,21 @@ def _inter_node(
 
 
 def _node_of_each(
-    lengths: tuple[int, ...], local: list[int], work: list[float], overflow_s: float, state: _NodeState
-) -> list[list[int]]:
+    lengths: tuple[int, ...],
+    local: list[int],
+    est: list[float],
+    work: list[float],
+    overflow_s: float,
+    state: _NodeState,
+    give_up: tuple[list[float], float],
+) -> list[list[int]] | None:
     """Node-local sequences, in the given order, each to the node (lowest index on ties) where
-    load plus the penalty for tokens beyond the node's share ends lowest."""
+    load plus the penalty for tokens beyond the node's share ends lowest.
+
+    ``give_up = (rank load each node starts with, limit)``: None once a sequence's per-member cost
+    on top of its node's starting load exceeds the limit (its members end at least that high)."""
     node_load, node_tokens, cap = state.load, state.tokens, state.cap
+    start, limit = give_up
     node_items: list[list[int]] = [[] for _ in node_load]
     for i in local:
         s = lengths[i]
@@ -67,6 +77,8 @@ def _node_of_each(
                 for load, tok in zip(node_load, node_tokens)
             ]
             node = ends.index(min(ends))
+        if start[node] + est[i] > limit:
+            return None
         node_load[node] += work[i]
         node_tokens[node] += s
         node_items[node].append(i)
@@ -122,8 +134,11 @@ def greedy(
     inter = [i for i in by_total if splits[i].nodes > 1]
     members, rank_load = _inter_node(lengths, splits, inter, topo, state)
     local = [i for i in by_total if splits[i].nodes == 1]
-    node_items = _node_of_each(lengths, local, [e * g for e, g in zip(est, span)], overflow_s, state)
-    if max(state.load) > m * give_up_above * (1 + 1e-9):
+    # every rank of a node starts with the same load: the inter-node sequences span whole nodes
+    start = [rank_load[topo.ranks_of_node(node)[0]] for node in range(n)]
+    work = [e * g for e, g in zip(est, span)]
+    node_items = _node_of_each(lengths, local, est, work, overflow_s, state, (start, give_up_above))
+    if node_items is None or max(state.load) > m * give_up_above * (1 + 1e-9):
         return None
     # nodes are independent from here on: a trial visits the busiest first, where it gives up soonest
     visit = range(n) if give_up_above == math.inf else sorted(range(n), key=state.load.__getitem__, reverse=True)
