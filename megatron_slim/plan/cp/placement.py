@@ -13,6 +13,8 @@ too without) and the K/V traffic a split's ring cannot hide on its link class.
    all-to-all inside the nodes + ring across them, whichever is cheaper); when none fits, the
    cheapest per member. Short sequences stay local, medium ones split inside a node, long ones
    across nodes -- the split pays off only once a member's quadratic work hides its ring traffic.
+Steps 2-3 live in ``buckets.py``.
+
 2. **Node buckets first** (longest-processing-time greedy): inter-node sequences, heaviest first,
    take the ``k`` least-loaded nodes; every other sequence, by decreasing total cost, goes to the
    node whose load ends lowest, counting a penalty for tokens beyond the node's share
@@ -23,7 +25,8 @@ too without) and the K/V traffic a split's ring cannot hide on its link class.
    pieces between them, while that lowers the pair's maximum.
 4. **Refinement**: while it clearly lowers the estimated maximum rank load (or does not raise it
    and clearly lowers the load above the mean), a sequence on one of the busiest ranks moves to its next larger span
-   and steps 2-3 are redone (trials without step 3's local search, which runs once at the end).
+   and steps 2-3 are redone (trials without step 3's local search, which runs once at the end;
+   a trial stops as soon as its busiest rank is certain to end above today's, ``buckets.greedy``).
 5. Sequences with the same kind and member set share one group (one ring).
 
 Bound: steps 2-3 are list scheduling, so a node ends at most one sequence above the node average
