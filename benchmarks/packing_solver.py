@@ -62,13 +62,12 @@ def main() -> None:
     runs = [solve(lengths, costs, DP, CAP, budget_s=args.budget) for _ in range(args.repeats)]
     last = runs[-1]
     load_end = list(os.getloadavg())
-    plans = check_digest(Path(args.out + "_digests.json"), last.phase1.digest(), args.record_digest)
+    plans, differs = check_digest(Path(args.out + "_digests.json"), last.phase1.digest(), args.record_digest)
     pp = cost.recipe.parallel.pp
     rows = []
     for method in BASELINES:
         rows.append((method, evaluate(plan_baseline(method, lengths, costs, DP, CAP), pp)))
     rows += [("slimpack phase 1", evaluate(last.phase1, pp)), ("slimpack", evaluate(last.plan, pp))]
-    megatron = rows[0][1].iteration_time_s
     lines = [
         "# SlimPack packing solver: 4M-token global batch over 64 DP ranks",
         "",
@@ -93,6 +92,18 @@ def main() -> None:
         "Simple pipeline model (`plan/pack/evaluate.py`), not the DAG simulator; padding share is the",
         "unused share of MicroPack token capacity (SlimPack fills MicroPacks by work, not tokens).",
         "",
+        *_packer_table(rows),
+    ]
+    text = "\n".join(lines) + "\n"
+    Path(args.out + ".md").write_text(text)
+    print(text)
+    if differs:
+        sys.exit(1)
+
+
+def _packer_table(rows: list) -> list[str]:
+    megatron = rows[0][1].iteration_time_s
+    lines = [
         "| packer | iteration s | tokens/s | vs megatron | fwd imbalance | bwd imbalance | padding | MicroPacks |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -101,11 +112,7 @@ def main() -> None:
             f"| {name} | {m.iteration_time_s:.3f} | {m.tokens_per_s:,.0f} | {megatron / m.iteration_time_s:.2f}x "
             f"| {m.fwd_imbalance:.3f} | {m.bwd_imbalance:.3f} | {m.padding_share:.3f} | {m.micropacks} |"
         )
-    text = "\n".join(lines) + "\n"
-    Path(args.out + ".md").write_text(text)
-    print(text)
-    if "DIFFERS" in plans:
-        sys.exit(1)
+    return lines
 
 
 def _median_max(runs: list, wall: str, cpu: str) -> str:
@@ -115,19 +122,19 @@ def _median_max(runs: list, wall: str, cpu: str) -> str:
     return f"{pair(statistics.median)} | {pair(max)}"
 
 
-def check_digest(path: Path, digest: str, record: bool) -> str:
-    """A line for the header: whether phase 1's plan is the recorded one."""
+def check_digest(path: Path, digest: str, record: bool) -> tuple[str, bool]:
+    """(a line for the header, whether phase 1's plan differs from the recorded one)."""
     stored = json.loads(path.read_text()) if path.exists() else {"about": "", "phase1": ""}
     if record:
         stored["phase1"] = digest
         path.write_text(json.dumps(stored, indent=1) + "\n")
-        return f"digest {digest} recorded in `{path.name}`"
+        return f"digest {digest} recorded in `{path.name}`", False
     if not stored["phase1"]:
-        return f"digest {digest} (nothing recorded to compare with)"
+        return f"digest {digest} (nothing recorded to compare with)", False
     if stored["phase1"] != digest:
-        print(f"phase 1 plan {digest} DIFFERS from {stored['phase1']} in {path.name}", file=sys.stderr)
-        return f"digest {digest} DIFFERS from the recorded {stored['phase1']} (`{path.name}`)"
-    return f"digest {digest}, identical to the one recorded before the speed work (`{path.name}`)"
+        print(f"phase 1 plan {digest} differs from {stored['phase1']} in {path.name}", file=sys.stderr)
+        return f"digest {digest} DIFFERS from the recorded {stored['phase1']} (`{path.name}`)", True
+    return f"digest {digest}, identical to the one recorded before the speed work (`{path.name}`)", False
 
 
 if __name__ == "__main__":
