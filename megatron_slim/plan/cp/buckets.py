@@ -129,14 +129,14 @@ def greedy(
     state = _NodeState(n, -(-sum(lengths) // n))
     est = [sp.est_s for sp in splits]
     span = [sp.span for sp in splits]
-    weight = [-e * g for e, g in zip(est, span)]
-    by_total = sorted(range(len(lengths)), key=weight.__getitem__)  # stable: equal weights by index
-    inter = [i for i in by_total if splits[i].nodes > 1]
-    members, rank_load = _inter_node(lengths, splits, inter, topo, state)
-    local = [i for i in by_total if splits[i].nodes == 1]
-    # every rank of a node starts with the same load: the inter-node sequences span whole nodes
-    start = [rank_load[topo.ranks_of_node(node)[0]] for node in range(n)]
     work = [e * g for e, g in zip(est, span)]
+    by_total = sorted(range(len(lengths)), key=work.__getitem__, reverse=True)  # stable: ties by index
+    nodes = [sp.nodes for sp in splits]
+    local = [i for i in by_total if nodes[i] == 1]
+    inter = [i for i in by_total if nodes[i] > 1] if len(local) < len(by_total) else []
+    members, rank_load = _inter_node(lengths, splits, inter, topo, state)
+    # every rank of a node starts with the same load: the inter-node sequences span whole nodes
+    start = rank_load[::m]  # node k's first rank is k * m
     node_items = _node_of_each(lengths, local, est, work, overflow_s, state, (start, give_up_above))
     if node_items is None or max(state.load) > m * give_up_above * (1 + 1e-9):
         return None
@@ -146,7 +146,7 @@ def greedy(
     for node in visit:
         items, ranks = node_items[node], topo.ranks_of_node(node)
         _fill_ranks(ranks, items, est, span, rank_load, members, order)
-        if max(rank_load[r] for r in ranks) > give_up_above:
+        if max(rank_load[ranks[0] : ranks[-1] + 1]) > give_up_above:  # a node's ranks are a range
             return None
     return Buckets(members, rank_load, node_items)
 
