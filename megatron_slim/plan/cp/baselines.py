@@ -102,10 +102,8 @@ def dynamic_size(s: int, budget: int, num_ranks: int) -> int:
     """``2^ceil(log2(s / budget))``, at least 1, at most the largest power of two dividing ``C``
     (the aligned blocks of one size must tile the ranks)."""
     cap = num_ranks & -num_ranks
-    size = 1
-    while size * budget < s and size < cap:
-        size *= 2
-    return size
+    need = -(-s // budget)  # the least size with size * budget >= s
+    return min(1 << (need - 1).bit_length(), cap)  # the least power of two >= need
 
 
 def plan_dynamic(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
