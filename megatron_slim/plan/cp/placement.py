@@ -38,6 +38,8 @@ is typically 5-25% above ``total / C``.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from megatron_slim.plan.cp.assemble import GroupSpec
 from megatron_slim.plan.cp.buckets import greedy, polish
 from megatron_slim.plan.cp.costs import CPCosts
@@ -87,6 +89,15 @@ def overflow_cost(topo: CPTopology, costs: CPCosts, remap: bool) -> float:
     return 4 * costs.hidden_bytes / topo.nic.bandwidth * topo.ranks_per_node
 
 
+def _busiest(loads: list[float], m: int) -> Iterator[int]:
+    """The ``m`` busiest ranks, busiest first (ties: the lower rank); the first without sorting."""
+    first = loads.index(max(loads))
+    yield first
+    for r in sorted(range(len(loads)), key=loads.__getitem__, reverse=True)[:m]:  # stable: ties by rank
+        if r != first:
+            yield r
+
+
 def _growable(
     members: list[tuple[int, ...]], loads: list[float], splits: list[SplitOption], can_grow: list[bool], m: int
 ) -> list[int]:
@@ -94,7 +105,7 @@ def _growable(
     rank) that have a larger span, each rank's by decreasing per-member cost (ties: the lower
     index), the first ``_REFINE_TRIES`` distinct ones."""
     out: list[int] = []
-    for r in sorted(range(len(loads)), key=loads.__getitem__, reverse=True)[:m]:  # stable: ties by rank
+    for r in _busiest(loads, m):
         held = [i for i, ranks in enumerate(members) if can_grow[i] and r in ranks]
         for i in sorted(held, key=lambda i: (-splits[i].est_s, i)):
             if i not in out:
