@@ -41,7 +41,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from megatron_slim.plan.cp.assemble import GroupSpec
-from megatron_slim.plan.cp.buckets import greedy, polish
+from megatron_slim.plan.cp.buckets import Buckets, greedy, polish
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import (
     ALL_LAYERS,
@@ -98,15 +98,16 @@ def _busiest(loads: list[float], m: int) -> Iterator[int]:
             yield r
 
 
-def _growable(
-    members: list[tuple[int, ...]], loads: list[float], splits: list[SplitOption], can_grow: list[bool], m: int
-) -> list[int]:
+def _growable(current: Buckets, splits: list[SplitOption], can_grow: list[bool], m: int) -> list[int]:
     """The refinement's tries: sequences on the ``m`` busiest ranks (busiest first, ties: the lower
     rank) that have a larger span, each rank's by decreasing per-member cost (ties: the lower
-    index), the first ``_REFINE_TRIES`` distinct ones."""
+    index), the first ``_REFINE_TRIES`` distinct ones. A rank holds its node's node-local
+    sequences and inter-node ones."""
     out: list[int] = []
-    for r in _busiest(loads, m):
-        held = [i for i, ranks in enumerate(members) if can_grow[i] and r in ranks]
+    inter = [i for i, sp in enumerate(splits) if sp.nodes > 1]
+    for r in _busiest(current.loads, m):
+        near = current.node_items[r // m] + inter
+        held = [i for i in near if can_grow[i] and r in current.members[i]]
         for i in sorted(held, key=lambda i: (-splits[i].est_s, i)):
             if i not in out:
                 out.append(i)
@@ -136,7 +137,7 @@ def partition_pack(
     assert current is not None  # nothing to give up on
     last = len(options[0]) - 1  # every sequence has the same number of options
     for _ in range(_REFINE_ROUNDS):
-        for i in _growable(current.members, current.loads, splits, [c < last for c in choice], topo.ranks_per_node):
+        for i in _growable(current, splits, [c < last for c in choice], topo.ranks_per_node):
             trial = list(splits)
             trial[i] = options[i][choice[i] + 1]
             # a trial whose busiest rank ends above today's cannot be better (_better): stop it early
