@@ -101,7 +101,8 @@ def spread_specs(
     the fourth node's ranks filled with short ones at 45% of the others' load); one group over
     every rank loads them evenly. None when there is nothing to spread or nothing else to place."""
     splits, members = own
-    spread = tuple(i for i, ranks in enumerate(members) if topo.node_of(ranks[0]) != topo.node_of(ranks[-1]))
+    m = topo.ranks_per_node  # node of rank r: r // m
+    spread = tuple(i for i, ranks in enumerate(members) if ranks[0] // m != ranks[-1] // m)
     spread_set = set(spread)
     rest = [i for i in range(len(lengths)) if i not in spread_set]
     if not spread or not rest:

@@ -164,13 +164,14 @@ def specs_of(
     splits: list[SplitOption], members: list[tuple[int, ...]], topo: CPTopology, layers: ZeppelinLayers
 ) -> list[GroupSpec]:
     """Step 5: sequences with the same kind and member set share one group."""
+    m = topo.ranks_per_node
     groups: dict[tuple[GroupKind, tuple[int, ...]], list[int]] = {}
     for i, ranks in enumerate(members):
         kind: GroupKind = "local" if len(ranks) == 1 else splits[i].kind
         groups.setdefault((kind, ranks), []).append(i)
     specs = []
     for (kind, ranks), seqs in groups.items():
-        inter = topo.node_of(min(ranks)) != topo.node_of(max(ranks))  # nodes are rank ranges
+        inter = min(ranks) // m != max(ranks) // m  # nodes are rank ranges
         specs.append(
             GroupSpec(
                 kind,
