@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from megatron_slim.commands.simulate_modes import add_mode_args
+from megatron_slim.commands.train_dynmo import add_dynmo_args
 from megatron_slim.plan.schema import ConfigError
 
 
@@ -144,9 +145,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         description="Run a real training job on megatron-core model chunks with the recipe's "
         "pipeline schedule, on gloo CPU ranks. Each microbatch is a window of "
         "model.seq_length tokens of the corpus with causal attention over the "
-        "window; with parallel.cp > 1 the recipe's cp.engine runs (1f1b, one "
-        "slice), each window is a pack of the documents between end-of-document "
-        "tokens and attention stays inside each document.",
+        "window; with parallel.cp > 1 the recipe's cp.engine runs (1f1b or "
+        "interleaved, any parallel.pp, one slice per microbatch; every pipeline "
+        "stage plans each window), each window is a pack of the documents between "
+        "end-of-document tokens and attention stays inside each document.",
         epilog="""where the ranks come from:
   megatron-slim train ...
       spawns the recipe's tp*pp*cp*dp gloo ranks on this machine. They never
@@ -180,6 +182,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="stop after iteration N with a checkpoint, as an interrupted run would",
     )
     _add_observability_args(train)
+    add_dynmo_args(train)
     train.set_defaults(run="megatron_slim.commands.train")
 
 

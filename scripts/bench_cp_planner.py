@@ -1,20 +1,26 @@
 #!/usr/bin/env python
-"""Zeppelin planner time per 4M-token batch over 64 CP ranks (8 nodes x 8 H800), CPU wall clock.
+"""Zeppelin planner time per 4M-token batch over 64 CP ranks (8 nodes x 8 H800): CPU time and wall clock.
 
 Plans every pack of a batch (``plan_zeppelin``: its own placement, the spread one and every baseline
 engine's, priced and the cheapest assembled), for each length distribution of
-``bench_cp_engines.py`` and each seed; each batch is planned ``--repeat`` times and the fastest
-run counts (the machine is shared; the load average is in the header). Also times Zeppelin's own
-placement alone (``baselines=False``) to show what pricing the baselines adds. Writes
+``bench_cp_engines.py`` and each seed; each batch is planned ``--repeat`` times and the median
+counts, of this process's CPU time (``time.process_time``) and of wall clock apart (the machine
+is shared; the load average is in the header). Also times Zeppelin's own placement alone
+(``baselines=False``) to show what pricing the baselines adds. Writes
 ``<out>/cp_planner_time.md`` and ``.json``.
 
-    python scripts/bench_cp_planner.py [--ranks 64] [--seeds 0,1,2] [--repeat 5] [--out benchmarks/results]
+Before timing, every batch's plans are hashed and compared with ``<out>/cp_planner_digests.json``
+(recorded before the planner was made faster): a speed-up must not change a pick. A mismatch
+exits 1; ``--record-digests`` rewrites the file after an intended change of picks.
+
+    python scripts/bench_cp_planner.py [--ranks 64] [--seeds 0,1,2] [--repeat 7] [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -38,19 +44,32 @@ BUDGET_MS = 50.0
 
 
 def time_batch(packs, topo, costs, layers: ZeppelinLayers, repeat: int) -> tuple[float, float]:
-    """Fastest of ``repeat`` runs, milliseconds for the whole batch: (wall clock, this process's CPU
+    """Median of ``repeat`` runs, milliseconds for the whole batch: (wall clock, this process's CPU
     time). The planner is single-threaded, so on a quiet machine the two agree; on a shared one the
     CPU time leaves out the time the process waited for a core."""
-    wall, cpu = float("inf"), float("inf")
+    wall, cpu = [], []
     for _ in range(repeat):
         t0, c0 = time.perf_counter(), time.process_time()
         for pack in packs:
             plan_zeppelin(pack, topo, costs, layers)
-        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
-    return 1e3 * wall, 1e3 * cpu
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return 1e3 * statistics.median(wall), 1e3 * statistics.median(cpu)
 
 
-def run(recipe_name: str, ranks: int, seeds: list[int], repeat: int) -> list[dict]:
+def batch_digest(packs, topo, costs, layers: ZeppelinLayers) -> str:
+    """sha256 over the plan digests of every pack of the batch."""
+    digest = hashlib.sha256()
+    for pack in packs:
+        digest.update(plan_zeppelin(pack, topo, costs, layers).digest().encode())
+    return digest.hexdigest()
+
+
+VARIANTS = {"all_candidates": ZeppelinLayers(), "own_only": ZeppelinLayers(baselines=False)}
+
+
+def run(recipe_name: str, ranks: int, seeds: list[int], repeat: int, digests: dict[str, str]) -> list[dict]:
+    """Rows of timings; ``digests`` (key -> batch digest) gets every batch's plans' digest."""
     recipe = load_recipe(recipe_name)
     _, costs = cp_setup(recipe)
     topo = CPTopology.from_hardware(recipe.hardware_profile, ranks, recipe.parallel.tp)
@@ -59,8 +78,10 @@ def run(recipe_name: str, ranks: int, seeds: list[int], repeat: int) -> list[dic
         source = parse_lengths(spec)
         for seed in seeds:
             packs = make_packs(source, recipe.model.seq_length, recipe.num_microbatches, seed)
-            every = time_batch(packs, topo, costs, ZeppelinLayers(), repeat)
-            own = time_batch(packs, topo, costs, ZeppelinLayers(baselines=False), repeat)
+            for variant, layers in VARIANTS.items():
+                digests[f"{recipe_name}|{ranks}|{dist}|{seed}|{variant}"] = batch_digest(packs, topo, costs, layers)
+            every = time_batch(packs, topo, costs, VARIANTS["all_candidates"], repeat)
+            own = time_batch(packs, topo, costs, VARIANTS["own_only"], repeat)
             rows.append(
                 {
                     "distribution": dist,
@@ -86,10 +107,11 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"- command: `{header['command']}`",
         f"- date: {header['date']}",
         f"- machine: {header['platform']}; CPU: {header['cpu']} ({header['cores']} cores, shared with other "
-        f"jobs; load average at start {header['load']}); Python {header['python']}",
+        f"jobs; load average at start {header['load']}, at end {header['load_end']}); Python {header['python']}",
         f"- commit: {header['commit']} (plus the working tree)",
         f"- {header['ranks']} CP ranks ({header['topology']}), recipe `{header['recipe']}`; a batch is "
-        f"{rows[0]['packs']} packs = {rows[0]['tokens']:,} tokens; fastest of {header['repeat']} runs per batch",
+        f"{rows[0]['packs']} packs = {rows[0]['tokens']:,} tokens; median of {header['repeat']} runs per batch",
+        f"- plans: {header['digests']}",
         f"- budget {BUDGET_MS:.0f} ms per batch; slowest batch here {worst:.1f} ms wall clock, "
         f"{worst_cpu:.1f} ms CPU time ({'within' if worst_cpu <= BUDGET_MS else 'OVER'} budget by CPU time)",
         "",
@@ -117,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", default="zeppelin-7b-h800")
     parser.add_argument("--ranks", type=int, default=64, help="CP ranks (default 64)")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    parser.add_argument("--repeat", type=int, default=5, help="runs per batch; the fastest counts (default 5)")
+    parser.add_argument("--repeat", type=int, default=7, help="runs per batch; the median counts (default 7)")
+    parser.add_argument(
+        "--record-digests", action="store_true", help="rewrite <out>/cp_planner_digests.json (after an intended change)"
+    )
     parser.add_argument("--out", default="benchmarks/results", help="output folder")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -137,14 +162,33 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": args.recipe,
         "repeat": args.repeat,
     }
-    rows = run(args.recipe, args.ranks, seeds, args.repeat)
+    digests: dict[str, str] = {}
+    rows = run(args.recipe, args.ranks, seeds, args.repeat, digests)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    header["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    header["digests"], changed = check_digests(out / "cp_planner_digests.json", digests, args.record_digests)
     text = markdown(rows, header)
     (out / "cp_planner_time.md").write_text(text)
     (out / "cp_planner_time.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
     print(text)
-    return 0
+    return 1 if changed else 0
+
+
+def check_digests(path: Path, digests: dict[str, str], record: bool) -> tuple[str, list[str]]:
+    """(a line for the header, the batches whose plans differ from the recorded ones)."""
+    stored = json.loads(path.read_text()) if path.exists() else {"about": "", "digests": {}}
+    if record:
+        stored["digests"].update(digests)
+        path.write_text(json.dumps(stored, indent=1) + "\n")
+        return f"digests of {len(digests)} batches recorded in `{path.name}`", []
+    known = {k: v for k, v in digests.items() if k in stored["digests"]}
+    changed = sorted(k for k, v in known.items() if stored["digests"][k] != v)
+    for key in changed:
+        print(f"plans differ from {path.name}: {key}", file=sys.stderr)
+    if changed:
+        return f"{len(changed)} of {len(known)} batches' plans DIFFER from `{path.name}`", changed
+    return f"identical to the {len(known)} recorded batch digests in `{path.name}` (of {len(digests)} planned)", []
 
 
 if __name__ == "__main__":

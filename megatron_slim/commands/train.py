@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from megatron_slim.commands.output import prepare_outputs
+from megatron_slim.commands.train_dynmo import dynmo_entry, dynmo_overrides
 from megatron_slim.plan.recipe import load_recipe, world_size_note
 from megatron_slim.plan.schema import ConfigError
 
@@ -171,7 +172,7 @@ def main(args) -> int:
     from megatron_slim.train.loop import TrainOptions
 
     began = time.perf_counter()
-    recipe = load_recipe(args.recipe, args.set)
+    recipe = load_recipe(args.recipe, [*(args.set or []), *dynmo_overrides(args)])
     check_trainable(recipe)
     check_data(recipe)
     job = launched_rank()
@@ -273,6 +274,8 @@ def _report(args, recipe, reports, began) -> int:
     }
     if p.cp > 1:
         payload["cp"] = _cp_entry(recipe, reporter)
+    if recipe.dynmo.active:
+        payload["dynmo"] = dynmo_entry(reports, p.pp)
     if args.json == "-":
         print(json.dumps(payload, indent=2))
     elif args.json:

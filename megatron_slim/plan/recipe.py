@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_slim.plan.cost.slicing import max_slices, slice_alignment, splits_aligned, splits_uniformly
+from megatron_slim.plan.dynmo.options import DynmoConfig
 from megatron_slim.plan.files import load_yaml_mapping
 from megatron_slim.plan.hardware import HardwareProfile, load_hardware
 from megatron_slim.plan.paths import config_dir
@@ -59,6 +60,7 @@ class Recipe:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     cp: CPConfig = field(default_factory=CPConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    dynmo: DynmoConfig = field(default_factory=DynmoConfig)
     hardware: str = "h100"
     name: str = ""
     description: str = ""
@@ -68,6 +70,7 @@ class Recipe:
         self._check_batch()
         self._check_schedule()
         self._check_recompute_depth()
+        self._check_dynmo()
         _ = self.hardware_profile  # an unknown profile fails here, before any work
 
     def _check_parallel_fits_model(self) -> None:
@@ -167,6 +170,23 @@ class Recipe:
                 "train.recompute_num_layers",
                 n,
                 f"with recompute_method=uniform, a divisor of {held}: {divisors}",
+            )
+
+    def _check_dynmo(self) -> None:
+        d = self.dynmo
+        d.check_model(self.model.num_layers)
+        if d.early_exit and (self.parallel.sequence_parallel or self.cp.remap):
+            on = "parallel.sequence_parallel" if self.parallel.sequence_parallel else "cp.remap"
+            raise fail(
+                "dynmo.exit_threshold",
+                d.exit_threshold,
+                f"0 with {on}=true (exits are chosen per token of a full sequence)",
+            )
+        if d.profile and self.train.recompute != "none":
+            raise fail(
+                "dynmo.profile",
+                True,
+                "false with train.recompute != none (a recomputed forward would count as backward)",
             )
 
     @property

@@ -16,17 +16,32 @@ returns ``megatron.cp.data.cp_loss_func``: the loss is ``cp * local_sum`` over t
 count, so the schedule's per-microbatch normalisation and the loop's gradient *average* over data
 x context parallel ranks give the single-process reference's gradients (mean over each pack's loss
 tokens, averaged over microbatches and data-parallel ranks).
+
+Pipeline parallelism (``parallel.pp > 1``). Every pipeline stage reads the same windows (the loop
+gives every rank its data-parallel rank's microbatches) and plans them itself, and the stages of
+a pipeline compare one digest of the iteration's plans (collective over the pipeline group); the
+CP ranks of each stage still compare every plan in ``set_plan``. Every stage runs the same forward
+step: it makes the microbatch's plan current (its attention program, rotary positions and remap)
+before the chunk's forward. The hidden states crossing a stage boundary are this CP rank's tokens
+in the plan's *attention layout* (``RankLayout`` order, plus the padding row of an empty rank):
+the remap layer moves rows to the token-balanced layout only around each layer's MLP and back
+before the layer returns, so every layer boundary, the stage boundary included, holds the
+attention layout. ``stage_rows`` gives the schedule those per-microbatch row counts for its
+receive buffers. A backward needs no current plan: the engine's and the remap's autograd nodes
+keep the plan they ran forward with, so 1F1B's interleaved forwards and backwards stay exact.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_slim.plan.recipe import Recipe
+from megatron_slim.runtime.agreement import check_agreement
 from megatron_slim.train.checks import check_cp_trainable, cp_topology
 
 MICROBATCH_KEY = "cp_microbatch"  # carried through the schedule's data iterator to find the plan
@@ -53,6 +68,7 @@ class CPTrainStep:
         self.engine, self.remap = recipe.cp.engine, recipe.cp.remap
         self.topo, self.costs = cp_topology(recipe)
         self.cp_group, self.cp_rank = groups.cp, groups.cp_rank
+        self.pp_group = groups.pp if groups.pp_size > 1 else None
         self.context = CPContext(groups.cp)
         self.eod = eod
         self.plans: list[tuple] = []
@@ -77,7 +93,31 @@ class CPTrainStep:
             )
             for b in microbatches
         ]
+        if self.pp_group is not None:
+            check_agreement(
+                self.plans_digest(),
+                self.pp_group,
+                device=self.context.device,
+                ranks="pipeline ranks",
+                what="iteration's CP plans",
+                remedy="every pipeline stage must plan the same windows with the same recipe",
+            )
         return [{**b, MICROBATCH_KEY: k} for k, b in enumerate(microbatches)]
+
+    def plans_digest(self) -> str:
+        """One sha256 over the fingerprints of this iteration's plans (placement, routing, remap)."""
+        from megatron_slim.runtime.cp.agreement import fingerprint
+
+        prints = [fingerprint(p, r, m.digest() if m is not None else "no-remap") for p, r, m in self.plans]
+        return hashlib.sha256("|".join(prints).encode()).hexdigest()
+
+    def stage_rows(self, microbatch: int, slice_: int) -> int:
+        """Rows of this CP rank's hidden states between pipeline stages for ``microbatch`` (one
+        slice): the plan's tokens in attention layout, or one padding row (``cp.padding``)."""
+        from megatron_slim.megatron.cp.padding import padding_rows
+
+        plan = self.plans[microbatch][0]
+        return plan.ranks[self.cp_rank].num_tokens + padding_rows(plan, self.cp_rank)
 
     def forward_step(self, data_iterator, model):
         from megatron_slim.megatron.cp.data import cp_batch, cp_loss_func

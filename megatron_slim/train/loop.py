@@ -2,9 +2,9 @@
 
 Each iteration reads its microbatches in an order that depends only on the iteration
 (``megatron_slim.train.microbatch``), so a resumed run reads what the uninterrupted run would have.
-
 With ``parallel.cp > 1`` every microbatch is a pack of documents run by the recipe's CP engine
 (``megatron_slim.train.cp``); gradients are then averaged over data x context parallel ranks.
+The ``dynmo:`` section (freezing, early exit, per-layer profiling) runs in ``train.dynmo.run``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from megatron_slim.plan.recipe import Recipe, recipe_from_dict
 from megatron_slim.plan.sim.costs import slice_lengths
 from megatron_slim.train import checkpoint
 from megatron_slim.train.dynmo.planned import migrate_if_planned
+from megatron_slim.train.dynmo.run import DynamicTraining, with_dynamic_layers
 from megatron_slim.train.metrics import MetricsOptions, open_metrics
 from megatron_slim.train.microbatch import dp_mean, forward_step, microbatches, summed_loss, vocab_forward_step
 from megatron_slim.train.profiler import IterationProfiler, ProfileOptions
@@ -69,6 +70,7 @@ class RankReport:
     skipped_iterations: list = field(default_factory=list)
     stopped: str = ""  # why training stopped early (a non-finite loss or gradient norm); "" = it did not
     cp_iterations: list = field(default_factory=list)  # per iteration: train.cp.CPTrainStep.summary()
+    dynmo: dict = field(default_factory=dict)  # DynamicTraining.after: layer profile, frozen layers, exits
 
 
 def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
@@ -101,15 +103,15 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     groups = init_model_parallel(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, dp=p.dp, seed=t.seed)
     cp_step = CPTrainStep(recipe, groups, prepared.tokenizer.eod) if p.cp > 1 else None
     layers = cp_layer_classes(recipe) if cp_step else {"core_attention": SliceCoreAttention}
+    layers = with_dynamic_layers(recipe, layers)
     built = dict(layers_per_stage=p.layers_per_stage, seed=t.seed, **recompute_config(t.recompute_plan))
     chunks = build_rank_chunks(recipe.model, groups, **layers, **built)
     if cp_step:
         cp_step.attach(chunks)
     optimizer, scheduler = build_optimizer(chunks, t)
     vocab_head = build_vocab_head(chunks, groups) if recipe.schedule.vocab_parallel else None
-    forward_backward = make_forward_backward_func(
-        pipeline_settings(recipe, options.measure_memory), vocab_head=vocab_head
-    )
+    settings, rows = pipeline_settings(recipe, options.measure_memory), cp_step.stage_rows if cp_step else None
+    forward_backward = make_forward_backward_func(settings, vocab_head=vocab_head, stage_rows=rows)
     dataset = build_gpt_dataset(prepared, recipe.model.seq_length, t.global_batch_size * t.iters, seed=t.seed)
     report = RankReport(
         rank,
@@ -117,7 +119,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
         groups.dp_rank,
         groups.tp_rank,
         groups.cp_rank,
-        attention_backend=_backend_text(choose_backend(None, torch.device("cpu"), torch.float32)),
+        attention_backend=choose_backend(None, torch.device("cpu"), torch.float32).label,
     )
     training = _RankTraining(
         recipe,
@@ -168,6 +170,7 @@ class _RankTraining:
     def __post_init__(self) -> None:
         p, groups = self.recipe.parallel, self.groups
         self.params = [q for c in self.chunks for q in c.parameters()]
+        self.dynamic = DynamicTraining(self.recipe, self.chunks, self.optimizer, self.groups)
         self.last_stage = groups.pp_rank == p.pp - 1 and groups.tp_rank == 0
         self.reporter = self.last_stage and groups.dp_rank == 0 and groups.cp_rank == 0
         # gradients are averaged, loss reports summed over data x context parallel ranks
@@ -236,6 +239,7 @@ class _RankTraining:
 
     def _forward_backward(self, number: int) -> list:
         self.profiler.before(number)
+        self.dynamic.before(number)
         self.optimizer.zero_grad(set_to_none=True)
         batches = list(microbatches(self.dataset, self.recipe, number - 1, self.groups.dp_rank))
         step_func = forward_step
@@ -257,6 +261,7 @@ class _RankTraining:
         report, stats = self.report, self.forward_backward.stats
         report.iteration_seconds.append(elapsed)
         self.profiler.after(number, stats.schedule_digest)
+        self.dynamic.after(report)
         report.peak_activation_bytes = max(report.peak_activation_bytes, stats.peak_activation_bytes)
         report.peak_kv_bytes = max(report.peak_kv_bytes, stats.peak_kv_bytes)
         report.offloaded_bytes = max(report.offloaded_bytes, stats.offloaded_bytes)
@@ -293,7 +298,3 @@ class _RankTraining:
                 self.recipe_data,
                 report=saved_report,
             )
-
-
-def _backend_text(choice) -> str:
-    return f"{choice.name} ({choice.reason})" if getattr(choice, "reason", "") else choice.name

@@ -36,7 +36,6 @@ SHARED = {
         dict(micro_batch_size=2),
         {TRAIN: CP_RECIPE + ["train.micro_batch_size=2", "train.global_batch_size=4"]},
     ),
-    "cp-engine-without-pipeline": (dict(pipeline_model_parallel_size=2), {TRAIN: CP_RECIPE + ["parallel.pp=2"]}),
     "slice-policy-exchange": (
         {**SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange"},
         {
@@ -139,6 +138,25 @@ def test_train_refuses_vocab_parallel_where_the_exchange_does_not_run(bad):
     # context parallelism: other rules refuse a SlimPipe x CP train run first; this one still covers it
     rule = broken_rule(Settings(pp=2, cp=2, vocab_parallel=True), TRAIN)
     assert rule is not None and rule.name == "vocab-parallel-train"
+
+
+def test_cp_engines_with_pipelines_run_in_train_and_are_refused_by_the_megatron_launcher():
+    args = argparse.Namespace(**{**FLAGS, "pipeline_model_parallel_size": 2})
+    launcher = _refusal(check_megatron_args, args)
+    assert launcher.startswith("--cp-engine zeppelin needs --pipeline-model-parallel-size 1 under Megatron-LM's")
+    assert "megatron-slim train runs CP engines with parallel.pp > 1" in launcher
+    for engine in ("zeppelin", "ring", "ulysses", "a2a+p2p", "allgather", "dynamic"):
+        check_trainable(load_recipe("tiny-cpu", CP_RECIPE + ["parallel.pp=2", f"cp.engine={engine}"]))
+
+
+def test_train_refuses_slimpipe_slices_under_cp_naming_what_runs():
+    recipe = load_recipe("tiny-cpu", ["parallel.cp=2", "schedule.kind=slimpipe", "schedule.num_slices=2"])
+    refused = _refusal(check_trainable, recipe)
+    assert refused.startswith("schedule.num_slices: SlimPipe slices under context parallelism are not run")
+    assert refused.endswith(
+        "allowed: 1 with parallel.cp > 1 (schedule.kind=1f1b or interleaved, any parallel.pp; "
+        "cp.engine=ring then runs one planned pack per microbatch))"
+    )
 
 
 def test_recipe_field_names_and_flags_cover_the_same_settings():

@@ -3,6 +3,19 @@ import os
 import pytest
 
 SMALL_DATA = ["data.max_files=60"]
+# a CPU hardware profile with one GPU per node: 2 CP ranks are 2 nodes (tests/train/test_train_cp*.py)
+HARDWARE = """name: cpu-2-nodes
+peak_bf16_flops: 1.9e11
+hbm_bytes: 25769803776
+hbm_bandwidth: 2.0e10
+gpus_per_node: 1
+nics_per_node: 1
+nvlink_bandwidth: 2.0e10
+nvlink_latency: 1.0e-6
+nic_bandwidth: 5.0e9
+nic_latency: 2.0e-6
+layer_impl: local
+"""
 
 
 @pytest.fixture(scope="session")
@@ -10,3 +23,27 @@ def data_cache(tmp_path_factory):
     """One corpus cache for the session (preparing it is the slow part of a first run)."""
     path = os.environ.get("MEGATRON_SLIM_TEST_CACHE") or str(tmp_path_factory.mktemp("corpus-cache"))
     return path
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """A corpus of short documents cut from three stdlib modules, so a window packs several."""
+    import random
+
+    from megatron_slim.data import stdlib_root
+
+    root = tmp_path_factory.mktemp("short-docs")
+    text = "".join((stdlib_root() / name).read_text() for name in ("argparse.py", "textwrap.py"))
+    rng, pos = random.Random(0), 0
+    for i in range(200):
+        size = rng.choice([60, 120, 250, 500, 900, 1600])
+        (root / f"doc{i:04d}.txt").write_text(text[pos : pos + size])
+        pos += size
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def hardware(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hw") / "cpu-2-nodes.yaml"
+    path.write_text(HARDWARE)
+    return str(path)

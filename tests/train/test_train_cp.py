@@ -25,6 +25,7 @@ from megatron_slim.cli import main
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle import reference
 from tests.oracle.models import TINY_GQA_2L_LONG
+from tests.train.conftest import HARDWARE
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 MODEL = dict(TINY_GQA_2L_LONG, seq_length=128)
@@ -33,42 +34,6 @@ EOD = 1
 # document followed by short ones (Zeppelin splits the long one across nodes, keeps short ones local)
 WINDOWS = [(7, 45, 20, 56), (100, 9, 13, 6)]
 ALL_WINDOWS = len(WINDOWS)
-HARDWARE = """name: cpu-2-nodes
-peak_bf16_flops: 1.9e11
-hbm_bytes: 25769803776
-hbm_bandwidth: 2.0e10
-gpus_per_node: 1
-nics_per_node: 1
-nvlink_bandwidth: 2.0e10
-nvlink_latency: 1.0e-6
-nic_bandwidth: 5.0e9
-nic_latency: 2.0e-6
-layer_impl: local
-"""
-
-
-@pytest.fixture(scope="module")
-def short_documents(tmp_path_factory):
-    """A corpus of short documents cut from three stdlib modules, so a window packs several."""
-    import random
-
-    from megatron_slim.data import stdlib_root
-
-    root = tmp_path_factory.mktemp("short-docs")
-    text = "".join((stdlib_root() / name).read_text() for name in ("argparse.py", "textwrap.py"))
-    rng, pos = random.Random(0), 0
-    for i in range(200):
-        size = rng.choice([60, 120, 250, 500, 900, 1600])
-        (root / f"doc{i:04d}.txt").write_text(text[pos : pos + size])
-        pos += size
-    return str(root)
-
-
-@pytest.fixture(scope="module")
-def hardware(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hw") / "cpu-2-nodes.yaml"
-    path.write_text(HARDWARE)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +232,6 @@ def test_cli_trains_with_zeppelin_and_ring_with_falling_equal_losses(
 @pytest.mark.parametrize(
     "sets, needle",
     [
-        (["parallel.cp=2", "parallel.pp=2"], "parallel.pp"),
         (
             ["parallel.cp=2", "schedule.kind=slimpipe", "schedule.num_slices=2", "cp.engine=zeppelin"],
             "cp.engine: invalid value (got 'zeppelin'",

@@ -8,7 +8,7 @@ for the work: it always runs the engine and needs a plan (set by ``megatron_slim
 every forward). Both parents keep their context in ``self.context``; here the ``SliceContext`` the
 adapter attaches is kept apart (``slice_context``) and ``context`` stays the ``CPContext``.
 Splitting a microbatch into several SlimPipe slices under a CP engine is not supported
-(``megatron_slim.train.checks.check_cp_trainable`` rejects it).
+(the start-up rule ``train-slices-under-cp`` rejects it; ``docs/cp-pipeline.md``).
 """
 
 from __future__ import annotations

@@ -124,6 +124,12 @@ def _refuse_what_megatron_cannot_run(recipe: Recipe) -> None:
             "gradient norm is nan/inf in fp32 or bf16 (its --check-for-nan-in-loss-and-grad stops "
             "training, as megatron-slim train does by default); allowed: false"
         )
+    if recipe.dynmo.active:
+        raise ConfigError(
+            "dynmo: profile, freeze or early exit is set; they run in megatron-slim train only and have no "
+            "Megatron-LM flags yet; allowed: the section's defaults (dynmo.profile=false, dynmo.freeze='', "
+            "dynmo.exit_threshold=0)"
+        )
     refuse_what_megatron_cannot_recompute(t)
     check(megatron_args_settings(recipe), MEGATRON_ARGS)
 

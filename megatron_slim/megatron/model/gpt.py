@@ -250,6 +250,11 @@ def build_rank_chunks(
     return chunks
 
 
+def decoder_layers(chunks) -> list[TransformerLayer]:
+    """The decoder layers of ``chunks`` in order; ``layer.layer_number - 1`` is a layer's global index."""
+    return [layer for chunk in chunks for layer in chunk.decoder.layers]
+
+
 # Whole-model naming lives in weights.py; re-exported here because callers think in chunks.
 from megatron_slim.megatron.model.weights import (  # noqa: E402
     global_grads,
@@ -263,6 +268,7 @@ __all__ = [
     "build_chunk",
     "build_rank_chunks",
     "chunk_roles",
+    "decoder_layers",
     "global_grads",
     "global_named_parameters",
     "global_state_dict",

@@ -15,10 +15,10 @@ Context parallelism: every slice is split zigzag-wise over the CP ranks by megat
 path (``get_batch_on_this_cp_rank`` on the slice the forward step receives), so slice lengths must
 be multiples of ``2 * cp`` (times ``tp`` under sequence parallelism: the hidden states between
 stages are ``[slice / cp / tp, b, h]``). ``SliceCoreAttention`` then runs the query-out CP slice
-attention (``runtime.pipeline.cp_slice_attention``) on the model's own CP group (a model built with
-a CP engine's core attention, ``megatron.cp_schedule``, runs that engine instead, one slice per
-microbatch). Losses are normalised as megatron does on each CP rank (``runtime.pipeline.loss``),
-and DDP averages over data x context parallel ranks as it always does.
+attention (``runtime.pipeline.cp_slice_attention``) on the model's own CP group; a model built with
+a CP engine's core attention (``megatron.cp.schedule``) runs that engine instead, one slice per
+microbatch, and its plan sets the rows between stages (``stage_rows``). Losses are normalised as
+megatron does on each CP rank (``runtime.pipeline.loss``); DDP averages over data x CP ranks.
 
 Recomputation is megatron-core's (the chunks' ``TransformerConfig.recompute_*``); the interpreter
 runs each backward in its slice's context so a recomputed layer reads the cached K/V prefix.
@@ -38,6 +38,7 @@ from megatron_slim.megatron.slimpipe.offload_layers import attach_offload
 from megatron_slim.megatron.slimpipe.stage import (
     Chunks,
     NonLossData,
+    StageRows,
     attach_kv_stores,
     finalize_grads,
     model_chunks,
@@ -146,12 +147,16 @@ def _refuse_unsupported_call(settings: SlimPipeSettings, seq_length: int, adjust
 
 
 def make_forward_backward_func(
-    settings: SlimPipeSettings, context: Optional[SliceContext] = None, vocab_head: Optional[VocabHead] = None
+    settings: SlimPipeSettings,
+    context: Optional[SliceContext] = None,
+    vocab_head: Optional[VocabHead] = None,
+    stage_rows: Optional[StageRows] = None,
 ) -> ForwardBackwardFunc:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
     hook reads it); a new one by default. ``vocab_head``: run the output layer and loss on every
     pipeline rank (``runtime/pipeline/vocab.py``); the forward step's loss function then returns
-    the slice's ``(labels, loss_mask)`` and the last stage's model its final hidden states."""
+    the slice's ``(labels, loss_mask)`` and the last stage's model its final hidden states.
+    ``stage_rows(microbatch, slice)``: this rank's rows between stages if a CP plan sets them (``train.cp``)."""
     stats = RunStats()
     context = context if context is not None else SliceContext()
 
@@ -180,7 +185,8 @@ def make_forward_backward_func(
         schedule = planned_schedule(settings, group.size(), len(chunks.models), num_microbatches)
         stats.schedule_digest = schedule.digest()
         _agree_on_plan(stats.schedule_digest, group, stats, chunks.first_param.device)
-        run = _Run(settings, chunks, group, schedule, forward_only, collect_non_loss_data and forward_only, vocab_head)
+        non_loss = collect_non_loss_data and forward_only
+        run = _Run(settings, chunks, group, schedule, forward_only, non_loss, vocab_head, stage_rows)
         loss = run.interpret(forward_step_func, data_iterator, micro_batch_size, context, stats)
         if not forward_only and getattr(chunks.config, "finalize_model_grads_func", None) is not None:
             finalize_grads(chunks, loss, pg_collection or grad_finalize_pgs, force_all_reduce)
@@ -204,6 +210,7 @@ class _Run:
     forward_only: bool
     non_loss_only: bool  # collect_non_loss_data in a forward-only call
     vocab_head: Optional[VocabHead] = None
+    stage_rows: Optional[StageRows] = None
 
     def interpret(
         self, forward_step_func, data_iterator, micro_batch_size: int, context: SliceContext, stats: RunStats
@@ -214,8 +221,10 @@ class _Run:
         rank = self.group.rank()
         ledger, stores = attach_kv_stores(chunks, context, settings.slice_lengths, settings.attention_backend)
         iterators = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator] * len(models)
-        sliced = [SlicedIterator(it, settings.slice_lengths) if it is not None else None for it in iterators]
-        ops = stage_ops(chunks, forward_step_func, sliced, self.non_loss_only, settings.slice_lengths, micro_batch_size)
+        context.documents.clear()
+        sliced = [SlicedIterator(it, settings.slice_lengths, context) if it is not None else None for it in iterators]
+        lengths, rows = settings.slice_lengths, self.stage_rows
+        ops = stage_ops(chunks, forward_step_func, sliced, self.non_loss_only, lengths, micro_batch_size, rows)
         p2p = self._p2p(device)
         loss = self._loss()
         kv_storages = lambda: set().union(*(s.storage_ptrs() for s in stores))  # noqa: E731

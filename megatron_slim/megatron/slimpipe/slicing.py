@@ -12,6 +12,11 @@ more: megatron's rotary table (and ``CpuRotaryEmbedding``) is built for ``local 
 from the offset ``SliceRotary`` adds, then cut zigzag-wise, so a rank's tokens get
 ``slice start + their zigzag positions within the slice``. Outside a schedule under CP the local
 tokens are taken as the zigzag shard of one whole sequence (uncached CP attention).
+
+Packed windows: when the slicing data iterator recorded document lengths for the current
+microbatch (``SliceContext.documents``: the batch key ``document_lengths`` or a block-causal
+attention mask), attention stays inside each document (varlen kernels of the chosen backend) and
+RoPE positions restart at 0 in each document. Not under context or tensor parallelism (refused).
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ from typing import Any, Optional
 import torch
 
 from megatron_slim.megatron.model.core_attention import SlimCoreAttention
+from megatron_slim.megatron.model.rotary import rope_table, zigzag_positions
 from megatron_slim.megatron.model.wrapping import RotaryWrapper, wrap_rotary
 from megatron_slim.runtime.pipeline.cp_slice_attention import cp_sliced_attention
+from megatron_slim.runtime.pipeline.documents import DOCUMENT_LENGTHS, slice_documents, slice_positions
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_attention import sliced_attention
-from megatron_slim.runtime.pipeline.slice_context import SliceContext
+from megatron_slim.runtime.pipeline.slice_context import SliceContext, SliceInfo
 
 
 class SliceCoreAttention(SlimCoreAttention):
@@ -47,6 +54,7 @@ class SliceCoreAttention(SlimCoreAttention):
                 f"layer {self.layer_number}: slice attention has no K/V cache store attached "
                 "(call megatron_slim.megatron.slimpipe.slicing.attach_slicing)"
             )
+        documents = self._documents(info, q)
         if under_cp:
             return cp_sliced_attention(
                 q,
@@ -58,6 +66,7 @@ class SliceCoreAttention(SlimCoreAttention):
                 store=self.store,
                 info=info,
                 layer=self.layer_number,
+                documents=documents,
             )
         return sliced_attention(
             q,
@@ -68,7 +77,25 @@ class SliceCoreAttention(SlimCoreAttention):
             store=self.store,
             info=info,
             layer=self.layer_number,
+            documents=slice_documents(documents, info.start, info.length) if documents is not None else None,
         )
+
+    def _documents(self, info: SliceInfo, q: torch.Tensor) -> Optional[tuple[int, ...]]:
+        """The document lengths of the current microbatch if it is a packed window, else None."""
+        assert self.context is not None
+        lengths = self.context.documents.lookup(info.microbatch)
+        if lengths is None:
+            return None
+        tp_group = self.tp_group
+        if tp_group is not None and tp_group.size() > 1:
+            raise ValueError(
+                f"{DOCUMENT_LENGTHS}: packed windows under SlimPipe with tensor parallel size {tp_group.size()} "
+                "are not supported (Megatron's TP batch broadcast carries tensors only, so the other TP ranks "
+                "would not see the documents); allowed: tp=1"
+            )
+        if q.shape[0] != 1:
+            raise ValueError(f"{DOCUMENT_LENGTHS}: micro-batch size {q.shape[0]}; allowed: 1 (one packed window)")
+        return lengths
 
 
 class SliceRotary(RotaryWrapper):
@@ -77,6 +104,18 @@ class SliceRotary(RotaryWrapper):
     def forward(self, max_seq_len: int, offset: int = 0, *args: Any, **kwargs: Any) -> torch.Tensor:
         info = self.context.current
         start = info.start if info is not None else 0
+        documents = self.context.documents.lookup(info.microbatch) if info is not None else None
+        if documents is not None:
+            if offset or max_seq_len != info.length:
+                raise ValueError(
+                    f"{DOCUMENT_LENGTHS}: rotary table of {max_seq_len} positions at offset {offset} for a slice "
+                    f"of {info.length} tokens; allowed: the whole slice at offset 0 (before any context-parallel split)"
+                )
+            positions = torch.tensor(slice_positions(documents, info.start, info.length))
+            cp_group = kwargs.get("cp_group") or getattr(self.inner, "cp_group", None)
+            if cp_group is not None and cp_group.size() > 1 and not kwargs.get("packed_seq", False):
+                positions = positions[zigzag_positions(info.length, cp_group.rank(), cp_group.size())]
+            return rope_table(self.inner, positions)  # on the table's device
         return self.inner(max_seq_len, offset + start, *args, **kwargs)
 
 

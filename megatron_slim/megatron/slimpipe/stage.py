@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -18,6 +18,8 @@ from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter, StageOps, last_backward_steps
 from megatron_slim.runtime.pipeline.kv_cache import ByteLedger, KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceContext
+
+StageRows = Callable[[int, int], int]  # (microbatch, slice) -> this rank's token rows between stages
 
 
 class NonLossData:
@@ -81,8 +83,11 @@ def stage_ops(
     non_loss_only: bool,
     slice_lengths: tuple[int, ...],
     micro_batch_size: int,
+    stage_rows: Optional[StageRows] = None,
 ) -> StageOps:
-    """Megatron's forward step, backward step and output deallocation, as the interpreter calls them."""
+    """Megatron's forward step, backward step and output deallocation, as the interpreter calls them.
+    ``stage_rows``: this rank's token rows of a (microbatch, slice) between stages when a
+    data-dependent plan decides them (a CP engine); by default ``slice / cp / sp_tp``."""
     from megatron.core.utils import get_attr_wrapped_model
 
     models, config, device = chunks.models, chunks.config, chunks.first_param.device
@@ -111,16 +116,15 @@ def stage_ops(
 
         deallocate_output_tensor(out, getattr(config, "deallocate_pipeline_outputs", False))
 
+    def rows(mb: int, j: int) -> int:
+        return stage_rows(mb, j) if stage_rows is not None else slice_lengths[j] // chunks.cp // chunks.sp_tp
+
     return StageOps(
         forward=forward,
         backward=backward,
         release_output=release,
         dtype=config.pipeline_dtype or chunks.first_param.dtype,
-        tensor_shape=lambda mb, j: (
-            slice_lengths[j] // chunks.cp // chunks.sp_tp,
-            micro_batch_size,
-            config.hidden_size,
-        ),
+        tensor_shape=lambda mb, j: (rows(mb, j), micro_batch_size, config.hidden_size),
     )
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from megatron_slim.plan.cp.layout import SCOPE_PRIORITY, CPGroup, CPPlan, GroupKind, RankLayout, Scope, Segment
 from megatron_slim.plan.cp.topology import CPTopology
-from megatron_slim.plan.cp.zigzag import contiguous_ranges, hierarchical_ranges, member_ranges
+from megatron_slim.plan.cp.zigzag import chunk_bounds, contiguous_ranges, zigzag_chunks
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class GroupSpec:
 def scope_of(ranks: tuple[int, ...], topo: CPTopology) -> Scope:
     if len(ranks) == 1:
         return "local"
-    return "intra" if len({topo.node_of(r) for r in ranks}) == 1 else "inter"
+    return "intra" if topo.node_of(min(ranks)) == topo.node_of(max(ranks)) else "inter"  # nodes: rank ranges
 
 
 def _ring_size(spec: GroupSpec) -> int:
@@ -44,28 +44,52 @@ def _a2a_size(spec: GroupSpec) -> int:
     return len(spec.ranks) if spec.kind == "ulysses" else 1
 
 
-def _segments(
-    spec: GroupSpec, index: int, member: int, lengths: tuple[int, ...], offsets: tuple[int, ...]
-) -> list[Segment]:
-    out: list[Segment] = []
+def _ring_segments(spec: GroupSpec, index: int, lengths: tuple[int, ...], offsets: list[int]) -> list[list[Segment]]:
+    """Every member's segments of a zigzag / allgather group (chunk bounds cut once per sequence)."""
+    g = len(spec.ranks)
+    out: list[list[Segment]] = [[] for _ in range(g)]
+    for i in spec.seqs:
+        b, off = chunk_bounds(lengths[i], 2 * g), offsets[i]
+        for member, segs in enumerate(out):
+            for c in zigzag_chunks(member, g):
+                if b[c + 1] > b[c]:
+                    segs.append(Segment(i, b[c], b[c + 1], off + b[c], index, c))
+    return out
+
+
+def _hierarchical_segments(
+    spec: GroupSpec, index: int, lengths: tuple[int, ...], offsets: list[int]
+) -> list[list[Segment]]:
+    """Every member's segments of a hierarchical group: member ``node * a + local`` holds part
+    ``local`` of its node's two zigzag chunks (``zigzag.hierarchical_ranges``)."""
+    a = spec.a2a_size
+    nodes = len(spec.ranks) // a
+    out: list[list[Segment]] = [[] for _ in spec.ranks]
+    for i in spec.seqs:
+        b, off = chunk_bounds(lengths[i], 2 * nodes), offsets[i]
+        subs = [chunk_bounds(b[c + 1] - b[c], a) for c in range(2 * nodes)]
+        for member, segs in enumerate(out):
+            node, local = divmod(member, a)
+            for c in zigzag_chunks(node, nodes):
+                start, end = b[c] + subs[c][local], b[c] + subs[c][local + 1]
+                if end > start:
+                    segs.append(Segment(i, start, end, off + start, index, c, local))
+    return out
+
+
+def _segments(spec: GroupSpec, index: int, lengths: tuple[int, ...], offsets: list[int]) -> list[list[Segment]]:
+    """Every member's segments of one group, in the member's local order."""
     if spec.kind == "local":
-        return [Segment(i, 0, lengths[i], offsets[i], index) for i in spec.seqs if lengths[i]]
-    if spec.kind == "ulysses":
-        sub = [lengths[i] for i in spec.seqs]
-        for j, a, b in contiguous_ranges(sub, len(spec.ranks), member):
-            i = spec.seqs[j]
-            out.append(Segment(i, a, b, offsets[i] + a, index))
-        return out
+        return [[Segment(i, 0, lengths[i], offsets[i], index) for i in spec.seqs if lengths[i]]]
     if spec.kind == "hierarchical":
-        nodes = len(spec.ranks) // spec.a2a_size
-        node, local = divmod(member, spec.a2a_size)
-        for i in spec.seqs:
-            for chunk, part, a, b in hierarchical_ranges(lengths[i], nodes, spec.a2a_size, node, local):
-                out.append(Segment(i, a, b, offsets[i] + a, index, chunk, part))
-        return out
-    for i in spec.seqs:  # zigzag, allgather
-        for chunk, a, b in member_ranges(lengths[i], len(spec.ranks), member):
-            out.append(Segment(i, a, b, offsets[i] + a, index, chunk))
+        return _hierarchical_segments(spec, index, lengths, offsets)
+    if spec.kind in ("zigzag", "allgather"):
+        return _ring_segments(spec, index, lengths, offsets)
+    sub = [lengths[i] for i in spec.seqs]  # ulysses
+    out: list[list[Segment]] = []
+    for member in range(len(spec.ranks)):
+        ranges = contiguous_ranges(sub, len(spec.ranks), member)
+        out.append([Segment(spec.seqs[j], a, b, offsets[spec.seqs[j]] + a, index) for j, a, b in ranges])
     return out
 
 
@@ -77,12 +101,12 @@ def assemble(
     for s in lengths:
         offsets.append(acc)
         acc += s
-    scoped = [(SCOPE_PRIORITY[scope_of(s.ranks, topo)], n, s) for n, s in enumerate(specs)]
-    scoped.sort(key=lambda t: (t[0], t[1]))
+    scopes = [scope_of(s.ranks, topo) for s in specs]
+    order = sorted(range(len(specs)), key=lambda n: SCOPE_PRIORITY[scopes[n]])  # stable: the planner's order
     groups: list[CPGroup] = []
     per_rank: list[list[Segment]] = [[] for _ in range(topo.num_ranks)]
-    for index, (_, _, spec) in enumerate(scoped):
-        scope = scope_of(spec.ranks, topo)
+    for index, n in enumerate(order):
+        spec, scope = specs[n], scopes[n]
         groups.append(
             CPGroup(
                 index,
@@ -95,7 +119,7 @@ def assemble(
                 spec.routed and scope == "inter",
             )
         )
-        for member, rank in enumerate(spec.ranks):
-            per_rank[rank].extend(_segments(spec, index, member, lengths, tuple(offsets)))
+        for rank, segs in zip(spec.ranks, _segments(spec, index, lengths, offsets)):
+            per_rank[rank].extend(segs)
     layouts = tuple(RankLayout(r, tuple(segs)) for r, segs in enumerate(per_rank))
     return CPPlan(engine, lengths, topo.num_ranks, topo.ranks_per_node, tuple(groups), layouts, picked)

@@ -102,10 +102,8 @@ def dynamic_size(s: int, budget: int, num_ranks: int) -> int:
     """``2^ceil(log2(s / budget))``, at least 1, at most the largest power of two dividing ``C``
     (the aligned blocks of one size must tile the ranks)."""
     cap = num_ranks & -num_ranks
-    size = 1
-    while size * budget < s and size < cap:
-        size *= 2
-    return size
+    need = -(-s // budget)  # the least size with size * budget >= s
+    return min(1 << (need - 1).bit_length(), cap)  # the least power of two >= need
 
 
 def plan_dynamic(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
@@ -113,18 +111,27 @@ def plan_dynamic(lengths: tuple[int, ...], topo: CPTopology) -> CPPlan:
     return assemble("dynamic", tuple(lengths), topo, dynamic_specs(tuple(lengths), topo))
 
 
+def _block_max(values: list[float], size: int) -> list[float]:
+    """``max(values[k * size : (k + 1) * size])`` for every aligned block ``k``."""
+    if size == 1:
+        return values
+    return list(map(max, *(values[j::size] for j in range(size))))
+
+
 def _dynamic_block(size: int, share: float, budget: int, work: list[float], tokens: list[float]) -> tuple[int, ...]:
     """The aligned block of ``size`` ranks whose busiest member has the least work among blocks
-    with room for ``share`` more tokens per member (ties: the lowest); with none, the most room."""
-    candidates = [tuple(range(b, b + size)) for b in range(0, len(work), size)]
-
-    def room(block: tuple[int, ...]) -> float:
-        return min(budget - tokens[r] for r in block)
-
-    fitting = [b for b in candidates if room(b) >= share]
+    with room for ``share`` more tokens per member (ties: the lowest); with none, the most room.
+    A block's room is its fullest member's (``budget - t`` falls as ``t`` grows, so the minimum
+    room is ``budget - max(t)`` exactly)."""
+    starts = range(0, len(work), size)
+    room = [budget - t for t in _block_max(tokens, size)]
+    fitting = [k for k, x in enumerate(room) if x >= share]
     if fitting:
-        return min(fitting, key=lambda b: (max(work[r] for r in b), b[0]))
-    return max(candidates, key=lambda b: (room(b), -b[0]))
+        busiest = _block_max(work, size)
+        k = min(fitting, key=busiest.__getitem__)  # min keeps the first of equals
+    else:
+        k = room.index(max(room))
+    return tuple(range(starts[k], starts[k] + size))
 
 
 def dynamic_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]:
@@ -138,9 +145,12 @@ def dynamic_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]
         size = dynamic_size(s, budget, num_ranks)
         share = s / size
         if size == 1:  # the common case, without building one-rank blocks
-            room = [budget - t for t in tokens]
-            fitting = [r for r in range(num_ranks) if room[r] >= share]
-            r0 = min(fitting, key=work.__getitem__) if fitting else room.index(max(room))
+            fitting = [r for r, t in enumerate(tokens) if budget - t >= share]
+            if fitting:
+                r0 = min(fitting, key=work.__getitem__)
+            else:
+                room = [budget - t for t in tokens]
+                r0 = room.index(max(room))
             block: tuple[int, ...] = (r0,)
         else:
             block = _dynamic_block(size, share, budget, work, tokens)

@@ -21,17 +21,17 @@ in full (``_floor``).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_slim.plan.cp.assemble import GroupSpec, assemble
 from megatron_slim.plan.cp.baselines import a2a_p2p_specs, allgather_specs, dynamic_specs, ring_specs, ulysses_specs
+from megatron_slim.plan.cp.buckets import partition
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import ALL_LAYERS, SplitOption, ZeppelinLayers, hierarchical_allowed
 from megatron_slim.plan.cp.layout import CPPlan
-from megatron_slim.plan.cp.placement import check_lengths, overflow_cost, partition, partition_pack, specs_of
-from megatron_slim.plan.cp.price import PackCost, price_specs
+from megatron_slim.plan.cp.placement import check_lengths, overflow_cost, partition_pack, specs_of
+from megatron_slim.plan.cp.price import PackCost, price_both, price_specs
 from megatron_slim.plan.cp.topology import CPTopology
 
 CANDIDATES = (
@@ -101,8 +101,10 @@ def spread_specs(
     the fourth node's ranks filled with short ones at 45% of the others' load); one group over
     every rank loads them evenly. None when there is nothing to spread or nothing else to place."""
     splits, members = own
-    spread = tuple(i for i, ranks in enumerate(members) if topo.node_of(ranks[0]) != topo.node_of(ranks[-1]))
-    rest = [i for i in range(len(lengths)) if i not in set(spread)]
+    m = topo.ranks_per_node  # node of rank r: r // m
+    spread = tuple(i for i, ranks in enumerate(members) if ranks[0] // m != ranks[-1] // m)
+    spread_set = set(spread)
+    rest = [i for i in range(len(lengths)) if i not in spread_set]
     if not spread or not rest:
         return None
     everyone = tuple(range(topo.num_ranks))
@@ -115,7 +117,7 @@ def spread_specs(
         tuple(lengths[i] for i in rest), rest_splits, topo, overflow_cost(topo, costs, layers.remap)
     )
     others = specs_of(rest_splits, rest_members, topo, layers)
-    return [first] + [dataclasses.replace(s, seqs=tuple(rest[j] for j in s.seqs)) for s in others]
+    return [first] + [GroupSpec(s.kind, s.ranks, tuple(rest[j] for j in s.seqs), s.a2a_size, s.routed) for s in others]
 
 
 def choose_placement(
@@ -124,7 +126,9 @@ def choose_placement(
     remap = layers.remap
     splits, members, _ = partition_pack(lengths, topo, costs, layers)
     own = specs_of(splits, members, topo, layers)
-    priced = {"zeppelin": price_specs(lengths, own, topo, costs, remap=remap)}
+    unremapped = runnable("zeppelin-unremapped", topo, costs, layers)
+    own_prices = price_both(lengths, own, topo, costs, (remap, False) if unremapped else (remap,))
+    priced = {"zeppelin": own_prices[0]}
     best, best_specs = "zeppelin", own
     pruned: list[str] = []
     spread = spread_specs(lengths, topo, costs, layers, (splits, members)) if topo.num_nodes > 1 else None
@@ -132,8 +136,8 @@ def choose_placement(
         priced["zeppelin-spread"] = price_specs(lengths, spread, topo, costs, remap=remap)
         if priced["zeppelin-spread"].time_s < priced[best].time_s:
             best, best_specs = "zeppelin-spread", spread
-    if runnable("zeppelin-unremapped", topo, costs, layers):
-        priced["zeppelin-unremapped"] = price_specs(lengths, own, topo, costs, remap=False)
+    if unremapped:
+        priced["zeppelin-unremapped"] = own_prices[1]
         if priced["zeppelin-unremapped"].time_s < priced[best].time_s:
             best, best_specs = "zeppelin-unremapped", own
     for name in CANDIDATES[3:]:

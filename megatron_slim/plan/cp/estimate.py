@@ -121,9 +121,10 @@ class SplitOptions(Sequence[SplitOption]):
         self._remap, self._routing = remap, routing
         self._hier = hierarchical and hierarchical_allowed(topo, costs)
         self._made: list[SplitOption] = []
+        self._len = topo.ranks_per_node + topo.num_nodes - 1
 
     def __len__(self) -> int:
-        return self._topo.ranks_per_node + self._topo.num_nodes - 1
+        return self._len
 
     @overload
     def __getitem__(self, i: int) -> SplitOption: ...
@@ -132,11 +133,21 @@ class SplitOptions(Sequence[SplitOption]):
     def __getitem__(self, i: int | slice) -> SplitOption | Sequence[SplitOption]:
         if isinstance(i, slice):
             return [self[j] for j in range(len(self))[i]]
-        if not 0 <= i < len(self):
+        if not 0 <= i < self._len:
             raise IndexError(i)
         while len(self._made) <= i:
             self._made.append(self._make(len(self._made)))
         return self._made[i]
+
+    def fitting_index(self, target_s: float) -> int:
+        """The index of ``choose_split(self, target_s)``, pricing only the options it reads."""
+        made = self._made
+        for j in range(self._len):
+            if j == len(made):
+                made.append(self._make(j))
+            if made[j].est_s <= target_s:
+                return j
+        return min(range(len(self)), key=lambda j: (made[j].est_s, made[j].span))
 
     def _make(self, j: int) -> SplitOption:
         s, topo, costs, remap, m = self._s, self._topo, self._costs, self._remap, self._topo.ranks_per_node

@@ -13,6 +13,8 @@ too without) and the K/V traffic a split's ring cannot hide on its link class.
    all-to-all inside the nodes + ring across them, whichever is cheaper); when none fits, the
    cheapest per member. Short sequences stay local, medium ones split inside a node, long ones
    across nodes -- the split pays off only once a member's quadratic work hides its ring traffic.
+Steps 2-3 live in ``buckets.py``.
+
 2. **Node buckets first** (longest-processing-time greedy): inter-node sequences, heaviest first,
    take the ``k`` least-loaded nodes; every other sequence, by decreasing total cost, goes to the
    node whose load ends lowest, counting a penalty for tokens beyond the node's share
@@ -23,7 +25,8 @@ too without) and the K/V traffic a split's ring cannot hide on its link class.
    pieces between them, while that lowers the pair's maximum.
 4. **Refinement**: while it clearly lowers the estimated maximum rank load (or does not raise it
    and clearly lowers the load above the mean), a sequence on one of the busiest ranks moves to its next larger span
-   and steps 2-3 are redone (trials without step 3's local search, which runs once at the end).
+   and steps 2-3 are redone (trials without step 3's local search, which runs once at the end;
+   a trial stops as soon as its busiest rank is certain to end above today's, ``buckets.greedy``).
 5. Sequences with the same kind and member set share one group (one ring).
 
 Bound: steps 2-3 are list scheduling, so a node ends at most one sequence above the node average
@@ -35,17 +38,16 @@ is typically 5-25% above ``total / C``.
 
 from __future__ import annotations
 
-import bisect
+from typing import Iterator
 
 from megatron_slim.plan.cp.assemble import GroupSpec
+from megatron_slim.plan.cp.buckets import Buckets, greedy, polish
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import (
     ALL_LAYERS,
     SplitOption,
     SplitOptions,
     ZeppelinLayers,
-    choose_split,
-    local_time,
 )
 from megatron_slim.plan.cp.layout import GroupKind
 from megatron_slim.plan.cp.topology import CPTopology
@@ -78,10 +80,6 @@ def _better(new: list[float], old: list[float], target: float) -> bool:
     return max(new) <= max(old) and _excess(new) < _excess(old) - gain * gain
 
 
-def _target(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, remap: bool) -> float:
-    return sum(local_time(s, topo, costs, remap) for s in lengths) / topo.num_ranks
-
-
 def overflow_cost(topo: CPTopology, costs: CPCosts, remap: bool) -> float:
     """A token beyond its node's share crosses a NIC 4 times a layer (to and from the MLP layout, in
     forward and backward) inside a collective every rank waits for; in the worst case one rank's
@@ -89,6 +87,33 @@ def overflow_cost(topo: CPTopology, costs: CPCosts, remap: bool) -> float:
     if not remap or topo.num_nodes == 1:
         return 0.0
     return 4 * costs.hidden_bytes / topo.nic.bandwidth * topo.ranks_per_node
+
+
+def _busiest(loads: list[float], m: int) -> Iterator[int]:
+    """The ``m`` busiest ranks, busiest first (ties: the lower rank); the first without sorting."""
+    first = loads.index(max(loads))
+    yield first
+    for r in sorted(range(len(loads)), key=loads.__getitem__, reverse=True)[:m]:  # stable: ties by rank
+        if r != first:
+            yield r
+
+
+def _growable(current: Buckets, splits: list[SplitOption], can_grow: list[bool], m: int) -> list[int]:
+    """The refinement's tries: sequences on the ``m`` busiest ranks (busiest first, ties: the lower
+    rank) that have a larger span, each rank's by decreasing per-member cost (ties: the lower
+    index), the first ``_REFINE_TRIES`` distinct ones. A rank holds its node's node-local
+    sequences and inter-node ones."""
+    out: list[int] = []
+    inter = [i for i, sp in enumerate(splits) if sp.nodes > 1]
+    for r in _busiest(current.loads, m):
+        near = current.node_items[r // m] + inter
+        held = [i for i in near if can_grow[i] and r in current.members[i]]
+        for i in sorted(held, key=lambda i: (-splits[i].est_s, i)):
+            if i not in out:
+                out.append(i)
+                if len(out) == _REFINE_TRIES:
+                    return out
+    return out
 
 
 def partition_pack(
@@ -101,140 +126,30 @@ def partition_pack(
         for s in set(lengths)
     }
     options = [by_length[s] for s in lengths]  # read only: equal lengths share one list
-    target = _target(lengths, topo, costs, remap)
+    target = sum(opts[0].est_s for opts in options) / topo.num_ranks  # a fair share of local costs
     overflow_s = overflow_cost(topo, costs, remap)
-    first = {s: opts.index(choose_split(opts, target)) for s, opts in by_length.items()}
+    first = {s: opts.fitting_index(target) for s, opts in by_length.items()}
     choice = [first[s] for s in lengths]
     splits = [options[i][c] for i, c in enumerate(choice)]
     # the refinement compares greedy partitions (step 3 without its local search, half the cost);
     # the local search runs once, on the final splits
-    members, loads = partition(lengths, splits, topo, overflow_s, polish=False)
+    current = greedy(lengths, splits, topo, overflow_s)
+    assert current is not None  # nothing to give up on
+    last = len(options[0]) - 1  # every sequence has the same number of options
     for _ in range(_REFINE_ROUNDS):
-        worst = sorted(range(len(loads)), key=lambda r: (-loads[r], r))[: topo.ranks_per_node]
-        growable = [
-            i
-            for r in worst
-            for i in sorted(
-                (i for i, ranks in enumerate(members) if r in ranks and choice[i] + 1 < len(options[i])),
-                key=lambda i: (-splits[i].est_s, i),
-            )
-        ]
-        for i in list(dict.fromkeys(growable))[:_REFINE_TRIES]:
+        for i in _growable(current, splits, [c < last for c in choice], topo.ranks_per_node):
             trial = list(splits)
             trial[i] = options[i][choice[i] + 1]
-            t_members, t_loads = partition(lengths, trial, topo, overflow_s, polish=False)
-            if _better(t_loads, loads, target):
+            # a trial whose busiest rank ends above today's cannot be better (_better): stop it early
+            tried = greedy(lengths, trial, topo, overflow_s, give_up_above=max(current.loads))
+            if tried is not None and _better(tried.loads, current.loads, target):
                 choice[i] += 1
-                splits, members, loads = trial, t_members, t_loads
+                splits, current = trial, tried
                 break
         else:
             break
-    members, loads = partition(lengths, splits, topo, overflow_s)
-    return splits, members, loads
-
-
-def _least_loaded(loads: list[float], candidates: tuple[int, ...] | range, count: int) -> tuple[int, ...]:
-    if count == 1:
-        return (min(candidates, key=loads.__getitem__),)  # min keeps the first (lowest) of equals
-    picked = sorted(candidates, key=lambda c: (loads[c], c))[:count]
-    return tuple(sorted(picked))
-
-
-def partition(
-    lengths: tuple[int, ...],
-    splits: list[SplitOption],
-    topo: CPTopology,
-    overflow_s: float = 0.0,
-    *,
-    polish: bool = True,
-) -> tuple[list[tuple[int, ...]], list[float]]:
-    """Steps 2 and 3: members of every sequence (ascending ranks, hence node-major) and the
-    estimated load of every rank. ``overflow_s``: what a token beyond a node's balanced share
-    ``ceil(L / N)`` costs the node (the remap must move it across nodes); a node-local sequence
-    goes to the node where load plus that penalty ends lowest."""
-    m, n = topo.ranks_per_node, topo.num_nodes
-    cap = -(-sum(lengths) // n)
-    node_load = [0.0] * n
-    node_tokens = [0.0] * n
-    rank_load = [0.0] * topo.num_ranks
-    members: list[tuple[int, ...]] = [()] * len(lengths)
-    weight = [-sp.est_s * sp.span for sp in splits]
-    by_total = sorted(range(len(lengths)), key=weight.__getitem__)  # stable: equal weights by index
-    node_items: list[list[int]] = [[] for _ in range(n)]
-    for i in (i for i in by_total if splits[i].nodes > 1):
-        nodes = _least_loaded(node_load, range(n), splits[i].nodes)
-        members[i] = tuple(r for node in nodes for r in topo.ranks_of_node(node))
-        for node in nodes:
-            node_load[node] += splits[i].est_s * m
-            node_tokens[node] += lengths[i] / len(nodes)
-        for r in members[i]:
-            rank_load[r] += splits[i].est_s
-    for i in (i for i in by_total if splits[i].nodes == 1):
-        s = lengths[i]  # to the node (lowest index on ties) where load + penalty ends lowest
-        ends = [
-            load + overflow_s * (tok + s - cap) if tok + s > cap else load for load, tok in zip(node_load, node_tokens)
-        ]
-        node = ends.index(min(ends))
-        node_load[node] += splits[i].est_s * splits[i].span
-        node_tokens[node] += lengths[i]
-        node_items[node].append(i)
-    for node, items in enumerate(node_items):
-        ranks = topo.ranks_of_node(node)
-        for i in sorted(items, key=lambda i: (-splits[i].est_s, -splits[i].span, i)):
-            members[i] = _least_loaded(rank_load, ranks, splits[i].span)
-            for r in members[i]:
-                rank_load[r] += splits[i].est_s
-        if polish:
-            _polish(ranks, node_items[node], splits, members, rank_load)
-    return members, rank_load
-
-
-def _polish(
-    ranks: tuple[int, ...],
-    items: list[int],
-    splits: list[SplitOption],
-    members: list[tuple[int, ...]],
-    load: list[float],
-) -> None:
-    """Local search inside a node after the greedy pass: move one member of a piece from the
-    busiest rank to the idlest (or swap two pieces between them) while that lowers the pair's
-    maximum; a bounded number of moves, each the one closest to halving the gap."""
-    held: dict[int, set[int]] = {r: set() for r in ranks}
-    for i in items:
-        for r in members[i]:
-            held[r].add(i)
-    est = {i: splits[i].est_s for i in items}
-    for _ in range(8 * len(ranks)):
-        hi = max(ranks, key=load.__getitem__)  # the first of equals: the lowest rank
-        lo = min(ranks, key=load.__getitem__)
-        gap = load[hi] - load[lo]
-        if gap <= 0:
-            return
-        on_hi = sorted(held[hi] - held[lo], key=lambda i: (est[i], i))
-        on_lo = sorted(held[lo] - held[hi], key=lambda i: (est[i], i))
-        lo_costs = [est[j] for j in on_lo]
-        largest_lo = lo_costs[-1] if lo_costs else 0.0
-        best, best_delta = None, 0.0
-        for i in on_hi:  # moving e from hi to lo lowers the pair's maximum iff 0 < e < gap
-            e_i = est[i]
-            if e_i - largest_lo >= gap:
-                break  # this and every later (costlier) piece moves too much with any partner
-            # the partner j whose cost is closest to e_i - gap / 2 (none: a plain move)
-            k = bisect.bisect_left(lo_costs, e_i - gap / 2)
-            for j in [None] + [on_lo[x] for x in (k - 1, k) if 0 <= x < len(on_lo)]:
-                e = e_i - (est[j] if j is not None else 0.0)
-                if 0 < e < gap and abs(gap / 2 - e) < abs(gap / 2 - best_delta):
-                    best, best_delta = (i, j), e
-        if best is None or best_delta < 1e-12:
-            return
-        for moved, src, dst in ((best[0], hi, lo), (best[1], lo, hi)):
-            if moved is None:
-                continue
-            members[moved] = tuple(sorted(dst if r == src else r for r in members[moved]))
-            held[src].discard(moved)
-            held[dst].add(moved)
-            load[src] -= est[moved]
-            load[dst] += est[moved]
+    polish(current, splits, topo)
+    return splits, current.members, current.loads
 
 
 def zeppelin_specs(
@@ -249,13 +164,14 @@ def specs_of(
     splits: list[SplitOption], members: list[tuple[int, ...]], topo: CPTopology, layers: ZeppelinLayers
 ) -> list[GroupSpec]:
     """Step 5: sequences with the same kind and member set share one group."""
+    m = topo.ranks_per_node
     groups: dict[tuple[GroupKind, tuple[int, ...]], list[int]] = {}
     for i, ranks in enumerate(members):
         kind: GroupKind = "local" if len(ranks) == 1 else splits[i].kind
         groups.setdefault((kind, ranks), []).append(i)
     specs = []
     for (kind, ranks), seqs in groups.items():
-        inter = len({topo.node_of(r) for r in ranks}) > 1
+        inter = min(ranks) // m != max(ranks) // m  # nodes are rank ranges
         specs.append(
             GroupSpec(
                 kind,

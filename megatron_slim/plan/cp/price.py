@@ -42,7 +42,7 @@ class PackCost:
 
     @cached_property
     def time_s(self) -> float:
-        return max(self.load(r) for r in range(len(self.compute)))
+        return max([c + a + e for c, a, e in zip(self.compute, self.intra, self.inter)])  # as load(r)
 
     def breakdown(self) -> dict[str, float]:
         """Mean over ranks of each component; they sum to ``time_s``."""
@@ -62,9 +62,23 @@ class _Loads:
     def comm(self, rank: int, seconds: float, inter: bool) -> None:
         (self.inter if inter else self.intra)[rank] += seconds
 
+    def charge(
+        self, ranks: tuple[int, ...], compute: float, comm: float, inter: bool, tokens: float, intra_s: float = 0.0
+    ) -> None:
+        """Every member of a group: ``compute``, ``comm`` on its link class, ``tokens``, and, when
+        ``intra_s`` is given, NVLink time charged after ``comm`` (a hierarchical group's
+        all-to-alls)."""
+        link = self.inter if inter else self.intra
+        for r in ranks:
+            self.compute[r] += compute
+            link[r] += comm
+            if intra_s:
+                self.intra[r] += intra_s
+            self.tokens[r] += tokens
+
 
 def _spans_nodes(ranks: tuple[int, ...], topo: CPTopology) -> bool:
-    return len({topo.node_of(r) for r in ranks}) > 1
+    return topo.node_of(min(ranks)) != topo.node_of(max(ranks))  # nodes are rank ranges
 
 
 def _zigzag(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
@@ -79,11 +93,7 @@ def _zigzag(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, 
     pairs = squares / (2 * g * g)
     cf, cb = costs.attention_s(pairs, False), costs.attention_s(pairs, True)
     ring = _ring(g, cf, hop(block), cb, hop(2 * block), hop(block))
-    compute = g * (cf + cb)
-    for r in spec.ranks:
-        loads.compute[r] += compute
-        loads.comm(r, ring - compute, inter)
-        loads.tokens[r] += total / g
+    loads.charge(spec.ranks, g * (cf + cb), ring - g * (cf + cb), inter, total / g)
 
 
 def _hierarchical(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
@@ -99,12 +109,7 @@ def _hierarchical(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPC
     cf, cb = costs.attention_s(pairs, False), costs.attention_s(pairs, True)
     nic = topo.nic
     ring = _ring(n, cf, nic.transfer_time(block), cb, nic.transfer_time(2 * block), nic.transfer_time(block))
-    compute = n * (cf + cb)
-    for r in spec.ranks:
-        loads.compute[r] += compute
-        loads.comm(r, ring - compute, True)
-        loads.comm(r, a2a, False)
-        loads.tokens[r] += per_rank
+    loads.charge(spec.ranks, n * (cf + cb), ring - n * (cf + cb), True, per_rank, intra_s=a2a)
 
 
 def _ulysses(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
@@ -133,10 +138,7 @@ def _allgather(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCost
     lat = (nodes - 1) * topo.nic.latency + (m - 1) * topo.nvlink.latency
     collective = max(nic, nvl) + lat  # forward: one gather; backward: gather and reduce-scatter
     compute = sum(s * (s + 1) / 2 for s in lens) / g * costs.pair_s()
-    for r in spec.ranks:
-        loads.compute[r] += compute
-        loads.comm(r, 3 * collective, nodes > 1 and nic >= nvl)
-        loads.tokens[r] += total / g
+    loads.charge(spec.ranks, compute, 3 * collective, nodes > 1 and nic >= nvl, total / g)
 
 
 def _local(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
@@ -172,14 +174,27 @@ def _remap(loads: _Loads, topo: CPTopology, costs: CPCosts) -> None:
 def price_specs(
     lengths: tuple[int, ...], specs: list[GroupSpec], topo: CPTopology, costs: CPCosts, *, remap: bool
 ) -> PackCost:
-    loads = _Loads(topo.num_ranks)
+    return price_both(lengths, specs, topo, costs, (remap,))[0]
+
+
+def price_both(
+    lengths: tuple[int, ...], specs: list[GroupSpec], topo: CPTopology, costs: CPCosts, remaps: tuple[bool, ...]
+) -> tuple[PackCost, ...]:
+    """``price_specs`` of one placement under each of ``remaps``: the groups are charged once."""
+    groups = _Loads(topo.num_ranks)
     for spec in specs:
-        _KINDS[spec.kind](spec, [lengths[i] for i in spec.seqs], topo, costs, loads)
+        _KINDS[spec.kind](spec, [lengths[i] for i in spec.seqs], topo, costs, groups)
     attn_token_s = costs.token_s(1.0, remap=True)
     mlp_s = costs.mlp_fwd_s + costs.mlp_bwd_s
     share = sum(lengths) / topo.num_ranks
-    for r in range(topo.num_ranks):
-        loads.compute[r] += loads.tokens[r] * attn_token_s + (share if remap else loads.tokens[r]) * mlp_s
-    if remap:
-        _remap(loads, topo, costs)
-    return PackCost(tuple(loads.compute), tuple(loads.intra), tuple(loads.inter))
+    out = []
+    for remap in remaps:
+        loads = _Loads(0)
+        loads.intra, loads.inter, loads.tokens = list(groups.intra), list(groups.inter), groups.tokens
+        loads.compute = [
+            c + t * attn_token_s + (share if remap else t) * mlp_s for c, t in zip(groups.compute, groups.tokens)
+        ]
+        if remap:
+            _remap(loads, topo, costs)
+        out.append(PackCost(tuple(loads.compute), tuple(loads.intra), tuple(loads.inter)))
+    return tuple(out)

@@ -56,15 +56,25 @@ def loads_of(assign: list[int], f: Vector, b: Vector, dp: int) -> Loads:
 
 
 def lpt(f: Vector, b: Vector, dp: int) -> list[int]:
+    """Largest unit first, each to the rank whose ``max(F, B)`` after taking it is least (a
+    ``1e-9 (F + B)`` term breaks ties towards the less loaded rank in sum)."""
     fwd = np.zeros(dp)
     bwd = np.zeros(dp)
+    tie = np.zeros(dp)  # 1e-9 * (fwd + bwd), kept up to date at the rank that changed
+    after, other = np.empty(dp), np.empty(dp)  # buffers: no array is allocated per unit
     assign = [0] * len(f)
-    for u in np.argsort(-np.maximum(f, b), kind="stable"):
-        after = np.maximum(fwd + f[u], bwd + b[u]) + 1e-9 * (fwd + bwd)
+    f_list, b_list = f.tolist(), b.tolist()
+    for u in np.argsort(-np.maximum(f, b), kind="stable").tolist():
+        fu, bu = f_list[u], b_list[u]
+        np.add(fwd, fu, out=after)
+        np.add(bwd, bu, out=other)
+        np.maximum(after, other, out=after)
+        np.add(after, tie, out=after)
         r = int(after.argmin())
-        fwd[r] += f[u]
-        bwd[r] += b[u]
-        assign[int(u)] = r
+        fwd[r] += fu
+        bwd[r] += bu
+        tie[r] = 1e-9 * (fwd[r] + bwd[r])
+        assign[u] = r
     return assign
 
 

@@ -4,7 +4,10 @@ Per rank: one compute stream that runs the rank's compute actions in schedule or
 stream; an action starts once the readiness rules the validator shares (``schedule/walk.py``)
 allow it, at the latest time among what it waits for. A ``SEND`` starts when its data is computed
 and the directed link is free, occupies the link for ``bytes / bandwidth`` and arrives ``latency``
-later; a ``RECV`` holds the rank's compute stream until the data has arrived (as the runtime's blocking wait does).
+later; a ``RECV`` holds the rank's compute stream until the data has arrived (as the runtime's wait does).
+A receive is posted one compute ahead of its ``RECV`` (``schedule/recv_posts.py``): its buffer is held
+from that compute's start, and the sender's buffer is free once the data has arrived and the receive
+is posted.
 A ``SEND`` that waits for its link's send window (``schedule/walk.py``) holds the compute stream
 too, as the runtime's wait for its oldest send does.
 
@@ -13,9 +16,10 @@ Memory per rank, over time:
 * K/V: the cache a slice's ``F`` leaves behind, released by its ``B``/``I``; plus the dK/dV
   accumulation buffers of the earlier slices, allocated when a microbatch's last slice starts its
   backward and released chunk by chunk as each slice's backward consumes them;
-* in-flight messages (p2p): a sent slice's buffer from its ``SEND`` until the peer's ``RECV`` of it
-  completes (the transfer needs both ends); a received buffer from its ``RECV`` until the compute
-  that consumes it starts (from there it is that compute's input, priced as its activations);
+* in-flight messages (p2p): a sent slice's buffer from its ``SEND`` until its transfer completes
+  (the transfer needs both ends); a received buffer from the receive's posting (one compute ahead
+  of its ``RECV``) until the compute that consumes it starts (from there it is that compute's
+  input, priced as its activations);
 * static: weights, gradients and optimizer state, constant.
 
 Context exchange (``Schedule.exchange``, ``schedule/exchange.py``): a pair's two compute actions
@@ -42,6 +46,7 @@ from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.lower import lower
+from megatron_slim.plan.schedule.recv_posts import posted_before
 from megatron_slim.plan.schedule.validate import validate
 from megatron_slim.plan.schedule.walk import Walker
 from megatron_slim.plan.sim.costs import ExchangeCosts, PipelineCosts
@@ -129,6 +134,8 @@ class _Run:
         self.busy = [0.0] * schedule.pp
         self.exchange = ExchangePlan.from_text(schedule.exchange)
         self.p2p = InFlight(schedule, self.mem)  # one list per rank: ties keep the order of events
+        self.posted_before = [posted_before(schedule, r) for r in range(schedule.pp)]
+        self.started: dict[tuple[int, Action], float] = {}  # (rank, compute) -> start: receives posted there
 
     def _step(self, rank: int, a: Action, ready: float) -> float:
         """Run ``a`` no earlier than ``ready``; the time its result is available (a SEND's: arrival)."""
@@ -157,6 +164,7 @@ class _Run:
     def _record(self, rank: int, a: Action, start: float, end: float, busy: float) -> float:
         stage = self.schedule.stage(rank, a.chunk)
         self.p2p.consumed(rank, a, start)
+        self.started[(rank, a)] = start
         self.free[rank] = end
         self.busy[rank] += busy
         self.events.append(Event(rank, "compute", str(a), start, end, stage, a.microbatch, a.slice))
@@ -218,7 +226,8 @@ class _Run:
         return arrival
 
     def _recv(self, rank: int, a: Action, arrival: float) -> float:
-        self.p2p.posted(rank, a, self.free[rank], max(arrival, self.free[rank]))
+        post = self.started.get((rank, self.posted_before[rank][a]), self.free[rank])
+        self.p2p.posted(rank, a, post, max(arrival, post))
         if arrival > self.free[rank]:
             stage = self.schedule.stage(rank, a.chunk)
             self.events.append(Event(rank, "recv", str(a), self.free[rank], arrival, stage, a.microbatch, a.slice))

@@ -1,8 +1,9 @@
 """The simulator's count of point-to-point buffers in flight, per rank.
 
 A message is one slice's activation (forward) or input gradient (backward) between two ranks.
-Its sender holds the buffer from the ``SEND`` until the receiver's ``RECV`` of it completes (the
-transfer needs both ends posted); the receiver holds its buffer from posting the ``RECV`` until
+Its sender holds the buffer from the ``SEND`` until the transfer completes (it needs both ends
+posted: the data has arrived and the receive is posted); the receiver holds its buffer from
+posting the receive, one compute ahead of its ``RECV`` (``plan/schedule/recv_posts.py``), until
 the compute that consumes it starts. The runtime's ``ActivationMeter`` counts the same spans
 (``runtime/pipeline/memory_meter.py``).
 """
@@ -39,7 +40,8 @@ class InFlight:
         self.deltas[rank].append((at, 0.0, 0.0, nbytes, 0.0))
 
     def posted(self, rank: int, a: Action, at: float, completed_at: float) -> None:
-        """``RECV`` ``a`` posted ``at`` and completed at ``completed_at`` (frees the sender's buffer)."""
+        """The receive of ``RECV`` ``a`` posted ``at``, its transfer completed at ``completed_at``
+        (which frees the sender's buffer)."""
         sender, nbytes = self._sent.pop(self._message(rank, a))
         self.deltas[sender].append((completed_at, 0.0, 0.0, -nbytes, 0.0))
         self.deltas[rank].append((at, 0.0, 0.0, 0.0, nbytes))

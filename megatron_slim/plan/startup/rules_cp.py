@@ -49,10 +49,10 @@ CP_ENGINE_RULES = [
         "cp-engine-without-pipeline",
         lambda s: s.pp > 1,
         lambda s, i: (
-            f"{engine_input(s, i)} needs {i.setting('pp', 1)}: the pipeline schedules send fixed [seq/cp] shapes "
-            "between stages, and middle stages never see a batch, so they could not follow each microbatch's plan"
+            f"{engine_input(s, i)} needs {i.setting('pp', 1)} under Megatron-LM's launcher: its middle stages "
+            "never see a batch, so they could not plan each microbatch (megatron-slim train runs CP engines "
+            "with parallel.pp > 1: every stage reads the windows there)"
         ),
-        (LAUNCHER, TRAIN),
     ),
     _on_engine(
         "cp-engine-sequence-parallel",

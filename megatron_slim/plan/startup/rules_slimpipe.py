@@ -87,7 +87,9 @@ SLIMPIPE_RULES = [
     _on_slimpipe(
         "slimpipe-document-masks",
         lambda s: s.reset_attention_mask,
-        "--use-slimpipe attends causally over the whole sequence (no document masking): drop --reset-attention-mask",
+        "--use-slimpipe takes packed documents from batches with a document_lengths key (docs/packing.md, "
+        "Runtime); through pretrain_gpt.py the middle pipeline stages and the other TP ranks never see "
+        "the --reset-attention-mask mask: drop --reset-attention-mask",
     ),
     Rule(
         "slimpipe-recompute",

@@ -63,11 +63,11 @@ TRAIN_RULES = [
             fail(
                 "schedule.num_slices",
                 s.num_slices,
-                f"1 with parallel.cp > 1 and cp.engine={s.cp_engine}",
-                "SlimPipe slices are not supported with this CP engine"
-                if s.cp_engine != "ring"
-                else "megatron-slim train does not wire SlimPipe x CP slices (query-out attention over the whole "
-                "window, no document masking) yet; here cp.engine=ring runs whole packs of documents",
+                f"1 with parallel.cp > 1 (schedule.kind=1f1b or interleaved, any parallel.pp; cp.engine={s.cp_engine} "
+                "then runs one planned pack per microbatch)",
+                "SlimPipe slices under context parallelism are not run by megatron-slim train: its CP engines plan "
+                "whole packs of documents, and a slice would need a plan whose attention also reads the K/V cached "
+                "from the same documents' earlier slices, which no CP engine has yet",
             )
         ),
     ),

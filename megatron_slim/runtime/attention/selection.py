@@ -39,6 +39,11 @@ class BackendChoice:
     def describe(self) -> str:
         return f"attention backend: {self.name} ({self.reason})"
 
+    @property
+    def label(self) -> str:
+        """``name (reason)``, or the name alone when there is no reason."""
+        return f"{self.name} ({self.reason})" if self.reason else self.name
+
 
 def _load(name: str, device: torch.device) -> tuple[AttentionBackend | None, str]:
     if name == "flash":

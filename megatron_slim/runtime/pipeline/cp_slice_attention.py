@@ -38,6 +38,12 @@ import torch.distributed as dist
 
 from megatron_slim.runtime.attention import AttentionBackend, merge_
 from megatron_slim.runtime.pipeline.cp_collectives import all_gather, all_to_all, reduce_scatter_sum
+from megatron_slim.runtime.pipeline.cp_document_attention import (
+    OWN,
+    document_pieces,
+    pieces_backward,
+    pieces_forward,
+)
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceInfo
 from megatron_slim.runtime.pipeline.zigzag import ZigzagLayout
@@ -83,6 +89,13 @@ class _Setup:
     group: object
     rank: int
     layout: ZigzagLayout
+    documents: Optional[tuple[int, ...]] = None  # a packed window's documents (cp_document_attention)
+    start: int = 0  # the slice's first position in its window
+
+    def pieces(self, prefix: list) -> list:
+        lengths = [k_i.shape[1] * self.layout.cp for k_i, _ in prefix]
+        assert self.documents is not None
+        return document_pieces(self.layout, self.rank, self.start, lengths, self.documents)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -110,6 +123,10 @@ def _partial_forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, prefix) -> tupl
     b, length, hq, _ = q.shape
     out = torch.zeros((b, length, hq, v.shape[-1]), dtype=_acc_dtype(q.dtype), device=q.device)
     lse = torch.full((b, hq, length), float("-inf"), dtype=torch.float32, device=q.device)
+    if s.documents is not None:
+        keys = {OWN: (k, v), **dict(enumerate(prefix))}
+        pieces_forward(s.backend, s.scale, q, keys, s.pieces(prefix), out, lse)
+        return out, lse
     for k_i, v_i in prefix:
         merge_(out, lse, *s.backend.forward(q, k_i, v_i, causal=False, softmax_scale=s.scale))
     c = s.layout.chunk
@@ -153,6 +170,8 @@ def _backward(
     q_all, dout_all, out_all, lse_all = all_gather([q, dout, out, lse], s.group)
     qp, doutp, outp = (_from_ranks(t, s.layout, 1) for t in (q_all, dout_all, out_all))
     lsep = _from_ranks(lse_all, s.layout, 2)
+    if s.documents is not None:
+        return _document_backward(s, qp, doutp, outp, lsep, k, v, cached)
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(qp.shape, dtype=acc, device=q.device)
     for i, (k_i, v_i) in enumerate(cached.prefix()):
@@ -186,6 +205,21 @@ def _backward(
     return dq_mine.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _document_backward(s: _Setup, qp, doutp, outp, lsep, k: Tensor, v: Tensor, cached: _Cached):
+    prefix = cached.prefix()
+    keys = {OWN: (k, v), **dict(enumerate(prefix))}
+    dq, grads = pieces_backward(s.backend, s.scale, qp, doutp, outp, lsep, keys, s.pieces(prefix))
+    for i in range(len(prefix)):
+        cached.accumulate(i, *grads[i])
+    dk, dv = grads[OWN]
+    later = cached.take_gradient()
+    if later is not None:
+        dk, dv = dk + later[0], dv + later[1]
+    cached.release()
+    dq_mine = reduce_scatter_sum(_to_ranks(dq, s.layout, 1), s.group)
+    return dq_mine.to(qp.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _CPSliceAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, setup: _Setup, cached: _Cached):
@@ -214,11 +248,13 @@ def cp_sliced_attention(
     store: Optional[KVCacheStore] = None,
     info: Optional[SliceInfo] = None,
     layer: int = 0,
+    documents: Optional[tuple[int, ...]] = None,
 ) -> Tensor:
     """This CP rank's zigzag shard of one slice: ``q [b, s/cp, hq, d]``, ``k``/``v [b, s/cp, hkv, d]``
     -> ``[b, s/cp, hq, d]``, attending causally to the whole slice and to the earlier slices cached in
     ``store`` (this rank's shards). ``store``/``info`` None: the local tokens are the zigzag shard of
-    one whole, uncached sequence.
+    one whole, uncached sequence. ``documents``: the window's document lengths (``b = 1``; attention
+    stays inside each document), with ``info``.
     """
     cp = dist.get_world_size(group)
     local = q.shape[1]
@@ -230,7 +266,10 @@ def cp_sliced_attention(
         )
     if (store is None) != (info is None):
         raise ValueError("store and info: pass both (a cached slice) or neither (one whole sequence)")
-    setup = _Setup(backend, softmax_scale, group, dist.get_rank(group), ZigzagLayout(cp, length))
+    if documents is not None and (info is None or q.shape[0] != 1):
+        raise ValueError("documents: allowed only for a cached slice (info) of micro-batch size 1")
+    start = info.start if info is not None else 0
+    setup = _Setup(backend, softmax_scale, group, dist.get_rank(group), ZigzagLayout(cp, length), documents, start)
     cached = _Cached(store) if info is None else _Cached(store, info.microbatch, info.slice, layer, info.recompute)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):

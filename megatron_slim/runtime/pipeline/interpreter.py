@@ -8,7 +8,8 @@ runs under the activation meter's and the offloader's saved-tensor hooks. Under 
 ``record_function("<action>")``, named by the IR string the simulator's traces use (``F3.2``,
 ``1B0.7``, ``SEND_F3.2``), so a measured trace lines up with a simulated one; without a profiler
 no label is entered. Sends the plan bounds wait for their link's send window, completed sends
-are dropped after every action, and with a meter in-flight buffers are counted
+are dropped after every action, receives are posted one compute ahead of the ``RECV`` that waits
+for them (``plan/schedule/recv_posts.py``), and with a meter in-flight buffers are counted
 (``runtime/pipeline/p2p.py``, ``plan/schedule/walk.py``). An evaluation step runs a forward-only schedule
 (``plan.schedule.executable_forward_only``): no autograd graph is kept.
 """
@@ -22,6 +23,7 @@ import torch
 from torch.profiler import record_function
 
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
+from megatron_slim.plan.schedule.recv_posts import receive_posts
 from megatron_slim.plan.schedule.validate import format_grid
 from megatron_slim.plan.schedule.vocab import vocab_exchange_steps
 from megatron_slim.plan.schedule.walk import bounded_sends
@@ -78,13 +80,15 @@ class PipelineInterpreter:
         if p2p is not None:
             p2p.ledger = self._in_flight
         self._step = 0
+        self._posts = receive_posts(schedule)[rank] if p2p is not None else {}
+        self.posted_ahead = 0  # receives found posted when their RECV action came (all but the first few)
         self._handlers = {
             Kind.F: self._forward,
             Kind.B: self._backward,
             Kind.SEND_F: self._send_forward,
-            Kind.RECV_F: self._recv_forward,
+            Kind.RECV_F: self._recv,
             Kind.SEND_B: self._send_backward,
-            Kind.RECV_B: self._recv_backward,
+            Kind.RECV_B: self._recv,
         }
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -160,18 +164,33 @@ class PipelineInterpreter:
         else:
             self.ops.release_output(output)
 
-    def _recv_forward(self, a: Action) -> None:
+    def _message(self, a: Action) -> tuple[tuple[int, ...], torch.dtype, int, int]:
+        """(shape, dtype, source rank, tag) of the message ``RECV`` ``a`` waits for."""
         assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
-        stage = self._stage(a)
-        src = self.schedule.placement(stage - 1)[0]
-        t = self.p2p.recv(
-            self.ops.tensor_shape(a.microbatch, a.slice),
-            self.ops.dtype,
-            src,
-            self.p2p.tag(False, stage, a.microbatch, a.slice),
-        )
-        self.state.inputs[a.unit] = t.requires_grad_(not self.forward_only)
-        self._received(Kind.RECV_F, a.unit, t)
+        stage, backward = self._stage(a), a.kind is Kind.RECV_B
+        src = self.schedule.placement(stage + 1 if backward else stage - 1)[0]
+        shape = tuple(self.ops.tensor_shape(a.microbatch, a.slice))
+        return shape, self.ops.dtype, src, self.p2p.tag(backward, stage, a.microbatch, a.slice)
+
+    def _post(self, a: Action) -> None:
+        assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
+        buffer = self.p2p.post(*self._message(a))
+        if self._in_flight is not None:  # held from its posting, as the simulator counts it
+            self._in_flight.add((a.kind, a.unit), buffer.nbytes, received=True)
+
+    def _recv(self, a: Action) -> None:
+        """Wait for the receive posted ahead (``plan.schedule.recv_posts``), or post it here."""
+        assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
+        message = self._message(a)
+        if self.p2p.is_posted(message[2], message[3]):
+            self.posted_ahead += 1
+        else:
+            self._post(a)
+        t = self.p2p.recv(*message)
+        if a.kind is Kind.RECV_F:
+            self.state.inputs[a.unit] = t.requires_grad_(not self.forward_only)
+        else:
+            self.state.grads[a.unit] = t
 
     def _backward(self, a: Action) -> None:
         unit, stage = a.unit, self._stage(a)
@@ -214,22 +233,6 @@ class PipelineInterpreter:
         tag = self.p2p.tag(True, stage - 1, a.microbatch, a.slice)
         self.p2p.send(self.state.to_send.pop(a.unit), dst, tag, a in self._bounded)
 
-    def _recv_backward(self, a: Action) -> None:
-        assert self.p2p is not None  # a schedule with communication actions runs with a P2P link
-        stage = self._stage(a)
-        src = self.schedule.placement(stage + 1)[0]
-        self.state.grads[a.unit] = self.p2p.recv(
-            self.ops.tensor_shape(a.microbatch, a.slice),
-            self.ops.dtype,
-            src,
-            self.p2p.tag(True, stage, a.microbatch, a.slice),
-        )
-        self._received(Kind.RECV_B, a.unit, self.state.grads[a.unit])
-
-    def _received(self, kind: Kind, unit: Unit, buffer: torch.Tensor) -> None:
-        if self._in_flight is not None:
-            self._in_flight.add((kind, unit), buffer.nbytes, received=True)
-
     def _consumed(self, kind: Kind, unit: Unit) -> None:
         """A received buffer becomes the input of the compute that starts now."""
         if self._in_flight is not None:
@@ -243,6 +246,11 @@ class PipelineInterpreter:
             self.param_sync.start()
         for step, a in enumerate(self.row):
             self._step = step
+            if a.kind.is_compute:  # its received input stops being in flight first, as the simulator counts
+                self._consumed(Kind.RECV_F if a.kind is Kind.F else Kind.RECV_B, a.unit)
+            for recv in self._posts.get(step, ()):
+                if recv != a:
+                    self._post(recv)
             with record_function(str(a)) if torch.autograd._profiler_enabled() else nullcontext():
                 self._handlers[a.kind](a)
             if self.p2p is not None:

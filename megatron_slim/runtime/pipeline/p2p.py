@@ -9,6 +9,10 @@ A send's handle keeps its tensor, and so the slice's storage, alive: Megatron's
 transfer is seen complete (``poll``), and a link keeps at most ``SEND_WINDOW`` sends outstanding:
 a send that the plan bounds (``plan.schedule.walk.bounded_sends``) first waits for the oldest ones.
 Sends complete in posting order on a link, so only the oldest are ever checked.
+
+Receives are posted ahead (``post``), one compute action before the ``RECV`` that waits for them,
+as ``plan.schedule.recv_posts`` lists; ``recv`` waits for a posted receive or, for one the plan
+posts in place, posts and waits at once.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class P2P:
         self.window = window
         self._dims = (num_stages, num_microbatches, num_slices)
         self._outstanding: dict[int, deque[_Sent]] = {}  # destination -> sends, oldest first
+        self._posted: dict[tuple[int, int], tuple[torch.Tensor, dist.Work]] = {}  # (src, tag) -> receive
         self.ledger: Optional[InFlightBytes] = None  # counts in-flight buffers when set
 
     def tag(self, backward: bool, stage: int, microbatch: int, slice_: int) -> int:
@@ -75,10 +80,30 @@ class P2P:
         if self.ledger is not None:
             self.ledger.add(sent.key, tensor.nbytes, received=False)
 
-    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+    def post(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        """Post the receive of message ``tag`` from pipeline rank ``src`` into a new buffer (returned);
+        ``recv`` with the same ``src`` and ``tag`` waits for it."""
+        if (src, tag) in self._posted:
+            raise RuntimeError(f"receive from pipeline rank {src} tag {tag} posted twice")
         buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         work = dist.irecv(buffer, src=self.pp_ranks[src], group=self.group, tag=tag)
         assert work is not None  # None only for a rank outside the group
+        self._posted[(src, tag)] = (buffer, work)
+        return buffer
+
+    def is_posted(self, src: int, tag: int) -> bool:
+        return (src, tag) in self._posted
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        """Wait for message ``tag`` from ``src``: the receive posted for it, else one posted now."""
+        if (src, tag) not in self._posted:
+            self.post(shape, dtype, src, tag)
+        buffer, work = self._posted.pop((src, tag))
+        if tuple(buffer.shape) != tuple(shape) or buffer.dtype != dtype:
+            raise RuntimeError(
+                f"receive from pipeline rank {src} tag {tag} was posted as {tuple(buffer.shape)} {buffer.dtype}, "
+                f"awaited as {tuple(shape)} {dtype}"
+            )
         work.wait()
         return buffer
 
@@ -95,7 +120,10 @@ class P2P:
             self.ledger.remove(sent.key)
 
     def wait_all(self) -> None:
-        """Wait for every send still outstanding (at the end of a step)."""
+        """Wait for every send still outstanding (at the end of a step); a receive posted but never
+        awaited is a planning error."""
+        if self._posted:
+            raise RuntimeError(f"receives posted and never awaited (src, tag): {sorted(self._posted)}")
         for queue in self._outstanding.values():
             while queue:
                 self._finish(queue.popleft(), wait=True)

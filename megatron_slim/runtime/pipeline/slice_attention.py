@@ -8,21 +8,91 @@ cache itself stays per slice. Backward runs slices in reverse: the prefix rows o
 the store's fp32 buffers of their slices; this slice's own rows get the buffer the later slices
 filled; then the slice's cache chunk is released. A forward run inside the slice's backward
 (``info.recompute``: activation recomputation) reads the same prefix and leaves the cache as it is.
+
+A packed window (``documents``: a :class:`SliceDocuments`) reads keys only from the start of the
+document holding the slice's first token, and attends through the backends' varlen kernels, one
+sequence per document touched (bottom-right causal per document: its queries are the last of its
+keys). Cached chunks wholly before that start get no dK/dV from this slice; the chunk holding it
+gets zeros for its rows before it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from megatron_slim.runtime.attention import AttentionBackend
+from megatron_slim.runtime.pipeline.documents import SliceDocuments
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceInfo
 
 
-def _joined(prefix: list[tuple[torch.Tensor, torch.Tensor]], k: torch.Tensor, v: torch.Tensor):
-    if not prefix:
-        return k, v
-    return (torch.cat([k_i for k_i, _ in prefix] + [k], dim=1), torch.cat([v_i for _, v_i in prefix] + [v], dim=1))
+@dataclass(frozen=True)
+class _Keys:
+    """Which cached chunks a slice reads: chunks ``first ..`` joined, minus ``skip`` leading rows."""
+
+    first: int
+    skip: int
+
+
+def _keys_of(prefix: list, documents: Optional[SliceDocuments]) -> _Keys:
+    if documents is None:
+        return _Keys(0, 0)
+    chunk_start = 0
+    for i, (k_i, _) in enumerate(prefix):
+        if documents.key_start < chunk_start + k_i.shape[1]:
+            return _Keys(i, documents.key_start - chunk_start)
+        chunk_start += k_i.shape[1]
+    return _Keys(len(prefix), documents.key_start - chunk_start)
+
+
+def _joined(prefix: list, k: torch.Tensor, v: torch.Tensor, keys: _Keys):
+    chunks = prefix[keys.first :]
+    if chunks:
+        k = torch.cat([k_i for k_i, _ in chunks] + [k], dim=1)
+        v = torch.cat([v_i for _, v_i in chunks] + [v], dim=1)
+    return k[:, keys.skip :], v[:, keys.skip :]
+
+
+def _forward(backend: AttentionBackend, q, keys, values, scale: float, documents: Optional[SliceDocuments]):
+    if documents is None:
+        return backend.forward(q, keys, values, causal=True, softmax_scale=scale)
+    cu_q, cu_k = documents.cu_seqlens(q.device)
+    out, lse = backend.varlen_forward(
+        q[0],
+        keys[0],
+        values[0],
+        cu_q,
+        cu_k,
+        max(documents.q_lengths),
+        max(documents.k_lengths),
+        causal=True,
+        softmax_scale=scale,
+    )
+    return out.unsqueeze(0), lse
+
+
+def _backward(backend: AttentionBackend, dout, q, keys, values, out, lse, scale: float, documents):
+    if documents is None:
+        return backend.backward(dout, q, keys, values, out, lse, causal=True, softmax_scale=scale)
+    cu_q, cu_k = documents.cu_seqlens(q.device)
+    dq, dk, dv = backend.varlen_backward(
+        dout[0],
+        q[0],
+        keys[0],
+        values[0],
+        out[0],
+        lse,
+        cu_q,
+        cu_k,
+        max(documents.q_lengths),
+        max(documents.k_lengths),
+        causal=True,
+        softmax_scale=scale,
+    )
+    return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
 
 
 def _keep(store: KVCacheStore, info: SliceInfo, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -32,39 +102,54 @@ def _keep(store: KVCacheStore, info: SliceInfo, layer: int, k: torch.Tensor, v: 
         store.append(info.microbatch, layer, info.slice, k, v)
 
 
+def _with_skipped_rows(d: torch.Tensor, skip: int) -> torch.Tensor:
+    """Zero gradient rows for the first chunk's keys before the slice's first document."""
+    return torch.cat([d.new_zeros(d.shape[0], skip, *d.shape[2:]), d], dim=1) if skip else d
+
+
 class _SliceAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, q, k, v, backend: AttentionBackend, scale: float, store: KVCacheStore, info: SliceInfo, layer: int
+        ctx,
+        q,
+        k,
+        v,
+        backend: AttentionBackend,
+        scale: float,
+        store: KVCacheStore,
+        info: SliceInfo,
+        layer: int,
+        documents: Optional[SliceDocuments],
     ):
-        keys, values = _joined(store.prefix(info.microbatch, layer, info.slice), k, v)
-        out, lse = backend.forward(q, keys, values, causal=True, softmax_scale=scale)
+        prefix = store.prefix(info.microbatch, layer, info.slice)
+        keys, values = _joined(prefix, k, v, _keys_of(prefix, documents))
+        out, lse = _forward(backend, q, keys, values, scale, documents)
         _keep(store, info, layer, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (backend, scale, store, info, layer)
+        ctx.meta = (backend, scale, store, info, layer, documents)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        backend, scale, store, info, layer = ctx.meta
+        backend, scale, store, info, layer, documents = ctx.meta
         prefix = store.prefix(info.microbatch, layer, info.slice)
-        keys, values = _joined(prefix, k, v)
-        dq, dkeys, dvalues = backend.backward(
-            dout.contiguous(), q, keys, values, out, lse, causal=True, softmax_scale=scale
-        )
+        span = _keys_of(prefix, documents)
+        keys, values = _joined(prefix, k, v, span)
+        dq, dkeys, dvalues = _backward(backend, dout.contiguous(), q, keys, values, out, lse, scale, documents)
+        dkeys, dvalues = _with_skipped_rows(dkeys, span.skip), _with_skipped_rows(dvalues, span.skip)
         start = 0
-        for i, (k_i, _) in enumerate(prefix):
-            rows = slice(start, start + k_i.shape[1])
+        for i in range(span.first, len(prefix)):
+            rows = slice(start, start + prefix[i][0].shape[1])
             store.accumulate(info.microbatch, layer, i, dkeys[:, rows], dvalues[:, rows])
-            start += k_i.shape[1]
+            start = rows.stop
         dk, dv = dkeys[:, start:], dvalues[:, start:]
         later = store.take_gradient(info.microbatch, layer, info.slice)
         if later is not None:
             dk = (dk.float() + later[0]).to(k.dtype)
             dv = (dv.float() + later[1]).to(v.dtype)
         store.release(info.microbatch, layer, info.slice)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def sliced_attention(
@@ -77,8 +162,10 @@ def sliced_attention(
     store: KVCacheStore,
     info: SliceInfo,
     layer: int,
+    documents: Optional[SliceDocuments] = None,
 ) -> torch.Tensor:
-    """``q [b, s, hq, d]``, ``k``/``v [b, s, hkv, d]`` of slice ``info.slice`` -> ``[b, s, hq, d]``.
+    """``q [b, s, hq, d]``, ``k``/``v [b, s, hkv, d]`` of slice ``info.slice`` -> ``[b, s, hq, d]``;
+    ``documents``: the slice of a packed ``b = 1`` window (attention stays inside each document).
 
     K and V are made contiguous first: they stay in the cache until this slice's backward, and a
     view would keep the whole fused QKV projection output alive with them.
@@ -86,8 +173,9 @@ def sliced_attention(
     k, v = k.contiguous(), v.contiguous()
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
         with torch.no_grad():
-            keys, values = _joined(store.prefix(info.microbatch, layer, info.slice), k, v)
-            out, _ = backend.forward(q, keys, values, causal=True, softmax_scale=softmax_scale)
+            prefix = store.prefix(info.microbatch, layer, info.slice)
+            keys, values = _joined(prefix, k, v, _keys_of(prefix, documents))
+            out, _ = _forward(backend, q, keys, values, softmax_scale, documents)
             _keep(store, info, layer, k, v)
         return out
-    return _SliceAttention.apply(q, k, v, backend, softmax_scale, store, info, layer)
+    return _SliceAttention.apply(q, k, v, backend, softmax_scale, store, info, layer, documents)

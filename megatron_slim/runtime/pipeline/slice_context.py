@@ -3,12 +3,15 @@
 The interpreter sets it around every forward and backward (marked ``recompute``: a forward run
 inside a backward rebuilds checkpointed activations); the slice attention (K/V cache key, prefix
 length, whether to append) and the rotary wrapper (positions) read it. One object per model-chunk set,
-injected at the edge: no module-level state.
+injected at the edge: no module-level state. ``documents`` holds each microbatch's document lengths
+when its batch is a pack (``runtime/pipeline/documents.py``), recorded by the slicing data iterator.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from megatron_slim.runtime.pipeline.documents import DocumentTable
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class SliceInfo:
 class SliceContext:
     def __init__(self) -> None:
         self._current: SliceInfo | None = None
+        self.documents = DocumentTable()
 
     @property
     def current(self) -> SliceInfo | None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
+from megatron_slim.plan.dynmo.options import DynmoConfig
 from megatron_slim.plan.files import probe_new_file
-from megatron_slim.plan.schema import ConfigError
+from megatron_slim.plan.schema import ConfigError, to_dict
 from megatron_slim.train.checkpoint.layout import choose_iteration
 
 CHANGEABLE = (
@@ -30,6 +31,9 @@ CHANGEABLE = (
     "schedule.slice_policy",
     "schedule.vocab_parallel",  # replicated vocabulary weights keep one value: the checkpoint is the same
     "train.skip_nonfinite_steps",
+    "dynmo.profile",  # measures only
+    "dynmo.profile_smoothing",
+    "dynmo.freeze",  # which layers train from here on; the saved state is the same either way
 )
 _IGNORED = ("name", "description")
 
@@ -48,8 +52,13 @@ def _flat(recipe: dict) -> dict:
 
 def differing_keys(saved: dict, recipe: dict) -> list[str]:
     """Dotted recipe keys whose values differ and may not change on resume."""
-    old, new = _flat(saved), _flat(recipe)
+    old, new = _flat(_with_later_sections(saved)), _flat(recipe)
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in CHANGEABLE)
+
+
+def _with_later_sections(saved: dict) -> dict:
+    """A checkpoint saved before a recipe section existed was trained with that section's defaults."""
+    return {"dynmo": to_dict(DynmoConfig()), **saved}
 
 
 def check_checkpoint_dir(directory: str) -> None:

@@ -195,7 +195,7 @@ def _fill(old_chunk, old_optimizer, new_chunk, new_optimizer, received: dict[int
 
 def _swap(training: Any, chunks: list, optimizer, scheduler, new: Partition) -> None:
     training.chunks, training.optimizer, training.scheduler = chunks, optimizer, scheduler
-    training.params = [p for c in chunks for p in c.parameters()]
+    training.__post_init__()  # parameter lists and the dynmo section's hooks (freezing re-applies next iteration)
     if training.cp_step is not None:
         training.cp_step.attach(chunks)
     if training.vocab_head is not None:

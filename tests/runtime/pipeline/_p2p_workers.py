@@ -69,4 +69,5 @@ def run(rank, world_size, kind, vpp, microbatches, slices):
         "peak_recv_bytes": meter.p2p.peak_recv_bytes,
         "live_p2p_bytes": meter.p2p.live_bytes,
         "grad": weight.grad.clone(),
+        "posted_ahead": interpreter.posted_ahead,
     }

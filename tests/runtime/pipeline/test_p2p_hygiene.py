@@ -1,10 +1,13 @@
 """Point-to-point hygiene over gloo: a sent slice's storage is freed once its transfer completes,
 long before the step ends (at most ``SEND_WINDOW`` sends are outstanding per link), and the
-activation meter's count of in-flight receive buffers equals the simulator's on the same plan."""
+activation meter's count of in-flight receive buffers equals the simulator's on the same plan, and
+receives are posted one compute ahead of their RECV, as the plan lists."""
 
 import pytest
 
 from megatron_slim.plan.schedule.executable import executable
+from megatron_slim.plan.schedule.ir import Kind
+from megatron_slim.plan.schedule.recv_posts import posted_before
 from megatron_slim.plan.schedule.walk import SEND_WINDOW
 from megatron_slim.plan.sim.engine import simulate
 from megatron_slim.runtime.spawn import run_ranks
@@ -45,3 +48,13 @@ def test_in_flight_receive_bytes_equal_the_simulators(ranks):
         # send buffers: at most the window on the rank's one outgoing link, on both sides
         assert model.peak_p2p_bytes <= model.peak_recv_bytes + SEND_WINDOW * _p2p_workers.MESSAGE_BYTES
         assert measured["peak_p2p_bytes"] <= measured["peak_recv_bytes"] + SEND_WINDOW * _p2p_workers.MESSAGE_BYTES
+
+
+def test_receives_are_posted_ahead_as_the_plan_says(ranks):
+    """Every receive the plan posts before an earlier compute was found posted at its RECV."""
+    (kind, vpp, m, n), results = ranks
+    schedule = executable(kind, 2, vpp, m, n)
+    for r, measured in enumerate(results):
+        before = posted_before(schedule, r)
+        planned = sum(before[a] != a for a in schedule.ranks[r] if a.kind in (Kind.RECV_F, Kind.RECV_B))
+        assert measured["posted_ahead"] == planned > 0, r

@@ -1,0 +1,81 @@
+"""``megatron-slim train --dynmo-*``: flags for the recipe's ``dynmo:`` section, and its JSON entry.
+
+Each flag is the ``--set dynmo.<key>=<value>`` it names, applied after ``--set`` (see
+``docs/dynmo.md``). No torch here: ``cli`` imports it to build the parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_slim.plan.dynmo.options import FREEZE_FORMAT
+
+# flag attribute -> recipe key
+_KEYS = {
+    "dynmo_profile": "profile",
+    "dynmo_profile_smoothing": "profile_smoothing",
+    "dynmo_freeze": "freeze",
+    "dynmo_exit_threshold": "exit_threshold",
+    "dynmo_exit_from_layer": "exit_from_layer",
+}
+
+
+def add_dynmo_args(train: argparse.ArgumentParser) -> None:
+    group = train.add_argument_group("dynamic models and per-layer profiling (the recipe's dynmo: section)")
+    group.add_argument(
+        "--dynmo-profile",
+        action="store_true",
+        default=None,
+        help="time every decoder layer's forward and backward on every rank and measure its memory "
+        "(parameters, gradients, optimizer state, activations per microbatch); the smoothed whole-model "
+        "profile is in --json under dynmo.layer_profile (dynmo.profile)",
+    )
+    group.add_argument(
+        "--dynmo-profile-smoothing",
+        metavar="W",
+        help="weight of the newest iteration in the exponential smoothing, in (0, 1] (default 0.5)",
+    )
+    group.add_argument(
+        "--dynmo-freeze",
+        metavar="SPEC",
+        help=f"freeze decoder layers from an iteration on: {FREEZE_FORMAT}; frozen layers skip weight "
+        "gradients and optimizer steps (dynmo.freeze)",
+    )
+    group.add_argument(
+        "--dynmo-exit-threshold",
+        metavar="X",
+        help="early exit: a token skips a layer once its confidence is at least X, in [0, 1] "
+        "(0: off, the default; dynmo.exit_threshold)",
+    )
+    group.add_argument(
+        "--dynmo-exit-from-layer",
+        metavar="N",
+        help="the first layer (0-based) a token may skip (default 1; dynmo.exit_from_layer)",
+    )
+
+
+def dynmo_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` entries the given ``--dynmo-*`` flags stand for."""
+    out = []
+    for attr, key in _KEYS.items():
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        if key == "freeze":  # quoted: YAML would read "5:10" as a base-60 integer
+            value = '"' + str(value).replace('"', "") + '"'
+        out.append(f"dynmo.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
+
+
+def dynmo_entry(reports, pp: int) -> dict:
+    """The JSON ``dynmo`` section: the smoothed whole-model profile and frozen layers of the last
+    iteration, and per layer the share of tokens that ran it (from each stage's first rank)."""
+    stages = sorted(
+        (r for r in reports if r.dp_rank == 0 and r.tp_rank == 0 and r.cp_rank == 0), key=lambda r: r.pp_rank
+    )
+    last = stages[-1].dynmo if stages else {}
+    shares = {layer: share for r in stages for layer, share in r.dynmo.get("active_token_share", {}).items()}
+    entry = {key: last[key] for key in ("layer_profile", "frozen_layers") if key in last}
+    if shares:
+        entry["active_token_share"] = {str(layer): shares[layer] for layer in sorted(shares)}
+    return entry

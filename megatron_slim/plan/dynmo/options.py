@@ -1,0 +1,107 @@
+"""The recipe's ``dynmo:`` section: per-layer profiling and the dynamic models ``megatron-slim train`` runs.
+
+* ``profile``: time every decoder layer's forward and backward on every rank, smoothed over
+  iterations with weight ``profile_smoothing`` for the newest one, and measure its memory; the
+  result converts to ``plan.dynmo.costs.LayerCost`` for the repartitioner.
+* ``freeze``: a schedule ``"<from_iteration>:<first>-<last>,..."`` (iterations 1-based as the log
+  counts them, layers 0-based global indices, ranges inclusive; ``<first>`` alone is one layer).
+  From that iteration on those layers are frozen for the rest of training (entries accumulate, so
+  ``"3:0-1,6:2-3"`` freezes layers 0-1 from iteration 3 and 0-3 from iteration 6).
+* ``exit_threshold`` / ``exit_from_layer``: early exit. A token skips decoder layer ``l >=
+  exit_from_layer`` when its confidence on entering the layer is at least ``exit_threshold``
+  (0 disables early exit). See ``megatron.model.early_exit`` for the confidence and semantics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_slim.plan.schema import ConfigError, fail
+
+FREEZE_FORMAT = '"<from_iteration>:<first>-<last>,..." (e.g. "5:0-3,10:4-7"), or "" for none'
+
+
+@dataclass(frozen=True)
+class FreezeStep:
+    from_iteration: int
+    layers: range  # global layer indices frozen from that iteration on
+
+
+@dataclass(frozen=True)
+class DynmoConfig:
+    profile: bool = False
+    profile_smoothing: float = 0.5  # exponential smoothing: weight of the newest iteration, in (0, 1]
+    freeze: str = ""
+    exit_threshold: float = 0.0  # 0: no early exit
+    exit_from_layer: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.profile_smoothing <= 1:
+            raise fail("dynmo.profile_smoothing", self.profile_smoothing, "a number in (0, 1]")
+        if not 0 <= self.exit_threshold <= 1:
+            raise fail("dynmo.exit_threshold", self.exit_threshold, "a number in [0, 1] (0 disables early exit)")
+        if self.exit_from_layer < 0:
+            raise fail("dynmo.exit_from_layer", self.exit_from_layer, "an integer >= 0")
+        parse_freeze(self.freeze, None)
+
+    @property
+    def early_exit(self) -> bool:
+        return self.exit_threshold > 0
+
+    @property
+    def active(self) -> bool:
+        """Whether any dynamic behaviour or the profiler is switched on."""
+        return self.profile or self.early_exit or bool(self.freeze)
+
+    def check_model(self, num_layers: int) -> None:
+        """The rules that need the model: layer indices exist."""
+        parse_freeze(self.freeze, num_layers)
+        if self.early_exit and not self.exit_from_layer < num_layers:
+            raise fail(
+                "dynmo.exit_from_layer",
+                self.exit_from_layer,
+                f"an integer in [0, model.num_layers-1={num_layers - 1}] with dynmo.exit_threshold > 0",
+            )
+
+    def freeze_steps(self, num_layers: int) -> tuple[FreezeStep, ...]:
+        return parse_freeze(self.freeze, num_layers)
+
+
+def parse_freeze(text: str, num_layers: int | None) -> tuple[FreezeStep, ...]:
+    """The steps of a ``dynmo.freeze`` schedule, in the order written; ``num_layers`` None skips the
+    layer-range check (the section is checked before the model is known)."""
+    steps = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        step = _parse_step(part, text)
+        if num_layers is not None and step.layers.stop > num_layers:
+            raise fail("dynmo.freeze", text, f"layers in [0, model.num_layers-1={num_layers - 1}]", f"entry {part!r}")
+        steps.append(step)
+    return tuple(steps)
+
+
+def _parse_step(part: str, text: str) -> FreezeStep:
+    def bad(problem: str) -> ConfigError:
+        return fail("dynmo.freeze", text, FREEZE_FORMAT, f"entry {part!r}: {problem}")
+
+    when, sep, layers = part.partition(":")
+    if not sep:
+        # YAML reads an unquoted 5:10 as the base-60 integer 310
+        raise bad("no ':' between iteration and layers; in --set, quote it: dynmo.freeze='\"5:10\"'")
+    first, dash, last = layers.partition("-")
+    try:
+        iteration, lo = int(when), int(first)
+        hi = int(last) if dash else lo
+    except ValueError:
+        raise bad("not integers") from None
+    if iteration < 1:
+        raise bad("iterations count from 1")
+    if not 0 <= lo <= hi:
+        raise bad("layers need 0 <= first <= last")
+    return FreezeStep(iteration, range(lo, hi + 1))
+
+
+def frozen_layers(steps: tuple[FreezeStep, ...], iteration: int) -> frozenset[int]:
+    """Global indices of the layers frozen during ``iteration`` (1-based)."""
+    return frozenset(layer for s in steps if s.from_iteration <= iteration for layer in s.layers)

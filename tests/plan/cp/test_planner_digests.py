@@ -1,0 +1,87 @@
+"""Zeppelin's planner picks exactly what it picked before it was made faster.
+
+The digests below were recorded from the planner at commit dfc8a53 (before the speed work of
+``buckets.py``, the trials that give up early, the one-pass assembly and pricing); every plan of
+three packs per length mix, topology and ablation must hash the same. ``scripts/bench_cp_planner.py``
+checks the same on the benchmark's own 4M-token batches (``benchmarks/results/cp_planner_digests.json``).
+"""
+
+import hashlib
+
+import pytest
+
+from megatron_slim.plan.cp.choose import plan_zeppelin
+from megatron_slim.plan.cp.estimate import ZeppelinLayers
+from megatron_slim.plan.cp.lengths import make_packs, parse_lengths
+from megatron_slim.plan.cp.topology import CPTopology
+
+MIXES = {
+    "short": "lognormal:mean=4096,sigma=1.2,min=256,max=65536",
+    "long-tailed": "mix:0.9*lognormal(mean=4096,sigma=1.0,min=256,max=32768)"
+    "+0.1*lognormal(mean=65536,sigma=1.0,min=16384,max=262144)",
+    "bimodal": "mix:0.7*lognormal(mean=2048,sigma=0.8,min=128,max=16384)"
+    "+0.3*lognormal(mean=49152,sigma=0.6,min=16384,max=262144)",
+    "uniform": "uniform:min=16384,max=131072",
+}
+LAYERS = {
+    "all": ZeppelinLayers(),
+    "own": ZeppelinLayers(baselines=False),
+    "no-remap": ZeppelinLayers(remap=False),
+    "no-routing": ZeppelinLayers(routing=False),
+    "no-hier": ZeppelinLayers(hierarchical=False),
+}
+RECORDED = {
+    "4x8 short all": "56fd3e6cf011cc05",
+    "4x8 short own": "678f2b5523bd62f3",
+    "4x8 short no-remap": "cea0afb60aa6200e",
+    "4x8 short no-routing": "56fd3e6cf011cc05",
+    "4x8 short no-hier": "82ff8d519b16947e",
+    "4x8 long-tailed all": "fb29915f6218ecf6",
+    "4x8 long-tailed own": "028f487776f68c24",
+    "4x8 long-tailed no-remap": "970b384440089362",
+    "4x8 long-tailed no-routing": "fb29915f6218ecf6",
+    "4x8 long-tailed no-hier": "1241f972b29e3219",
+    "4x8 bimodal all": "e81d4a8e12c2481e",
+    "4x8 bimodal own": "d31662a234cc6f13",
+    "4x8 bimodal no-remap": "51b3495e6a148869",
+    "4x8 bimodal no-routing": "e81d4a8e12c2481e",
+    "4x8 bimodal no-hier": "7c073469129a6788",
+    "4x8 uniform all": "94ba6e56e8cd1ce1",
+    "4x8 uniform own": "4b8326159cece2f8",
+    "4x8 uniform no-remap": "6a59cf5db129e6d7",
+    "4x8 uniform no-routing": "94ba6e56e8cd1ce1",
+    "4x8 uniform no-hier": "6196814be6c878d6",
+    "2x4 short all": "f56e5b4f9d20aa70",
+    "2x4 short own": "f56e5b4f9d20aa70",
+    "2x4 short no-remap": "4988c524f8aebea6",
+    "2x4 short no-routing": "f56e5b4f9d20aa70",
+    "2x4 short no-hier": "f56e5b4f9d20aa70",
+    "2x4 long-tailed all": "53f60e6cea48d754",
+    "2x4 long-tailed own": "53f60e6cea48d754",
+    "2x4 long-tailed no-remap": "fa65c4509615542a",
+    "2x4 long-tailed no-routing": "629ff273bc4964c3",
+    "2x4 long-tailed no-hier": "53f60e6cea48d754",
+    "2x4 bimodal all": "d46fed3943edb3fb",
+    "2x4 bimodal own": "80da7c09ad392fb6",
+    "2x4 bimodal no-remap": "4ce80bafd618076d",
+    "2x4 bimodal no-routing": "686a49c1b9be4f9b",
+    "2x4 bimodal no-hier": "1f26fde8cd0cf5da",
+    "2x4 uniform all": "46b0be9ecdfa5a39",
+    "2x4 uniform own": "46b0be9ecdfa5a39",
+    "2x4 uniform no-remap": "46b0be9ecdfa5a39",
+    "2x4 uniform no-routing": "29ef7f44b53ae3fc",
+    "2x4 uniform no-hier": "b5a8d3c367c128c1",
+}
+
+
+@pytest.mark.parametrize("topology", ["4x8", "2x4"])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_plans_hash_as_recorded(costs, topology, mix):
+    nodes, per_node = map(int, topology.split("x"))
+    topo = CPTopology.uniform(nodes, per_node)
+    packs = make_packs(parse_lengths(MIXES[mix]), 131072, 3, seed=1)
+    for name, layers in LAYERS.items():
+        digest = hashlib.sha256()
+        for pack in packs:
+            digest.update(plan_zeppelin(pack, topo, costs, layers).digest().encode())
+        assert digest.hexdigest()[:16] == RECORDED[f"{topology} {mix} {name}"], name
