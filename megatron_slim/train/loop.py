@@ -20,7 +20,8 @@ from megatron_slim.plan.recipe import Recipe, recipe_from_dict
 from megatron_slim.plan.sim.costs import slice_lengths
 from megatron_slim.train import checkpoint
 from megatron_slim.train.metrics import MetricsOptions, open_metrics
-from megatron_slim.train.microbatch import dp_mean, forward_step, microbatches, summed_loss, vocab_forward_step
+from megatron_slim.train.microbatch import dp_mean, summed_loss, vocab_forward_step
+from megatron_slim.train.packed import iteration_batches, training_data
 from megatron_slim.train.profiler import IterationProfiler, ProfileOptions
 from megatron_slim.train.step import (
     average_data_parallel,
@@ -67,6 +68,7 @@ class RankReport:
     skipped_iterations: list = field(default_factory=list)
     stopped: str = ""  # why training stopped early (a non-finite loss or gradient norm); "" = it did not
     cp_iterations: list = field(default_factory=list)  # per iteration: train.cp.CPTrainStep.summary()
+    packing: list = field(default_factory=list)  # per iteration (data.packing): IterationPacking.record()
 
 
 def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
@@ -82,7 +84,6 @@ def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
 
 
 def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options: TrainOptions) -> RankReport:
-    from megatron_slim.megatron.data import build_gpt_dataset
     from megatron_slim.megatron.model.gpt import build_rank_chunks
     from megatron_slim.megatron.model.optimizer import build_optimizer
     from megatron_slim.megatron.model.parallel import init_model_parallel
@@ -107,7 +108,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     forward_backward = make_forward_backward_func(
         pipeline_settings(recipe, options.measure_memory), vocab_head=vocab_head
     )
-    dataset = build_gpt_dataset(prepared, recipe.model.seq_length, t.global_batch_size * t.iters, seed=t.seed)
+    dataset = training_data(recipe, prepared)
     report = RankReport(
         rank,
         groups.pp_rank,
@@ -234,8 +235,8 @@ class _RankTraining:
     def _forward_backward(self, number: int) -> list:
         self.profiler.before(number)
         self.optimizer.zero_grad(set_to_none=True)
-        batches = list(microbatches(self.dataset, self.recipe, number - 1, self.groups.dp_rank))
-        step_func = forward_step
+        packing, batches, step_func = iteration_batches(self.dataset, self.recipe, number, self.groups.dp_rank)
+        self.report.packing += [packing.record()] if packing else []
         if self.vocab_head is not None:
             self.vocab_head.refresh()
             step_func = vocab_forward_step
@@ -245,7 +246,7 @@ class _RankTraining:
             forward_step_func=step_func,
             data_iterator=[iter(batches) for _ in self.chunks],
             model=self.chunks,
-            num_microbatches=self.recipe.num_microbatches,
+            num_microbatches=len(batches) if packing else self.recipe.num_microbatches,
             seq_length=self.recipe.model.seq_length,
             micro_batch_size=self.recipe.train.micro_batch_size,
         )
@@ -263,13 +264,16 @@ class _RankTraining:
     def _print(self, number: int, loss: float, norm: float, stepped: bool, elapsed: float, cp_summary) -> None:
         from megatron_slim.train.cp import summary_text
 
-        t = self.recipe.train
-        tok_s = t.global_batch_size * self.recipe.model.seq_length / elapsed
-        cp_text = f" | {summary_text(self.recipe.cp.engine, cp_summary)}" if cp_summary else ""
+        t, r = self.recipe.train, self.recipe
+        if self.report.packing:
+            tokens, extra = self.report.packing[-1]["document_tokens"], f" | {self.report.packing[-1]['summary']}"
+        else:
+            tokens = t.global_batch_size * r.model.seq_length
+            extra = f" | {summary_text(r.cp.engine, cp_summary)}" if cp_summary else ""
         print(
             f"iter {number:4d}/{t.iters} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e} | "
             f"grad norm {norm:.3f}{'' if stepped else ' (skipped: not finite)'} | {elapsed:.2f} s/it | "
-            f"{tok_s:,.0f} tokens/s{cp_text}",
+            f"{tokens / elapsed:,.0f} tokens/s{extra}",
             flush=True,
         )
 

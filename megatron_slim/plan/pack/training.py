@@ -155,6 +155,17 @@ class IterationPacking:
         total = sum(w.padding + sum(p.length for p in w.pieces) for ws in self.windows for w in ws)
         return 1.0 - self.document_tokens / total
 
+    def record(self) -> dict:
+        """The iteration's packing in plain values (``megatron-slim train --json``)."""
+        return {
+            "method": self.method,
+            "microbatches": [len(ws) for ws in self.windows],
+            "padding_share": self.padding_share(),
+            "document_tokens": self.document_tokens,
+            "loss_tokens": self.loss_tokens,
+            "summary": self.summary(),
+        }
+
     def summary(self) -> str:
         counts = "/".join(str(len(ws)) for ws in self.windows)
         return f"packing {self.method}: {counts} microbatches per DP rank, padding {100 * self.padding_share():.1f}%"
