@@ -146,7 +146,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "model.seq_length tokens of the corpus with causal attention over the "
         "window; with parallel.cp > 1 the recipe's cp.engine runs (1f1b, one "
         "slice), each window is a pack of the documents between end-of-document "
-        "tokens and attention stays inside each document.",
+        "tokens and attention stays inside each document. With data.packing = "
+        "slimpack | megatron | bfd, each iteration packs the next documents of "
+        "about global_batch_size*seq_length tokens into windows by that method "
+        "(docs/packing.md); data.packing=none (default) is the plain windows.",
         epilog="""where the ranks come from:
   megatron-slim train ...
       spawns the recipe's tp*pp*cp*dp gloo ranks on this machine. They never
