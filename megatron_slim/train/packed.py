@@ -26,8 +26,16 @@ import torch
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.pack.costs import fit_slice_costs
 from megatron_slim.plan.pack.plan import Piece
-from megatron_slim.plan.pack.training import IterationPacking, Sample, Window, iteration_documents, pack_iteration
+from megatron_slim.plan.pack.training import (
+    IterationPacking,
+    Sample,
+    Window,
+    cut_samples,
+    iteration_samples,
+    pack_iteration,
+)
 from megatron_slim.plan.recipe import Recipe
+from megatron_slim.runtime.agreement import check_agreement
 
 
 def window_batch(window: Window, samples: Sequence[Sample], documents: Sequence, seq_length: int) -> dict:
@@ -83,16 +91,18 @@ class PackedData:
         self.recipe, self.dp = recipe, dp
         order = numpy.random.RandomState(recipe.train.seed).permutation(len(documents))
         self.documents = [documents[i] for i in order]
-        self.lengths = [len(d) for d in self.documents]
         seq = recipe.model.seq_length
+        self.samples = cut_samples(range(len(self.documents)), [len(d) for d in self.documents], seq)
+        self.sample_lengths = [s.length for s in self.samples]
         self.costs = fit_slice_costs(CostModel(recipe), seq, seq)
 
     def iteration(self, iteration: int) -> IterationPacking:
         """0-based ``iteration``'s packing (identical on every rank)."""
         r = self.recipe
         budget = r.train.global_batch_size * r.model.seq_length
-        docs = iteration_documents(self.lengths, budget, iteration)
-        return pack_iteration(r.data.packing, docs, self.lengths, self.costs, self.dp, r.model.seq_length)
+        taken = iteration_samples(self.sample_lengths, budget, iteration)
+        samples = [self.samples[i] for i in taken]
+        return pack_iteration(r.data.packing, samples, self.costs, self.dp, r.model.seq_length)
 
     def step(self, iteration: int, dp_rank: int) -> tuple[IterationPacking, list[dict]]:
         """0-based ``iteration``'s packing and DP rank ``dp_rank``'s microbatches."""
@@ -118,6 +128,9 @@ def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int):
 
     if isinstance(data, PackedData):
         packing, batches = data.step(number - 1, dp_rank)
+        if torch.distributed.is_initialized():
+            what, remedy = "packing plan", "every rank plans the same samples with the same deterministic planner"
+            check_agreement(packing.plan.digest(), None, ranks="ranks", what=what, remedy=remedy)
         return packing, batches, packed_forward_step
     return None, list(microbatches(data, recipe, number - 1, dp_rank)), forward_step
 

@@ -11,7 +11,7 @@ from megatron_slim.plan.pack.plan import MicroPack, PackingPlan, Piece
 from megatron_slim.plan.pack.training import (
     Window,
     cut_samples,
-    iteration_documents,
+    iteration_samples,
     pack_iteration,
     plan_samples,
 )
@@ -27,13 +27,13 @@ def _lengths(seed: int, count: int = 200) -> list[int]:
     return [rng.choice([rng.randint(1, 60), rng.randint(60, 200), rng.randint(200, 700)]) for _ in range(count)]
 
 
-def test_iterations_take_consecutive_documents_within_the_budget():
+def test_iterations_take_consecutive_samples_within_the_budget():
     lengths = [50, 70, 30, 400, 10, 10]
-    assert iteration_documents(lengths, 128, 0) == [0, 1]  # 50+70; +30 would pass 128
-    assert iteration_documents(lengths, 128, 1) == [2]  # 30; +400 would pass
-    assert iteration_documents(lengths, 128, 2) == [3]  # one document even over the budget
-    assert iteration_documents(lengths, 128, 3) == [4, 5, 0]  # wraps around the corpus
-    assert iteration_documents([5, 5], 100, 0) == [0, 1]  # never one document twice in an iteration
+    assert iteration_samples(lengths, 128, 0) == [0, 1]  # 50+70; +30 would pass 128
+    assert iteration_samples(lengths, 128, 1) == [2]  # 30; +400 would pass
+    assert iteration_samples(lengths, 128, 2) == [3]  # one sample even over the budget
+    assert iteration_samples(lengths, 128, 3) == [4, 5, 0]  # wraps around the corpus
+    assert iteration_samples([5, 5], 100, 0) == [0, 1]  # never one sample twice in an iteration
 
 
 def test_long_documents_are_cut_into_seq_length_samples():
@@ -51,8 +51,10 @@ def test_long_documents_are_cut_into_seq_length_samples():
 @pytest.mark.parametrize("dp", [1, 2, 3])
 def test_windows_cover_every_document_token_once_and_keep_samples_whole(method, dp):
     lengths = _lengths(dp)
-    docs = iteration_documents(lengths, 8 * SEQ, 2)
-    packed = pack_iteration(method, docs, lengths, COSTS, dp, SEQ)
+    corpus = cut_samples(range(len(lengths)), lengths, SEQ)
+    taken = iteration_samples([s.length for s in corpus], 8 * SEQ, 2)
+    assert 7 * SEQ < sum(corpus[i].length for i in taken) <= 8 * SEQ
+    packed = pack_iteration(method, [corpus[i] for i in taken], COSTS, dp, SEQ)
     seen: dict[int, list[tuple[int, int]]] = {}
     for windows in packed.windows:
         for w in windows:
@@ -61,17 +63,14 @@ def test_windows_cover_every_document_token_once_and_keep_samples_whole(method, 
             for p in w.pieces:
                 s = packed.samples[p.sample]
                 seen.setdefault(s.document, []).append((s.offset + p.start, p.length))
-    assert sorted(seen) == sorted(docs)
-    for d, spans in seen.items():
-        spans.sort()
-        assert spans[0][0] == 0 and sum(n for _, n in spans) == lengths[d]
-        assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+    want = sorted((corpus[i].document, corpus[i].offset, corpus[i].length) for i in taken)
+    assert sorted((d, a, n) for d, spans in seen.items() for a, n in spans) == want
     # every sample in exactly one window, whole
     owners = [p.sample for ws in packed.windows for w in ws for p in w.pieces]
     assert sorted(owners) == list(range(len(packed.samples)))
-    want_padding = 1 - sum(lengths[d] for d in docs) / (SEQ * sum(len(ws) for ws in packed.windows))
-    assert packed.padding_share() == pytest.approx(want_padding)
-    assert packed.loss_tokens == sum(lengths[d] - 1 for d in docs)
+    tokens = sum(n for _, _, n in want)
+    assert packed.padding_share() == pytest.approx(1 - tokens / (SEQ * sum(len(ws) for ws in packed.windows)))
+    assert packed.loss_tokens == tokens - sum(1 for d, a, n in want if a + n == lengths[d])
 
 
 def test_document_lengths_join_a_samples_adjacent_pieces_and_end_with_padding():

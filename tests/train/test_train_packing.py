@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from megatron_slim.plan.pack.training import iteration_documents
+from megatron_slim.plan.pack.training import iteration_samples
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.train.packed import PackedData
 from tests.train.test_train_job import _train
@@ -50,7 +50,9 @@ def short_documents(tmp_path_factory):
 def _documents(seed=0, count=60):
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    return [torch.randint(2, 4096, (rng.choice([3, 40, 90, 128, 200, 333]),), generator=g).numpy() for _ in range(count)]
+    return [
+        torch.randint(2, 4096, (rng.choice([3, 40, 90, 128, 200, 333]),), generator=g).numpy() for _ in range(count)
+    ]
 
 
 @pytest.mark.parametrize("method", ["slimpack", "megatron", "bfd"])
@@ -66,7 +68,7 @@ def test_windows_train_every_document_token_once_with_global_per_token_weights(m
         weight_sum = 0.0
         for batches in ranks:
             for b in batches:
-                tokens, labels, mask = b["tokens"][0], b["labels"][0], b["loss_mask"][0]
+                tokens, mask = b["tokens"][0], b["loss_mask"][0]
                 positions = b["position_ids"][0]
                 assert tokens.shape == (SEQ,) and sum(b["document_lengths"]) == SEQ
                 at = 0
@@ -76,20 +78,23 @@ def test_windows_train_every_document_token_once_with_global_per_token_weights(m
                     at += n
                 # the schedule divides by the window's tokens and this rank's microbatches, DP averages
                 weight_sum += b["loss_weight"] / (max(1.0, float(mask.sum())) * len(batches) * dp) * float(mask.sum())
-        want = [data.documents[d].tolist() for d in iteration_documents(data.lengths, recipe.train.global_batch_size * SEQ, it)]
-        # samples: each document in SEQ-token pieces; every other segment is padding (all zeros)
-        pieces = sorted(d[o : o + SEQ] for d in want for o in range(0, len(d), SEQ))
-        assert sorted(g for g in got if any(g)) == pieces
+        taken = [data.samples[i] for i in iteration_samples(data.sample_lengths, 8 * SEQ, it)]
+        want = [data.documents[s.document][s.offset : s.offset + s.length].tolist() for s in taken]
+        assert sorted(g for g in got if any(g)) == sorted(want)  # the other segments are padding (zeros)
         assert weight_sum == pytest.approx(1.0)  # sum over loss tokens of d(loss)/d(token loss) = 1
-        assert packing.loss_tokens == sum(len(d) - 1 for d in want)
-        # labels: the next token of the same document, masked at each document's end
-        for batches in ranks:
-            for b in batches:
+        assert packing.loss_tokens == sum(len(w) - 1 if s.last else len(w) for s, w in zip(taken, want))
+        # labels: the next token of the same document (past a cut sample's end too), masked at its end
+        for r, batches in enumerate(ranks):
+            for window, b in zip(packing.windows[r], batches):
                 at = 0
-                for n in b["document_lengths"]:
-                    seg, lab, m = (x[0, at : at + n] for x in (b["tokens"], b["labels"], b["loss_mask"]))
-                    assert torch.equal(lab[:-1][m[:-1] > 0], seg[1:][m[:-1] > 0])
-                    at += n
+                for p in window.pieces:
+                    s = packing.samples[p.sample]
+                    doc = data.documents[s.document]
+                    begin = s.offset + p.start
+                    want_labels = doc[begin + 1 : begin + p.length + 1].tolist()
+                    assert b["labels"][0, at : at + len(want_labels)].tolist() == want_labels
+                    assert b["loss_mask"][0, at : at + p.length].sum() == len(want_labels)
+                    at += p.length
 
 
 def _runs(tmp_path_factory, data_cache, corpus, layout):

@@ -1,13 +1,14 @@
 """What ``megatron-slim train`` packs each iteration (``data.packing``): documents -> samples ->
 a packing plan -> per DP rank, windows of exactly ``seq_length`` tokens.
 
-* Iteration ``i`` takes the next documents of the corpus order, as many as fit in
-  ``global_batch_size * seq_length`` tokens (at least one), the same ones whatever the method, so
-  runs are comparable; the corpus wraps around when it runs out.
 * A document longer than ``seq_length`` is first cut into ``seq_length``-token samples (as
   Megatron's ``GPTDataset`` cuts its stream): the runtime keeps a document's K/V only inside one
   microbatch, so no sample may be cut across MicroPacks or DP ranks. SlimPack is asked for whole
-  samples; a plan that still cuts one is refused.
+  samples (phase 1 only: phase 2's time budget would make the plan depend on each rank's timing);
+  a plan that still cuts one is refused.
+* Iteration ``i`` takes the next samples of the corpus order, as many as fit in
+  ``global_batch_size * seq_length`` tokens (so between that less ``seq_length`` and that), the
+  same ones whatever the method, so runs are comparable; the corpus wraps around when it runs out.
 * Each MicroPack becomes one window (b=1): its pieces concatenated, padded at the end. A DP rank
   without any MicroPack runs one window of padding only, so every rank runs the schedule.
 * Loss tokens: every position whose next token is in the same document (a document's last
@@ -17,7 +18,7 @@ a packing plan -> per DP rank, windows of exactly ``seq_length`` tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from megatron_slim.plan.pack.baselines import plan_baseline
 from megatron_slim.plan.pack.costs import SliceCosts
@@ -42,17 +43,18 @@ class Sample:
         return self.length - 1 if self.last else self.length
 
 
-def iteration_documents(document_lengths: Sequence[int], budget: int, iteration: int) -> list[int]:
-    """The documents (indices into ``document_lengths``) of 0-based ``iteration``: from where the
-    previous iteration stopped, whole documents while their tokens fit ``budget`` (at least one)."""
-    if budget < 1 or not document_lengths:
-        raise fail("packing budget", budget, "an integer >= 1 and at least one document")
-    n, cursor = len(document_lengths), 0
+def iteration_samples(sample_lengths: Sequence[int], budget: int, iteration: int) -> list[int]:
+    """The samples (indices into ``sample_lengths``) of 0-based ``iteration``: from where the
+    previous iteration stopped, while their tokens fit ``budget`` (at least one, none twice)."""
+    if budget < 1 or not sample_lengths:
+        raise fail("packing budget", budget, "an integer >= 1 and at least one sample")
+    n, cursor = len(sample_lengths), 0
     for it in range(iteration + 1):
-        taken, total = [], 0
-        while not taken or (len(taken) < n and total + document_lengths[cursor % n] <= budget):
+        taken: list[int] = []
+        total = 0
+        while not taken or (len(taken) < n and total + sample_lengths[cursor % n] <= budget):
             taken.append(cursor % n)
-            total += document_lengths[cursor % n]
+            total += sample_lengths[cursor % n]
             cursor += 1
         if it == iteration:
             return taken
@@ -75,7 +77,7 @@ def plan_samples(method: str, samples: Sequence[Sample], costs: SliceCosts, dp: 
     MicroPack cap ``seq_length``; refused if it cuts a sample across MicroPacks."""
     lengths = [s.length for s in samples]
     if method == "slimpack":
-        plan = solve(lengths, costs, dp, seq_length, whole_samples=True).plan
+        plan = solve(lengths, costs, dp, seq_length, budget_s=0.0, whole_samples=True).plan
     elif method in TRAIN_PACKING[2:]:
         plan = plan_baseline(method, lengths, costs, dp, seq_length)
     else:
@@ -126,9 +128,9 @@ def rank_windows(plan: PackingPlan, rank: int, seq_length: int) -> tuple[Window,
     return tuple(Window(tuple(sorted(m.pieces, key=plan_order(m.pieces))), seq_length - m.tokens) for m in packs)
 
 
-def plan_order(pieces: Sequence[Piece]):
+def plan_order(pieces: Sequence[Piece]) -> Callable[[Piece], tuple[int, int]]:
     """Pieces keep the MicroPack's order, except that one sample's pieces run in start order."""
-    first = {}
+    first: dict[int, int] = {}
     for i, p in enumerate(pieces):
         first.setdefault(p.sample, i)
     return lambda p: (first[p.sample], p.start)
@@ -155,7 +157,7 @@ class IterationPacking:
         total = sum(w.padding + sum(p.length for p in w.pieces) for ws in self.windows for w in ws)
         return 1.0 - self.document_tokens / total
 
-    def record(self) -> dict:
+    def record(self) -> dict[str, Any]:
         """The iteration's packing in plain values (``megatron-slim train --json``)."""
         return {
             "method": self.method,
@@ -172,9 +174,9 @@ class IterationPacking:
 
 
 def pack_iteration(
-    method: str, documents: Sequence[int], document_lengths: Sequence[int], costs: SliceCosts, dp: int, seq_length: int
+    method: str, samples: Sequence[Sample], costs: SliceCosts, dp: int, seq_length: int
 ) -> IterationPacking:
-    samples = cut_samples(documents, document_lengths, seq_length)
+    samples = tuple(samples)
     plan = plan_samples(method, samples, costs, dp, seq_length)
     windows = tuple(rank_windows(plan, r, seq_length) for r in range(dp))
     return IterationPacking(method, samples, plan, windows)
