@@ -107,10 +107,11 @@ def _prepare(recipe, say: bool, log=sys.stdout):
 
 def _print_plan(recipe, where: str, log=sys.stdout) -> None:
     p, t = recipe.parallel, recipe.train
+    m = recipe.num_microbatches if recipe.data.packing == "none" else f"~{recipe.num_microbatches} packed"
     print(
         f"recipe {recipe.name}: {p.world_size} CPU ranks {where}(tp{p.tp} pp{p.pp} vpp{p.vpp} cp{p.cp} dp{p.dp}), "
         f"schedule {recipe.schedule.kind} with {recipe.schedule.num_slices} {recipe.schedule.slice_policy} "
-        f"slice(s), {recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens, {t.iters} iterations",
+        f"slice(s), {m} microbatches of {recipe.model.seq_length} tokens, {t.iters} iterations",
         file=log,
         flush=True,
     )
