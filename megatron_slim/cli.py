@@ -148,7 +148,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "window; with parallel.cp > 1 the recipe's cp.engine runs (1f1b or "
         "interleaved, any parallel.pp, one slice per microbatch; every pipeline "
         "stage plans each window), each window is a pack of the documents between "
-        "end-of-document tokens and attention stays inside each document.",
+        "end-of-document tokens and attention stays inside each document. With "
+        "data.packing = slimpack | megatron | bfd, each iteration packs the next "
+        "documents (cut into samples of at most seq_length) of about "
+        "global_batch_size*seq_length tokens into windows by that method, attention "
+        "staying inside each document (docs/packing.md); data.packing=none "
+        "(default) is the plain windows.",
         epilog="""where the ranks come from:
   megatron-slim train ...
       spawns the recipe's tp*pp*cp*dp gloo ranks on this machine. They never

@@ -108,10 +108,11 @@ def _prepare(recipe, say: bool, log=sys.stdout):
 
 def _print_plan(recipe, where: str, log=sys.stdout) -> None:
     p, t = recipe.parallel, recipe.train
+    m = recipe.num_microbatches if recipe.data.packing == "none" else f"~{recipe.num_microbatches} packed"
     print(
         f"recipe {recipe.name}: {p.world_size} CPU ranks {where}(tp{p.tp} pp{p.pp} vpp{p.vpp} cp{p.cp} dp{p.dp}), "
         f"schedule {recipe.schedule.kind} with {recipe.schedule.num_slices} {recipe.schedule.slice_policy} "
-        f"slice(s), {recipe.num_microbatches} microbatches of {recipe.model.seq_length} tokens, {t.iters} iterations",
+        f"slice(s), {m} microbatches of {recipe.model.seq_length} tokens, {t.iters} iterations",
         file=log,
         flush=True,
     )
@@ -253,7 +254,8 @@ def _report(args, recipe, reports, began) -> int:
     p, t = recipe.parallel, recipe.train
     reporter = next(r for r in reports if _is_reporter(r, p.pp))
     seconds = sum(reporter.iteration_seconds)
-    iterations = len(reporter.iteration_seconds)
+    done = len(reporter.iteration_seconds)  # this process's iterations (a resumed run: since resuming)
+    tokens = sum(r["document_tokens"] for r in reporter.packing) or t.global_batch_size * recipe.model.seq_length * done
     payload = {
         "recipe": recipe.name,
         "schedule": recipe.schedule.kind,
@@ -262,7 +264,7 @@ def _report(args, recipe, reports, began) -> int:
         "attention_backend": reporter.attention_backend,
         "losses": [loss for _, loss in reporter.losses],
         "loss_iterations": [i for i, _ in reporter.losses],
-        "tokens_per_s": (t.global_batch_size * recipe.model.seq_length * iterations / seconds) if seconds else 0.0,
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
         "iteration_time_s": reporter.iteration_seconds,
         "skipped_steps": reporter.skipped_steps,
         "resumed_from": reporter.resumed_from,
@@ -271,6 +273,7 @@ def _report(args, recipe, reports, began) -> int:
         "stopped": reporter.stopped or None,
         "stages": _stage_entries(reports, p.pp),
         "wall_time_s": time.perf_counter() - began,
+        **({"packing": reporter.packing} if reporter.packing else {}),
     }
     if p.cp > 1:
         payload["cp"] = _cp_entry(recipe, reporter)

@@ -71,6 +71,7 @@ class Recipe:
         self._check_schedule()
         self._check_recompute_depth()
         self._check_dynmo()
+        self._check_packing()
         _ = self.hardware_profile  # an unknown profile fails here, before any work
 
     def _check_parallel_fits_model(self) -> None:
@@ -148,6 +149,21 @@ class Recipe:
             return None
         most = max_slices(seq_length, unit)
         return f"at most model.seq_length/{unit}={most} slices, with model.seq_length a multiple of {unit}"
+
+    def _check_packing(self) -> None:
+        """Packed windows are one MicroPack each (b=1) and go through SlimPipe's own attention."""
+        packing, t, p = self.data.packing, self.train, self.parallel
+        if packing == "none":
+            return
+        for name, value, allowed in (
+            ("train.micro_batch_size", t.micro_batch_size, 1),
+            ("parallel.cp", p.cp, 1),
+            ("schedule.vocab_parallel", self.schedule.vocab_parallel, False),
+        ):
+            if value != allowed:
+                raise fail(name, value, f"{str(allowed).lower()} with data.packing={packing} (or data.packing=none)")
+        if len(self.data.path) > 1:
+            raise fail("data.path", list(self.data.path), f"one prefix with data.packing={packing} (no blend)")
 
     def _check_recompute_depth(self) -> None:
         """Megatron checkpoints within a chunk's layers: ``block`` N of them, ``uniform`` groups of N

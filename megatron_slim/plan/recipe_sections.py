@@ -14,6 +14,7 @@ from megatron_slim.plan.schema import ConfigError, check_fields, fail
 ScheduleKind = Literal["1f1b", "interleaved", "slimpipe"]
 SlicePolicy = Literal["uniform", "balanced", "exchange"]
 CPEngine = Literal["ring", "zeppelin", "ulysses", "a2a+p2p", "allgather", "dynamic"]
+Packing = Literal["none", "slimpack", "megatron", "bfd"]
 
 
 def _require_positive(section: str, obj: object, names: tuple[str, ...]) -> None:
@@ -219,6 +220,8 @@ class DataConfig:
     max_files: int = 0  # 0 = every file found
     path: tuple[str, ...] = ()  # Megatron --data-path: a prefix, or weight/prefix pairs; replaces corpus
     tokenizer: str = ""  # a Hugging Face tokenizer dir or tokenizer.json; "" = train one on the corpus
+    # none: GPTDataset's fixed windows; else whole documents packed per iteration (docs/packing.md)
+    packing: Packing = "none"
 
     def __post_init__(self) -> None:
         if self.max_files < 0:

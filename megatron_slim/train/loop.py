@@ -10,8 +10,8 @@ The ``dynmo:`` section (freezing, early exit, per-layer profiling) runs in ``tra
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,9 +21,11 @@ from megatron_slim.plan.sim.costs import slice_lengths
 from megatron_slim.train import checkpoint
 from megatron_slim.train.dynmo.planned import migrate_if_planned
 from megatron_slim.train.dynmo.run import DynamicTraining, with_dynamic_layers
-from megatron_slim.train.metrics import MetricsOptions, open_metrics
-from megatron_slim.train.microbatch import dp_mean, forward_step, microbatches, summed_loss, vocab_forward_step
-from megatron_slim.train.profiler import IterationProfiler, ProfileOptions
+from megatron_slim.train.metrics import open_metrics
+from megatron_slim.train.microbatch import dp_mean, summed_loss, vocab_forward_step
+from megatron_slim.train.packed import iteration_batches, training_data
+from megatron_slim.train.profiler import IterationProfiler
+from megatron_slim.train.report import RankReport, TrainOptions
 from megatron_slim.train.step import (
     average_data_parallel,
     clip_and_step,
@@ -34,43 +36,6 @@ from megatron_slim.train.step import (
 
 if TYPE_CHECKING:  # the schedule imports megatron; loop.py imports it only when a run starts
     from megatron_slim.megatron.slimpipe.schedule import ForwardBackwardFunc
-
-
-@dataclass(frozen=True)
-class TrainOptions:
-    checkpoint_dir: Optional[str] = None
-    resume: bool = True
-    resume_from: Optional[int] = None  # the iteration checkpoint.check_resumable chose before any work
-    exit_interval: int = 0  # stop (with a checkpoint) after this iteration, as if interrupted
-    measure_memory: bool = True
-    quiet: bool = False
-    metrics: Optional[MetricsOptions] = None  # --tensorboard-dir / --wandb-project
-    profile: Optional[ProfileOptions] = None  # --profile
-    migrations: tuple = ()  # DynMo: (iteration, layers per stage) pairs, moved live after it (train.dynmo)
-
-
-@dataclass
-class RankReport:
-    rank: int
-    pp_rank: int
-    dp_rank: int
-    tp_rank: int
-    cp_rank: int = 0
-    losses: list = field(default_factory=list)  # (iteration, loss) on the reporting rank
-    iteration_seconds: list = field(default_factory=list)
-    peak_activation_bytes: int = 0
-    peak_kv_bytes: int = 0
-    offloaded_bytes: int = 0  # activation bytes one iteration moved to host memory (train.offload_ratio)
-    peak_p2p_bytes: int = 0
-    resumed_from: Optional[int] = None
-    last_iteration: int = 0
-    attention_backend: str = ""
-    schedule_digest: str = ""
-    skipped_steps: int = 0
-    skipped_iterations: list = field(default_factory=list)
-    stopped: str = ""  # why training stopped early (a non-finite loss or gradient norm); "" = it did not
-    cp_iterations: list = field(default_factory=list)  # per iteration: train.cp.CPTrainStep.summary()
-    dynmo: dict = field(default_factory=dict)  # DynamicTraining.after: layer profile, frozen layers, exits
 
 
 def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
@@ -86,7 +51,6 @@ def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
 
 
 def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options: TrainOptions) -> RankReport:
-    from megatron_slim.megatron.data import build_gpt_dataset
     from megatron_slim.megatron.model.gpt import build_rank_chunks
     from megatron_slim.megatron.model.optimizer import build_optimizer
     from megatron_slim.megatron.model.parallel import init_model_parallel
@@ -112,7 +76,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     vocab_head = build_vocab_head(chunks, groups) if recipe.schedule.vocab_parallel else None
     settings, rows = pipeline_settings(recipe, options.measure_memory), cp_step.stage_rows if cp_step else None
     forward_backward = make_forward_backward_func(settings, vocab_head=vocab_head, stage_rows=rows)
-    dataset = build_gpt_dataset(prepared, recipe.model.seq_length, t.global_batch_size * t.iters, seed=t.seed)
+    dataset = training_data(recipe, prepared)
     report = RankReport(
         rank,
         groups.pp_rank,
@@ -241,8 +205,8 @@ class _RankTraining:
         self.profiler.before(number)
         self.dynamic.before(number)
         self.optimizer.zero_grad(set_to_none=True)
-        batches = list(microbatches(self.dataset, self.recipe, number - 1, self.groups.dp_rank))
-        step_func = forward_step
+        packing, batches, step_func = iteration_batches(self.dataset, self.recipe, number, self.groups.dp_rank)
+        self.report.packing += [packing.record()] if packing else []
         if self.vocab_head is not None:
             self.vocab_head.refresh()
             step_func = vocab_forward_step
@@ -252,7 +216,7 @@ class _RankTraining:
             forward_step_func=step_func,
             data_iterator=[iter(batches) for _ in self.chunks],
             model=self.chunks,
-            num_microbatches=self.recipe.num_microbatches,
+            num_microbatches=len(batches) if packing else self.recipe.num_microbatches,
             seq_length=self.recipe.model.seq_length,
             micro_batch_size=self.recipe.train.micro_batch_size,
         )
@@ -271,13 +235,16 @@ class _RankTraining:
     def _print(self, number: int, loss: float, norm: float, stepped: bool, elapsed: float, cp_summary) -> None:
         from megatron_slim.train.cp import summary_text
 
-        t = self.recipe.train
-        tok_s = t.global_batch_size * self.recipe.model.seq_length / elapsed
-        cp_text = f" | {summary_text(self.recipe.cp.engine, cp_summary)}" if cp_summary else ""
+        t, r = self.recipe.train, self.recipe
+        if self.report.packing:
+            tokens, extra = self.report.packing[-1]["document_tokens"], f" | {self.report.packing[-1]['summary']}"
+        else:
+            tokens = t.global_batch_size * r.model.seq_length
+            extra = f" | {summary_text(r.cp.engine, cp_summary)}" if cp_summary else ""
         print(
             f"iter {number:4d}/{t.iters} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e} | "
             f"grad norm {norm:.3f}{'' if stepped else ' (skipped: not finite)'} | {elapsed:.2f} s/it | "
-            f"{tok_s:,.0f} tokens/s{cp_text}",
+            f"{tokens / elapsed:,.0f} tokens/s{extra}",
             flush=True,
         )
 

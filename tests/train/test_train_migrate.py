@@ -6,7 +6,8 @@ import pytest
 
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.runtime.spawn import run_ranks
-from megatron_slim.train.loop import TrainOptions, train_rank
+from megatron_slim.train.loop import train_rank
+from megatron_slim.train.report import TrainOptions
 from tests.train._migration_workers import train_migrating
 from tests.train.conftest import SMALL_DATA
 from tests.train.test_train_job import _train

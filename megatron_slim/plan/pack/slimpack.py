@@ -139,8 +139,13 @@ def solve(
     slice_tokens: Optional[int] = None,
     outlier_tokens: Optional[int] = None,
     budget_s: float = 0.5,
+    whole_samples: bool = False,
 ) -> SlimPackResult:
-    """SlimPack's plan of ``lengths`` over ``dp`` ranks, with phase 1's plan beside it."""
+    """SlimPack's plan of ``lengths`` over ``dp`` ranks, with phase 1's plan beside it.
+
+    ``whole_samples``: every sample stays one piece in one MicroPack (no slicing, no DP-merge), for a
+    runtime that cannot carry a document's K/V from one microbatch to the next; samples must then
+    fit the cap."""
     began, began_cpu = time.perf_counter(), time.process_time()
     if dp < 1:
         raise fail("packing dp", dp, "an integer >= 1")
@@ -150,8 +155,13 @@ def solve(
     size = min(slice_tokens or caps.cap, caps.cap)
     if size < 1:
         raise fail("packing slice_tokens", slice_tokens, f"an integer in 1..{caps.cap}")
-    slices = [cut_balanced(s, n, size, costs) for s, n in enumerate(lengths)]
-    merge = outliers(lengths, costs, dp, outlier_tokens)
+    if whole_samples and max(lengths) > caps.cap:
+        raise fail("packing lengths", max(lengths), f"samples of at most {caps.cap} tokens with whole_samples")
+    if whole_samples:
+        slices = [[Piece(s, 0, n)] for s, n in enumerate(lengths)]
+    else:
+        slices = [cut_balanced(s, n, size, costs) for s, n in enumerate(lengths)]
+    merge = set() if whole_samples else outliers(lengths, costs, dp, outlier_tokens)
     every_sliced = {s for s, c in enumerate(slices) if len(c) > 1}
     units, assign, merged = _best_candidate(lengths, costs, slices, [merge, merge | every_sliced], dp)
     first = build(lengths, units, assign, costs, caps)

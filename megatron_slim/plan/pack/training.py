@@ -1,0 +1,182 @@
+"""What ``megatron-slim train`` packs each iteration (``data.packing``): documents -> samples ->
+a packing plan -> per DP rank, windows of exactly ``seq_length`` tokens.
+
+* A document longer than ``seq_length`` is first cut into ``seq_length``-token samples (as
+  Megatron's ``GPTDataset`` cuts its stream): the runtime keeps a document's K/V only inside one
+  microbatch, so no sample may be cut across MicroPacks or DP ranks. SlimPack is asked for whole
+  samples (phase 1 only: phase 2's time budget would make the plan depend on each rank's timing);
+  a plan that still cuts one is refused.
+* Iteration ``i`` takes the next samples of the corpus order, as many as fit in
+  ``global_batch_size * seq_length`` tokens (so between that less ``seq_length`` and that), the
+  same ones whatever the method, so runs are comparable; the corpus wraps around when it runs out.
+* Each MicroPack becomes one window (b=1): its pieces concatenated, padded at the end. A DP rank
+  without any MicroPack runs one window of padding only, so every rank runs the schedule.
+* Loss tokens: every position whose next token is in the same document (a document's last
+  token predicts nothing), so every token but a document's first is a label exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from megatron_slim.plan.pack.baselines import plan_baseline
+from megatron_slim.plan.pack.costs import SliceCosts
+from megatron_slim.plan.pack.plan import PackingPlan, Piece
+from megatron_slim.plan.pack.slimpack import solve
+from megatron_slim.plan.schema import ConfigError, fail
+
+TRAIN_PACKING = ("none", "slimpack", "megatron", "bfd")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Tokens ``[offset, offset + length)`` of document ``document`` (an index into the corpus)."""
+
+    document: int
+    offset: int
+    length: int
+    last: bool  # holds its document's last token (which has no label)
+
+    @property
+    def loss_tokens(self) -> int:
+        return self.length - 1 if self.last else self.length
+
+
+def iteration_samples(sample_lengths: Sequence[int], budget: int, iteration: int) -> list[int]:
+    """The samples (indices into ``sample_lengths``) of 0-based ``iteration``: from where the
+    previous iteration stopped, while their tokens fit ``budget`` (at least one, none twice)."""
+    if budget < 1 or not sample_lengths:
+        raise fail("packing budget", budget, "an integer >= 1 and at least one sample")
+    n, cursor = len(sample_lengths), 0
+    for it in range(iteration + 1):
+        taken: list[int] = []
+        total = 0
+        while not taken or (len(taken) < n and total + sample_lengths[cursor % n] <= budget):
+            taken.append(cursor % n)
+            total += sample_lengths[cursor % n]
+            cursor += 1
+        if it == iteration:
+            return taken
+    raise AssertionError("unreachable")
+
+
+def cut_samples(documents: Sequence[int], document_lengths: Sequence[int], seq_length: int) -> tuple[Sample, ...]:
+    """``documents`` in samples of at most ``seq_length`` tokens, in order."""
+    samples = []
+    for d in documents:
+        length = document_lengths[d]
+        for offset in range(0, length, seq_length):
+            n = min(seq_length, length - offset)
+            samples.append(Sample(d, offset, n, offset + n == length))
+    return tuple(samples)
+
+
+def plan_samples(method: str, samples: Sequence[Sample], costs: SliceCosts, dp: int, seq_length: int) -> PackingPlan:
+    """The plan of ``method`` (one of ``TRAIN_PACKING`` but none) for ``samples`` over ``dp`` ranks,
+    MicroPack cap ``seq_length``; refused if it cuts a sample across MicroPacks."""
+    lengths = [s.length for s in samples]
+    if method == "slimpack":
+        plan = solve(lengths, costs, dp, seq_length, budget_s=0.0, whole_samples=True).plan
+    elif method in TRAIN_PACKING[2:]:
+        plan = plan_baseline(method, lengths, costs, dp, seq_length)
+    else:
+        raise fail("data.packing", method, ", ".join(TRAIN_PACKING[1:]) + " (for a packed iteration)")
+    _refuse_cut_samples(plan)
+    return plan
+
+
+def _refuse_cut_samples(plan: PackingPlan) -> None:
+    where: dict[int, tuple[int, int]] = {}
+    for r, packs in enumerate(plan.ranks):
+        for m, pack in enumerate(packs):
+            for p in pack.pieces:
+                if where.setdefault(p.sample, (r, m)) != (r, m):
+                    raise ConfigError(
+                        f"data.packing={plan.method}: sample {p.sample} is cut across MicroPacks "
+                        f"{where[p.sample]} and {(r, m)} (rank, index); the runtime keeps a document's K/V "
+                        "within one microbatch (allowed: plans that keep every sample in one MicroPack)"
+                    )
+
+
+@dataclass(frozen=True)
+class Window:
+    """One microbatch: ``pieces`` of samples back to back, then ``padding`` tokens."""
+
+    pieces: tuple[Piece, ...]
+    padding: int
+
+    @property
+    def document_lengths(self) -> tuple[int, ...]:
+        """Its documents' lengths in order (a sample's adjacent pieces as one), padding last."""
+        lengths: list[int] = []
+        previous = None
+        for p in self.pieces:
+            if previous is not None and p.sample == previous.sample and p.start == previous.start + previous.length:
+                lengths[-1] += p.length
+            else:
+                lengths.append(p.length)
+            previous = p
+        return tuple(lengths) + ((self.padding,) if self.padding else ())
+
+
+def rank_windows(plan: PackingPlan, rank: int, seq_length: int) -> tuple[Window, ...]:
+    """DP rank ``rank``'s windows in pipeline order (one of padding only when it has no MicroPack)."""
+    packs = plan.ranks[rank]
+    if not packs:
+        return (Window((), seq_length),)
+    return tuple(Window(tuple(sorted(m.pieces, key=plan_order(m.pieces))), seq_length - m.tokens) for m in packs)
+
+
+def plan_order(pieces: Sequence[Piece]) -> Callable[[Piece], tuple[int, int]]:
+    """Pieces keep the MicroPack's order, except that one sample's pieces run in start order."""
+    first: dict[int, int] = {}
+    for i, p in enumerate(pieces):
+        first.setdefault(p.sample, i)
+    return lambda p: (first[p.sample], p.start)
+
+
+@dataclass(frozen=True)
+class IterationPacking:
+    """Everything about one packed iteration that every rank computes alike."""
+
+    method: str
+    samples: tuple[Sample, ...]
+    plan: PackingPlan
+    windows: tuple[tuple[Window, ...], ...]  # per DP rank
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(s.loss_tokens for s in self.samples)
+
+    @property
+    def document_tokens(self) -> int:
+        return sum(s.length for s in self.samples)
+
+    def padding_share(self) -> float:
+        total = sum(w.padding + sum(p.length for p in w.pieces) for ws in self.windows for w in ws)
+        return 1.0 - self.document_tokens / total
+
+    def record(self) -> dict[str, Any]:
+        """The iteration's packing in plain values (``megatron-slim train --json``)."""
+        return {
+            "method": self.method,
+            "microbatches": [len(ws) for ws in self.windows],
+            "padding_share": self.padding_share(),
+            "document_tokens": self.document_tokens,
+            "loss_tokens": self.loss_tokens,
+            "summary": self.summary(),
+        }
+
+    def summary(self) -> str:
+        counts = "/".join(str(len(ws)) for ws in self.windows)
+        return f"packing {self.method}: {counts} microbatches per DP rank, padding {100 * self.padding_share():.1f}%"
+
+
+def pack_iteration(
+    method: str, samples: Sequence[Sample], costs: SliceCosts, dp: int, seq_length: int
+) -> IterationPacking:
+    samples = tuple(samples)
+    plan = plan_samples(method, samples, costs, dp, seq_length)
+    windows = tuple(rank_windows(plan, r, seq_length) for r in range(dp))
+    return IterationPacking(method, samples, plan, windows)
