@@ -44,8 +44,8 @@ def test_an_uneven_split_trains_like_one_process(tmp_path, data_cache, pp2_even)
     assert single["losses"][-1] < single["losses"][0]
 
 
-def _migrating_run(data_cache, pp: int, migrations, dp: int = 1):
-    recipe = _recipe(data_cache, f"parallel.pp={pp}", f"parallel.dp={dp}")
+def _migrating_run(data_cache, pp: int, migrations, dp: int = 1, sets=()):
+    recipe = _recipe(data_cache, f"parallel.pp={pp}", f"parallel.dp={dp}", *sets)
     options = TrainOptions(quiet=True, migrations=tuple(migrations))
     results = run_ranks(train_migrating, pp * dp, recipe.to_dict(), _prepared(recipe), options)
     return [r for r, _ in results], [records for _, records in results]
@@ -78,6 +78,19 @@ def test_layers_moved_mid_run_keep_their_state_and_the_losses(data_cache, pp2_ev
     _assert_moves_kept_state(records, migrations, 2)
     assert records[0][1]["moved"].layers_sent == 5 and records[1][1]["moved"].layers_received == 5
     assert _losses(reports) == pytest.approx(pp2_even["losses"], rel=1e-6, abs=0)
+
+
+def test_frozen_layers_stay_frozen_across_a_move(data_cache):
+    """The dynmo section's hooks are rebuilt on the new chunks: layers 0..3 freeze from iteration 2,
+    then move between the ranks, and the run keeps the losses of the run that never moved."""
+    freeze = ['dynmo.freeze="2:0-3"']
+    recipe = _recipe(data_cache, "parallel.pp=2", *freeze)
+    static = run_ranks(train_rank, 2, recipe.to_dict(), _prepared(recipe), TrainOptions(quiet=True))
+    migrations = [(2, (2, 6)), (3, (6, 2))]
+    reports, records = _migrating_run(data_cache, 2, migrations, sets=freeze)
+    _assert_moves_kept_state(records, migrations, 2)
+    assert all(r.dynmo["frozen_layers"] == [0, 1, 2, 3] for r in reports)
+    assert _losses(reports) == pytest.approx(_losses(static), rel=1e-6, abs=0)
 
 
 @pytest.mark.slow
