@@ -18,43 +18,16 @@ inter-node, packs that left a CP rank without tokens, tokens per rank).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 from megatron_slim.commands.output import prepare_outputs
-from megatron_slim.commands.train_dynmo import dynmo_entry, dynmo_overrides
+from megatron_slim.commands.train_dynmo import dynmo_overrides
+from megatron_slim.commands.train_report import STOPPED_EXIT_CODE, is_reporter, report
 from megatron_slim.plan.recipe import load_recipe, world_size_note
 from megatron_slim.plan.schema import ConfigError
-
-# training stopped on a non-finite loss or gradient norm (2 is a bad recipe or flag, 1 a crash)
-STOPPED_EXIT_CODE = 3
-
-
-# per pipeline stage, from its RankReport (offloaded_bytes: per iteration, moved to host memory)
-_STAGE_FIGURES = ("peak_activation_bytes", "peak_kv_bytes", "offloaded_bytes", "peak_p2p_bytes")
-
-
-def _stage_entries(reports, pp: int) -> list[dict]:
-    by_stage = {r.pp_rank: r for r in reports if r.dp_rank == 0 and r.tp_rank == 0 and r.cp_rank == 0}
-    return [{"stage": s, **{k: int(getattr(by_stage[s], k)) for k in _STAGE_FIGURES}} for s in range(pp)]
-
-
-def _cp_entry(recipe, reporter) -> dict:
-    from megatron_slim.train.checks import cp_topology
-
-    topo, _ = cp_topology(recipe)
-    return {
-        "size": recipe.parallel.cp,
-        "engine": recipe.cp.engine,
-        "remap": recipe.cp.remap,
-        "nodes": topo.num_nodes,
-        "ranks_per_node": topo.ranks_per_node,
-        "document_masking": True,
-        "iterations": reporter.cp_iterations,
-    }
 
 
 def check_data(recipe) -> None:
@@ -120,10 +93,6 @@ def _print_plan(recipe, where: str, log=sys.stdout) -> None:
         from megatron_slim.train.cp import describe
 
         print(describe(recipe), file=log, flush=True)
-
-
-def _is_reporter(report, pp: int) -> bool:
-    return report.pp_rank == pp - 1 and report.dp_rank == 0 and report.tp_rank == 0 and report.cp_rank == 0
 
 
 def check_world_size(recipe, job) -> None:
@@ -209,7 +178,7 @@ def main(args) -> int:
     reports = run_ranks(
         train_rank, p.world_size, recipe.to_dict(), prepared, options, threads_per_rank=threads, timeout_s=None
     )
-    return _report(args, recipe, reports, began)
+    return report(args, recipe, reports, began)
 
 
 def _observability(args, recipe):
@@ -243,61 +212,6 @@ def _run_launched(args, recipe, options, job, began, log) -> int:
         mine = train_rank(job.rank, job.world_size, recipe.to_dict(), prepared, options)
         reports = [None] * job.world_size
         dist.all_gather_object(reports, mine)
-    if _is_reporter(mine, recipe.parallel.pp):
-        return _report(args, recipe, reports, began)
+    if is_reporter(mine, recipe.parallel.pp):
+        return report(args, recipe, reports, began)
     return STOPPED_EXIT_CODE if mine.stopped else 0
-
-
-def _report(args, recipe, reports, began) -> int:
-    """Print the summary and write ``--json``; the exit code (``STOPPED_EXIT_CODE`` when training
-    stopped on a non-finite loss or gradient norm)."""
-    p, t = recipe.parallel, recipe.train
-    reporter = next(r for r in reports if _is_reporter(r, p.pp))
-    seconds = sum(reporter.iteration_seconds)
-    done = len(reporter.iteration_seconds)  # this process's iterations (a resumed run: since resuming)
-    tokens = sum(r["document_tokens"] for r in reporter.packing) or t.global_batch_size * recipe.model.seq_length * done
-    payload = {
-        "recipe": recipe.name,
-        "schedule": recipe.schedule.kind,
-        "num_slices": recipe.schedule.num_slices,
-        "schedule_digest": reporter.schedule_digest,
-        "attention_backend": reporter.attention_backend,
-        "losses": [loss for _, loss in reporter.losses],
-        "loss_iterations": [i for i, _ in reporter.losses],
-        "tokens_per_s": tokens / seconds if seconds else 0.0,
-        "iteration_time_s": reporter.iteration_seconds,
-        "skipped_steps": reporter.skipped_steps,
-        "resumed_from": reporter.resumed_from,
-        "last_iteration": reporter.last_iteration,
-        "skipped_iterations": reporter.skipped_iterations,
-        "stopped": reporter.stopped or None,
-        "stages": _stage_entries(reports, p.pp),
-        "wall_time_s": time.perf_counter() - began,
-        **({"packing": reporter.packing} if reporter.packing else {}),
-    }
-    if p.cp > 1:
-        payload["cp"] = _cp_entry(recipe, reporter)
-    if recipe.dynmo.active:
-        payload["dynmo"] = dynmo_entry(reports, p.pp)
-    if args.json == "-":
-        print(json.dumps(payload, indent=2))
-    elif args.json:
-        with open(args.json, "w") as f:
-            f.write(json.dumps(payload, indent=2) + "\n")
-    if reporter.stopped:
-        print(f"megatron-slim train: error: {reporter.stopped}", file=sys.stderr, flush=True)
-    if args.json != "-" and payload["losses"]:
-        first, last = payload["losses"][0], payload["losses"][-1]
-        print(
-            f"{'stopped' if reporter.stopped else 'done'}: loss {first:.4f} -> {last:.4f} over iterations "
-            f"{payload['loss_iterations'][0]}..{payload['loss_iterations'][-1]}, {payload['tokens_per_s']:,.0f} "
-            f"tokens/s, attention backend {reporter.attention_backend}",
-            file=sys.stdout,
-        )
-        for s in payload["stages"]:
-            print(
-                f"  stage {s['stage']}: peak activations {s['peak_activation_bytes'] / 2**20:.2f} MiB, "
-                f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB, offloaded {s['offloaded_bytes'] / 2**20:.2f} MiB, "
-                f"peak in-flight p2p {s['peak_p2p_bytes'] / 2**20:.2f} MiB"
-            )
-    return STOPPED_EXIT_CODE if reporter.stopped else 0
