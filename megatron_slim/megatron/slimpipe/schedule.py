@@ -34,6 +34,7 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_slim.megatron.model.vocab_head import distributed_lookup
 from megatron_slim.megatron.slimpipe.offload_layers import attach_offload
 from megatron_slim.megatron.slimpipe.stage import (
     Chunks,
@@ -47,6 +48,7 @@ from megatron_slim.megatron.slimpipe.stage import (
 )
 from megatron_slim.plan.schedule.executable import executable, executable_forward_only
 from megatron_slim.plan.schedule.ir import Schedule
+from megatron_slim.plan.schedule.vocab import embedding_exchange_steps
 from megatron_slim.runtime.agreement import check_agreement
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter
 from megatron_slim.runtime.pipeline.loss import SlicedLoss
@@ -55,6 +57,7 @@ from megatron_slim.runtime.pipeline.p2p import P2P
 from megatron_slim.runtime.pipeline.slice_context import SliceContext
 from megatron_slim.runtime.pipeline.sliced_data import SlicedIterator
 from megatron_slim.runtime.pipeline.vocab import VocabExchange, VocabHead
+from megatron_slim.runtime.pipeline.vocab_embedding import EmbeddingExchange
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,7 @@ class _Run:
         offload, hooks = attach_offload(models, 0.0 if forward_only else settings.offload_ratio, kv_storages)
         grad_sync, param_sync = syncs(chunks, schedule.ranks[rank], forward_only)
         executed = executable_forward_only(schedule) if forward_only else schedule
-        vocab = self._vocab(micro_batch_size)
+        vocab = self._vocab(micro_batch_size, executed)
         interpreter = PipelineInterpreter(
             executed,
             rank,
@@ -242,7 +245,8 @@ class _Run:
             vocab=vocab,
         )
         try:
-            run_timed(interpreter, config)
+            with distributed_lookup(models[0], vocab.embedding if vocab is not None else None):
+                run_timed(interpreter, config)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -255,7 +259,7 @@ class _Run:
         stats.offloaded_bytes = offload.moved_bytes if offload is not None else 0
         return loss
 
-    def _vocab(self, micro_batch_size: int) -> Optional[VocabExchange]:
+    def _vocab(self, micro_batch_size: int, executed: Schedule) -> Optional[VocabExchange]:
         if self.vocab_head is None:
             return None
         if getattr(self.chunks.config, "calculate_per_token_loss", False) or self.non_loss_only:
@@ -263,17 +267,21 @@ class _Run:
                 "schedule.vocab_parallel: per-token loss and non-loss data are not supported; allowed: "
                 "Megatron's default per-microbatch loss"
             )
-        s = self.schedule
-        return VocabExchange(
-            self.vocab_head,
+        s, rank, lengths, hidden = (
+            self.schedule,
             self.group.rank(),
             self.settings.slice_lengths,
-            micro_batch_size,
             self.chunks.config.hidden_size,
-            s.num_microbatches,
-            tag_base=2 * s.num_stages * s.num_microbatches * s.num_slices,
-            forward_only=self.forward_only,
         )
+        tag_base = 2 * s.num_stages * s.num_microbatches * s.num_slices  # above the schedule's own tags
+        embedding = EmbeddingExchange(
+            self.vocab_head.lookup_head, rank, *embedding_exchange_steps(executed, rank), lengths, micro_batch_size,
+            hidden, s.num_microbatches, tag_base + 4 * s.num_microbatches * s.num_slices, self.forward_only,
+        )  # fmt: skip
+        return VocabExchange(
+            self.vocab_head, rank, lengths, micro_batch_size, hidden, s.num_microbatches, tag_base, self.forward_only,
+            embedding,
+        )  # fmt: skip
 
     def _p2p(self, device: torch.device) -> Optional[P2P]:
         """The send/receive pairs between pipeline stages; none for a single stage."""

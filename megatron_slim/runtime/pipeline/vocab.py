@@ -26,7 +26,7 @@ and clears their gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,27 +40,38 @@ class VocabHead:
     """This pipeline rank's copy of the output weight, and the pipeline group it is shared over."""
 
     weight: torch.nn.Parameter
-    owned: bool  # stepped by this rank's optimizer (else a replica, refreshed from the last rank)
+    owned: bool  # stepped by this rank's optimizer (else a replica, refreshed from the source rank)
     group: Optional[dist.ProcessGroup]
     pp_ranks: Sequence[int]  # global rank of each pipeline rank
+    source: int = -1  # the pipeline rank whose optimizer-owned copy replicas take
+    embedding: Optional["VocabHead"] = None  # untied: the word embedding's copies (tied: this weight)
 
     @property
     def size(self) -> int:
         return len(self.pp_ranks)
 
+    @property
+    def lookup_head(self) -> "VocabHead":
+        """The copies input embeddings are looked up in (``runtime/pipeline/vocab_embedding.py``)."""
+        return self.embedding if self.embedding is not None else self
+
     def refresh(self) -> None:
-        """Replicas take the last stage's weight (optimizer-owned copies already hold it) and drop
+        """Replicas take the source rank's weight (optimizer-owned copies already hold it) and drop
         the previous step's gradient (no optimizer zeroes it)."""
+        if self.embedding is not None:
+            self.embedding.refresh()
         if not self.owned:
             self.weight.grad = None
         if self.size == 1:
             return
-        source = dist.get_rank() == self.pp_ranks[-1]
-        buffer = self.weight.data if source or not self.owned else torch.empty_like(self.weight.data)
-        dist.broadcast(buffer, src=self.pp_ranks[-1], group=self.group)
+        src = self.pp_ranks[self.source]
+        buffer = self.weight.data if dist.get_rank() == src or not self.owned else torch.empty_like(self.weight.data)
+        dist.broadcast(buffer, src=src, group=self.group)
 
     def reduce_grads(self) -> None:
-        """Every copy gets the sum of all copies' gradients (the whole output weight's gradient)."""
+        """Every copy gets the sum of all copies' gradients (the whole weight's gradient)."""
+        if self.embedding is not None:
+            self.embedding.reduce_grads()
         if self.size == 1:
             return
         if self.weight.grad is None:
@@ -80,6 +91,7 @@ class VocabExchange:
     num_microbatches: int
     tag_base: int  # above every tag the schedule's own messages use
     forward_only: bool = False
+    embedding: Optional[Any] = None  # the call's EmbeddingExchange (runtime/pipeline/vocab_embedding.py)
     kept: dict = field(default_factory=dict)  # (mb, slice) -> (hidden, labels, loss_mask), last rank
     grads: dict = field(default_factory=dict)  # (mb, slice) -> hidden-state gradient, last rank
     reports: list = field(default_factory=list)  # per microbatch, on the last rank
@@ -121,7 +133,7 @@ class VocabExchange:
                         work = dist.isend(t.contiguous(), self.head.pp_ranks[r], group, self._tag(kind, microbatch, j))
                         pending.append(work)
             else:
-                lo, hi = _bounds_of(self.slice_lengths[j], p, self.rank)
+                lo, hi = bounds_of(self.slice_lengths[j], p, self.rank)
                 b, h = self.micro_batch, self.hidden_size
                 bufs = (
                     torch.empty(hi - lo, b, h, dtype=self.head.weight.dtype),
@@ -129,7 +141,7 @@ class VocabExchange:
                     torch.empty(b, hi - lo, dtype=torch.float32),
                 )
                 for kind, t in zip((_HIDDEN, _LABELS, _MASK), bufs):
-                    _receive(t, ranks[-1], group, self._tag(kind, microbatch, j))
+                    receive(t, ranks[-1], group, self._tag(kind, microbatch, j))
                 mine.append(bufs)
         return mine
 
@@ -175,20 +187,20 @@ class VocabExchange:
                 continue
             parts = []
             for r in range(p - 1):
-                lo, hi = _bounds_of(self.slice_lengths[j], p, r)
+                lo, hi = bounds_of(self.slice_lengths[j], p, r)
                 buf = torch.empty(hi - lo, *grad.shape[1:], dtype=grad.dtype)
-                _receive(buf, ranks[r], group, self._tag(_GRAD, microbatch, j))
+                receive(buf, ranks[r], group, self._tag(_GRAD, microbatch, j))
                 parts.append(buf)
             self.grads[(microbatch, j)] = torch.cat([*parts, grad], 0)
 
 
-def _receive(buffer: torch.Tensor, src: int, group: Optional[dist.ProcessGroup], tag: int) -> None:
+def receive(buffer: torch.Tensor, src: int, group: Optional[dist.ProcessGroup], tag: int) -> None:
     work = dist.irecv(buffer, src, group, tag)
     assert work is not None  # None only for a rank outside the group
     work.wait()
 
 
-def _bounds_of(length: int, parts: int, index: int) -> tuple[int, int]:
+def bounds_of(length: int, parts: int, index: int) -> tuple[int, int]:
     """Part ``index`` of ``length`` tokens cut into ``parts`` as ``torch.tensor_split`` cuts them."""
     base, extra = divmod(length, parts)
     lo = index * base + min(index, extra)
