@@ -37,12 +37,12 @@ class _JoinedParts(torch.autograd.Function):
     """The parts' rows joined along the sequence; backward hands the remote parts' gradients to ``keep``."""
 
     @staticmethod
-    def forward(ctx, keep, local, *remote):  # type: ignore[override]
+    def forward(ctx, keep, local, *remote):
         ctx.keep, ctx.lengths = keep, [local.shape[1], *(t.shape[1] for t in remote)]
         return torch.cat([local, *remote], 1)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         parts = torch.split(grad, ctx.lengths, 1)
         ctx.keep([p.contiguous() for p in parts[1:]])
         return (None, parts[0], *(None for _ in parts[1:]))
@@ -140,10 +140,9 @@ class EmbeddingExchange:
         receive(ids, self._ranks[0], self.head.group, self._tag(_IDS, join.lookup))
         with torch.no_grad():
             rows = F.embedding(ids, self.head.weight)
-        work = dist.isend(rows, self._ranks[0], self.head.group, self._tag(_ROWS, join.lookup))
         if not self.forward_only:
             self.ids[join.lookup] = ids
-        work.wait()  # stage 0 is inside this slice's forward, receiving
+        dist.send(rows, self._ranks[0], self.head.group, self._tag(_ROWS, join.lookup))  # stage 0 is receiving
 
     def _take_grad(self, key: Key) -> None:
         ids = self.ids.pop(key)

@@ -1,5 +1,6 @@
-"""``schedule.vocab_parallel`` over gloo: the output layer and loss run on every pipeline rank
-(each a sequence part of every slice, ``runtime/pipeline/vocab.py``), and the loss and every
+"""``schedule.vocab_parallel`` over gloo: the word embedding, output layer and loss run on every
+pipeline rank (each a sequence part of every slice, ``runtime/pipeline/vocab.py`` and
+``vocab_embedding.py``), and the loss and every
 parameter gradient still equal the single-process, unpipelined, unsliced reference within fp32
 round-off (|a - b| <= 2e-5 + 1e-4 |b|), untied and tied embeddings."""
 
@@ -18,9 +19,15 @@ CONFIGS = {
         (False, "slimpipe", 2, uniform_slices(SEQ, 2)),
         (True, "slimpipe", 2, uniform_slices(SEQ, 2)),
         (False, "1f1b", 3, (SEQ,)),
+        (True, "1f1b", 3, (SEQ,)),
         (False, "slimpipe", 3, (8, 24)),  # uneven slices: parts of 4/4 and 12/12 tokens
     ],
-    4: [(False, "slimpipe", 3, uniform_slices(SEQ, 4)), (True, "slimpipe", 2, (12, 20))],
+    4: [
+        (False, "slimpipe", 3, uniform_slices(SEQ, 4)),
+        (True, "slimpipe", 2, (12, 20)),
+        (False, "1f1b", 5, (SEQ,)),  # 5 microbatches: backwards of stage 0 between its forwards
+        (True, "1f1b", 4, (SEQ,)),
+    ],
 }
 
 
