@@ -152,8 +152,8 @@ def make_forward_backward_func(
     settings: SlimPipeSettings, context: Optional[SliceContext] = None, vocab_head: Optional[VocabHead] = None
 ) -> ForwardBackwardFunc:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
-    hook reads it); a new one by default. ``vocab_head``: run the output layer and loss on every
-    pipeline rank (``runtime/pipeline/vocab.py``); the forward step's loss function then returns
+    hook reads it); a new one by default. ``vocab_head``: run the word embedding, output layer and
+    loss on every pipeline rank (``runtime/pipeline/vocab_embedding.py``, ``vocab.py``); the forward step's loss function then returns
     the slice's ``(labels, loss_mask)`` and the last stage's model its final hidden states."""
     stats = RunStats()
     context = context if context is not None else SliceContext()

@@ -1,4 +1,6 @@
-"""Where each pipeline rank joins the vocabulary exchange of a microbatch (``schedule.vocab_parallel``).
+"""Where each pipeline rank joins the vocabulary exchanges (``schedule.vocab_parallel``): the output
+layer's, once per microbatch (``vocab_exchange_steps``, below), and the input embedding's, once per
+slice (``embedding_exchange_steps``, argued in its doc).
 
 With the output layer spread over the pipeline ranks, the last stage's final hidden states of a
 microbatch are cut along the sequence and handed to every rank, each computes the logits and
@@ -68,9 +70,11 @@ def embedding_exchange_steps(
     such a wait would already deadlock the schedule, since ``r``'s ``RECV_F(m, j)`` needs that
     forward). Rank ``r`` at its join waits only for stage 0 to reach ``F(m, j)``, which its
     ``RECV_F(m, j)`` waits for anyway. So each join adds no wait the schedule does not already have
-    in one direction, and in the other only waits for steps the schedule already runs first. The
-    output exchange (``vocab_exchange_steps``) uses collectives, the joins point-to-point messages
-    only, so their order with it never matters.
+    in one direction, and in the other only waits for steps the schedule already runs first. With
+    the output exchange too: a rank inside microbatch ``m``'s output exchange has served every slice
+    of ``m``, and stage 0 joins that exchange right after sending ``m``'s last slice, before any
+    forward of a later microbatch, so neither waits on the other there (the joins are
+    point-to-point, tagged apart; ``tests/plan/test_embedding_exchange_steps.py`` walks both).
     """
     vocab_exchange_steps(schedule, rank)  # the same coverage: one chunk, forwards in microbatch order
     joins: dict[tuple[int, int], EmbeddingJoin] = {}
