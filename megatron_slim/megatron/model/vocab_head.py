@@ -11,37 +11,39 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_slim.runtime.pipeline.vocab import VocabHead
 from megatron_slim.runtime.pipeline.vocab_embedding import EmbeddingExchange
+from megatron_slim.runtime.pipeline.vocab_weights import VocabHead, bounds_of
 
 
 def build_vocab_head(chunks: list, groups) -> VocabHead:
     """The output weight this rank computes its logits with: the chunk's own output layer on the last
     stage, the word embedding on the first stage of a tied model, else a replica (not an optimizer
     parameter: ``VocabHead.refresh`` copies the last stage's weight into it before every step).
-    Untied, its ``embedding`` holds the word embedding's copies likewise (the first stage's own)."""
+    Untied, the replicas hold only this rank's vocabulary shard, and ``embedding`` holds the word
+    embedding's copies (the first stage's own, whole replicas elsewhere: lookups read any row)."""
     first, last = chunks[0], chunks[-1]
     tied = first.slim_chunk_info.tied_embeddings
+    ranks = dist.get_process_group_ranks(groups.pp) if groups.pp_size > 1 else [dist.get_rank()]
+    rows = bounds_of(last.vocab_size, len(ranks), groups.pp_rank)
     if tied and first.slim_chunk_info.pre_process:
         weight, owned = first.embedding.word_embeddings.weight, True
     elif last.slim_chunk_info.post_process:
         weight, owned = last.output_layer.weight, True
     else:
-        weight, owned = _replica(last), False
-    ranks = dist.get_process_group_ranks(groups.pp) if groups.pp_size > 1 else [dist.get_rank()]
+        weight, owned = _replica(last, last.vocab_size if tied else rows[1] - rows[0]), False
     embedding = None
     if not tied:  # the word embedding's own copies: the first stage's, replicas elsewhere
         if first.slim_chunk_info.pre_process:
             embedding = VocabHead(first.embedding.word_embeddings.weight, True, groups.pp, ranks, source=0)
         else:
-            embedding = VocabHead(_replica(last), False, groups.pp, ranks, source=0)
-    head = VocabHead(weight, owned, groups.pp, ranks, embedding=embedding)
+            embedding = VocabHead(_replica(last, last.vocab_size), False, groups.pp, ranks, source=0)
+    head = VocabHead(weight, owned, groups.pp, ranks, embedding=embedding, vocab_size=last.vocab_size, sharded=not tied)
     head.refresh()
     return head
 
 
-def _replica(chunk) -> torch.nn.Parameter:
-    return torch.nn.Parameter(torch.empty(chunk.vocab_size, chunk.config.hidden_size, dtype=chunk.config.params_dtype))
+def _replica(chunk, rows: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(rows, chunk.config.hidden_size, dtype=chunk.config.params_dtype))
 
 
 @contextlib.contextmanager

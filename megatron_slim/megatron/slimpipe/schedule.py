@@ -56,8 +56,9 @@ from megatron_slim.runtime.pipeline.memory_meter import ActivationMeter
 from megatron_slim.runtime.pipeline.p2p import P2P
 from megatron_slim.runtime.pipeline.slice_context import SliceContext
 from megatron_slim.runtime.pipeline.sliced_data import SlicedIterator
-from megatron_slim.runtime.pipeline.vocab import VocabExchange, VocabHead
+from megatron_slim.runtime.pipeline.vocab import VocabExchange
 from megatron_slim.runtime.pipeline.vocab_embedding import EmbeddingExchange
+from megatron_slim.runtime.pipeline.vocab_weights import VocabHead
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,9 @@ def make_forward_backward_func(
 ) -> ForwardBackwardFunc:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
     hook reads it); a new one by default. ``vocab_head``: run the word embedding, output layer and
-    loss on every pipeline rank (``runtime/pipeline/vocab_embedding.py``, ``vocab.py``); the forward step's loss function then returns
-    the slice's ``(labels, loss_mask)`` and the last stage's model its final hidden states."""
+    loss on every pipeline rank (``runtime/pipeline/vocab_embedding.py``, ``vocab.py``); the forward
+    step's loss function then returns the slice's ``(labels, loss_mask)`` and the last stage's model
+    its final hidden states."""
     stats = RunStats()
     context = context if context is not None else SliceContext()
 
@@ -267,20 +269,15 @@ class _Run:
                 "schedule.vocab_parallel: per-token loss and non-loss data are not supported; allowed: "
                 "Megatron's default per-microbatch loss"
             )
-        s, rank, lengths, hidden = (
-            self.schedule,
-            self.group.rank(),
-            self.settings.slice_lengths,
-            self.chunks.config.hidden_size,
-        )
+        s, rank, lengths, config = self.schedule, self.group.rank(), self.settings.slice_lengths, self.chunks.config
         tag_base = 2 * s.num_stages * s.num_microbatches * s.num_slices  # above the schedule's own tags
         embedding = EmbeddingExchange(
             self.vocab_head.lookup_head, rank, *embedding_exchange_steps(executed, rank), lengths, micro_batch_size,
-            hidden, s.num_microbatches, tag_base + 4 * s.num_microbatches * s.num_slices, self.forward_only,
+            config.hidden_size, s.num_microbatches, tag_base + 4 * s.num_microbatches * s.num_slices, self.forward_only,
         )  # fmt: skip
         return VocabExchange(
-            self.vocab_head, rank, lengths, micro_batch_size, hidden, s.num_microbatches, tag_base, self.forward_only,
-            embedding,
+            self.vocab_head, rank, lengths, micro_batch_size, config.hidden_size, s.num_microbatches, tag_base,
+            self.forward_only, embedding,
         )  # fmt: skip
 
     def _p2p(self, device: torch.device) -> Optional[P2P]:

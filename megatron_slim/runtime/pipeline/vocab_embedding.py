@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_slim.plan.schedule.vocab import EmbeddingJoin
-from megatron_slim.runtime.pipeline.vocab import VocabHead, bounds_of, receive
+from megatron_slim.runtime.pipeline.vocab_weights import VocabHead, bounds_of, receive
 
 _IDS, _ROWS, _GRAD = range(3)
 Key = tuple[int, int]  # (microbatch, slice)
