@@ -31,7 +31,7 @@ CONFIGS = {
 }
 
 
-def _check(results):
+def _check(results, configs):
     for index, (_, _, (ref_reports, ref_grads), _) in enumerate(results[0]):
         merged: dict = {}
         for rank_results in results:
@@ -49,8 +49,19 @@ def _check(results):
         for name, want in ref_grads.items():
             torch.testing.assert_close(merged[name], want, **TOL, msg=lambda m: f"{name}: {m}")
         assert all(results[r][index][0] == [] for r in range(len(results) - 1))  # reports: last stage only
+        _check_shards(configs[index][0], [rank_results[index][3] for rank_results in results])
+
+
+def _check_shards(tied, heads):
+    """Each rank's output-weight copy: the last stage's whole; untied, every replica only its
+    vocabulary shard's rows (as ``torch.tensor_split`` cuts the vocabulary)."""
+    vocab = heads[-1][1][0]
+    assert heads[-1][0]
+    shards = [len(rows) for rows in torch.tensor_split(torch.arange(vocab), len(heads))]
+    for (owned, shape), rows in zip(heads, shards):
+        assert shape[0] == (vocab if owned or tied else rows)
 
 
 @pytest.mark.parametrize("pp", sorted(CONFIGS), ids=lambda pp: f"pp{pp}")
 def test_vocab_parallel_matches_unpipelined_unsliced_reference(pp):
-    _check(run_ranks(_vocab_workers.run_vocab_parallel, pp, CONFIGS[pp], timeout_s=900))
+    _check(run_ranks(_vocab_workers.run_vocab_parallel, pp, CONFIGS[pp], timeout_s=900), CONFIGS[pp])
