@@ -48,7 +48,10 @@ def test_overrides_apply_with_types():
             ["schedule.slice_policy=uniform", "schedule.num_slices=6"],
             "schedule.num_slices: invalid value (got 6; allowed: a count whose slices divide model.seq_length=524288",
         ),
-        (["parallel.bogus=1"], "--set parallel.bogus: unknown key (allowed: tp, pp, vpp, cp, dp, sequence_parallel, layers_per_stage)"),
+        (
+            ["parallel.bogus=1"],
+            "--set parallel.bogus: unknown key (allowed: tp, pp, vpp, cp, dp, sequence_parallel, layers_per_stage)",
+        ),
         (["model.hidden_size=big"], "model.hidden_size: invalid value (got 'big'; allowed: an integer)"),
         (["schedule.kind=zb"], "schedule.kind: invalid value (got 'zb'; allowed: '1f1b' | 'interleaved' | 'slimpipe')"),
         (["schedule.kind=1f1b"], "parallel.vpp: invalid value (got 5; allowed: 1 with schedule.kind=1f1b"),

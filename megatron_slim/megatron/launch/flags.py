@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--slimpipe-vocab-parallel",
         action="store_true",
         help=(
-            "run the output layer and loss on every pipeline rank, each on a part of the sequence (megatron-slim "
-            "train and simulate run it; this launcher refuses it at start-up for now)"
+            "run the word embedding, output layer and loss on every pipeline rank, each on a part of the "
+            "sequence (megatron-slim train and simulate run it; this launcher refuses it at start-up for now)"
         ),
     )
     g.add_argument(

@@ -1,37 +1,65 @@
-"""GPT chunks under ``schedule.vocab_parallel``: each pipeline rank's copy of the output weight, and
-the last stage's chunk giving its final hidden states instead of the loss (``runtime/pipeline/vocab.py``
-runs the output layer on every rank)."""
+"""GPT chunks under ``schedule.vocab_parallel``: each pipeline rank's copies of the output and word
+embedding weights, the last stage's chunk giving its final hidden states instead of the loss
+(``runtime/pipeline/vocab.py`` runs the output layer on every rank) and the first stage's word
+embedding looking up over every rank (``runtime/pipeline/vocab_embedding.py``)."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_slim.runtime.pipeline.vocab import VocabHead
+from megatron_slim.runtime.pipeline.vocab_embedding import EmbeddingExchange
+from megatron_slim.runtime.pipeline.vocab_weights import VocabHead, bounds_of
 
 
 def build_vocab_head(chunks: list, groups) -> VocabHead:
     """The output weight this rank computes its logits with: the chunk's own output layer on the last
     stage, the word embedding on the first stage of a tied model, else a replica (not an optimizer
-    parameter: ``VocabHead.refresh`` copies the last stage's weight into it before every step)."""
+    parameter: ``VocabHead.refresh`` copies the last stage's weight into it before every step).
+    Untied, the replicas hold only this rank's vocabulary shard, and ``embedding`` holds the word
+    embedding's copies (the first stage's own, whole replicas elsewhere: lookups read any row)."""
     first, last = chunks[0], chunks[-1]
     tied = first.slim_chunk_info.tied_embeddings
+    ranks = dist.get_process_group_ranks(groups.pp) if groups.pp_size > 1 else [dist.get_rank()]
+    rows = bounds_of(last.vocab_size, len(ranks), groups.pp_rank)
     if tied and first.slim_chunk_info.pre_process:
         weight, owned = first.embedding.word_embeddings.weight, True
     elif last.slim_chunk_info.post_process:
         weight, owned = last.output_layer.weight, True
     else:
-        weight = torch.nn.Parameter(
-            torch.empty(last.vocab_size, last.config.hidden_size, dtype=last.config.params_dtype)
-        )
-        owned = False
-    ranks = dist.get_process_group_ranks(groups.pp) if groups.pp_size > 1 else [dist.get_rank()]
-    head = VocabHead(weight, owned, groups.pp, ranks)
+        weight, owned = _replica(last, last.vocab_size if tied else rows[1] - rows[0]), False
+    embedding = None
+    if not tied:  # the word embedding's own copies: the first stage's, replicas elsewhere
+        if first.slim_chunk_info.pre_process:
+            embedding = VocabHead(first.embedding.word_embeddings.weight, True, groups.pp, ranks, source=0)
+        else:
+            embedding = VocabHead(_replica(last, last.vocab_size), False, groups.pp, ranks, source=0)
+    head = VocabHead(weight, owned, groups.pp, ranks, embedding=embedding, vocab_size=last.vocab_size, sharded=not tied)
     head.refresh()
     return head
+
+
+def _replica(chunk, rows: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(rows, chunk.config.hidden_size, dtype=chunk.config.params_dtype))
+
+
+@contextlib.contextmanager
+def distributed_lookup(chunk, exchange: Optional[EmbeddingExchange]) -> Iterator[None]:
+    """Within it, a first-stage chunk's word embedding looks its ids up over every pipeline rank
+    (``exchange.lookup``); other chunks, or no exchange, are left as they are."""
+    info = getattr(chunk, "slim_chunk_info", None)
+    if exchange is None or info is None or not info.pre_process:
+        yield
+        return
+    module = chunk.embedding.word_embeddings
+    module.forward = exchange.lookup
+    try:
+        yield
+    finally:
+        del module.forward
 
 
 @contextlib.contextmanager

@@ -28,13 +28,15 @@ host memory until backward (``offload_layers``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_slim.megatron.model.vocab_head import distributed_lookup
 from megatron_slim.megatron.slimpipe.offload_layers import attach_offload
+from megatron_slim.megatron.slimpipe.settings import ForwardBackwardFunc, RunStats, SlimPipeSettings
 from megatron_slim.megatron.slimpipe.stage import (
     Chunks,
     NonLossData,
@@ -48,6 +50,7 @@ from megatron_slim.megatron.slimpipe.stage import (
 )
 from megatron_slim.plan.schedule.executable import executable, executable_forward_only
 from megatron_slim.plan.schedule.ir import Schedule
+from megatron_slim.plan.schedule.vocab import embedding_exchange_steps
 from megatron_slim.runtime.agreement import check_agreement
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter
 from megatron_slim.runtime.pipeline.loss import SlicedLoss
@@ -55,41 +58,9 @@ from megatron_slim.runtime.pipeline.memory_meter import ActivationMeter
 from megatron_slim.runtime.pipeline.p2p import P2P
 from megatron_slim.runtime.pipeline.slice_context import SliceContext
 from megatron_slim.runtime.pipeline.sliced_data import SlicedIterator
-from megatron_slim.runtime.pipeline.vocab import VocabExchange, VocabHead
-
-
-@dataclass(frozen=True)
-class SlimPipeSettings:
-    slice_lengths: tuple[int, ...]  # the slice plan: what the simulator was given too
-    kind: str = "slimpipe"  # 1f1b and interleaved run through the same interpreter (one slice)
-    attention_backend: Optional[str] = None
-    measure_memory: bool = False
-    offload_ratio: float = 0.0  # of each slice's decoder-layer activations, held on the host until backward
-
-    @property
-    def num_slices(self) -> int:
-        return len(self.slice_lengths)
-
-
-@dataclass
-class RunStats:
-    """Measured by the last call with ``measure_memory``: per model chunk on this rank."""
-
-    peak_activation_bytes: int = 0
-    peak_kv_bytes: int = 0
-    offloaded_bytes: int = 0  # activation bytes the last call moved to the host (train.offload_ratio)
-    peak_p2p_bytes: int = 0  # point-to-point buffers in flight (sent and received)
-    schedule_digest: str = ""
-    agreed_digests: set = field(default_factory=set)
-
-
-class ForwardBackwardFunc(Protocol):
-    """Megatron's ``forward_backward_func``, carrying its run's stats and settings."""
-
-    stats: RunStats
-    settings: SlimPipeSettings
-
-    def __call__(self, **kwargs: Any) -> list: ...
+from megatron_slim.runtime.pipeline.vocab import VocabExchange
+from megatron_slim.runtime.pipeline.vocab_embedding import EmbeddingExchange
+from megatron_slim.runtime.pipeline.vocab_weights import VocabHead
 
 
 def _pp_group(pg_collection, p2p_communicator):
@@ -153,10 +124,11 @@ def make_forward_backward_func(
     stage_rows: Optional[StageRows] = None,
 ) -> ForwardBackwardFunc:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
-    hook reads it); a new one by default. ``vocab_head``: run the output layer and loss on every
-    pipeline rank (``runtime/pipeline/vocab.py``); the forward step's loss function then returns
-    the slice's ``(labels, loss_mask)`` and the last stage's model its final hidden states.
-    ``stage_rows(microbatch, slice)``: this rank's rows between stages if a CP plan sets them (``train.cp``)."""
+    hook reads it); a new one by default. ``vocab_head``: run the word embedding, output layer and
+    loss on every pipeline rank (``runtime/pipeline/vocab_embedding.py``, ``vocab.py``); the forward
+    step's loss function then returns the slice's ``(labels, loss_mask)`` and the last stage's model
+    its final hidden states. ``stage_rows(microbatch, slice)``: this rank's rows between stages if a
+    CP plan sets them (``train.cp``)."""
     stats = RunStats()
     context = context if context is not None else SliceContext()
 
@@ -233,7 +205,7 @@ class _Run:
         offload, hooks = attach_offload(models, 0.0 if forward_only else settings.offload_ratio, kv_storages)
         grad_sync, param_sync = syncs(chunks, schedule.ranks[rank], forward_only)
         executed = executable_forward_only(schedule) if forward_only else schedule
-        vocab = self._vocab(micro_batch_size)
+        vocab = self._vocab(micro_batch_size, executed)
         interpreter = PipelineInterpreter(
             executed,
             rank,
@@ -250,7 +222,8 @@ class _Run:
             vocab=vocab,
         )
         try:
-            run_timed(interpreter, config)
+            with distributed_lookup(models[0], vocab.embedding if vocab is not None else None):
+                run_timed(interpreter, config)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -263,7 +236,7 @@ class _Run:
         stats.offloaded_bytes = offload.moved_bytes if offload is not None else 0
         return loss
 
-    def _vocab(self, micro_batch_size: int) -> Optional[VocabExchange]:
+    def _vocab(self, micro_batch_size: int, executed: Schedule) -> Optional[VocabExchange]:
         if self.vocab_head is None:
             return None
         if getattr(self.chunks.config, "calculate_per_token_loss", False) or self.non_loss_only:
@@ -271,17 +244,16 @@ class _Run:
                 "schedule.vocab_parallel: per-token loss and non-loss data are not supported; allowed: "
                 "Megatron's default per-microbatch loss"
             )
-        s = self.schedule
+        s, rank, lengths, config = self.schedule, self.group.rank(), self.settings.slice_lengths, self.chunks.config
+        tag_base = 2 * s.num_stages * s.num_microbatches * s.num_slices  # above the schedule's own tags
+        embedding = EmbeddingExchange(
+            self.vocab_head.lookup_head, rank, *embedding_exchange_steps(executed, rank), lengths, micro_batch_size,
+            config.hidden_size, s.num_microbatches, tag_base + 4 * s.num_microbatches * s.num_slices, self.forward_only,
+        )  # fmt: skip
         return VocabExchange(
-            self.vocab_head,
-            self.group.rank(),
-            self.settings.slice_lengths,
-            micro_batch_size,
-            self.chunks.config.hidden_size,
-            s.num_microbatches,
-            tag_base=2 * s.num_stages * s.num_microbatches * s.num_slices,
-            forward_only=self.forward_only,
-        )
+            self.vocab_head, rank, lengths, micro_batch_size, config.hidden_size, s.num_microbatches, tag_base,
+            self.forward_only, embedding,
+        )  # fmt: skip
 
     def _p2p(self, device: torch.device) -> Optional[P2P]:
         """The send/receive pairs between pipeline stages; none for a single stage."""

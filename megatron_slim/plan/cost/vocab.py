@@ -22,7 +22,12 @@ A collective over ``p`` ranks moving a tensor of ``B`` bytes is charged ``2 (p-1
 + 2 (p-1) latency`` (a ring reduce-scatter plus all-gather) on the slowest link of the PP group.
 The waits for the slowest rank inside those collectives are not modelled: the paper places them
 at per-rank offsets in the slice pipeline so that no rank idles on them. ``megatron-slim train``
-runs a simpler exact variant (output layer only, replicated weight: ``runtime/pipeline/vocab.py``).
+runs a simpler exact variant. Its output layer matches this model's work split (vocabulary
+shards, three fp32 scalars per token all-reduced) but sends the whole hidden states from the last
+stage to every rank; its embedding splits the lookups along the sequence, point to point with
+stage 0 (``runtime/pipeline/vocab_embedding.py``, ``vocab.py``). Its static memory is higher than
+this model's: the owning stages keep whole weights, and the word embedding (tied: also the output
+weight) is replicated whole on every rank; only untied output replicas hold just their shard.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Where each pipeline rank joins the vocabulary exchange of a microbatch (``schedule.vocab_parallel``).
+"""Where each pipeline rank joins the vocabulary exchanges (``schedule.vocab_parallel``): the output
+layer's, once per microbatch (``vocab_exchange_steps``, below), and the input embedding's, once per
+slice (``embedding_exchange_steps``, argued in its doc).
 
 With the output layer spread over the pipeline ranks, the last stage's final hidden states of a
 microbatch are cut along the sequence and handed to every rank, each computes the logits and
@@ -21,6 +23,8 @@ Interleaved schedules (several chunks per rank) are not covered by that argument
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megatron_slim.plan.schedule.ir import Kind, Schedule
 
 
@@ -41,3 +45,53 @@ def vocab_exchange_steps(schedule: Schedule, rank: int) -> dict[int, int]:
             f"{list(steps.values())}; allowed: schedules whose forwards run in microbatch order"
         )
     return steps
+
+
+@dataclass(frozen=True)
+class EmbeddingJoin:
+    """One meeting of stage 0 with every other rank over the input embedding (``schedule.vocab_parallel``)."""
+
+    lookup: tuple[int, int]  # (microbatch, slice) whose input ids are looked up
+    grads: tuple[tuple[int, int], ...]  # slices whose embedding gradients are handed over first
+
+
+def embedding_exchange_steps(
+    schedule: Schedule, rank: int
+) -> tuple[dict[int, EmbeddingJoin], tuple[tuple[int, int], ...]]:
+    """``({step index: join}, tail)`` for ``rank``: stage 0 meets every rank inside its forward of
+    each slice (the step of that ``F``), every other rank right before the step that receives the
+    slice's forward input (``RECV_F``). A join first hands over the embedding gradients of the
+    backwards stage 0 ran since its previous forward; ``tail``: those it ran after its last forward,
+    handed over after every row ends.
+
+    Why no rank waits forever (one chunk per rank): stage 0 at ``F(m, j)`` waits for every rank ``r``
+    to reach its ``RECV_F(m, j)``, which ``r`` would reach in the schedule without the embedding too
+    (the schedule never makes ``r`` wait, before it, for anything that needs stage 0's ``F(m, j)``:
+    such a wait would already deadlock the schedule, since ``r``'s ``RECV_F(m, j)`` needs that
+    forward). Rank ``r`` at its join waits only for stage 0 to reach ``F(m, j)``, which its
+    ``RECV_F(m, j)`` waits for anyway. So each join adds no wait the schedule does not already have
+    in one direction, and in the other only waits for steps the schedule already runs first. With
+    the output exchange too: a rank inside microbatch ``m``'s output exchange has served every slice
+    of ``m``, and stage 0 joins that exchange right after sending ``m``'s last slice, before any
+    forward of a later microbatch, so neither waits on the other there (the joins are
+    point-to-point, tagged apart; ``tests/plan/test_embedding_exchange_steps.py`` walks both).
+    """
+    vocab_exchange_steps(schedule, rank)  # the same coverage: one chunk, forwards in microbatch order
+    joins: dict[tuple[int, int], EmbeddingJoin] = {}
+    step_of: dict[tuple[int, int], int] = {}
+    done: list[tuple[int, int]] = []
+    for i, a in enumerate(schedule.ranks[0]):
+        if a.kind is Kind.B:
+            done.append((a.microbatch, a.slice))
+        elif a.kind is Kind.F:
+            joins[(a.microbatch, a.slice)] = EmbeddingJoin((a.microbatch, a.slice), tuple(done))
+            step_of[(a.microbatch, a.slice)] = i
+            done = []
+    if rank > 0:
+        step_of = {(a.microbatch, a.slice): i for i, a in enumerate(schedule.ranks[rank]) if a.kind is Kind.RECV_F}
+    if step_of.keys() != joins.keys():
+        raise ValueError(
+            f"schedule.vocab_parallel: rank {rank} receives forwards {sorted(step_of)} but stage 0 runs "
+            f"{sorted(joins)}; allowed: schedules where every rank receives each slice stage 0 computes"
+        )
+    return {i: joins[key] for key, i in step_of.items()}, tuple(done)

@@ -251,6 +251,8 @@ class PipelineInterpreter:
             for recv in self._posts.get(step, ()):
                 if recv != a:
                     self._post(recv)
+            if self.vocab is not None and self.vocab.embedding is not None:
+                self.vocab.embedding.before(step)  # stage 0: the lookup its F makes; else serve it
             with record_function(str(a)) if torch.autograd._profiler_enabled() else nullcontext():
                 self._handlers[a.kind](a)
             if self.p2p is not None:
@@ -258,6 +260,8 @@ class PipelineInterpreter:
             if step in self._vocab_steps:
                 assert self.vocab is not None  # steps are planned only with a vocabulary exchange
                 self.vocab.join(self._vocab_steps[step])
+        if self.vocab is not None and self.vocab.embedding is not None:
+            self.vocab.embedding.finish()
         if self.p2p is not None:
             self.p2p.wait_all()
         if self.grad_sync is not None and not self.forward_only:
@@ -272,6 +276,9 @@ class PipelineInterpreter:
         }
         stores = [f"chunk {c}: {s.describe()}" for c, s in enumerate(self.kv) if not s.is_empty()]
         vocab_left = self.vocab is not None and not self.vocab.is_drained()
+        vocab_left |= (
+            self.vocab is not None and self.vocab.embedding is not None and not self.vocab.embedding.is_drained()
+        )
         if left or stores or not self.loss.is_drained() or vocab_left:
             raise PipelineStateError(f"rank {self.rank}: state left after the schedule: {left} {stores}")
 

@@ -29,7 +29,7 @@ CHANGEABLE = (
     "schedule.kind",
     "schedule.num_slices",
     "schedule.slice_policy",
-    "schedule.vocab_parallel",  # replicated vocabulary weights keep one value: the checkpoint is the same
+    "schedule.vocab_parallel",  # its weight copies and shards are not parameters: the checkpoint is the same
     "train.skip_nonfinite_steps",
     "dynmo.profile",  # measures only
     "dynmo.profile_smoothing",

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import torch
+
 from megatron_slim.plan.recipe import ModelConfig
 from megatron_slim.train.microbatch import vocab_forward_step
 from tests.oracle import reference
@@ -11,7 +13,8 @@ from tests.runtime.pipeline._workers import make_batches
 
 def run_vocab_parallel(rank, world_size, configs, seed=1234):
     """Each config: (tied, kind, num_microbatches, slice_lengths). Returns per config
-    (reports, grads of every parameter this rank's optimizer steps, reference on rank 0)."""
+    (reports, grads of every parameter this rank's optimizer steps, reference on rank 0); a
+    forward-only call after the step must report the same losses."""
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
     from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.megatron.model.vocab_head import build_vocab_head
@@ -38,6 +41,19 @@ def run_vocab_parallel(rank, world_size, configs, seed=1234):
         grads = {}
         for c in chunks:
             grads.update(global_grads(c))
+        evaluated = fb(
+            forward_step_func=vocab_forward_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=m,
+            seq_length=model.seq_length,
+            micro_batch_size=2,
+            forward_only=True,
+        )
         ref = reference.unsliced_step(model, dataclasses.replace(groups), batches, seed) if rank == 0 else None
-        results.append(([r["lm loss"] for r in reports], grads, ref, head.owned))
+        reports = [r["lm loss"] for r in reports]
+        assert len(evaluated) == len(reports)
+        for got, want in zip(evaluated, reports):  # the forward-only call reports the step's losses
+            torch.testing.assert_close(got["lm loss"], want)
+        results.append((reports, grads, ref, (head.owned, tuple(head.weight.shape))))
     return results

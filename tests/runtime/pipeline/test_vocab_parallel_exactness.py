@@ -1,5 +1,6 @@
-"""``schedule.vocab_parallel`` over gloo: the output layer and loss run on every pipeline rank
-(each a sequence part of every slice, ``runtime/pipeline/vocab.py``), and the loss and every
+"""``schedule.vocab_parallel`` over gloo: the word embedding, output layer and loss run on every
+pipeline rank (each a sequence part of every slice, ``runtime/pipeline/vocab.py`` and
+``vocab_embedding.py``), and the loss and every
 parameter gradient still equal the single-process, unpipelined, unsliced reference within fp32
 round-off (|a - b| <= 2e-5 + 1e-4 |b|), untied and tied embeddings."""
 
@@ -18,13 +19,19 @@ CONFIGS = {
         (False, "slimpipe", 2, uniform_slices(SEQ, 2)),
         (True, "slimpipe", 2, uniform_slices(SEQ, 2)),
         (False, "1f1b", 3, (SEQ,)),
+        (True, "1f1b", 3, (SEQ,)),
         (False, "slimpipe", 3, (8, 24)),  # uneven slices: parts of 4/4 and 12/12 tokens
     ],
-    4: [(False, "slimpipe", 3, uniform_slices(SEQ, 4)), (True, "slimpipe", 2, (12, 20))],
+    4: [
+        (False, "slimpipe", 3, uniform_slices(SEQ, 4)),
+        (True, "slimpipe", 2, (12, 20)),
+        (False, "1f1b", 5, (SEQ,)),  # 5 microbatches: backwards of stage 0 between its forwards
+        (True, "1f1b", 4, (SEQ,)),
+    ],
 }
 
 
-def _check(results):
+def _check(results, configs):
     for index, (_, _, (ref_reports, ref_grads), _) in enumerate(results[0]):
         merged: dict = {}
         for rank_results in results:
@@ -42,8 +49,19 @@ def _check(results):
         for name, want in ref_grads.items():
             torch.testing.assert_close(merged[name], want, **TOL, msg=lambda m: f"{name}: {m}")
         assert all(results[r][index][0] == [] for r in range(len(results) - 1))  # reports: last stage only
+        _check_shards(configs[index][0], [rank_results[index][3] for rank_results in results])
+
+
+def _check_shards(tied, heads):
+    """Each rank's output-weight copy: the last stage's whole; untied, every replica only its
+    vocabulary shard's rows (as ``torch.tensor_split`` cuts the vocabulary)."""
+    vocab = heads[-1][1][0]
+    assert heads[-1][0]
+    shards = [len(rows) for rows in torch.tensor_split(torch.arange(vocab), len(heads))]
+    for (owned, shape), rows in zip(heads, shards):
+        assert shape[0] == (vocab if owned or tied else rows)
 
 
 @pytest.mark.parametrize("pp", sorted(CONFIGS), ids=lambda pp: f"pp{pp}")
 def test_vocab_parallel_matches_unpipelined_unsliced_reference(pp):
-    _check(run_ranks(_vocab_workers.run_vocab_parallel, pp, CONFIGS[pp], timeout_s=900))
+    _check(run_ranks(_vocab_workers.run_vocab_parallel, pp, CONFIGS[pp], timeout_s=900), CONFIGS[pp])

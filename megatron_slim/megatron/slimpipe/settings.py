@@ -1,0 +1,44 @@
+"""The values a SlimPipe forward-backward function carries: its settings (the slice plan and what
+to measure) and what its last call measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+
+@dataclass(frozen=True)
+class SlimPipeSettings:
+    slice_lengths: tuple[int, ...]  # the slice plan: what the simulator was given too
+    kind: str = "slimpipe"  # 1f1b and interleaved run through the same interpreter (one slice)
+    attention_backend: Optional[str] = None
+    measure_memory: bool = False
+    offload_ratio: float = 0.0  # of each slice's decoder-layer activations, held on the host until backward
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slice_lengths)
+
+
+@dataclass
+class RunStats:
+    """Measured by the last call with ``measure_memory``: per model chunk on this rank."""
+
+    peak_activation_bytes: int = 0
+    peak_kv_bytes: int = 0
+    offloaded_bytes: int = 0  # activation bytes the last call moved to the host (train.offload_ratio)
+    peak_p2p_bytes: int = 0  # point-to-point buffers in flight (sent and received)
+    schedule_digest: str = ""
+    agreed_digests: set = field(default_factory=set)
+
+
+class ForwardBackwardFunc(Protocol):
+    """Megatron's ``forward_backward_func``, carrying its run's stats and settings."""
+
+    stats: RunStats
+    settings: SlimPipeSettings
+
+    def __call__(self, **kwargs: Any) -> list: ...
+
+
+__all__ = ["ForwardBackwardFunc", "RunStats", "SlimPipeSettings"]

@@ -1,0 +1,119 @@
+"""Each pipeline rank's copy of a vocabulary weight under ``schedule.vocab_parallel``.
+
+A weight has one or two optimizer-owned copies (the last stage's output layer, the first stage's
+word embedding; both when they are tied), which hold the whole weight so that the optimizer and
+checkpoints see the usual parameters. Other ranks hold replicas outside the optimizer: the whole
+weight, or (``sharded``) only the rows of this rank's vocabulary shard, which is all the
+vocabulary-parallel cross entropy (``runtime/pipeline/vocab.py``) reads. Replicas take the owners'
+values before every step (``refresh``); after it, the owners get the sum of every copy's gradient
+(``reduce_grads``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+_SHARD_TAG = 2**30  # between steps no other message is in flight; apart from the schedule's anyway
+
+
+@dataclass
+class VocabHead:
+    """This pipeline rank's copy of a vocabulary weight, and the pipeline group it is shared over."""
+
+    weight: torch.nn.Parameter
+    owned: bool  # stepped by this rank's optimizer (else a replica, refreshed from the source rank)
+    group: Optional[dist.ProcessGroup]
+    pp_ranks: Sequence[int]  # global rank of each pipeline rank
+    source: int = -1  # the pipeline rank whose optimizer-owned copy replicas take
+    embedding: Optional["VocabHead"] = None  # untied: the word embedding's copies (tied: this weight)
+    vocab_size: int = 0  # rows of the whole weight; with ``sharded``, required
+    sharded: bool = False  # replicas hold only their shard's rows (owned copies stay whole)
+
+    @property
+    def size(self) -> int:
+        return len(self.pp_ranks)
+
+    @property
+    def index(self) -> int:
+        """This rank's place in the pipeline group."""
+        return list(self.pp_ranks).index(dist.get_rank()) if self.size > 1 else 0
+
+    def rows_of(self, index: int) -> tuple[int, int]:
+        """``[lo, hi)``: the vocabulary rows of pipeline rank ``index``'s shard."""
+        return bounds_of(self.vocab_size or self.weight.shape[0], self.size, index)
+
+    def shard(self) -> torch.Tensor:
+        """This rank's rows of the weight (a view of a whole copy)."""
+        if self.sharded and not self.owned:
+            return self.weight
+        lo, hi = self.rows_of(self.index)
+        return self.weight[lo:hi]
+
+    @property
+    def lookup_head(self) -> "VocabHead":
+        """The copies input embeddings are looked up in (``runtime/pipeline/vocab_embedding.py``)."""
+        return self.embedding if self.embedding is not None else self
+
+    def refresh(self) -> None:
+        """Replicas take the source rank's weight (optimizer-owned copies already hold it) and drop
+        the previous step's gradient (no optimizer zeroes it)."""
+        if self.embedding is not None:
+            self.embedding.refresh()
+        if not self.owned:
+            self.weight.grad = None
+        if self.size == 1:
+            return
+        src = self.pp_ranks[self.source]
+        if self.sharded:
+            self._scatter_rows(src)
+            return
+        buffer = self.weight.data if dist.get_rank() == src or not self.owned else torch.empty_like(self.weight.data)
+        dist.broadcast(buffer, src=src, group=self.group)
+
+    def _scatter_rows(self, src: int) -> None:
+        if dist.get_rank() != src:
+            receive(self.weight.data, src, self.group, _SHARD_TAG)
+            return
+        for r, rank in enumerate(self.pp_ranks):
+            if rank != src:
+                lo, hi = self.rows_of(r)
+                dist.send(self.weight.data[lo:hi].contiguous(), rank, self.group, _SHARD_TAG)
+
+    def reduce_grads(self) -> None:
+        """Every whole copy gets the sum of all copies' gradients (the whole weight's gradient)."""
+        if self.embedding is not None:
+            self.embedding.reduce_grads()
+        if self.size == 1:
+            return
+        if self.weight.grad is None:
+            self.weight.grad = torch.zeros_like(self.weight)
+        if not self.sharded:
+            dist.all_reduce(self.weight.grad, group=self.group)
+            return
+        src = self.pp_ranks[self.source]
+        if dist.get_rank() != src:
+            dist.send(self.weight.grad, src, self.group, _SHARD_TAG)
+            return
+        for r, rank in enumerate(self.pp_ranks):
+            if rank != src:
+                lo, hi = self.rows_of(r)
+                rows = torch.empty_like(self.weight.grad[lo:hi])
+                receive(rows, rank, self.group, _SHARD_TAG)
+                self.weight.grad[lo:hi] += rows
+
+
+def receive(buffer: torch.Tensor, src: int, group: Optional[dist.ProcessGroup], tag: int) -> None:
+    work = dist.irecv(buffer, src, group, tag)
+    assert work is not None  # None only for a rank outside the group
+    work.wait()
+
+
+def bounds_of(length: int, parts: int, index: int) -> tuple[int, int]:
+    """Part ``index`` of ``length`` items cut into ``parts`` as ``torch.tensor_split`` cuts them."""
+    base, extra = divmod(length, parts)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (1 if index < extra else 0)
