@@ -198,6 +198,12 @@ class Recipe:
                 d.exit_threshold,
                 f"0 with {on}=true (exits are chosen per token of a full sequence)",
             )
+        if d.prune_schedule is not None and (self.parallel.tp > 1 or self.parallel.sequence_parallel):
+            raise fail(
+                "dynmo.prune",
+                d.prune,
+                '"" with parallel.tp > 1 or parallel.sequence_parallel (neurons are chosen per whole layer)',
+            )
         if d.profile and self.train.recompute != "none":
             raise fail(
                 "dynmo.profile",

@@ -10,12 +10,15 @@
 * ``exit_threshold`` / ``exit_from_layer``: early exit. A token skips decoder layer ``l >=
   exit_from_layer`` when its confidence on entering the layer is at least ``exit_threshold``
   (0 disables early exit). See ``megatron.model.early_exit`` for the confidence and semantics.
+* ``prune``: gradual magnitude pruning of whole FFN neurons, ``plan.dynmo.prune`` (schedule) and
+  ``train.dynmo.prune`` (what runs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_slim.plan.dynmo.prune import PruneSchedule, parse_prune
 from megatron_slim.plan.schema import ConfigError, fail
 
 FREEZE_FORMAT = '"<from_iteration>:<first>-<last>,..." (e.g. "5:0-3,10:4-7"), or "" for none'
@@ -34,6 +37,7 @@ class DynmoConfig:
     freeze: str = ""
     exit_threshold: float = 0.0  # 0: no early exit
     exit_from_layer: int = 1
+    prune: str = ""  # plan.dynmo.prune.PRUNE_FORMAT
 
     def __post_init__(self) -> None:
         if not 0 < self.profile_smoothing <= 1:
@@ -43,6 +47,7 @@ class DynmoConfig:
         if self.exit_from_layer < 0:
             raise fail("dynmo.exit_from_layer", self.exit_from_layer, "an integer >= 0")
         parse_freeze(self.freeze, None)
+        parse_prune(self.prune)
 
     @property
     def early_exit(self) -> bool:
@@ -51,7 +56,11 @@ class DynmoConfig:
     @property
     def active(self) -> bool:
         """Whether any dynamic behaviour or the profiler is switched on."""
-        return self.profile or self.early_exit or bool(self.freeze)
+        return self.profile or self.early_exit or bool(self.freeze) or self.prune_schedule is not None
+
+    @property
+    def prune_schedule(self) -> PruneSchedule | None:
+        return parse_prune(self.prune)
 
     def check_model(self, num_layers: int) -> None:
         """The rules that need the model: layer indices exist."""

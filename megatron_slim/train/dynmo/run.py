@@ -1,5 +1,6 @@
 """What ``train.loop`` calls for the recipe's ``dynmo:`` section: the layer class a run builds with,
-and, around every iteration, the freeze schedule before it and the profile and exit counts after it."""
+and, around every iteration, the freeze and prune schedules before it and the profile and exit counts
+after it."""
 
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ class DynamicTraining:
 
             self.exit_counts = []
             attach_exit_rule(chunks, ExitRule(d.exit_threshold, d.exit_from_layer), self.exit_counts)
+        self.pruning = None
+        if d.prune_schedule is not None:
+            from megatron_slim.train.dynmo.prune import Pruning
+
+            self.pruning = Pruning(d.prune_schedule, chunks, optimizer)
 
     def before(self, iteration: int) -> None:
         from megatron_slim.train.dynmo.freeze import set_frozen
@@ -46,12 +52,15 @@ class DynamicTraining:
             self.frozen = frozen
         if self.exit_counts is not None:
             self.exit_counts.clear()
+        if self.pruning is not None:
+            self.pruning.before(iteration)
 
     def after(self, report) -> None:
         """Record in ``report.dynmo``: the whole model's smoothed profile (``layer_profile``, a list of
         ``plan.dynmo.profile.LayerProfile`` dicts), the layers frozen in the iteration
         (``frozen_layers``) and, per decoder layer of this rank, the share of tokens that ran it
-        (``active_token_share``). Nothing when the section is off."""
+        (``active_token_share``) and the share of its FFN neurons still computed (``kept_neuron_share``).
+        Nothing when the section is off."""
         if self.freeze_steps:
             report.dynmo["frozen_layers"] = sorted(self.frozen)
         if self.profiler is not None:
@@ -59,6 +68,8 @@ class DynamicTraining:
             report.dynmo["layer_profile"] = [p.to_dict() for p in self.profiler.whole_model]
         if self.exit_counts is not None:
             report.dynmo["active_token_share"] = active_shares(self.exit_counts)
+        if self.pruning is not None:
+            report.dynmo["kept_neuron_share"] = self.pruning.kept_share()
 
 
 def active_shares(counts: list) -> dict[int, float]:
