@@ -19,6 +19,7 @@ _KEYS = {
     "dynmo_exit_threshold": "exit_threshold",
     "dynmo_exit_from_layer": "exit_from_layer",
     "dynmo_prune": "prune",
+    "dynmo_mod_capacity": "mod_capacity",
 }
 _QUOTED = ("freeze", "prune")  # YAML would read "5:10" as a base-60 integer
 
@@ -60,6 +61,13 @@ def add_dynmo_args(train: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help=f"gradual magnitude pruning of whole FFN neurons, cubic ramp (Zhu & Gupta 2017): {PRUNE_FORMAT}; "
         "pruned neurons stay zero and are left out of the MLP's matmuls (dynmo.prune)",
+    )
+    group.add_argument(
+        "--dynmo-mod-capacity",
+        metavar="C",
+        help="mixture of depths: every other layer runs only the share C in [0, 1] of each sequence's tokens "
+        "its router scores highest, the rest skip it (0: off, the default; training only: the choice "
+        "sees the whole sequence; dynmo.mod_capacity)",
     )
 
 

@@ -10,6 +10,8 @@
 * ``exit_threshold`` / ``exit_from_layer``: early exit. A token skips decoder layer ``l >=
   exit_from_layer`` when its confidence on entering the layer is at least ``exit_threshold``
   (0 disables early exit). See ``megatron.model.early_exit`` for the confidence and semantics.
+* ``mod_capacity``: mixture of depths; every other layer processes only this share of each
+  sequence's tokens, chosen by a router (``plan.dynmo.depth``, ``megatron.model.mixture_of_depths``).
 * ``prune``: gradual magnitude pruning of whole FFN neurons, ``plan.dynmo.prune`` (schedule) and
   ``train.dynmo.prune`` (what runs).
 """
@@ -38,6 +40,7 @@ class DynmoConfig:
     exit_threshold: float = 0.0  # 0: no early exit
     exit_from_layer: int = 1
     prune: str = ""  # plan.dynmo.prune.PRUNE_FORMAT
+    mod_capacity: float = 0.0  # mixture of depths: share of tokens a routing layer processes; 0: off
 
     def __post_init__(self) -> None:
         if not 0 < self.profile_smoothing <= 1:
@@ -48,6 +51,8 @@ class DynmoConfig:
             raise fail("dynmo.exit_from_layer", self.exit_from_layer, "an integer >= 0")
         parse_freeze(self.freeze, None)
         parse_prune(self.prune)
+        if not 0 <= self.mod_capacity <= 1:
+            raise fail("dynmo.mod_capacity", self.mod_capacity, "a number in [0, 1] (0 disables mixture of depths)")
 
     @property
     def early_exit(self) -> bool:
@@ -56,7 +61,12 @@ class DynmoConfig:
     @property
     def active(self) -> bool:
         """Whether any dynamic behaviour or the profiler is switched on."""
-        return self.profile or self.early_exit or bool(self.freeze) or self.prune_schedule is not None
+        dynamic = self.early_exit or bool(self.freeze) or self.prune_schedule is not None or self.mixture_of_depths
+        return self.profile or dynamic
+
+    @property
+    def mixture_of_depths(self) -> bool:
+        return self.mod_capacity > 0
 
     @property
     def prune_schedule(self) -> PruneSchedule | None:

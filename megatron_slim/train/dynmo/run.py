@@ -12,7 +12,12 @@ from megatron_slim.plan.recipe import Recipe
 
 def with_dynamic_layers(recipe: Recipe, layer_classes: dict) -> dict:
     """``build_rank_chunks``'s layer classes, with the early-exit layer when ``dynmo.exit_threshold > 0``
-    (the recipe refuses early exit beside a layer class of its own: ``cp.remap``)."""
+    or the mixture-of-depths one when ``dynmo.mod_capacity > 0`` (the recipe refuses either beside
+    another layer class: ``cp.remap``, each other)."""
+    if recipe.dynmo.mixture_of_depths:
+        from megatron_slim.megatron.model.mixture_of_depths import mixture_of_depths_layer
+
+        return {**layer_classes, "transformer_layer": mixture_of_depths_layer(recipe.dynmo.mod_capacity)}
     if not recipe.dynmo.early_exit:
         return layer_classes
     from megatron_slim.megatron.model.early_exit import EarlyExitTransformerLayer
