@@ -20,6 +20,9 @@ _KEYS = {
     "dynmo_exit_from_layer": "exit_from_layer",
     "dynmo_prune": "prune",
     "dynmo_mod_capacity": "mod_capacity",
+    "dynmo_moe_experts": "moe_experts",
+    "dynmo_moe_topk": "moe_topk",
+    "dynmo_moe_drift": "moe_drift",
 }
 _QUOTED = ("freeze", "prune")  # YAML would read "5:10" as a base-60 integer
 
@@ -69,6 +72,19 @@ def add_dynmo_args(train: argparse.ArgumentParser) -> None:
         "its router scores highest, the rest skip it (0: off, the default; training only: the choice "
         "sees the whole sequence; dynmo.mod_capacity)",
     )
+    group.add_argument(
+        "--dynmo-moe-experts",
+        metavar="E",
+        help="MoE: every layer's MLP becomes E >= 2 local experts (0: dense, the default); --json reports "
+        "the tokens per expert of each layer in every iteration under dynmo.expert_load (dynmo.moe_experts)",
+    )
+    group.add_argument("--dynmo-moe-topk", metavar="K", help="MoE: experts per token (default 2; dynmo.moe_topk)")
+    group.add_argument(
+        "--dynmo-moe-drift",
+        metavar="D",
+        help="MoE: synthetic load drift, a router logit bias growing by D per iteration toward the "
+        "higher-numbered experts (default 0; dynmo.moe_drift)",
+    )
 
 
 def dynmo_overrides(args: argparse.Namespace) -> list[str]:
@@ -93,7 +109,7 @@ def dynmo_entry(reports, pp: int) -> dict:
     )
     last = stages[-1].dynmo if stages else {}
     entry = {key: last[key] for key in ("layer_profile", "frozen_layers") if key in last}
-    for key in ("active_token_share", "kept_neuron_share"):
+    for key in ("active_token_share", "kept_neuron_share", "expert_load"):
         per_layer = {layer: share for r in stages for layer, share in r.dynmo.get(key, {}).items()}
         if per_layer:
             entry[key] = {str(layer): per_layer[layer] for layer in sorted(per_layer)}

@@ -12,6 +12,8 @@
   (0 disables early exit). See ``megatron.model.early_exit`` for the confidence and semantics.
 * ``mod_capacity``: mixture of depths; every other layer processes only this share of each
   sequence's tokens, chosen by a router (``plan.dynmo.depth``, ``megatron.model.mixture_of_depths``).
+* ``moe_experts`` / ``moe_topk`` / ``moe_drift``: MoE layers and a synthetic router drift
+  (``plan.dynmo.moe``, ``megatron.model.moe``).
 * ``prune``: gradual magnitude pruning of whole FFN neurons, ``plan.dynmo.prune`` (schedule) and
   ``train.dynmo.prune`` (what runs).
 """
@@ -41,6 +43,9 @@ class DynmoConfig:
     exit_from_layer: int = 1
     prune: str = ""  # plan.dynmo.prune.PRUNE_FORMAT
     mod_capacity: float = 0.0  # mixture of depths: share of tokens a routing layer processes; 0: off
+    moe_experts: int = 0  # experts per layer; 0: dense MLPs
+    moe_topk: int = 2  # experts per token
+    moe_drift: float = 0.0  # synthetic router drift (plan.dynmo.moe.drift_bias); 0: none
 
     def __post_init__(self) -> None:
         if not 0 < self.profile_smoothing <= 1:
@@ -53,6 +58,15 @@ class DynmoConfig:
         parse_prune(self.prune)
         if not 0 <= self.mod_capacity <= 1:
             raise fail("dynmo.mod_capacity", self.mod_capacity, "a number in [0, 1] (0 disables mixture of depths)")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.moe_experts == 1 or self.moe_experts < 0:
+            raise fail("dynmo.moe_experts", self.moe_experts, "0 (dense MLPs) or an integer >= 2")
+        if self.moe and not 1 <= self.moe_topk <= self.moe_experts:
+            raise fail("dynmo.moe_topk", self.moe_topk, f"an integer in [1, dynmo.moe_experts={self.moe_experts}]")
+        if self.moe_drift < 0 or (self.moe_drift and not self.moe):
+            raise fail("dynmo.moe_drift", self.moe_drift, "a number >= 0, and 0 unless dynmo.moe_experts >= 2")
 
     @property
     def early_exit(self) -> bool:
@@ -62,7 +76,11 @@ class DynmoConfig:
     def active(self) -> bool:
         """Whether any dynamic behaviour or the profiler is switched on."""
         dynamic = self.early_exit or bool(self.freeze) or self.prune_schedule is not None or self.mixture_of_depths
-        return self.profile or dynamic
+        return self.profile or dynamic or self.moe
+
+    @property
+    def moe(self) -> bool:
+        return self.moe_experts > 0
 
     @property
     def mixture_of_depths(self) -> bool:

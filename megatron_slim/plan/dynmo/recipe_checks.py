@@ -34,3 +34,15 @@ def check_dynamic_models(recipe: Recipe) -> None:
                 d.mod_capacity,
                 f"0 with {on[0]} (a router picks tokens of one whole, unpacked sequence on one rank)",
             )
+    if d.moe:
+        conflicts = {
+            "dynmo.exit_threshold > 0": d.early_exit,
+            "dynmo.prune": d.prune_schedule is not None,
+            "dynmo.mod_capacity > 0": d.mixture_of_depths,
+            "parallel.tp > 1": p.tp > 1,
+            "parallel.cp > 1": p.cp > 1,
+            "parallel.sequence_parallel": p.sequence_parallel,
+        }
+        on = [name for name, value in conflicts.items() if value]
+        if on:
+            raise fail("dynmo.moe_experts", d.moe_experts, f"0 with {on[0]} (not combined with MoE layers yet)")

@@ -13,7 +13,12 @@ from megatron_slim.plan.recipe import Recipe
 def with_dynamic_layers(recipe: Recipe, layer_classes: dict) -> dict:
     """``build_rank_chunks``'s layer classes, with the early-exit layer when ``dynmo.exit_threshold > 0``
     or the mixture-of-depths one when ``dynmo.mod_capacity > 0`` (the recipe refuses either beside
-    another layer class: ``cp.remap``, each other)."""
+    another layer class: ``cp.remap``, each other); with ``dynmo.moe_experts``, MoE MLPs."""
+    if recipe.dynmo.moe:
+        from megatron_slim.train.dynmo.moe_load import moe_build_kwargs
+
+        d = recipe.dynmo
+        layer_classes = {**layer_classes, **moe_build_kwargs(d.moe_experts, d.moe_topk, recipe.model.ffn_hidden_size)}
     if recipe.dynmo.mixture_of_depths:
         from megatron_slim.megatron.model.mixture_of_depths import mixture_of_depths_layer
 
@@ -47,6 +52,11 @@ class DynamicTraining:
             from megatron_slim.train.dynmo.prune import Pruning
 
             self.pruning = Pruning(d.prune_schedule, chunks, optimizer)
+        self.expert_load = None
+        if d.moe:
+            from megatron_slim.train.dynmo.moe_load import ExpertLoad
+
+            self.expert_load = ExpertLoad(chunks, d.moe_experts, d.moe_drift)
 
     def before(self, iteration: int) -> None:
         from megatron_slim.train.dynmo.freeze import set_frozen
@@ -59,12 +69,15 @@ class DynamicTraining:
             self.exit_counts.clear()
         if self.pruning is not None:
             self.pruning.before(iteration)
+        if self.expert_load is not None:
+            self.expert_load.before(iteration)
 
     def after(self, report) -> None:
         """Record in ``report.dynmo``: the whole model's smoothed profile (``layer_profile``, a list of
         ``plan.dynmo.profile.LayerProfile`` dicts), the layers frozen in the iteration
         (``frozen_layers``) and, per decoder layer of this rank, the share of tokens that ran it
-        (``active_token_share``) and the share of its FFN neurons still computed (``kept_neuron_share``).
+        (``active_token_share``), the share of its FFN neurons still computed (``kept_neuron_share``) and
+        its tokens per expert in every iteration so far (``expert_load``).
         Nothing when the section is off."""
         if self.freeze_steps:
             report.dynmo["frozen_layers"] = sorted(self.frozen)
@@ -75,6 +88,9 @@ class DynamicTraining:
             report.dynmo["active_token_share"] = active_shares(self.exit_counts)
         if self.pruning is not None:
             report.dynmo["kept_neuron_share"] = self.pruning.kept_share()
+        if self.expert_load is not None:  # one list of tokens per expert per iteration, for each layer
+            for layer, counts in self.expert_load.finish().items():
+                report.dynmo.setdefault("expert_load", {}).setdefault(layer, []).append(counts)
 
 
 def active_shares(counts: list) -> dict[int, float]:
