@@ -37,7 +37,10 @@ class ExpertLoad:
 
 
 def moe_build_kwargs(experts: int, topk: int, ffn_hidden_size: int) -> dict:
-    """``build_rank_chunks`` keywords for MoE layers: the MLP spec and the config fields."""
+    """``build_rank_chunks`` keywords for MoE layers: the MLP spec and the config fields. The weights
+    of a token's experts are the softmax over their logits; with one expert per token, the softmax
+    over all logits instead (megatron's pre-softmax: a softmax over one logit is 1 and the router
+    would get no gradient)."""
     from megatron_slim.megatron.model.moe import MOE_CONFIG, moe_mlp_spec
 
     return dict(
@@ -45,5 +48,6 @@ def moe_build_kwargs(experts: int, topk: int, ffn_hidden_size: int) -> dict:
         num_moe_experts=experts,
         moe_router_topk=topk,
         moe_ffn_hidden_size=ffn_hidden_size,
+        moe_router_pre_softmax=topk == 1,
         **MOE_CONFIG,
     )
