@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_slim.plan.dynmo.options import FREEZE_FORMAT
+from megatron_slim.plan.dynmo.prune import PRUNE_FORMAT
 
 # flag attribute -> recipe key
 _KEYS = {
@@ -17,7 +18,13 @@ _KEYS = {
     "dynmo_freeze": "freeze",
     "dynmo_exit_threshold": "exit_threshold",
     "dynmo_exit_from_layer": "exit_from_layer",
+    "dynmo_prune": "prune",
+    "dynmo_mod_capacity": "mod_capacity",
+    "dynmo_moe_experts": "moe_experts",
+    "dynmo_moe_topk": "moe_topk",
+    "dynmo_moe_drift": "moe_drift",
 }
+_QUOTED = ("freeze", "prune")  # YAML would read "5:10" as a base-60 integer
 
 
 def add_dynmo_args(train: argparse.ArgumentParser) -> None:
@@ -52,6 +59,32 @@ def add_dynmo_args(train: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the first layer (0-based) a token may skip (default 1; dynmo.exit_from_layer)",
     )
+    group.add_argument(
+        "--dynmo-prune",
+        metavar="SPEC",
+        help=f"gradual magnitude pruning of whole FFN neurons, cubic ramp (Zhu & Gupta 2017): {PRUNE_FORMAT}; "
+        "pruned neurons stay zero and are left out of the MLP's matmuls (dynmo.prune)",
+    )
+    group.add_argument(
+        "--dynmo-mod-capacity",
+        metavar="C",
+        help="mixture of depths: every other layer runs only the share C in [0, 1] of each sequence's tokens "
+        "its router scores highest, the rest skip it (0: off, the default; training only: the choice "
+        "sees the whole sequence; dynmo.mod_capacity)",
+    )
+    group.add_argument(
+        "--dynmo-moe-experts",
+        metavar="E",
+        help="MoE: every layer's MLP becomes E >= 2 local experts (0: dense, the default); --json reports "
+        "the tokens per expert of each layer in every iteration under dynmo.expert_load (dynmo.moe_experts)",
+    )
+    group.add_argument("--dynmo-moe-topk", metavar="K", help="MoE: experts per token (default 2; dynmo.moe_topk)")
+    group.add_argument(
+        "--dynmo-moe-drift",
+        metavar="D",
+        help="MoE: synthetic load drift, a router logit bias growing by D per iteration toward the "
+        "higher-numbered experts (default 0; dynmo.moe_drift)",
+    )
 
 
 def dynmo_overrides(args: argparse.Namespace) -> list[str]:
@@ -61,7 +94,7 @@ def dynmo_overrides(args: argparse.Namespace) -> list[str]:
         value = getattr(args, attr, None)
         if value is None:
             continue
-        if key == "freeze":  # quoted: YAML would read "5:10" as a base-60 integer
+        if key in _QUOTED:
             value = '"' + str(value).replace('"', "") + '"'
         out.append(f"dynmo.{key}={str(value).lower() if isinstance(value, bool) else value}")
     return out
@@ -69,13 +102,15 @@ def dynmo_overrides(args: argparse.Namespace) -> list[str]:
 
 def dynmo_entry(reports, pp: int) -> dict:
     """The JSON ``dynmo`` section: the smoothed whole-model profile and frozen layers of the last
-    iteration, and per layer the share of tokens that ran it (from each stage's first rank)."""
+    iteration, and per layer the share of tokens that ran it and of FFN neurons kept (from each stage's
+    first rank)."""
     stages = sorted(
         (r for r in reports if r.dp_rank == 0 and r.tp_rank == 0 and r.cp_rank == 0), key=lambda r: r.pp_rank
     )
     last = stages[-1].dynmo if stages else {}
-    shares = {layer: share for r in stages for layer, share in r.dynmo.get("active_token_share", {}).items()}
     entry = {key: last[key] for key in ("layer_profile", "frozen_layers") if key in last}
-    if shares:
-        entry["active_token_share"] = {str(layer): shares[layer] for layer in sorted(shares)}
+    for key in ("active_token_share", "kept_neuron_share", "expert_load"):
+        per_layer = {layer: share for r in stages for layer, share in r.dynmo.get(key, {}).items()}
+        if per_layer:
+            entry[key] = {str(layer): per_layer[layer] for layer in sorted(per_layer)}
     return entry

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from megatron_slim.plan.cost.slicing import max_slices, slice_alignment, splits_aligned, splits_uniformly
 from megatron_slim.plan.dynmo.options import DynmoConfig
+from megatron_slim.plan.dynmo.recipe_checks import check_dynamic_models
 from megatron_slim.plan.files import load_yaml_mapping
 from megatron_slim.plan.hardware import HardwareProfile, load_hardware
 from megatron_slim.plan.paths import config_dir
@@ -198,6 +199,7 @@ class Recipe:
                 d.exit_threshold,
                 f"0 with {on}=true (exits are chosen per token of a full sequence)",
             )
+        check_dynamic_models(self)
         if d.profile and self.train.recompute != "none":
             raise fail(
                 "dynmo.profile",

@@ -1,5 +1,5 @@
 """Resuming across the ``dynmo:`` section: checkpoints saved before it existed still resume, the
-profile and the freeze schedule may change, early exit (the model's semantics) may not."""
+profile, the freeze and the prune schedules may change, early exit (the model's semantics) may not."""
 
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.train.checkpoint.resume import differing_keys
@@ -17,7 +17,9 @@ def test_a_checkpoint_without_the_section_counts_as_its_defaults():
 
 def test_profile_and_freeze_may_change_early_exit_may_not():
     saved = _recipe()
-    changed = _recipe("dynmo.profile=true", "dynmo.profile_smoothing=0.2", 'dynmo.freeze="3:0-1"')
+    changed = _recipe(
+        "dynmo.profile=true", "dynmo.profile_smoothing=0.2", 'dynmo.freeze="3:0-1"', 'dynmo.prune="2-4:0.5"'
+    )
     assert differing_keys(saved, changed) == []
     exits = _recipe("dynmo.exit_threshold=0.2", "dynmo.exit_from_layer=3")
     assert differing_keys(saved, exits) == ["dynmo.exit_from_layer", "dynmo.exit_threshold"]

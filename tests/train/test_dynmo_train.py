@@ -1,5 +1,5 @@
 """``megatron-slim train --dynmo-*`` on gloo ranks: a pipelined, sliced run (pp=2, 2 slices) with
-freezing, early exit and profiling reproduces the unpipelined run's losses; the profile covers the
+freezing, early exit, pruning and profiling reproduces the unpipelined run's losses; the profile covers the
 whole model on the reporting rank."""
 
 import json
@@ -13,7 +13,10 @@ from tests.train.conftest import SMALL_DATA
 pytestmark = pytest.mark.multi
 
 SETS = ("train.iters=3", "train.global_batch_size=2", "model.seq_length=128")
-FLAGS = ("--dynmo-profile", "--dynmo-freeze", "2:0-2", "--dynmo-exit-threshold", "0.05", "--dynmo-exit-from-layer", "3")
+FLAGS = (
+    *("--dynmo-profile", "--dynmo-freeze", "2:0-2", "--dynmo-exit-threshold", "0.05", "--dynmo-exit-from-layer", "3"),
+    *("--dynmo-prune", "2-3:0.5"),
+)
 
 
 def _train(tmp_path, name, data_cache, *sets):
@@ -47,4 +50,5 @@ def test_dynmo_section_reports_profile_frozen_layers_and_exits(runs):
         assert all(p["gradient_bytes"] == p["parameter_bytes"] > 0 for p in d["layer_profile"][3:])
         assert sorted(d["active_token_share"]) == [str(i) for i in range(3, 8)]
         assert 0 < d["active_token_share"]["3"] < 1
+        assert d["kept_neuron_share"] == {str(i): 176 / 352 for i in range(8)}  # tiny-cpu: ffn 352
     assert piped["dynmo"]["active_token_share"] == pytest.approx(whole["dynmo"]["active_token_share"])

@@ -126,9 +126,10 @@ def _refuse_what_megatron_cannot_run(recipe: Recipe) -> None:
         )
     if recipe.dynmo.active:
         raise ConfigError(
-            "dynmo: profile, freeze or early exit is set; they run in megatron-slim train only and have no "
-            "Megatron-LM flags yet; allowed: the section's defaults (dynmo.profile=false, dynmo.freeze='', "
-            "dynmo.exit_threshold=0)"
+            "dynmo: profile, freeze, early exit, pruning, mixture of depths or MoE is set; they run in "
+            "megatron-slim train only and have no Megatron-LM flags yet; allowed: the section's defaults "
+            "(dynmo.profile=false, dynmo.freeze='', dynmo.exit_threshold=0, dynmo.prune='', "
+            "dynmo.mod_capacity=0, dynmo.moe_experts=0)"
         )
     refuse_what_megatron_cannot_recompute(t)
     check(megatron_args_settings(recipe), MEGATRON_ARGS)

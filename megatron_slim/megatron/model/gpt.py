@@ -17,6 +17,7 @@ models (``weight.data.cuda()`` plus an all-reduce) out of CPU runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -132,19 +133,27 @@ def _globally_numbered(layer_cls: type) -> type:
 
 
 def layer_spec(
-    core_attention: type = SlimCoreAttention, transformer_layer: Optional[type] = None, *, layer_offset: int = 0
+    core_attention: type = SlimCoreAttention,
+    transformer_layer: Optional[type] = None,
+    *,
+    layer_offset: int = 0,
+    mlp: Optional[ModuleSpec] = None,
 ) -> ModuleSpec:
     """Spec of one Llama layer: megatron's local layer with ``core_attention`` plugged in, built
-    as ``transformer_layer`` (default ``TransformerLayer``) numbered from ``layer_offset + 1``."""
+    as ``transformer_layer`` (default ``TransformerLayer``) numbered from ``layer_offset + 1``;
+    ``mlp`` replaces the dense MLP's spec (``megatron.model.moe.moe_mlp_spec``)."""
     layer_cls = transformer_layer or TransformerLayer
     if not (isinstance(layer_cls, type) and issubclass(layer_cls, TransformerLayer)):
         raise ValueError(
             f"transformer_layer={layer_cls!r}: allowed values are subclasses of "
             "megatron.core.transformer.transformer_layer.TransformerLayer"
         )
+    submodules = compat.local_layer_submodules("RMSNorm")
+    if mlp is not None:
+        submodules = dataclasses.replace(submodules, mlp=mlp)
     spec = ModuleSpec(
         module=_globally_numbered(layer_cls),
-        submodules=compat.local_layer_submodules("RMSNorm"),
+        submodules=submodules,
         params={"layer_offset": layer_offset},
     )
     return with_core_attention(spec, core_attention, flag="layer_spec(core_attention=...)")
@@ -166,6 +175,7 @@ def build_chunk(
     post_process: bool,
     core_attention: type = SlimCoreAttention,
     transformer_layer: Optional[type] = None,
+    mlp: Optional[ModuleSpec] = None,
     seed: int = 1234,
     **config_overrides,
 ) -> GPTModel:
@@ -178,7 +188,7 @@ def build_chunk(
     _check_layers(layers, model.num_layers)
     config = transformer_config(model, tp=groups.tp_size, cp=groups.cp_size, **config_overrides)
     block = TransformerBlockSubmodules(
-        layer_specs=[layer_spec(core_attention, transformer_layer, layer_offset=layers.start)] * len(layers),
+        layer_specs=[layer_spec(core_attention, transformer_layer, layer_offset=layers.start, mlp=mlp)] * len(layers),
         layer_norm=compat.local_layer_submodules("RMSNorm").input_layernorm,
     )
     tied = not model.untie_embeddings_and_output_weights

@@ -10,12 +10,19 @@
 * ``exit_threshold`` / ``exit_from_layer``: early exit. A token skips decoder layer ``l >=
   exit_from_layer`` when its confidence on entering the layer is at least ``exit_threshold``
   (0 disables early exit). See ``megatron.model.early_exit`` for the confidence and semantics.
+* ``mod_capacity``: mixture of depths; every other layer processes only this share of each
+  sequence's tokens, chosen by a router (``plan.dynmo.depth``, ``megatron.model.mixture_of_depths``).
+* ``moe_experts`` / ``moe_topk`` / ``moe_drift``: MoE layers and a synthetic router drift
+  (``plan.dynmo.moe``, ``megatron.model.moe``).
+* ``prune``: gradual magnitude pruning of whole FFN neurons, ``plan.dynmo.prune`` (schedule) and
+  ``train.dynmo.prune`` (what runs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_slim.plan.dynmo.prune import PruneSchedule, parse_prune
 from megatron_slim.plan.schema import ConfigError, fail
 
 FREEZE_FORMAT = '"<from_iteration>:<first>-<last>,..." (e.g. "5:0-3,10:4-7"), or "" for none'
@@ -34,6 +41,11 @@ class DynmoConfig:
     freeze: str = ""
     exit_threshold: float = 0.0  # 0: no early exit
     exit_from_layer: int = 1
+    prune: str = ""  # plan.dynmo.prune.PRUNE_FORMAT
+    mod_capacity: float = 0.0  # mixture of depths: share of tokens a routing layer processes; 0: off
+    moe_experts: int = 0  # experts per layer; 0: dense MLPs
+    moe_topk: int = 2  # experts per token
+    moe_drift: float = 0.0  # synthetic router drift (plan.dynmo.moe.drift_bias); 0: none
 
     def __post_init__(self) -> None:
         if not 0 < self.profile_smoothing <= 1:
@@ -43,6 +55,18 @@ class DynmoConfig:
         if self.exit_from_layer < 0:
             raise fail("dynmo.exit_from_layer", self.exit_from_layer, "an integer >= 0")
         parse_freeze(self.freeze, None)
+        parse_prune(self.prune)
+        if not 0 <= self.mod_capacity <= 1:
+            raise fail("dynmo.mod_capacity", self.mod_capacity, "a number in [0, 1] (0 disables mixture of depths)")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.moe_experts == 1 or self.moe_experts < 0:
+            raise fail("dynmo.moe_experts", self.moe_experts, "0 (dense MLPs) or an integer >= 2")
+        if self.moe and not 1 <= self.moe_topk <= self.moe_experts:
+            raise fail("dynmo.moe_topk", self.moe_topk, f"an integer in [1, dynmo.moe_experts={self.moe_experts}]")
+        if self.moe_drift < 0 or (self.moe_drift and not self.moe):
+            raise fail("dynmo.moe_drift", self.moe_drift, "a number >= 0, and 0 unless dynmo.moe_experts >= 2")
 
     @property
     def early_exit(self) -> bool:
@@ -51,7 +75,20 @@ class DynmoConfig:
     @property
     def active(self) -> bool:
         """Whether any dynamic behaviour or the profiler is switched on."""
-        return self.profile or self.early_exit or bool(self.freeze)
+        dynamic = self.early_exit or bool(self.freeze) or self.prune_schedule is not None or self.mixture_of_depths
+        return self.profile or dynamic or self.moe
+
+    @property
+    def moe(self) -> bool:
+        return self.moe_experts > 0
+
+    @property
+    def mixture_of_depths(self) -> bool:
+        return self.mod_capacity > 0
+
+    @property
+    def prune_schedule(self) -> PruneSchedule | None:
+        return parse_prune(self.prune)
 
     def check_model(self, num_layers: int) -> None:
         """The rules that need the model: layer indices exist."""

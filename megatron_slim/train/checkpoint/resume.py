@@ -34,6 +34,7 @@ CHANGEABLE = (
     "dynmo.profile",  # measures only
     "dynmo.profile_smoothing",
     "dynmo.freeze",  # which layers train from here on; the saved state is the same either way
+    "dynmo.prune",  # pruned neurons are zero in the saved weights and stay pruned under any schedule
 )
 _IGNORED = ("name", "description")
 

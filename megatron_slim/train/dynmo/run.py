@@ -1,5 +1,6 @@
 """What ``train.loop`` calls for the recipe's ``dynmo:`` section: the layer class a run builds with,
-and, around every iteration, the freeze schedule before it and the profile and exit counts after it."""
+and, around every iteration, the freeze and prune schedules before it and the profile and exit counts
+after it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,17 @@ from megatron_slim.plan.recipe import Recipe
 
 def with_dynamic_layers(recipe: Recipe, layer_classes: dict) -> dict:
     """``build_rank_chunks``'s layer classes, with the early-exit layer when ``dynmo.exit_threshold > 0``
-    (the recipe refuses early exit beside a layer class of its own: ``cp.remap``)."""
+    or the mixture-of-depths one when ``dynmo.mod_capacity > 0`` (the recipe refuses either beside
+    another layer class: ``cp.remap``, each other); with ``dynmo.moe_experts``, MoE MLPs."""
+    if recipe.dynmo.moe:
+        from megatron_slim.train.dynmo.moe_load import moe_build_kwargs
+
+        d = recipe.dynmo
+        layer_classes = {**layer_classes, **moe_build_kwargs(d.moe_experts, d.moe_topk, recipe.model.ffn_hidden_size)}
+    if recipe.dynmo.mixture_of_depths:
+        from megatron_slim.megatron.model.mixture_of_depths import mixture_of_depths_layer
+
+        return {**layer_classes, "transformer_layer": mixture_of_depths_layer(recipe.dynmo.mod_capacity)}
     if not recipe.dynmo.early_exit:
         return layer_classes
     from megatron_slim.megatron.model.early_exit import EarlyExitTransformerLayer
@@ -36,6 +47,16 @@ class DynamicTraining:
 
             self.exit_counts = []
             attach_exit_rule(chunks, ExitRule(d.exit_threshold, d.exit_from_layer), self.exit_counts)
+        self.pruning = None
+        if d.prune_schedule is not None:
+            from megatron_slim.train.dynmo.prune import Pruning
+
+            self.pruning = Pruning(d.prune_schedule, chunks, optimizer)
+        self.expert_load = None
+        if d.moe:
+            from megatron_slim.train.dynmo.moe_load import ExpertLoad
+
+            self.expert_load = ExpertLoad(chunks, d.moe_experts, d.moe_drift)
 
     def before(self, iteration: int) -> None:
         from megatron_slim.train.dynmo.freeze import set_frozen
@@ -46,12 +67,18 @@ class DynamicTraining:
             self.frozen = frozen
         if self.exit_counts is not None:
             self.exit_counts.clear()
+        if self.pruning is not None:
+            self.pruning.before(iteration)
+        if self.expert_load is not None:
+            self.expert_load.before(iteration)
 
     def after(self, report) -> None:
         """Record in ``report.dynmo``: the whole model's smoothed profile (``layer_profile``, a list of
         ``plan.dynmo.profile.LayerProfile`` dicts), the layers frozen in the iteration
         (``frozen_layers``) and, per decoder layer of this rank, the share of tokens that ran it
-        (``active_token_share``). Nothing when the section is off."""
+        (``active_token_share``), the share of its FFN neurons still computed (``kept_neuron_share``) and
+        its tokens per expert in every iteration so far (``expert_load``).
+        Nothing when the section is off."""
         if self.freeze_steps:
             report.dynmo["frozen_layers"] = sorted(self.frozen)
         if self.profiler is not None:
@@ -59,6 +86,11 @@ class DynamicTraining:
             report.dynmo["layer_profile"] = [p.to_dict() for p in self.profiler.whole_model]
         if self.exit_counts is not None:
             report.dynmo["active_token_share"] = active_shares(self.exit_counts)
+        if self.pruning is not None:
+            report.dynmo["kept_neuron_share"] = self.pruning.kept_share()
+        if self.expert_load is not None:  # one list of tokens per expert per iteration, for each layer
+            for layer, counts in self.expert_load.finish().items():
+                report.dynmo.setdefault("expert_load", {}).setdefault(layer, []).append(counts)
 
 
 def active_shares(counts: list) -> dict[int, float]:
