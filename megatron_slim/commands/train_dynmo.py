@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_slim.plan.dynmo.options import FREEZE_FORMAT
+from megatron_slim.plan.dynmo.options import FREEZE_FORMAT, REBALANCE
 
 # flag attribute -> recipe key
 _KEYS = {
@@ -17,6 +17,9 @@ _KEYS = {
     "dynmo_freeze": "freeze",
     "dynmo_exit_threshold": "exit_threshold",
     "dynmo_exit_from_layer": "exit_from_layer",
+    "dynmo_rebalance": "rebalance",
+    "dynmo_rebalance_interval": "rebalance_interval",
+    "dynmo_memory_cap_bytes": "memory_cap_bytes",
 }
 
 
@@ -52,6 +55,24 @@ def add_dynmo_args(train: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the first layer (0-based) a token may skip (default 1; dynmo.exit_from_layer)",
     )
+    group.add_argument(
+        "--dynmo-rebalance",
+        choices=REBALANCE,
+        help="move layers between pipeline stages from the measured profile: static (never, the default), "
+        "dynmo (exact min-max split) or diffusion (neighbour greedy); needs --dynmo-profile, pp >= 2, vpp = 1; "
+        "decisions are logged and in --json under dynmo.rebalance (dynmo.rebalance)",
+    )
+    group.add_argument(
+        "--dynmo-rebalance-interval",
+        metavar="N",
+        help="iterations between rebalancing decisions, >= 1 (default 10; dynmo.rebalance_interval)",
+    )
+    group.add_argument(
+        "--dynmo-memory-cap-bytes",
+        metavar="B",
+        help="per-stage memory cap the rebalancer keeps every stage under (default 0: the hardware "
+        "profile's usable memory; dynmo.memory_cap_bytes)",
+    )
 
 
 def dynmo_overrides(args: argparse.Namespace) -> list[str]:
@@ -69,13 +90,13 @@ def dynmo_overrides(args: argparse.Namespace) -> list[str]:
 
 def dynmo_entry(reports, pp: int) -> dict:
     """The JSON ``dynmo`` section: the smoothed whole-model profile and frozen layers of the last
-    iteration, and per layer the share of tokens that ran it (from each stage's first rank)."""
+    iteration, the rebalancing decisions (``rebalance``, every rank takes the same), and per layer the share of tokens that ran it (from each stage's first rank)."""
     stages = sorted(
         (r for r in reports if r.dp_rank == 0 and r.tp_rank == 0 and r.cp_rank == 0), key=lambda r: r.pp_rank
     )
     last = stages[-1].dynmo if stages else {}
     shares = {layer: share for r in stages for layer, share in r.dynmo.get("active_token_share", {}).items()}
-    entry = {key: last[key] for key in ("layer_profile", "frozen_layers") if key in last}
+    entry = {key: last[key] for key in ("layer_profile", "frozen_layers", "rebalance") if key in last}
     if shares:
         entry["active_token_share"] = {str(layer): shares[layer] for layer in sorted(shares)}
     return entry

@@ -204,6 +204,13 @@ class Recipe:
                 True,
                 "false with train.recompute != none (a recomputed forward would count as backward)",
             )
+        if d.rebalancing and (self.parallel.pp < 2 or self.parallel.vpp != 1):
+            raise fail(
+                "dynmo.rebalance",
+                d.rebalance,
+                f"static with parallel.pp={self.parallel.pp}, parallel.vpp={self.parallel.vpp} "
+                "(moving layers needs pp >= 2 and vpp = 1)",
+            )
 
     @property
     def slice_alignment(self) -> int:

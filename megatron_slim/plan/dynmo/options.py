@@ -10,6 +10,11 @@
 * ``exit_threshold`` / ``exit_from_layer``: early exit. A token skips decoder layer ``l >=
   exit_from_layer`` when its confidence on entering the layer is at least ``exit_threshold``
   (0 disables early exit). See ``megatron.model.early_exit`` for the confidence and semantics.
+* ``rebalance`` / ``rebalance_interval`` / ``memory_cap_bytes``: the automatic trigger. Every
+  ``rebalance_interval`` iterations the smoothed profile is solved (``repartition`` for ``dynmo``,
+  ``diffuse`` for ``diffusion``; ``static`` never moves) under the hardware profile's usable memory,
+  or ``memory_cap_bytes`` when > 0, and layers move when the predicted gain pays for the move
+  (``plan.dynmo.trigger``). Needs ``profile``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 
 from megatron_slim.plan.schema import ConfigError, fail
 
+REBALANCE = ("static", "dynmo", "diffusion")
 FREEZE_FORMAT = '"<from_iteration>:<first>-<last>,..." (e.g. "5:0-3,10:4-7"), or "" for none'
 
 
@@ -34,6 +40,9 @@ class DynmoConfig:
     freeze: str = ""
     exit_threshold: float = 0.0  # 0: no early exit
     exit_from_layer: int = 1
+    rebalance: str = "static"  # static: the split never changes; dynmo / diffusion: the trigger moves layers
+    rebalance_interval: int = 10  # iterations between rebalancing decisions
+    memory_cap_bytes: float = 0.0  # per-stage cap for the trigger; 0: the hardware profile's usable memory
 
     def __post_init__(self) -> None:
         if not 0 < self.profile_smoothing <= 1:
@@ -43,6 +52,22 @@ class DynmoConfig:
         if self.exit_from_layer < 0:
             raise fail("dynmo.exit_from_layer", self.exit_from_layer, "an integer >= 0")
         parse_freeze(self.freeze, None)
+        if self.rebalance not in REBALANCE:
+            raise fail("dynmo.rebalance", self.rebalance, " | ".join(REBALANCE))
+        if not isinstance(self.rebalance_interval, int) or self.rebalance_interval < 1:
+            raise fail("dynmo.rebalance_interval", self.rebalance_interval, "an integer >= 1")
+        if self.memory_cap_bytes < 0:
+            raise fail("dynmo.memory_cap_bytes", self.memory_cap_bytes, "a number >= 0 (0: the hardware profile's)")
+        if self.rebalancing and not self.profile:
+            raise fail(
+                "dynmo.rebalance",
+                self.rebalance,
+                "static unless dynmo.profile=true (the trigger decides from the measured per-layer profile)",
+            )
+
+    @property
+    def rebalancing(self) -> bool:
+        return self.rebalance != "static"
 
     @property
     def early_exit(self) -> bool:

@@ -34,6 +34,9 @@ CHANGEABLE = (
     "dynmo.profile",  # measures only
     "dynmo.profile_smoothing",
     "dynmo.freeze",  # which layers train from here on; the saved state is the same either way
+    "dynmo.rebalance",  # where layers sit; checkpoints load across splits
+    "dynmo.rebalance_interval",
+    "dynmo.memory_cap_bytes",
 )
 _IGNORED = ("name", "description")
 
