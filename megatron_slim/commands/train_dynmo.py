@@ -90,7 +90,8 @@ def dynmo_overrides(args: argparse.Namespace) -> list[str]:
 
 def dynmo_entry(reports, pp: int) -> dict:
     """The JSON ``dynmo`` section: the smoothed whole-model profile and frozen layers of the last
-    iteration, the rebalancing decisions (``rebalance``, every rank takes the same), and per layer the share of tokens that ran it (from each stage's first rank)."""
+    iteration, the rebalancing decisions (``rebalance``, every rank takes the same), and per layer
+    the share of tokens that ran it (from each stage's first rank)."""
     stages = sorted(
         (r for r in reports if r.dp_rank == 0 and r.tp_rank == 0 and r.cp_rank == 0), key=lambda r: r.pp_rank
     )

@@ -96,13 +96,14 @@ class Decision:
     migration_s: float  # estimated cost of the move
     move: bool
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "before": list(self.before), "proposed": list(self.proposed)}
 
     def line(self) -> str:
         verdict = "move" if self.move else "stay"
         return (
-            f"iter {self.iteration:4d}: dynmo {self.policy}: {list(self.before)} -> {list(self.proposed)} ({verdict}) | "
+            f"iter {self.iteration:4d}: dynmo {self.policy}: layers per stage {list(self.before)} -> "
+            f"{list(self.proposed)} ({verdict}) | "
             f"predicted step {self.step_before_s * 1e3:.1f} -> {self.step_after_s * 1e3:.1f} ms | "
             f"{self.moved_layers} layers moved, est. {self.migration_s * 1e3:.1f} ms"
         )
