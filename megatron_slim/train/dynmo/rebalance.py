@@ -46,11 +46,13 @@ def rebalance_if_due(training: Any, number: int) -> bool:
         return True
     current = current_partition(training.chunks, training.groups)
     decision = decide(number, r.policy, profiles, current, r.model, min(r.interval, r.iters - number), measured)
+    entry = decision.to_dict()
     if decision.move:
         began = time.perf_counter()
         migrate(training, Partition(decision.proposed))
         r.measured = (decision.moved_bytes, time.perf_counter() - began)
-    training.report.dynmo.setdefault("rebalance", []).append(decision.to_dict())
+        entry["measured_migration_s"] = _from_rank0(r.measured[1])
+    training.report.dynmo.setdefault("rebalance", []).append(entry)
     if training.reporter and not training.options.quiet:
         print(decision.line(), flush=True)
     return True
