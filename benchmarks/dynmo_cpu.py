@@ -3,7 +3,10 @@
 the decoder layers frozen from iteration ``--freeze-at``, under ``dynmo.rebalance=dynmo`` and the
 same run under ``static``.
 
-    python benchmarks/dynmo_cpu.py [--layers 16] [--iters 24] [--freeze-at 4] [--interval 8]
+    python benchmarks/dynmo_cpu.py [--layers 16] [--iters 24] [--freeze-at 4] [--interval 8] [--layers-only]
+
+The embedding freezes with layer 0 (``dynmo.freeze_embedding``), so the frozen stages run no
+backward; ``--layers-only`` leaves it training (frozen layers then still pass input gradients back).
 
 Per run: the per-iteration wall time of every iteration (forward, backward, optimizer; the
 migration itself is reported apart), the trigger's decisions, and the load average around it.
@@ -28,9 +31,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def sets(layers: int, iters: int, freeze_at: int) -> list[str]:
+def sets(layers: int, iters: int, freeze_at: int, embedding: bool) -> list[str]:
     half = layers // 2
     return [
+        f"dynmo.freeze_embedding={str(embedding).lower()}",
         f"model.num_layers={layers}",
         "model.seq_length=256",
         "train.global_batch_size=8",
@@ -44,7 +48,7 @@ def sets(layers: int, iters: int, freeze_at: int) -> list[str]:
 
 
 def run(policy: str, args, out: Path) -> dict:
-    overrides = sets(args.layers, args.iters, args.freeze_at)
+    overrides = sets(args.layers, args.iters, args.freeze_at, not args.layers_only)
     command = ["megatron-slim", "train", "--recipe", "tiny-cpu", "--set", *overrides]
     command += ["--dynmo-rebalance", policy, "--dynmo-rebalance-interval", str(args.interval), "--json", str(out)]
     load_before = os.getloadavg()
@@ -115,6 +119,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=24)
     ap.add_argument("--freeze-at", type=int, default=4)
     ap.add_argument("--interval", type=int, default=8)
+    ap.add_argument(
+        "--layers-only", action="store_true", help="leave the embedding training (frozen layers then still backward)"
+    )
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/dynmo_cpu"))
     ap.add_argument("--note", default="", help="free text for the results file (e.g. the machine's load)")
     args = ap.parse_args()

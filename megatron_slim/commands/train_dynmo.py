@@ -15,6 +15,7 @@ _KEYS = {
     "dynmo_profile": "profile",
     "dynmo_profile_smoothing": "profile_smoothing",
     "dynmo_freeze": "freeze",
+    "dynmo_freeze_embedding": "freeze_embedding",
     "dynmo_exit_threshold": "exit_threshold",
     "dynmo_exit_from_layer": "exit_from_layer",
     "dynmo_rebalance": "rebalance",
@@ -43,6 +44,13 @@ def add_dynmo_args(train: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help=f"freeze decoder layers from an iteration on: {FREEZE_FORMAT}; frozen layers skip weight "
         "gradients and optimizer steps (dynmo.freeze)",
+    )
+    group.add_argument(
+        "--dynmo-freeze-embedding",
+        action="store_true",
+        default=None,
+        help="freeze the embedding with layer 0: stages below which nothing trains then run no backward "
+        "(untied embeddings, parallel.cp=1, train.recompute=none; dynmo.freeze_embedding)",
     )
     group.add_argument(
         "--dynmo-exit-threshold",

@@ -190,7 +190,7 @@ class Recipe:
 
     def _check_dynmo(self) -> None:
         d = self.dynmo
-        d.check_model(self.model.num_layers)
+        d.check_model(self.model.num_layers, self)
         if d.early_exit and (self.parallel.sequence_parallel or self.cp.remap):
             on = "parallel.sequence_parallel" if self.parallel.sequence_parallel else "cp.remap"
             raise fail(

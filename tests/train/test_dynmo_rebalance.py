@@ -48,3 +48,17 @@ def test_the_trigger_moves_layers_to_the_frozen_stage_and_keeps_the_losses(data_
 @pytest.mark.slow
 def test_pp4_trigger_moves_layers_to_the_frozen_stages_and_keeps_the_losses(data_cache):
     _check(data_cache, 4, 2)
+
+
+def test_a_frozen_prefix_with_its_embedding_runs_no_backward_and_trains_like_one_process(data_cache):
+    """Layers 0..4 and the embedding frozen: stage 0 (layers 0..3) builds no autograd graph, stage 1
+    runs layer 4 on a detached input and sends zeros back; the losses are those of one process."""
+    frozen = ["dynmo.profile=true", 'dynmo.freeze="1:0-4"', "dynmo.freeze_embedding=true"]
+    single = _run(data_cache, 1, *frozen)
+    piped = _run(data_cache, 2, *frozen)
+    assert _losses(piped) == pytest.approx(_losses(single), rel=1e-6, abs=0)
+    profile = next(r for r in piped if r.pp_rank == 1).dynmo["layer_profile"]
+    assert [p["backward_s"] for p in profile[:5]] == [0.0] * 5  # no backward ran for them
+    assert all(p["backward_s"] > 0 for p in profile[6:])
+    with pytest.raises(Exception, match="dynmo.freeze_embedding"):
+        load_recipe("tiny-cpu", ["dynmo.freeze_embedding=true", "model.untie_embeddings_and_output_weights=false"])

@@ -15,11 +15,15 @@
   ``diffuse`` for ``diffusion``; ``static`` never moves) under the hardware profile's usable memory,
   or ``memory_cap_bytes`` when > 0, and layers move when the predicted gain pays for the move
   (``plan.dynmo.trigger``). Needs ``profile``.
+* ``freeze_embedding``: the embedding freezes when layer 0 does. Stages below which nothing trains
+  then run no autograd for their input (``megatron.slimpipe.stage``): a stage of frozen layers only
+  sends zeros back, which no one below uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_slim.plan.schema import ConfigError, fail
 
@@ -43,6 +47,7 @@ class DynmoConfig:
     rebalance: str = "static"  # static: the split never changes; dynmo / diffusion: the trigger moves layers
     rebalance_interval: int = 10  # iterations between rebalancing decisions
     memory_cap_bytes: float = 0.0  # per-stage cap for the trigger; 0: the hardware profile's usable memory
+    freeze_embedding: bool = False  # the embedding freezes with layer 0: a frozen prefix then needs no backward
 
     def __post_init__(self) -> None:
         if not 0 < self.profile_smoothing <= 1:
@@ -78,14 +83,28 @@ class DynmoConfig:
         """Whether any dynamic behaviour or the profiler is switched on."""
         return self.profile or self.early_exit or bool(self.freeze)
 
-    def check_model(self, num_layers: int) -> None:
-        """The rules that need the model: layer indices exist."""
+    def check_model(self, num_layers: int, recipe: Any = None) -> None:
+        """The rules that need the model (layer indices exist) and, given the ``recipe``, what a frozen
+        embedding runs with: its own weights (untied), slices without CP or recomputation (the K/V
+        cache of a layer no backward reaches is released after its last slice only there)."""
         parse_freeze(self.freeze, num_layers)
+        if self.freeze_embedding and recipe is not None:
+            self._check_frozen_embedding(recipe.model, recipe.parallel, recipe.train)
         if self.early_exit and not self.exit_from_layer < num_layers:
             raise fail(
                 "dynmo.exit_from_layer",
                 self.exit_from_layer,
                 f"an integer in [0, model.num_layers-1={num_layers - 1}] with dynmo.exit_threshold > 0",
+            )
+
+    @staticmethod
+    def _check_frozen_embedding(m: Any, p: Any, t: Any) -> None:
+        if not m.untie_embeddings_and_output_weights or p.cp > 1 or t.recompute != "none":
+            raise fail(
+                "dynmo.freeze_embedding",
+                True,
+                "false unless model.untie_embeddings_and_output_weights=true, parallel.cp=1 and train.recompute=none "
+                f"(got {m.untie_embeddings_and_output_weights}, {p.cp}, {t.recompute!r})",
             )
 
     def freeze_steps(self, num_layers: int) -> tuple[FreezeStep, ...]:

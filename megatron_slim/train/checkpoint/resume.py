@@ -37,6 +37,7 @@ CHANGEABLE = (
     "dynmo.rebalance",  # where layers sit; checkpoints load across splits
     "dynmo.rebalance_interval",
     "dynmo.memory_cap_bytes",
+    "dynmo.freeze_embedding",
 )
 _IGNORED = ("name", "description")
 
