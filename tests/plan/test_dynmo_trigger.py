@@ -136,3 +136,12 @@ def test_every_split_the_trigger_can_propose_is_priced_like_brute_force():
     splits = [(a, b - a, 6 - b) for a, b in itertools.combinations(range(1, 6), 2)]
     best = min(max(_stage_times_by_hand(profile, s, model)) for s in splits)
     assert max(_stage_times_by_hand(profile, d.proposed, model)) == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "extra", ["model.untie_embeddings_and_output_weights=false", "parallel.cp=2", "train.recompute=full"]
+)
+def test_a_frozen_embedding_is_refused_where_its_no_backward_path_does_not_hold(extra):
+    with pytest.raises(ConfigError, match=r"^dynmo\.freeze_embedding: .*allowed: false unless"):
+        load_recipe("tiny-cpu", ["dynmo.freeze_embedding=true", extra])
+    assert load_recipe("tiny-cpu", ["dynmo.freeze_embedding=true"]).dynmo.freeze_embedding
