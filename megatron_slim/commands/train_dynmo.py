@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_slim.plan.dynmo.options import FREEZE_FORMAT
+from megatron_slim.plan.dynmo.options import FREEZE_FORMAT, REBALANCE
 from megatron_slim.plan.dynmo.prune import PRUNE_FORMAT
 
 # flag attribute -> recipe key
@@ -16,6 +16,7 @@ _KEYS = {
     "dynmo_profile": "profile",
     "dynmo_profile_smoothing": "profile_smoothing",
     "dynmo_freeze": "freeze",
+    "dynmo_freeze_embedding": "freeze_embedding",
     "dynmo_exit_threshold": "exit_threshold",
     "dynmo_exit_from_layer": "exit_from_layer",
     "dynmo_prune": "prune",
@@ -23,6 +24,9 @@ _KEYS = {
     "dynmo_moe_experts": "moe_experts",
     "dynmo_moe_topk": "moe_topk",
     "dynmo_moe_drift": "moe_drift",
+    "dynmo_rebalance": "rebalance",
+    "dynmo_rebalance_interval": "rebalance_interval",
+    "dynmo_memory_cap_bytes": "memory_cap_bytes",
 }
 _QUOTED = ("freeze", "prune")  # YAML would read "5:10" as a base-60 integer
 
@@ -49,6 +53,13 @@ def add_dynmo_args(train: argparse.ArgumentParser) -> None:
         "gradients and optimizer steps (dynmo.freeze)",
     )
     group.add_argument(
+        "--dynmo-freeze-embedding",
+        action="store_true",
+        default=None,
+        help="freeze the embedding with layer 0: stages below which nothing trains then run no backward "
+        "(untied embeddings, parallel.cp=1, train.recompute=none; dynmo.freeze_embedding)",
+    )
+    group.add_argument(
         "--dynmo-exit-threshold",
         metavar="X",
         help="early exit: a token skips a layer once its confidence is at least X, in [0, 1] "
@@ -59,6 +70,12 @@ def add_dynmo_args(train: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the first layer (0-based) a token may skip (default 1; dynmo.exit_from_layer)",
     )
+    _add_model_args(group)
+    _add_rebalance_args(group)
+
+
+def _add_model_args(group) -> None:
+    """The dynamic models beyond freezing and early exit."""
     group.add_argument(
         "--dynmo-prune",
         metavar="SPEC",
@@ -87,6 +104,27 @@ def add_dynmo_args(train: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_rebalance_args(group) -> None:
+    group.add_argument(
+        "--dynmo-rebalance",
+        choices=REBALANCE,
+        help="move layers between pipeline stages from the measured profile: static (never, the default), "
+        "dynmo (exact min-max split) or diffusion (neighbour greedy); needs --dynmo-profile, pp >= 2, vpp = 1; "
+        "decisions are logged and in --json under dynmo.rebalance (dynmo.rebalance)",
+    )
+    group.add_argument(
+        "--dynmo-rebalance-interval",
+        metavar="N",
+        help="iterations between rebalancing decisions, >= 1 (default 10; dynmo.rebalance_interval)",
+    )
+    group.add_argument(
+        "--dynmo-memory-cap-bytes",
+        metavar="B",
+        help="per-stage memory cap the rebalancer keeps every stage under (default 0: the hardware "
+        "profile's usable memory; dynmo.memory_cap_bytes)",
+    )
+
+
 def dynmo_overrides(args: argparse.Namespace) -> list[str]:
     """The ``--set`` entries the given ``--dynmo-*`` flags stand for."""
     out = []
@@ -102,13 +140,13 @@ def dynmo_overrides(args: argparse.Namespace) -> list[str]:
 
 def dynmo_entry(reports, pp: int) -> dict:
     """The JSON ``dynmo`` section: the smoothed whole-model profile and frozen layers of the last
-    iteration, and per layer the share of tokens that ran it and of FFN neurons kept (from each stage's
-    first rank)."""
+    iteration, the rebalancing decisions (``rebalance``, every rank takes the same), and per layer
+    the share of tokens that ran it and of FFN neurons kept (from each stage's first rank)."""
     stages = sorted(
         (r for r in reports if r.dp_rank == 0 and r.tp_rank == 0 and r.cp_rank == 0), key=lambda r: r.pp_rank
     )
     last = stages[-1].dynmo if stages else {}
-    entry = {key: last[key] for key in ("layer_profile", "frozen_layers") if key in last}
+    entry = {key: last[key] for key in ("layer_profile", "frozen_layers", "rebalance") if key in last}
     for key in ("active_token_share", "kept_neuron_share", "expert_load"):
         per_layer = {layer: share for r in stages for layer, share in r.dynmo.get(key, {}).items()}
         if per_layer:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from megatron_slim.plan.cost.slicing import max_slices, slice_alignment, splits_aligned, splits_uniformly
 from megatron_slim.plan.dynmo.options import DynmoConfig
-from megatron_slim.plan.dynmo.recipe_checks import check_dynamic_models
+from megatron_slim.plan.dynmo.recipe_checks import check_dynmo
 from megatron_slim.plan.files import load_yaml_mapping
 from megatron_slim.plan.hardware import HardwareProfile, load_hardware
 from megatron_slim.plan.paths import config_dir
@@ -71,7 +71,7 @@ class Recipe:
         self._check_batch()
         self._check_schedule()
         self._check_recompute_depth()
-        self._check_dynmo()
+        check_dynmo(self)
         self._check_packing()
         _ = self.hardware_profile  # an unknown profile fails here, before any work
 
@@ -187,24 +187,6 @@ class Recipe:
                 "train.recompute_num_layers",
                 n,
                 f"with recompute_method=uniform, a divisor of {held}: {divisors}",
-            )
-
-    def _check_dynmo(self) -> None:
-        d = self.dynmo
-        d.check_model(self.model.num_layers)
-        if d.early_exit and (self.parallel.sequence_parallel or self.cp.remap):
-            on = "parallel.sequence_parallel" if self.parallel.sequence_parallel else "cp.remap"
-            raise fail(
-                "dynmo.exit_threshold",
-                d.exit_threshold,
-                f"0 with {on}=true (exits are chosen per token of a full sequence)",
-            )
-        check_dynamic_models(self)
-        if d.profile and self.train.recompute != "none":
-            raise fail(
-                "dynmo.profile",
-                True,
-                "false with train.recompute != none (a recomputed forward would count as backward)",
             )
 
     @property

@@ -20,6 +20,7 @@ from megatron_slim.plan.recipe import Recipe, recipe_from_dict
 from megatron_slim.plan.sim.costs import slice_lengths
 from megatron_slim.train import checkpoint
 from megatron_slim.train.dynmo.planned import migrate_if_planned
+from megatron_slim.train.dynmo.rebalance import Rebalancer, rebalance_if_due
 from megatron_slim.train.dynmo.run import DynamicTraining, with_dynamic_layers
 from megatron_slim.train.metrics import open_metrics
 from megatron_slim.train.microbatch import dp_mean, summed_loss, vocab_forward_step
@@ -100,6 +101,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
         report,
         vocab_head,
     )
+    training.rebalancer = Rebalancer.for_recipe(recipe)
     start = training.resume()
     training.metrics = open_metrics(options.metrics, recipe, training.reporter)
     training.profiler = IterationProfiler(options.profile, rank, recipe, groups)
@@ -130,6 +132,7 @@ class _RankTraining:
     vocab_head: Any = None  # schedule.vocab_parallel: this rank's copy of the output weight
     metrics: Any = None
     profiler: Any = None
+    rebalancer: Any = None  # dynmo.rebalance: the trigger's state, kept across migrations
 
     def __post_init__(self) -> None:
         p, groups = self.recipe.parallel, self.groups
@@ -199,7 +202,8 @@ class _RankTraining:
             dp_mean(summed_loss(reports), self.grad_group, self.grad_size)
         report.last_iteration = number
         self._save_if_due(number)
-        return migrate_if_planned(self, number) and number != self.options.exit_interval
+        moving = migrate_if_planned(self, number) and rebalance_if_due(self, number)
+        return moving and number != self.options.exit_interval
 
     def _forward_backward(self, number: int) -> list:
         self.profiler.before(number)

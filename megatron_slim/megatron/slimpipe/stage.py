@@ -76,6 +76,19 @@ def attach_kv_stores(
     return ledger, stores
 
 
+def _backward_step(inp, out, grad, config, detached: set[int]):
+    """Megatron's backward step; for an input the chunk ran detached (``detached``: ids), or an
+    output nothing trains into, the input gradient is zeros that no one below uses."""
+    cut = inp is not None and id(inp) in detached
+    detached.discard(id(inp))
+    if cut or (out is not None and not out.requires_grad):
+        if out is not None and out.requires_grad:  # this stage's own parameters train
+            compat.backward_step(None, out, grad, config)
+        return None if inp is None else torch.zeros_like(inp)  # zeros keep the schedule's sends
+    grads = compat.backward_step(inp, out, grad, config)
+    return grads[0] if isinstance(grads, (list, tuple)) else grads
+
+
 def stage_ops(
     chunks: Chunks,
     forward_step_func,
@@ -92,7 +105,12 @@ def stage_ops(
 
     models, config, device = chunks.models, chunks.config, chunks.first_param.device
 
+    detached: set[int] = set()  # inputs a chunk ran without autograd (nothing below it trains)
+
     def forward(chunk: int, inp):
+        if inp is not None and not getattr(models[chunk], "slim_input_needs_grad", True):
+            detached.add(id(inp))
+            inp = inp.detach()
         get_attr_wrapped_model(models[chunk], "set_input_tensor")(inp)
         autocast = (
             torch.autocast(device.type, dtype=config.autocast_dtype)
@@ -108,8 +126,7 @@ def stage_ops(
         return output, loss_func
 
     def backward(inp, out, grad):
-        grads = compat.backward_step(inp, out, grad, config)
-        return grads[0] if isinstance(grads, (list, tuple)) else grads
+        return _backward_step(inp, out, grad, config, detached)
 
     def release(out):
         from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor

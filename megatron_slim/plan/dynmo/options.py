@@ -16,15 +16,25 @@
   (``plan.dynmo.moe``, ``megatron.model.moe``).
 * ``prune``: gradual magnitude pruning of whole FFN neurons, ``plan.dynmo.prune`` (schedule) and
   ``train.dynmo.prune`` (what runs).
+* ``rebalance`` / ``rebalance_interval`` / ``memory_cap_bytes``: the automatic trigger. Every
+  ``rebalance_interval`` iterations the smoothed profile is solved (``repartition`` for ``dynmo``,
+  ``diffuse`` for ``diffusion``; ``static`` never moves) under the hardware profile's usable memory,
+  or ``memory_cap_bytes`` when > 0, and layers move when the predicted gain pays for the move
+  (``plan.dynmo.trigger``). Needs ``profile``.
+* ``freeze_embedding``: the embedding freezes when layer 0 does. Stages below which nothing trains
+  then run no autograd for their input (``megatron.slimpipe.stage``): a stage of frozen layers only
+  sends zeros back, which no one below uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_slim.plan.dynmo.prune import PruneSchedule, parse_prune
 from megatron_slim.plan.schema import ConfigError, fail
 
+REBALANCE = ("static", "dynmo", "diffusion")
 FREEZE_FORMAT = '"<from_iteration>:<first>-<last>,..." (e.g. "5:0-3,10:4-7"), or "" for none'
 
 
@@ -46,6 +56,10 @@ class DynmoConfig:
     moe_experts: int = 0  # experts per layer; 0: dense MLPs
     moe_topk: int = 2  # experts per token
     moe_drift: float = 0.0  # synthetic router drift (plan.dynmo.moe.drift_bias); 0: none
+    rebalance: str = "static"  # static: the split never changes; dynmo / diffusion: the trigger moves layers
+    rebalance_interval: int = 10  # iterations between rebalancing decisions
+    memory_cap_bytes: float = 0.0  # per-stage cap for the trigger; 0: the hardware profile's usable memory
+    freeze_embedding: bool = False  # the embedding freezes with layer 0: a frozen prefix then needs no backward
 
     def __post_init__(self) -> None:
         if not 0 < self.profile_smoothing <= 1:
@@ -59,6 +73,18 @@ class DynmoConfig:
         if not 0 <= self.mod_capacity <= 1:
             raise fail("dynmo.mod_capacity", self.mod_capacity, "a number in [0, 1] (0 disables mixture of depths)")
         self._check_moe()
+        if self.rebalance not in REBALANCE:
+            raise fail("dynmo.rebalance", self.rebalance, " | ".join(REBALANCE))
+        if not isinstance(self.rebalance_interval, int) or self.rebalance_interval < 1:
+            raise fail("dynmo.rebalance_interval", self.rebalance_interval, "an integer >= 1")
+        if self.memory_cap_bytes < 0:
+            raise fail("dynmo.memory_cap_bytes", self.memory_cap_bytes, "a number >= 0 (0: the hardware profile's)")
+        if self.rebalancing and not self.profile:
+            raise fail(
+                "dynmo.rebalance",
+                self.rebalance,
+                "static unless dynmo.profile=true (the trigger decides from the measured per-layer profile)",
+            )
 
     def _check_moe(self) -> None:
         if self.moe_experts == 1 or self.moe_experts < 0:
@@ -67,6 +93,10 @@ class DynmoConfig:
             raise fail("dynmo.moe_topk", self.moe_topk, f"an integer in [1, dynmo.moe_experts={self.moe_experts}]")
         if self.moe_drift < 0 or (self.moe_drift and not self.moe):
             raise fail("dynmo.moe_drift", self.moe_drift, "a number >= 0, and 0 unless dynmo.moe_experts >= 2")
+
+    @property
+    def rebalancing(self) -> bool:
+        return self.rebalance != "static"
 
     @property
     def early_exit(self) -> bool:
@@ -90,14 +120,28 @@ class DynmoConfig:
     def prune_schedule(self) -> PruneSchedule | None:
         return parse_prune(self.prune)
 
-    def check_model(self, num_layers: int) -> None:
-        """The rules that need the model: layer indices exist."""
+    def check_model(self, num_layers: int, recipe: Any = None) -> None:
+        """The rules that need the model (layer indices exist) and, given the ``recipe``, what a frozen
+        embedding runs with: its own weights (untied), slices without CP or recomputation (the K/V
+        cache of a layer no backward reaches is released after its last slice only there)."""
         parse_freeze(self.freeze, num_layers)
+        if self.freeze_embedding and recipe is not None:
+            self._check_frozen_embedding(recipe.model, recipe.parallel, recipe.train)
         if self.early_exit and not self.exit_from_layer < num_layers:
             raise fail(
                 "dynmo.exit_from_layer",
                 self.exit_from_layer,
                 f"an integer in [0, model.num_layers-1={num_layers - 1}] with dynmo.exit_threshold > 0",
+            )
+
+    @staticmethod
+    def _check_frozen_embedding(m: Any, p: Any, t: Any) -> None:
+        if not m.untie_embeddings_and_output_weights or p.cp > 1 or t.recompute != "none":
+            raise fail(
+                "dynmo.freeze_embedding",
+                True,
+                "false unless model.untie_embeddings_and_output_weights=true, parallel.cp=1 and train.recompute=none "
+                f"(got {m.untie_embeddings_and_output_weights}, {p.cp}, {t.recompute!r})",
             )
 
     def freeze_steps(self, num_layers: int) -> tuple[FreezeStep, ...]:

@@ -10,6 +10,33 @@ if TYPE_CHECKING:
     from megatron_slim.plan.recipe import Recipe
 
 
+def check_dynmo(recipe: Recipe) -> None:
+    """Every rule of the ``dynmo:`` section that needs the rest of the recipe."""
+    d = recipe.dynmo
+    d.check_model(recipe.model.num_layers, recipe)
+    if d.early_exit and (recipe.parallel.sequence_parallel or recipe.cp.remap):
+        on = "parallel.sequence_parallel" if recipe.parallel.sequence_parallel else "cp.remap"
+        raise fail(
+            "dynmo.exit_threshold",
+            d.exit_threshold,
+            f"0 with {on}=true (exits are chosen per token of a full sequence)",
+        )
+    check_dynamic_models(recipe)
+    if d.profile and recipe.train.recompute != "none":
+        raise fail(
+            "dynmo.profile",
+            True,
+            "false with train.recompute != none (a recomputed forward would count as backward)",
+        )
+    if d.rebalancing and (recipe.parallel.pp < 2 or recipe.parallel.vpp != 1):
+        raise fail(
+            "dynmo.rebalance",
+            d.rebalance,
+            f"static with parallel.pp={recipe.parallel.pp}, parallel.vpp={recipe.parallel.vpp} "
+            "(moving layers needs pp >= 2 and vpp = 1)",
+        )
+
+
 def check_dynamic_models(recipe: Recipe) -> None:
     d, p = recipe.dynmo, recipe.parallel
     if d.prune_schedule is not None and (p.tp > 1 or p.sequence_parallel):

@@ -130,6 +130,12 @@ class KVCacheStore:
                 )
             del self._layers[(microbatch, layer)]
 
+    def drop_layer(self, microbatch: int, layer: int) -> None:
+        """A layer no backward reaches (nothing below it trains): after its last slice, nothing reads
+        its K/V again."""
+        cache = self._layers.pop((microbatch, layer))
+        self._track(-sum(_nbytes(t) for t in cache.keys + cache.values))
+
     def drop_microbatch(self, microbatch: int) -> None:
         """Forward-only runs: the last slice has been forwarded, nothing will go backward."""
         for key in [k for k in self._layers if k[0] == microbatch]:

@@ -177,5 +177,7 @@ def sliced_attention(
             keys, values = _joined(prefix, k, v, _keys_of(prefix, documents))
             out, _ = _forward(backend, q, keys, values, softmax_scale, documents)
             _keep(store, info, layer, k, v)
+        if torch.is_grad_enabled() and info.is_last and not (info.forward_only or info.recompute):
+            store.drop_layer(info.microbatch, layer)  # training, but no backward will release it
         return out
     return _SliceAttention.apply(q, k, v, backend, softmax_scale, store, info, layer, documents)

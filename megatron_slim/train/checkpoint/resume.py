@@ -35,6 +35,10 @@ CHANGEABLE = (
     "dynmo.profile_smoothing",
     "dynmo.freeze",  # which layers train from here on; the saved state is the same either way
     "dynmo.prune",  # pruned neurons are zero in the saved weights and stay pruned under any schedule
+    "dynmo.rebalance",  # where layers sit; checkpoints load across splits
+    "dynmo.rebalance_interval",
+    "dynmo.memory_cap_bytes",
+    "dynmo.freeze_embedding",
 )
 _IGNORED = ("name", "description")
 

@@ -35,6 +35,7 @@ class DynamicTraining:
         d = recipe.dynmo
         self.chunks = chunks
         self.freeze_steps = d.freeze_steps(recipe.model.num_layers)
+        self.freeze_embedding = d.freeze_embedding
         self.frozen: frozenset[int] = frozenset()
         self.profiler = None
         if d.profile:
@@ -59,12 +60,15 @@ class DynamicTraining:
             self.expert_load = ExpertLoad(chunks, d.moe_experts, d.moe_drift)
 
     def before(self, iteration: int) -> None:
-        from megatron_slim.train.dynmo.freeze import set_frozen
+        from megatron_slim.train.dynmo.freeze import set_embedding_frozen, set_frozen, set_input_needs_grad
 
         frozen = frozen_layers(self.freeze_steps, iteration)
         if frozen != self.frozen:
             set_frozen(self.chunks, frozen)
             self.frozen = frozen
+            if self.freeze_embedding:
+                set_embedding_frozen(self.chunks, 0 in frozen)
+                set_input_needs_grad(self.chunks, frozen, 0 in frozen)
         if self.exit_counts is not None:
             self.exit_counts.clear()
         if self.pruning is not None:
