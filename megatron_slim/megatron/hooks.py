@@ -184,7 +184,9 @@ def _patch_cp_batch(cp_state: CPHookState) -> None:
 def _patch_train_step(args_getter: Callable[[], Any]) -> None:
     from megatron_slim.megatron.dynmo.hooks import with_dynmo
 
-    _wrap_where_defined(("megatron.training.training",), "train_step", lambda original: with_dynmo(original, args_getter))
+    _wrap_where_defined(
+        ("megatron.training.training",), "train_step", lambda original: with_dynmo(original, args_getter)
+    )
 
 
 # ---- entry points ----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import argparse
 from dataclasses import fields
 
 from megatron_slim.plan.dynmo.options import FREEZE_FORMAT, DynmoConfig
-from megatron_slim.plan.schema import ConfigError, fail
+from megatron_slim.plan.schema import ConfigError
 
 # recipe key -> launcher flag, for the keys the launcher runs
 LAUNCHER_FLAGS = {
@@ -39,12 +39,14 @@ def add_dynmo_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dynmo-profile-smoothing",
         type=float,
+        metavar="W",
         default=_DEFAULTS.profile_smoothing,
         help="weight of the newest iteration in the profile's exponential smoothing, in (0, 1] (default 0.5)",
     )
     g.add_argument(
         "--dynmo-profile-dir",
         default=None,
+        metavar="DIR",
         help="with --dynmo-profile: write DIR/layer_profile.rank<R>.json every --log-interval (default: log only)",
     )
     g.add_argument(
@@ -57,12 +59,14 @@ def add_dynmo_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dynmo-exit-threshold",
         type=float,
+        metavar="X",
         default=_DEFAULTS.exit_threshold,
         help=f"early exit {WHERE}; this launcher accepts only 0",
     )
     g.add_argument(
         "--dynmo-exit-from-layer",
         type=int,
+        metavar="N",
         default=_DEFAULTS.exit_from_layer,
         help=f"early exit {WHERE}; this launcher accepts only the default 1",
     )
@@ -117,10 +121,11 @@ def _refuse_train_only(d: DynmoConfig, names: dict[str, str]) -> None:
     for key, name in names.items():
         value, default = getattr(d, key), getattr(_DEFAULTS, key)
         if value != default:
+            what = "early exit" if key.startswith("exit") else key.replace("_", " ")
             raise ConfigError(
-                f"{name}: got {value!r}; {'early exit' if key.startswith('exit') else key.replace('_', ' ')} {WHERE}: Megatron-LM's model builder and "
-                f"optimizer cannot follow it; allowed here: {default!r} (run it with megatron-slim train "
-                f"--recipe R --set dynmo.{key}=...)"
+                f"{name}: got {value!r}; {what} {WHERE}: Megatron-LM's model builder and optimizer cannot "
+                f"follow it; allowed here: {default!r} (run it with megatron-slim train --recipe R --set "
+                f"dynmo.{key}=...)"
             )
 
 
