@@ -3,6 +3,8 @@
     python -m megatron_slim.launch pretrain_gpt.py <Megatron-LM flags> [--use-slimpipe ...]
 
 torchrun works the same way: ``torchrun ... -m megatron_slim.launch pretrain_gpt.py ...``.
+``pretrain_gpt.py --help`` through the launcher lists megatron-slim's flags beside Megatron's
+(``--use-slimpipe``, ``--cp-engine``, ``--dynmo-profile``, ``--dynmo-freeze``, ...).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             "usage: python -m megatron_slim.launch SCRIPT.py [script flags...]\n"
             "  e.g. python -m megatron_slim.launch pretrain_gpt.py --use-slimpipe "
-            "--slimpipe-num-slices 8 ..."
+            "--slimpipe-num-slices 8 ...\n"
+            "  megatron-slim's flags (SlimPipe, CP engines, --dynmo-profile, --dynmo-freeze): "
+            "python -m megatron_slim.launch pretrain_gpt.py --help"
         )
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):

@@ -25,6 +25,9 @@ megatron-slim's CP engines instead (``cp/hooks.py``): the spec gets ``CPCoreAtte
 engine's context and normalise the loss CP-wide, and ``get_batch_on_this_cp_rank`` -- the name
 ``pretrain_gpt.get_batch`` calls -- plans each pack and returns this rank's part of it.
 
+* dynmo: ``train_step`` (``megatron.training.training``) runs ``--dynmo-profile`` and
+  ``--dynmo-freeze`` around each iteration (``megatron/dynmo/hooks.py``).
+
 ``prepare_launch()`` installs them all before the script runs (``python -m megatron_slim.launch``);
 ``install(args)`` is the explicit form for a script that parsed its args itself (see
 ``patches/pretrain_gpt.patch``).
@@ -177,6 +180,15 @@ def _patch_cp_batch(cp_state: CPHookState) -> None:
     _wrap_where_defined(CP_BATCH_MODULES, "get_batch_on_this_cp_rank", cp_state.wrap_batch_split)
 
 
+# ---- dynmo: profiling and freezing around each training step -------------------------------
+def _patch_train_step(args_getter: Callable[[], Any]) -> None:
+    from megatron_slim.megatron.dynmo.hooks import with_dynmo
+
+    _wrap_where_defined(
+        ("megatron.training.training",), "train_step", lambda original: with_dynmo(original, args_getter)
+    )
+
+
 # ---- entry points ----------------------------------------------------------------------------
 def _install_all(args_getter: Callable[[], Any]) -> None:
     slim_state = SlimPipeHookState(args_getter)
@@ -185,6 +197,7 @@ def _install_all(args_getter: Callable[[], Any]) -> None:
     _patch_layer_specs(args_getter)
     _patch_tp_batch(slim_state)
     _patch_cp_batch(cp_state)
+    _patch_train_step(args_getter)
 
 
 def prepare_launch() -> None:

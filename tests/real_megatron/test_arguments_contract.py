@@ -174,6 +174,7 @@ BASE = [
 SLIMPIPE = ["--use-slimpipe", "--slimpipe-num-slices", "4"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ACCEPTED = {
+    "dynmo-profile-and-freeze": (1, ["--dynmo-profile", "--dynmo-profile-smoothing", "0.3", "--dynmo-freeze", "2:0-1"]),
     "interleaved-slimpipe": (
         8,
         SLIMPIPE
@@ -233,6 +234,17 @@ REJECTED = {
         "drop --recompute-granularity, --context-parallel-size 1",
     ),
     "remap-without-zeppelin": (1, ["--cp-remap"], "--cp-remap: only with --cp-engine zeppelin"),
+    "dynmo-early-exit": (
+        1,
+        ["--dynmo-exit-threshold", "0.5"],
+        "--dynmo-exit-threshold: got 0.5; early exit runs in `megatron-slim train` only",
+    ),
+    "dynmo-freeze-past-the-model": (1, ["--dynmo-freeze", "2:3-4"], "layers in [0, --num-layers-1=3]"),
+    "dynmo-profile-with-recompute": (
+        1,
+        ["--dynmo-profile", *FULL_RECOMPUTE],
+        "--dynmo-profile: got it with --recompute-granularity full",
+    ),
     "cp-engine-without-cp": (1, ["--cp-engine", "ring"], "needs --context-parallel-size > 1"),
 }
 

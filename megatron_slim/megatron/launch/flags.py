@@ -12,6 +12,7 @@ from pathlib import Path
 
 from megatron_slim.megatron.launch.args import settings_from_megatron_args
 from megatron_slim.megatron.launch.cp_checks import check_engine_fits
+from megatron_slim.megatron.launch.dynmo_flags import add_dynmo_arguments, check_dynmo_args, dynmo_to_megatron_args
 from megatron_slim.megatron.launch.recompute_flags import recompute_flags, refuse_what_megatron_cannot_recompute
 from megatron_slim.plan.recipe import MAX_SEED, CPEngine, ModelConfig, Recipe, SlicePolicy, TrainConfig
 from megatron_slim.plan.schema import ConfigError, fail
@@ -79,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="auto",
         help="attention kernels for megatron-slim's core attention (auto: flash > te > sdpa)",
     )
+    add_dynmo_arguments(parser)
     return parser
 
 
@@ -101,7 +103,7 @@ def recipe_to_megatron_args(recipe: Recipe) -> list[str]:
     ``--data-path``) and ``data.tokenizer`` (as Megatron's ``HuggingFaceTokenizer``), output paths never."""
     _refuse_what_megatron_cannot_run(recipe)
     out = _model_flags(recipe.model) + _parallel_flags(recipe) + _train_flags(recipe.train)
-    out += _data_flags(recipe.data) + _schedule_flags(recipe)
+    out += _data_flags(recipe.data) + _schedule_flags(recipe) + dynmo_to_megatron_args(recipe.dynmo)
     return [str(x) for x in out]
 
 
@@ -123,13 +125,6 @@ def _refuse_what_megatron_cannot_run(recipe: Recipe) -> None:
             "train.skip_nonfinite_steps: got true; Megatron-LM cannot skip a step whose loss or "
             "gradient norm is nan/inf in fp32 or bf16 (its --check-for-nan-in-loss-and-grad stops "
             "training, as megatron-slim train does by default); allowed: false"
-        )
-    if recipe.dynmo.active:
-        raise ConfigError(
-            "dynmo: profile, freeze, early exit, pruning, mixture of depths or MoE is set; they run in "
-            "megatron-slim train only and have no Megatron-LM flags yet; allowed: the section's defaults "
-            "(dynmo.profile=false, dynmo.freeze='', dynmo.exit_threshold=0, dynmo.prune='', "
-            "dynmo.mod_capacity=0, dynmo.moe_experts=0)"
         )
     refuse_what_megatron_cannot_recompute(t)
     check(megatron_args_settings(recipe), MEGATRON_ARGS)
@@ -285,5 +280,6 @@ def check_megatron_args(args: argparse.Namespace) -> None:
     effect under ``--use-slimpipe``."""
     settings = settings_from_megatron_args(args)
     check(settings, LAUNCHER)
+    check_dynmo_args(args)
     if settings.cp_engine_runs:
         check_engine_fits(args, settings.cp_engine)

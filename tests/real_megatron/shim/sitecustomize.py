@@ -3,7 +3,9 @@ CUDA plumbing runs on the CPU (``megatron_cpu_shim``); with ``MEGATRON_SLIM_TEST
 rank writes the exact per-iteration lm loss, grad norm and evaluation losses Megatron computed to
 ``DIR/rank<R>.jsonl`` (``metrics_recorder``), instead of the rounded figures it prints; with
 ``MEGATRON_SLIM_BENCH_ACTIVATIONS=1`` as well, each rank also records the peak bytes autograd held
-saved for backward per iteration, the same way under any schedule (``activation_recorder``)."""
+saved for backward per iteration, the same way under any schedule (``activation_recorder``); with
+``MEGATRON_SLIM_TEST_LAYER_WEIGHTS=1``, a digest of each decoder layer's weights after every
+training step (``weights_recorder``)."""
 
 import os
 import sys
@@ -24,6 +26,10 @@ if os.environ.get("MEGATRON_SLIM_TEST_CPU_SHIM") == "1" or os.environ.get("MEGAT
         import metrics_recorder
 
         post_import.when_imported("megatron.training.training", metrics_recorder.install)
+        if os.environ.get("MEGATRON_SLIM_TEST_LAYER_WEIGHTS") == "1":
+            import weights_recorder
+
+            post_import.when_imported("megatron.training.training", weights_recorder.install)
         if os.environ.get("MEGATRON_SLIM_BENCH_ACTIVATIONS") == "1":
             import activation_recorder
 

@@ -1,0 +1,79 @@
+"""The launcher's ``--dynmo-*`` flags and the recipe's ``dynmo:`` section: ``megatron-args`` renders
+what the launcher runs, the launcher parses it back to the same section, and what runs in
+``megatron-slim train`` only is refused naming the key or flag."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_slim.megatron.launch.dynmo_flags import check_dynmo_args, dynmo_from_megatron_args
+from megatron_slim.megatron.launch.flags import add_arguments, recipe_to_megatron_args
+from megatron_slim.plan.dynmo.options import FreezeStep
+from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.plan.schema import ConfigError
+
+RUNNABLE = ["dynmo.profile=true", "dynmo.profile_smoothing=0.25", 'dynmo.freeze="3:2-5,6:0"']
+
+
+def _dynmo_flags(flags: list[str]) -> list[str]:
+    start = next(i for i, f in enumerate(flags) if f.startswith("--dynmo-"))
+    return flags[start:]
+
+
+def _parsed(argv: list[str], num_layers: int = 8) -> argparse.Namespace:
+    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    args.num_layers = num_layers
+    return args
+
+
+def test_megatron_args_renders_the_section_and_the_launcher_reads_it_back():
+    recipe = load_recipe("tiny-cpu", RUNNABLE)
+    flags = _dynmo_flags(recipe_to_megatron_args(recipe))
+    assert flags == ["--dynmo-profile", "--dynmo-profile-smoothing", "0.25", "--dynmo-freeze", "3:2-5,6:0"]
+    back = check_dynmo_args(_parsed(flags))
+    assert back == recipe.dynmo
+    assert back.freeze_steps(8) == (FreezeStep(3, range(2, 6)), FreezeStep(6, range(0, 1)))
+
+
+def test_the_default_section_renders_no_flag_and_parses_to_the_defaults():
+    recipe = load_recipe("tiny-cpu")
+    assert not any(f.startswith("--dynmo-") for f in recipe_to_megatron_args(recipe))
+    assert dynmo_from_megatron_args(_parsed([])) == recipe.dynmo
+    assert dynmo_from_megatron_args(argparse.Namespace()) == recipe.dynmo  # a script's own parser
+
+
+@pytest.mark.parametrize("sets", [["dynmo.exit_threshold=0.5"], ["dynmo.exit_from_layer=3"]])
+def test_megatron_args_refuses_what_runs_in_train_only(sets):
+    key = sets[0].split("=")[0]
+    with pytest.raises(ConfigError, match=f"^{key}: got .*early exit runs in `megatron-slim train` only"):
+        recipe_to_megatron_args(load_recipe("tiny-cpu", sets))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--dynmo-exit-threshold", "0.5"],
+            "--dynmo-exit-threshold: got 0.5; early exit runs in `megatron-slim train`",
+        ),
+        (["--dynmo-exit-from-layer", "2"], "--dynmo-exit-from-layer: got 2; early exit"),
+        (["--dynmo-freeze", "3:6-8"], r"--dynmo-freeze: .*allowed: layers in \[0, --num-layers-1=7\]"),
+        (["--dynmo-freeze", "0:1"], "--dynmo-freeze: .*iterations count from 1"),
+        (["--dynmo-profile-smoothing", "1.5"], r"--dynmo-profile-smoothing: .*allowed: a number in \(0, 1\]"),
+        (["--dynmo-profile-dir", "out"], "--dynmo-profile-dir: given without --dynmo-profile"),
+    ],
+)
+def test_the_launcher_refuses_bad_flags_naming_them(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        check_dynmo_args(_parsed(argv))
+
+
+def test_profiling_is_refused_beside_recomputation_as_in_train():
+    args = _parsed(["--dynmo-profile"])
+    args.recompute_granularity = "full"
+    with pytest.raises(ConfigError, match="--dynmo-profile: got it with --recompute-granularity full"):
+        check_dynmo_args(args)
+    with pytest.raises(ConfigError, match="dynmo.profile"):
+        load_recipe("tiny-cpu", ["dynmo.profile=true", "train.recompute=full"])
