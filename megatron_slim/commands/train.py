@@ -13,7 +13,10 @@ With ``parallel.cp > 1`` the recipe's ``cp.engine`` (and ``cp.remap``) runs ever
 pack of the documents between ``eod`` tokens, attention inside each document only (see
 ``megatron_slim.train.cp``); the JSON then has a ``cp`` section: engine, remap, topology,
 ``document_masking: true`` and per iteration the plans' counts (sequences local / intra-node /
-inter-node, packs that left a CP rank without tokens, tokens per rank).
+inter-node, packs that left a CP rank without tokens, tokens per rank). Packed windows
+(``data.packing``) run no engine: SlimPipe's query-out CP attention splits every slice over the CP
+ranks (``megatron_slim.train.packed``); their ``cp`` section is ``engine: null, attention:
+slimpipe-query-out``.
 """
 
 from __future__ import annotations

@@ -28,12 +28,17 @@ def _stage_entries(reports, pp: int) -> list[dict]:
 
 
 def _cp_entry(recipe, reporter) -> dict:
+    """The JSON ``cp`` section; packed windows run SlimPipe's query-out attention, no engine."""
     from megatron_slim.train.checks import cp_topology
 
+    if recipe.query_out_cp:
+        attention = "slimpipe-query-out"
+        return {"size": recipe.parallel.cp, "engine": None, "attention": attention, "document_masking": True}
     topo, _ = cp_topology(recipe)
     return {
         "size": recipe.parallel.cp,
         "engine": recipe.cp.engine,
+        "attention": "engine",
         "remap": recipe.cp.remap,
         "nodes": topo.num_nodes,
         "ranks_per_node": topo.ranks_per_node,

@@ -152,17 +152,19 @@ class Recipe:
         return f"at most model.seq_length/{unit}={most} slices, with model.seq_length a multiple of {unit}"
 
     def _check_packing(self) -> None:
-        """Packed windows are one MicroPack each (b=1) and go through SlimPipe's own attention."""
-        packing, t, p = self.data.packing, self.train, self.parallel
+        """Packed windows are one MicroPack each (b=1) through SlimPipe's attention (``query_out_cp`` if CP)."""
+        packing, t, p, s = self.data.packing, self.train, self.parallel, self.schedule
         if packing == "none":
             return
         for name, value, allowed in (
             ("train.micro_batch_size", t.micro_batch_size, 1),
-            ("parallel.cp", p.cp, 1),
-            ("schedule.vocab_parallel", self.schedule.vocab_parallel, False),
+            ("schedule.vocab_parallel", s.vocab_parallel, False),
         ):
             if value != allowed:
                 raise fail(name, value, f"{str(allowed).lower()} with data.packing={packing} (or data.packing=none)")
+        if p.cp > 1 and s.kind != "slimpipe":
+            why = "schedule.kind=slimpipe, whose query-out CP attention keeps to each window's documents"
+            raise fail("parallel.cp", p.cp, f"1 with data.packing={packing} and schedule.kind={s.kind} (or {why})")
         if len(self.data.path) > 1:
             raise fail("data.path", list(self.data.path), f"one prefix with data.packing={packing} (no blend)")
 
@@ -194,6 +196,11 @@ class Recipe:
         """Every slice boundary is a multiple of this many tokens (zigzag CP chunks, SP shards)."""
         p = self.parallel
         return slice_alignment(p.cp, p.tp, p.sequence_parallel)
+
+    @property
+    def query_out_cp(self) -> bool:
+        """Packed windows under ``parallel.cp > 1`` (slimpipe only): train runs SlimPipe's query-out CP."""
+        return self.parallel.cp > 1 and self.data.packing != "none"
 
     @property
     def num_microbatches(self) -> int:

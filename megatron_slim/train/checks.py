@@ -23,8 +23,9 @@ def check_trainable(recipe: Recipe) -> None:
 
 def check_cp_trainable(recipe: Recipe) -> None:
     """Reject, before any work, a CP engine that cannot run on this model and topology (the other
-    rules are ``plan.startup.rules``'s, which ``check_trainable`` applies first)."""
-    if recipe.parallel.cp == 1:
+    rules are ``plan.startup.rules``'s, which ``check_trainable`` applies first). Packed windows run no
+    engine (``Recipe.query_out_cp``)."""
+    if recipe.parallel.cp == 1 or recipe.query_out_cp:
         return
     topo, costs = cp_topology(recipe)
     check_supported(recipe.cp.engine, topo, costs)

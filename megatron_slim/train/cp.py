@@ -187,6 +187,12 @@ def summary_text(engine: str, s: dict[str, int]) -> str:
 
 def describe(recipe: Recipe) -> str:
     """One line for the start of a run: engine, topology and the document-masking semantics."""
+    if recipe.query_out_cp:
+        return (
+            f"context parallel: cp{recipe.parallel.cp} by SlimPipe's query-out slice attention (no cp.engine): "
+            f"each slice of a packed window ({recipe.data.packing}) is split zigzag-wise over the CP ranks, "
+            "attention stays inside each of the window's documents"
+        )
     topo, _ = cp_topology(recipe)
     remap = " with remap" if recipe.cp.remap else ""
     return (

@@ -3,7 +3,9 @@
 Each iteration reads its microbatches in an order that depends only on the iteration
 (``megatron_slim.train.microbatch``), so a resumed run reads what the uninterrupted run would have.
 With ``parallel.cp > 1`` every microbatch is a pack of documents run by the recipe's CP engine
-(``megatron_slim.train.cp``); gradients are then averaged over data x context parallel ranks.
+(``megatron_slim.train.cp``), or, for packed windows (``data.packing``, ``Recipe.query_out_cp``), a
+window whose slices SlimPipe's query-out CP attention runs (``train.packed``); gradients are then
+averaged over data x context parallel ranks.
 The ``dynmo:`` section (freezing, early exit, per-layer profiling) runs in ``train.dynmo.run``.
 """
 
@@ -66,7 +68,8 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     p, t = recipe.parallel, recipe.train
     torch.manual_seed(t.seed)
     groups = init_model_parallel(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, dp=p.dp, seed=t.seed)
-    cp_step = CPTrainStep(recipe, groups, prepared.tokenizer.eod) if p.cp > 1 else None
+    engine = p.cp > 1 and not recipe.query_out_cp
+    cp_step = CPTrainStep(recipe, groups, prepared.tokenizer.eod) if engine else None
     layers = cp_layer_classes(recipe) if cp_step else {"core_attention": SliceCoreAttention}
     layers = with_dynamic_layers(recipe, layers)
     built = dict(layers_per_stage=p.layers_per_stage, seed=t.seed, **recompute_config(t.recompute_plan))
@@ -209,7 +212,9 @@ class _RankTraining:
         self.profiler.before(number)
         self.dynamic.before(number)
         self.optimizer.zero_grad(set_to_none=True)
-        packing, batches, step_func = iteration_batches(self.dataset, self.recipe, number, self.groups.dp_rank)
+        groups = self.groups
+        cp_group = groups.cp if self.recipe.query_out_cp else None
+        packing, batches, step_func = iteration_batches(self.dataset, self.recipe, number, groups.dp_rank, cp_group)
         self.report.packing += [packing.record()] if packing else []
         if self.vocab_head is not None:
             self.vocab_head.refresh()

@@ -13,12 +13,18 @@ the number of loss tokens of the whole global batch (``N``, known from the plan 
 collective): the same for every method on the same documents. The schedule divides a microbatch's
 loss by its token count and by this rank's microbatch count ``m``, and the gradients are then
 averaged over ``dp`` ranks, so each window's loss is multiplied by ``dp * tokens * m / N``.
+
+Context parallelism (``parallel.cp > 1``, ``Recipe.query_out_cp``): no CP engine runs; every slice of
+a window is split zigzag-wise over the CP ranks and SlimPipe's query-out CP slice attention keeps to
+the window's documents across slices. Each CP rank sums only its tokens' losses while the schedule
+still divides by the whole slice's tokens, and gradients are averaged over ``dp * cp`` ranks, so a
+CP rank's window loss is multiplied by ``cp`` as well (``packed_cp_forward_step``).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy
 import torch
@@ -70,18 +76,37 @@ def _place(piece: Piece, sample: Sample, documents: Sequence, at: int, out: tupl
     return at + n
 
 
-def packed_loss_func(loss_mask: torch.Tensor, weight: float, output_tensor: torch.Tensor):
-    """``loss_func`` with the loss scaled by ``weight``; the report keeps the plain sum and count."""
+def packed_loss_func(
+    loss_mask: torch.Tensor, weight: float, output_tensor: torch.Tensor, counted: Optional[torch.Tensor] = None
+):
+    """``loss_func`` with the loss scaled by ``weight``; the report keeps the plain sum and count.
+    ``counted``: the token count the schedule divides by (default: ``loss_mask``'s)."""
     losses = output_tensor.float()
     loss = torch.sum(losses.reshape(-1) * loss_mask.reshape(-1))
     num_tokens = loss_mask.sum().to(torch.int)
-    return loss * weight, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
+    divisor = num_tokens if counted is None else counted.to(torch.int)
+    return loss * weight, divisor, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
 
 
 def packed_forward_step(data_iterator, model):
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, functools.partial(packed_loss_func, batch["loss_mask"], batch["loss_weight"])
+
+
+def packed_cp_forward_step(cp_group, data_iterator, model):
+    """``packed_forward_step`` under SlimPipe's query-out CP attention: the slice is cut zigzag-wise to
+    this CP rank's tokens (Megatron's ``get_batch_on_this_cp_rank`` split, which ``SliceRotary`` and the
+    CP slice attention assume). The schedule divides by the whole slice's loss tokens (no collective)
+    and the loss is ``cp`` times this rank's share, so averaging gradients over the CP ranks sums them."""
+    from megatron_slim.megatron.model.rotary import zigzag_positions
+
+    batch, cp = next(data_iterator), cp_group.size()
+    rows = zigzag_positions(batch["tokens"].shape[1], cp_group.rank(), cp)
+    local = {name: batch[name][:, rows] for name in ("tokens", "labels", "loss_mask", "position_ids")}
+    output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+    weight, counted = batch["loss_weight"] * cp, batch["loss_mask"].sum()
+    return output, functools.partial(packed_loss_func, local["loss_mask"], weight, counted=counted)
 
 
 class PackedData:
@@ -121,9 +146,9 @@ class PackedData:
         return out
 
 
-def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int):
+def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int, cp_group=None):
     """Iteration ``number`` (from 1) on DP rank ``dp_rank``: (its packing or None, its microbatches, the
-    forward step that reads them)."""
+    forward step that reads them). ``cp_group``: packed windows run SlimPipe's query-out CP over it."""
     from megatron_slim.train.microbatch import forward_step, microbatches
 
     if isinstance(data, PackedData):
@@ -131,7 +156,8 @@ def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int):
         if torch.distributed.is_initialized():
             what, remedy = "packing plan", "every rank plans the same samples with the same deterministic planner"
             check_agreement(packing.plan.digest(), None, ranks="ranks", what=what, remedy=remedy)
-        return packing, batches, packed_forward_step
+        step = functools.partial(packed_cp_forward_step, cp_group) if cp_group is not None else packed_forward_step
+        return packing, batches, step
     return None, list(microbatches(data, recipe, number - 1, dp_rank)), forward_step
 
 

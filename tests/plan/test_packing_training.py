@@ -98,5 +98,8 @@ def test_recipe_checks_packing_and_what_it_needs():
         load_recipe("tiny-cpu", ["data.packing=lpt"])
     with pytest.raises(ConfigError, match="train.micro_batch_size.*data.packing=bfd"):
         load_recipe("tiny-cpu", ["data.packing=bfd", "train.micro_batch_size=2"])
-    with pytest.raises(ConfigError, match="parallel.cp.*data.packing=megatron"):
-        load_recipe("tiny-cpu", ["data.packing=megatron", "parallel.cp=2", "parallel.pp=2"])
+    one_pack = ["schedule.kind=1f1b", "schedule.num_slices=1", "parallel.cp=2", "parallel.pp=2"]
+    with pytest.raises(ConfigError, match="parallel.cp.*1 with data.packing=megatron and schedule.kind=1f1b"):
+        load_recipe("tiny-cpu", ["data.packing=megatron", *one_pack])
+    under_cp = load_recipe("tiny-cpu", ["data.packing=megatron", "parallel.cp=2", "parallel.pp=2"])
+    assert under_cp.query_out_cp and under_cp.schedule.kind == "slimpipe"

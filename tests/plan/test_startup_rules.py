@@ -12,6 +12,7 @@ from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.startup import INPUTS, LAUNCHER, MEGATRON_ARGS, RULES, TRAIN, Inputs, Settings, broken_rule
 from megatron_slim.plan.startup.from_recipe import megatron_args_settings, train_settings
+from megatron_slim.plan.startup.settings import NO_CP_ENGINE
 from megatron_slim.train.checks import check_trainable
 from tests.oracle.models import TINY_CP_MEGATRON_ARGS
 
@@ -152,11 +153,25 @@ def test_cp_engines_with_pipelines_run_in_train_and_are_refused_by_the_megatron_
 def test_train_refuses_slimpipe_slices_under_cp_naming_what_runs():
     recipe = load_recipe("tiny-cpu", ["parallel.cp=2", "schedule.kind=slimpipe", "schedule.num_slices=2"])
     refused = _refusal(check_trainable, recipe)
-    assert refused.startswith("schedule.num_slices: SlimPipe slices under context parallelism are not run")
+    assert refused.startswith("schedule.num_slices: SlimPipe slices of unpacked windows under context parallelism")
     assert refused.endswith(
         "allowed: 1 with parallel.cp > 1 (schedule.kind=1f1b or interleaved, any parallel.pp; "
-        "cp.engine=ring then runs one planned pack per microbatch))"
+        "cp.engine=ring then runs one planned pack per microbatch), or packed windows (data.packing=slimpack, "
+        "megatron or bfd), which run SlimPipe's query-out CP attention over each window's documents)"
     )
+
+
+@pytest.mark.parametrize("method", ["slimpack", "megatron", "bfd"])
+def test_train_runs_packed_slimpipe_slices_under_cp_without_an_engine(method):
+    sets = ["parallel.cp=2", "parallel.pp=2", "schedule.num_slices=4", f"data.packing={method}"]
+    recipe = load_recipe("tiny-cpu", sets)
+    assert recipe.query_out_cp
+    check_trainable(recipe)
+    settings = train_settings(recipe)
+    assert settings.cp_engine == NO_CP_ENGINE and not settings.cp_engine_runs and settings.slimpipe
+    refused = _refusal(check_trainable, load_recipe("tiny-cpu", sets + ["train.recompute=full"]))
+    assert "the context-parallel attention (SlimPipe's query-out attention) is not checked" in refused
+    assert not load_recipe("tiny-cpu", sets[:3]).query_out_cp  # unpacked: the engine path
 
 
 def test_recipe_field_names_and_flags_cover_the_same_settings():

@@ -221,7 +221,7 @@ def test_cli_trains_with_zeppelin_and_ring_with_falling_equal_losses(
         2,
         True,
     )
-    assert len(cp["iterations"]) == 4 and all(i["packs"] == 4 for i in cp["iterations"])
+    assert cp["attention"] == "engine" and len(cp["iterations"]) == 4 and all(i["packs"] == 4 for i in cp["iterations"])
     assert sum(i["local"] for i in cp["iterations"]) > 0 and sum(i["inter"] for i in cp["iterations"]) > 0
     assert ring["cp"]["engine"] == "ring" and all(i["local"] == 0 for i in ring["cp"]["iterations"])
     assert [i["packs"] for i in ring["cp"]["iterations"]] == [4] * 4  # summed over both data-parallel ranks
@@ -238,6 +238,7 @@ def test_cli_trains_with_zeppelin_and_ring_with_falling_equal_losses(
         ),
         (["parallel.cp=2", "cp.engine=ring", "cp.remap=true"], "cp.remap"),
         (["parallel.cp=2", "train.micro_batch_size=2", "train.global_batch_size=4"], "train.micro_batch_size"),
+        (["parallel.cp=2", "data.packing=slimpack"], "1 with data.packing=slimpack and schedule.kind=1f1b (or"),
     ],
 )
 def test_unsupported_cp_training_is_rejected_before_any_work(sets, needle, capsys):

@@ -132,3 +132,17 @@ def test_packing_none_is_the_gpt_dataset_run(tmp_path, data_cache):
     none = _train(tmp_path, "none", data_cache, *sets, "data.packing=none")
     assert "packing" not in none and none["losses"] == default["losses"]
     assert none["tokens_per_s"] == pytest.approx(4 * SEQ * 2 / sum(none["iteration_time_s"]))
+
+
+@pytest.mark.slow
+@pytest.mark.multi
+def test_slimpack_trains_pp2_cp2_to_the_losses_of_pp1_cp1(tmp_path, data_cache, short_documents):
+    """Packed windows under context parallelism: SlimPipe's query-out CP attention (no cp.engine)
+    splits every slice over the CP ranks and keeps to each window's documents across slices."""
+    sets = [*FAST, f"data.corpus={short_documents}", "data.packing=slimpack"]
+    split = _train(tmp_path, "pp2-cp2", data_cache, *sets, "parallel.pp=2", "parallel.cp=2")
+    flat = _train(tmp_path, "pp1-cp1", data_cache, *sets, "parallel.pp=1")
+    assert [r["document_tokens"] for r in split["packing"]] == [r["document_tokens"] for r in flat["packing"]]
+    assert len(split["losses"]) == 3 and split["losses"] != flat["losses"][:1] * 3
+    assert split["cp"] == {"size": 2, "engine": None, "attention": "slimpipe-query-out", "document_masking": True}
+    assert split["losses"] == pytest.approx(flat["losses"], rel=1e-5, abs=0)

@@ -1,10 +1,12 @@
-"""One packed training step (``data.packing``, pp=2, SlimPipe slices cutting through documents) equals
-the single-process reference that runs every sample on its own (a document mask), in the loss and
-in every parameter gradient.
+"""One packed training step (``data.packing``, pp=2 and pp2 x cp2, SlimPipe slices cutting through
+documents) equals the single-process reference that runs every sample on its own (a document mask),
+in the loss and in every parameter gradient.
 
 The packed step is the training job's own: ``PackedData`` windows, ``packed_forward_step`` with its
-global per-token loss weights, the recipe's SlimPipe schedule; slice attention keeps to each document
-of a window (``document_lengths``) and RoPE positions restart per document."""
+global per-token loss weights (under CP ``packed_cp_forward_step``: each slice split zigzag-wise over
+the CP ranks, SlimPipe's query-out CP slice attention), the recipe's SlimPipe schedule, the loop's
+gradient average over data x context parallel ranks; slice attention keeps to each document of a
+window (``document_lengths``) and RoPE positions restart per document."""
 
 import pytest
 import torch
@@ -20,14 +22,14 @@ MODEL = dict(TINY_GQA_2L_LONG, seq_length=SEQ)
 LENGTHS = (7, 45, 130, 20, 56, 100, 9, 13, 6, 300, 33, 64)
 
 
-def _recipe(method: str):
+def _recipe(method: str, cp: int = 1):
     from megatron_slim.plan.recipe import recipe_from_dict
 
     return recipe_from_dict(
         {
             "name": "packed-step",
             "model": MODEL,
-            "parallel": {"pp": 2},
+            "parallel": {"pp": 2, "cp": cp},
             "schedule": {"kind": "slimpipe", "num_slices": 4},
             "train": {"global_batch_size": 8, "precision": "fp32"},
             "data": {"packing": method},
@@ -50,7 +52,20 @@ def _one_pack(batches) -> dict:
     }
 
 
+def _crosses_slices(batches, slice_length: int) -> bool:
+    """Whether some document of some window spans a slice boundary."""
+    for b in batches:
+        start = 0
+        for n in b["document_lengths"]:
+            if n and start // slice_length != (start + n - 1) // slice_length:
+                return True
+            start += n
+    return False
+
+
 def packed_step(rank, world_size, method, seed=1234):
+    import functools
+
     import torch.distributed as dist
 
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
@@ -58,34 +73,49 @@ def packed_step(rank, world_size, method, seed=1234):
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
     from megatron_slim.train.loop import pipeline_settings
-    from megatron_slim.train.packed import PackedData, packed_forward_step
+    from megatron_slim.train.packed import PackedData, packed_cp_forward_step, packed_forward_step
+    from megatron_slim.train.step import average_data_parallel
 
-    recipe = _recipe(method)
-    groups = init_model_parallel(pp=world_size, seed=seed)
+    cp = world_size // 2
+    recipe = _recipe(method, cp)
+    groups = init_model_parallel(pp=2, cp=cp, seed=seed)
     solo = reference.solo_groups(rank, world_size)
     data = PackedData(recipe, _documents(seed), dp=1)
     packing, batches = data.step(0, 0)
     chunks = build_rank_chunks(recipe.model, groups, core_attention=SliceCoreAttention, seed=seed)
     fb = make_forward_backward_func(pipeline_settings(recipe, measure_memory=False))
     reports = fb(
-        forward_step_func=packed_forward_step,
+        forward_step_func=functools.partial(packed_cp_forward_step, groups.cp) if cp > 1 else packed_forward_step,
         data_iterator=[iter(batches)],
         model=chunks,
         num_microbatches=len(batches),
         seq_length=SEQ,
         micro_batch_size=1,
     )
+    average_data_parallel(list(chunks[0].parameters()), groups.dp_cp, cp)  # the loop's dp x cp average
     pair = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
-    dist.all_reduce(pair)  # only the last stage reports
+    dist.all_reduce(pair)  # only the last stage reports; under CP each rank its own tokens
     ref_loss, ref_grads = reference.per_document_step(recipe.model, solo, [_one_pack(batches)], seed)
-    return {"pair": pair, "grads": global_grads(chunks[0]), "ref_loss": ref_loss, "ref_grads": ref_grads}
+    return {
+        "pair": pair,
+        "grads": global_grads(chunks[0]),
+        "ref_loss": ref_loss,
+        "ref_grads": ref_grads,
+        "crosses": _crosses_slices(batches, SEQ // recipe.schedule.num_slices),
+        "windows": len(batches),
+    }
 
 
+@pytest.mark.parametrize("world_size", [2, 4], ids=["pp2", "pp2xcp2"])
 @pytest.mark.parametrize("method", ["slimpack", "megatron"])
-def test_packed_pp2_step_equals_the_per_document_reference(method):
-    results = run_ranks(packed_step, 2, method, timeout_s=300)
+def test_packed_step_equals_the_per_document_reference(method, world_size):
+    results = run_ranks(packed_step, world_size, method, timeout_s=300)
+    assert results[0]["crosses"] and results[0]["windows"] > 1
+    stages = set()
     for got in results:
         torch.testing.assert_close(got["pair"][0] / got["pair"][1], got["ref_loss"], **TOL)
         assert got["grads"]
+        stages.add(frozenset(got["grads"]))
         for name, grad in got["grads"].items():
             torch.testing.assert_close(grad, got["ref_grads"][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert set().union(*stages) == set(results[0]["ref_grads"])  # every gradient, over both stages

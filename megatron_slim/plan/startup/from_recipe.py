@@ -31,13 +31,15 @@ def _common(recipe: Recipe) -> dict[str, Any]:
 
 
 def train_settings(recipe: Recipe) -> Settings:
-    """``megatron-slim train`` runs ``cp.engine`` whenever ``parallel.cp > 1``: a slimpipe recipe
-    with one slice runs whole packs under it, so only several slices count as SlimPipe slicing."""
+    """``megatron-slim train`` runs ``cp.engine`` whenever ``parallel.cp > 1``, except for packed
+    windows (``Recipe.query_out_cp``: SlimPipe's query-out CP attention, no engine): a slimpipe recipe
+    with one slice runs whole packs under the engine, so only several slices count as SlimPipe slicing."""
     p, s = recipe.parallel, recipe.schedule
+    engine_runs = p.cp > 1 and not recipe.query_out_cp
     return Settings(
         **_common(recipe),
-        cp_engine=recipe.cp.engine if p.cp > 1 else NO_CP_ENGINE,
-        cp_remap=recipe.cp.remap and p.cp > 1,
+        cp_engine=recipe.cp.engine if engine_runs else NO_CP_ENGINE,
+        cp_remap=recipe.cp.remap and engine_runs,
         slimpipe=s.kind == "slimpipe" and s.num_slices > 1,
     )
 

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from megatron_slim.plan.schema import fail
 from megatron_slim.plan.startup.rule import Rule
-from megatron_slim.plan.startup.settings import TRAIN
+from megatron_slim.plan.startup.settings import NO_CP_ENGINE, TRAIN, Settings
 
 # what megatron-core's selective recomputation runs on CPU with megatron_slim's core attention
 TRAIN_RECOMPUTE_MODULES = ("core_attn", "mlp")
+
+
+def _cp_attention(s: Settings) -> str:
+    """Which CP attention the training loop runs: an engine, or SlimPipe's own for packed windows."""
+    return f"cp.engine={s.cp_engine}" if s.cp_engine != NO_CP_ENGINE else "SlimPipe's query-out attention"
+
 
 TRAIN_RULES = [
     Rule(
@@ -36,7 +42,7 @@ TRAIN_RULES = [
         lambda s: s.cp > 1 and (s.recompute is not None or s.offload_ratio > 0),
         lambda s, i: (
             f"train.recompute={s.recompute or 'none'}, train.offload_ratio={s.offload_ratio} with parallel.cp={s.cp}: "
-            f"the CP engines' attention (cp.engine={s.cp_engine}) is not checked under recomputation or offloading "
+            f"the context-parallel attention ({_cp_attention(s)}) is not checked under recomputation or offloading "
             "here; allowed with parallel.cp > 1: train.recompute=none and train.offload_ratio=0"
         ),
     ),
@@ -58,16 +64,17 @@ TRAIN_RULES = [
     Rule(
         "train-slices-under-cp",
         (TRAIN,),
-        lambda s: s.cp > 1 and s.slimpipe,
+        lambda s: s.cp > 1 and s.slimpipe and s.cp_engine != NO_CP_ENGINE,
         lambda s, i: str(
             fail(
                 "schedule.num_slices",
                 s.num_slices,
                 f"1 with parallel.cp > 1 (schedule.kind=1f1b or interleaved, any parallel.pp; cp.engine={s.cp_engine} "
-                "then runs one planned pack per microbatch)",
-                "SlimPipe slices under context parallelism are not run by megatron-slim train: its CP engines plan "
-                "whole packs of documents, and a slice would need a plan whose attention also reads the K/V cached "
-                "from the same documents' earlier slices, which no CP engine has yet",
+                "then runs one planned pack per microbatch), or packed windows (data.packing=slimpack, megatron or "
+                "bfd), which run SlimPipe's query-out CP attention over each window's documents",
+                "SlimPipe slices of unpacked windows under context parallelism are not run by megatron-slim train: "
+                "its CP engines plan whole packs of documents, and a slice would need a plan whose attention also "
+                "reads the K/V cached from the same documents' earlier slices, which no CP engine has yet",
             )
         ),
     ),
