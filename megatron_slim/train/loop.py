@@ -81,29 +81,10 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     settings, rows = pipeline_settings(recipe, options.measure_memory), cp_step.stage_rows if cp_step else None
     forward_backward = make_forward_backward_func(settings, vocab_head=vocab_head, stage_rows=rows)
     dataset = training_data(recipe, prepared)
-    report = RankReport(
-        rank,
-        groups.pp_rank,
-        groups.dp_rank,
-        groups.tp_rank,
-        groups.cp_rank,
-        attention_backend=choose_backend(None, torch.device("cpu"), torch.float32).label,
-    )
-    training = _RankTraining(
-        recipe,
-        recipe_data,
-        options,
-        rank,
-        groups,
-        chunks,
-        optimizer,
-        scheduler,
-        forward_backward,
-        dataset,
-        cp_step,
-        report,
-        vocab_head,
-    )
+    backend = choose_backend(None, torch.device("cpu"), torch.float32).label
+    report = RankReport(rank, groups.pp_rank, groups.dp_rank, groups.tp_rank, groups.cp_rank, attention_backend=backend)
+    parts = (chunks, optimizer, scheduler, forward_backward, dataset, cp_step, report, vocab_head)
+    training = _RankTraining(recipe, recipe_data, options, rank, groups, *parts)
     training.rebalancer = Rebalancer.for_recipe(recipe)
     start = training.resume()
     training.metrics = open_metrics(options.metrics, recipe, training.reporter)
