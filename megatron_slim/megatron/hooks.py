@@ -25,6 +25,9 @@ megatron-slim's CP engines instead (``cp/hooks.py``): the spec gets ``CPCoreAtte
 engine's context and normalise the loss CP-wide, and ``get_batch_on_this_cp_rank`` -- the name
 ``pretrain_gpt.get_batch`` calls -- plans each pack and returns this rank's part of it.
 
+With ``--slimpipe-packing`` the train split's data loader serves packed windows instead
+(``data/packed_windows.py``, hooked at ``build_pretraining_data_loader``).
+
 ``prepare_launch()`` installs them all before the script runs (``python -m megatron_slim.launch``);
 ``install(args)`` is the explicit form for a script that parsed its args itself (see
 ``patches/pretrain_gpt.patch``).
@@ -177,6 +180,18 @@ def _patch_cp_batch(cp_state: CPHookState) -> None:
     _wrap_where_defined(CP_BATCH_MODULES, "get_batch_on_this_cp_rank", cp_state.wrap_batch_split)
 
 
+# ---- packed training windows (--slimpipe-packing) -------------------------------------------
+DATA_LOADER_MODULES = ("megatron.training.datasets.data_samplers",)
+
+
+def _patch_data_loader(args_getter: Callable[[], Any]) -> None:
+    from megatron_slim.megatron.data.packed_windows import with_packed_windows
+
+    _wrap_where_defined(
+        DATA_LOADER_MODULES, "build_pretraining_data_loader", lambda original: with_packed_windows(original, args_getter)
+    )
+
+
 # ---- entry points ----------------------------------------------------------------------------
 def _install_all(args_getter: Callable[[], Any]) -> None:
     slim_state = SlimPipeHookState(args_getter)
@@ -185,6 +200,7 @@ def _install_all(args_getter: Callable[[], Any]) -> None:
     _patch_layer_specs(args_getter)
     _patch_tp_batch(slim_state)
     _patch_cp_batch(cp_state)
+    _patch_data_loader(args_getter)
 
 
 def prepare_launch() -> None:

@@ -17,6 +17,7 @@ from megatron_slim.plan.recipe import MAX_SEED, CPEngine, ModelConfig, Recipe, S
 from megatron_slim.plan.schema import ConfigError, fail
 from megatron_slim.plan.startup import LAUNCHER, MEGATRON_ARGS, check
 from megatron_slim.plan.startup.from_recipe import megatron_args_settings
+from megatron_slim.plan.startup.rules_packing import PACKING_METHODS
 
 SLICE_POLICIES: tuple[str, ...] = SlicePolicy.__args__  # type: ignore[attr-defined]
 CP_ENGINES: tuple[str, ...] = ("te",) + CPEngine.__args__  # type: ignore[attr-defined]
@@ -52,6 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=(
             "run the word embedding, output layer and loss on every pipeline rank, each on a part of the "
             "sequence (megatron-slim train and simulate run it; this launcher refuses it at start-up for now)"
+        ),
+    )
+    g.add_argument(
+        "--slimpipe-packing",
+        choices=PACKING_METHODS,
+        default="none",
+        help=(
+            "none (default): Megatron's dataset windows; else train on windows the method packs from the corpus "
+            "documents, global-batch/dp per DP rank (docs/packing.md, Launcher); needs --use-slimpipe, "
+            "--calculate-per-token-loss, --micro-batch-size 1, tp=cp=1, at most 2 pipeline stages"
         ),
     )
     g.add_argument(
