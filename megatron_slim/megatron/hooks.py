@@ -187,9 +187,10 @@ DATA_LOADER_MODULES = ("megatron.training.datasets.data_samplers",)
 def _patch_data_loader(args_getter: Callable[[], Any]) -> None:
     from megatron_slim.megatron.data.packed_windows import with_packed_windows
 
-    _wrap_where_defined(
-        DATA_LOADER_MODULES, "build_pretraining_data_loader", lambda original: with_packed_windows(original, args_getter)
-    )
+    def wrap(original: Callable) -> Callable:
+        return with_packed_windows(original, args_getter)
+
+    _wrap_where_defined(DATA_LOADER_MODULES, "build_pretraining_data_loader", wrap)
 
 
 # ---- entry points ----------------------------------------------------------------------------

@@ -69,7 +69,8 @@ class FixedWindowPlanner:
     def _plan(self, start: int) -> tuple[IterationPacking, int]:
         n = len(self.samples)
         budget = self.windows_per_rank * self.dp * self.seq_length
-        taken, total = [], 0
+        taken: list[Sample] = []
+        total = 0
         while not taken or (len(taken) < n and total + self.samples[(start + len(taken)) % n].length <= budget):
             total += self.samples[(start + len(taken)) % n].length
             taken.append(self.samples[(start + len(taken)) % n])

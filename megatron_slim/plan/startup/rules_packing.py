@@ -43,44 +43,58 @@ PACKING_RULES = [
     _packing(
         "packing-needs-slimpipe",
         lambda s: not s.slimpipe,
-        lambda s: f"{_flag(s)}: needs --use-slimpipe (its slice attention keeps each document to itself); "
-        "allowed: add --use-slimpipe, or --slimpipe-packing none",
+        lambda s: (
+            f"{_flag(s)}: needs --use-slimpipe (its slice attention keeps each document to itself); "
+            "allowed: add --use-slimpipe, or --slimpipe-packing none"
+        ),
     ),
     _packing(
         "packing-pipeline",
         lambda s: s.pp > 2 or s.vpp > 1,
-        lambda s: f"{_flag(s)} with --pipeline-model-parallel-size {s.pp} (virtual {s.vpp}): pretrain_gpt.py "
-        "reads the batch on the first and last stages only, so middle stages never learn the documents; "
-        "allowed: --pipeline-model-parallel-size 1 or 2 without virtual stages",
+        lambda s: (
+            f"{_flag(s)} with --pipeline-model-parallel-size {s.pp} (virtual {s.vpp}): pretrain_gpt.py "
+            "reads the batch on the first and last stages only, so middle stages never learn the documents; "
+            "allowed: --pipeline-model-parallel-size 1 or 2 without virtual stages"
+        ),
     ),
     _packing(
         "packing-tp-cp",
         lambda s: s.tp > 1 or s.cp > 1,
-        lambda s: f"{_flag(s)} with --tensor-model-parallel-size {s.tp} and --context-parallel-size {s.cp}: "
-        "the documents reach neither the other TP ranks nor the CP attention; allowed: both 1",
+        lambda s: (
+            f"{_flag(s)} with --tensor-model-parallel-size {s.tp} and --context-parallel-size {s.cp}: "
+            "the documents reach neither the other TP ranks nor the CP attention; allowed: both 1"
+        ),
     ),
     _packing(
         "packing-micro-batch",
         lambda s: s.micro_batch_size != 1,
-        lambda s: f"{_flag(s)} with --micro-batch-size {s.micro_batch_size}: a packed window is one row; "
-        "allowed: --micro-batch-size 1",
+        lambda s: (
+            f"{_flag(s)} with --micro-batch-size {s.micro_batch_size}: a packed window is one row; "
+            "allowed: --micro-batch-size 1"
+        ),
     ),
     _packing(
         "packing-per-token-loss",
         lambda s: not s.per_token_loss,
-        lambda s: f"{_flag(s)}: needs --calculate-per-token-loss (windows differ in loss tokens, and an "
-        "all-padding window has none; the loss is the global batch's per-token mean only with it)",
+        lambda s: (
+            f"{_flag(s)}: needs --calculate-per-token-loss (windows differ in loss tokens, and an "
+            "all-padding window has none; the loss is the global batch's per-token mean only with it)"
+        ),
     ),
     _packing(
         "packing-dataloader",
         lambda s: s.dataloader_type not in (None, "single"),
-        lambda s: f"{_flag(s)} with --dataloader-type {s.dataloader_type}: the packing plan fixes each "
-        "rank's windows per iteration; allowed: --dataloader-type single",
+        lambda s: (
+            f"{_flag(s)} with --dataloader-type {s.dataloader_type}: the packing plan fixes each "
+            "rank's windows per iteration; allowed: --dataloader-type single"
+        ),
     ),
     _packing(
         "packing-megatron-schedulers",
         lambda s: s.sequence_packing or s.hybrid_cp,
-        lambda s: f"{_flag(s)} replaces Megatron's own packing scheduler: drop --sequence-packing and "
-        "--hybrid-context-parallel",
+        lambda s: (
+            f"{_flag(s)} replaces Megatron's own packing scheduler: drop --sequence-packing and "
+            "--hybrid-context-parallel"
+        ),
     ),
 ]
