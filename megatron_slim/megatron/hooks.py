@@ -28,6 +28,9 @@ engine's context and normalise the loss CP-wide, and ``get_batch_on_this_cp_rank
 * dynmo: ``train_step`` (``megatron.training.training``) runs ``--dynmo-profile`` and
   ``--dynmo-freeze`` around each iteration (``megatron/dynmo/hooks.py``).
 
+With ``--slimpipe-packing`` the train split's data loader serves packed windows instead
+(``data/packed_windows.py``, hooked at ``build_pretraining_data_loader``).
+
 ``prepare_launch()`` installs them all before the script runs (``python -m megatron_slim.launch``);
 ``install(args)`` is the explicit form for a script that parsed its args itself (see
 ``patches/pretrain_gpt.patch``).
@@ -189,6 +192,19 @@ def _patch_train_step(args_getter: Callable[[], Any]) -> None:
     )
 
 
+# ---- packed training windows (--slimpipe-packing) -------------------------------------------
+DATA_LOADER_MODULES = ("megatron.training.datasets.data_samplers",)
+
+
+def _patch_data_loader(args_getter: Callable[[], Any]) -> None:
+    from megatron_slim.megatron.data.packed_windows import with_packed_windows
+
+    def wrap(original: Callable) -> Callable:
+        return with_packed_windows(original, args_getter)
+
+    _wrap_where_defined(DATA_LOADER_MODULES, "build_pretraining_data_loader", wrap)
+
+
 # ---- entry points ----------------------------------------------------------------------------
 def _install_all(args_getter: Callable[[], Any]) -> None:
     slim_state = SlimPipeHookState(args_getter)
@@ -198,6 +214,7 @@ def _install_all(args_getter: Callable[[], Any]) -> None:
     _patch_tp_batch(slim_state)
     _patch_cp_batch(cp_state)
     _patch_train_step(args_getter)
+    _patch_data_loader(args_getter)
 
 
 def prepare_launch() -> None:

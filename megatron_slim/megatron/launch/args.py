@@ -98,4 +98,7 @@ def settings_from_megatron_args(args: argparse.Namespace) -> Settings:
         sequence_packing=bool(flag("sequence_packing")),
         position_embedding=flag("position_embedding_type"),
         attention_dropout=float(flag("attention_dropout", 0.0)),
+        packing=flag("slimpipe_packing", "none"),
+        per_token_loss=bool(flag("calculate_per_token_loss")),
+        dataloader_type=flag("dataloader_type"),
     )

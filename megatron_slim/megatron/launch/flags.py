@@ -12,76 +12,18 @@ from pathlib import Path
 
 from megatron_slim.megatron.launch.args import settings_from_megatron_args
 from megatron_slim.megatron.launch.cp_checks import check_engine_fits
-from megatron_slim.megatron.launch.dynmo_flags import add_dynmo_arguments, check_dynmo_args, dynmo_to_megatron_args
+from megatron_slim.megatron.launch.dynmo_flags import check_dynmo_args, dynmo_to_megatron_args
 from megatron_slim.megatron.launch.recompute_flags import recompute_flags, refuse_what_megatron_cannot_recompute
-from megatron_slim.plan.recipe import MAX_SEED, CPEngine, ModelConfig, Recipe, SlicePolicy, TrainConfig
+from megatron_slim.megatron.launch.registered_flags import (  # noqa: F401  (re-exported)
+    ATTENTION_BACKENDS,
+    CP_ENGINES,
+    SLICE_POLICIES,
+    add_arguments,
+)
+from megatron_slim.plan.recipe import MAX_SEED, ModelConfig, Recipe, TrainConfig
 from megatron_slim.plan.schema import ConfigError, fail
 from megatron_slim.plan.startup import LAUNCHER, MEGATRON_ARGS, check
 from megatron_slim.plan.startup.from_recipe import megatron_args_settings
-
-SLICE_POLICIES: tuple[str, ...] = SlicePolicy.__args__  # type: ignore[attr-defined]
-CP_ENGINES: tuple[str, ...] = ("te",) + CPEngine.__args__  # type: ignore[attr-defined]
-ATTENTION_BACKENDS = ("auto", "flash", "te", "sdpa", "reference")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Register megatron-slim's flags (use as Megatron's ``extra_args_provider``). Idempotent: a
-    parser that has them already is returned unchanged (Megatron 0.18+ parses through nested
-    helpers that may each add the provider)."""
-    if "--use-slimpipe" in parser._option_string_actions:
-        return parser
-    g = parser.add_argument_group("megatron-slim")
-    g.add_argument(
-        "--use-slimpipe",
-        action="store_true",
-        help="run the SlimPipe slice-level pipeline schedule (K/V cache across slices)",
-    )
-    g.add_argument("--slimpipe-num-slices", type=int, default=1, help="slices per microbatch (default 1: no slicing)")
-    g.add_argument(
-        "--slimpipe-slice-policy",
-        choices=SLICE_POLICIES,
-        default="uniform",
-        help=(
-            "uniform: equal slices; balanced: equal forward+backward work under the causal mask; exchange: "
-            "uniform slices plus attention context exchange between pipeline ranks (simulated only: the "
-            "runtime refuses it at start-up)"
-        ),
-    )
-    g.add_argument(
-        "--slimpipe-vocab-parallel",
-        action="store_true",
-        help=(
-            "run the word embedding, output layer and loss on every pipeline rank, each on a part of the "
-            "sequence (megatron-slim train and simulate run it; this launcher refuses it at start-up for now)"
-        ),
-    )
-    g.add_argument(
-        "--slimpipe-hardware",
-        default="h100",
-        help="hardware profile the balanced policy's cost model uses (megatron_slim/configs/hardware)",
-    )
-    g.add_argument(
-        "--slimpipe-calibration", default=None, help="measured kernel rates for the balanced policy's cost model"
-    )
-    g.add_argument(
-        "--cp-engine",
-        choices=CP_ENGINES,
-        default="te",
-        help="context-parallel attention: te = Megatron's own (default); the others are megatron-slim engines",
-    )
-    g.add_argument(
-        "--cp-remap",
-        action="store_true",
-        help="with --cp-engine zeppelin: token-balanced layout for the MLP (remap layer)",
-    )
-    g.add_argument(
-        "--megatron-slim-attention-backend",
-        choices=ATTENTION_BACKENDS,
-        default="auto",
-        help="attention kernels for megatron-slim's core attention (auto: flash > te > sdpa)",
-    )
-    add_dynmo_arguments(parser)
-    return parser
 
 
 def _data_flags(data) -> list:

@@ -53,6 +53,10 @@ class Settings:
     sequence_packing: bool = False
     position_embedding: Optional[str] = None
     attention_dropout: float = 0.0
+    # the launcher's --slimpipe-packing and what it needs of Megatron-LM's loop
+    packing: str = "none"
+    per_token_loss: bool = False
+    dataloader_type: Optional[str] = None
 
     @property
     def cp_engine_runs(self) -> bool:

@@ -1,0 +1,47 @@
+"""``--slimpipe-packing`` start-up rules (``plan/startup/rules_packing.py``): what the launcher's
+packed windows cannot run is refused, naming the flag and what is allowed."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from megatron_slim.plan.schema import ConfigError
+from megatron_slim.plan.startup import LAUNCHER, Settings, broken_rule, check
+
+RUNS = Settings(pp=2, slimpipe=True, num_slices=2, seq_length=64, packing="slimpack", per_token_loss=True)
+
+
+def test_a_packed_pp2_slimpipe_run_with_per_token_loss_passes():
+    check(RUNS, LAUNCHER)
+    check(replace(RUNS, pp=1, dataloader_type="single"), LAUNCHER)
+
+
+@pytest.mark.parametrize(
+    "change,rule,words",
+    [
+        (dict(slimpipe=False, num_slices=1), "packing-needs-slimpipe", "needs --use-slimpipe"),
+        (dict(pp=4), "packing-pipeline", "--pipeline-model-parallel-size 1 or 2"),
+        (dict(vpp=2), "packing-pipeline", "without virtual stages"),
+        (dict(tp=2), "packing-tp-cp", "allowed: both 1"),
+        (dict(cp=2), "packing-tp-cp", "allowed: both 1"),
+        (dict(micro_batch_size=2), "packing-micro-batch", "allowed: --micro-batch-size 1"),
+        (dict(per_token_loss=False), "packing-per-token-loss", "needs --calculate-per-token-loss"),
+        (dict(dataloader_type="cyclic"), "packing-dataloader", "allowed: --dataloader-type single"),
+        (dict(sequence_packing=True), "packing-megatron-schedulers", "drop --sequence-packing"),
+        (dict(hybrid_cp=True), "packing-megatron-schedulers", "--hybrid-context-parallel"),
+        (dict(packing="lpfhp"), "packing-method", "allowed: none, slimpack, megatron, bfd"),
+    ],
+)
+def test_what_packed_windows_cannot_run_is_refused_at_start_up(change, rule, words):
+    bad = replace(RUNS, **change)
+    assert broken_rule(bad, LAUNCHER).name == rule
+    with pytest.raises(ConfigError, match="--slimpipe-packing") as caught:
+        check(bad, LAUNCHER)
+    assert words in str(caught.value)
+
+
+def test_without_packing_none_of_the_rules_binds():
+    plain = replace(RUNS, packing="none", per_token_loss=False, pp=4, dataloader_type="cyclic")
+    assert broken_rule(plain, LAUNCHER) is None or not broken_rule(plain, LAUNCHER).name.startswith("packing")
