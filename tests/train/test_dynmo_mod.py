@@ -55,6 +55,7 @@ def trained(tmp_path_factory, data_cache):
     return runs
 
 
+@pytest.mark.slow  # default tier: test_dynmo_moe.py and test_dynmo_train.py run pipelined dynamic models
 def test_pipelined_mixture_of_depths_reproduces_the_single_process_losses(trained):
     assert len(trained["pp2"]) == 3
     assert trained["pp2"] == pytest.approx(trained["pp1"], rel=1e-6)

@@ -8,7 +8,7 @@ from megatron_slim.train.loop import train_rank
 from megatron_slim.train.report import TrainOptions
 from tests.train.test_train_migrate import _assert_moves_kept_state, _losses, _migrating_run, _prepared, _recipe
 
-pytestmark = pytest.mark.multi
+pytestmark = [pytest.mark.multi, pytest.mark.slow]  # default tier: test_train_migrate.py moves layers
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,7 @@ def plan_on_each_stage(rank, world_size, hardware_path, stage_windows):
 
 
 @pytest.mark.multi
+@pytest.mark.slow  # default-tier time: the same path runs in a cheaper case of this file
 def test_pipeline_stages_that_plan_different_windows_stop_on_every_rank(hardware):
     same = run_ranks(plan_on_each_stage, 4, hardware, (WINDOWS, WINDOWS), timeout_s=300)
     assert same == [""] * 4
@@ -141,6 +142,7 @@ def test_cli_trains_pp2_cp2_with_zeppelin_and_matches_pp1(tmp_path, data_cache, 
 
 
 @pytest.mark.multi
+@pytest.mark.slow  # default-tier time: the same path runs in a cheaper case of this file
 def test_cli_trains_interleaved_pp2_vpp2_cp2_with_ring_and_matches_pp1(tmp_path, data_cache, short_documents, hardware):
     sets = ["parallel.cp=2", "cp.engine=ring", f"hardware={hardware}", "model.num_layers=4"]
     interleaved = _train(

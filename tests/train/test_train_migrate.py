@@ -80,6 +80,7 @@ def test_layers_moved_mid_run_keep_their_state_and_the_losses(data_cache, pp2_ev
     assert _losses(reports) == pytest.approx(pp2_even["losses"], rel=1e-6, abs=0)
 
 
+@pytest.mark.slow  # default-tier time: the same path runs in a cheaper case of this file
 def test_frozen_layers_stay_frozen_across_a_move(data_cache):
     """The dynmo section's hooks are rebuilt on the new chunks: layers 0..3 freeze from iteration 2,
     then move between the ranks, and the run keeps the losses of the run that never moved."""

@@ -126,6 +126,7 @@ def test_slimpack_and_megatron_give_equal_losses(method_runs):
 
 
 @pytest.mark.multi
+@pytest.mark.slow  # default tier: test_train_data.py and the resume runs read GPTDataset windows
 def test_packing_none_is_the_gpt_dataset_run(tmp_path, data_cache):
     sets = [*FAST, "parallel.pp=2", "train.iters=2"]
     default = _train(tmp_path, "default", data_cache, *sets)

@@ -14,7 +14,7 @@ COMMON = ["train.iters=3", "train.global_batch_size=4", "model.seq_length=128", 
 VOCAB_PP2 = ["parallel.pp=2", "schedule.kind=slimpipe", "schedule.num_slices=2", "schedule.vocab_parallel=true"]
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.slow), True], ids=["untied", "tied"])
 def test_vocab_parallel_trains_the_unpipelined_model(tmp_path, data_cache, tied):
     embeddings = [f"model.untie_embeddings_and_output_weights={str(not tied).lower()}"]
     reference = _train(tmp_path, "reference", data_cache, *COMMON, *embeddings, *UNPIPELINED_UNSLICED)

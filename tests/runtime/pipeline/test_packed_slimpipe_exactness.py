@@ -47,13 +47,14 @@ def test_packed_slices_single_process_match_per_document_reference():
     assert [r[3] for r in results[0]] == [{"sdpa"}, {"reference"}, {"sdpa"}]
 
 
-@pytest.mark.parametrize("vpp", [1, 2])
+@pytest.mark.parametrize("vpp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_packed_slices_pp2_match_per_document_reference(vpp):
     configs = [(vpp, EIGHTS, WINDOWS, "sdpa", False), (vpp, UNEVEN, WINDOWS[1:], "reference", False)]
     results = run_ranks(_packed_workers.run_packed, 2, configs, timeout_s=900)
     _check(results, len(configs))
 
 
+@pytest.mark.slow  # default tier: tests/train/test_train_packing_exactness.py runs pp2 x cp2 through train
 def test_packed_slices_pp2_cp2_match_per_document_reference():
     """Through the SlimPipe x CP path (query-out CP slice attention, megatron's zigzag split)."""
     configs = [(1, EIGHTS, WINDOWS, "sdpa"), (2, (4, 12, 8, 8), WINDOWS[1:], "reference")]
