@@ -25,21 +25,26 @@ def data_cache(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def short_documents(tmp_path_factory):
-    """A corpus of short documents cut from three stdlib modules, so a window packs several."""
+def cut_documents(root, seed: int, sizes, count: int) -> str:
+    """Write ``count`` documents into ``root``, cut one after another from two stdlib modules at
+    lengths drawn (seeded) from ``sizes`` characters; returns the folder."""
     import random
 
     from megatron_slim.data import stdlib_root
 
-    root = tmp_path_factory.mktemp("short-docs")
     text = "".join((stdlib_root() / name).read_text() for name in ("argparse.py", "textwrap.py"))
-    rng, pos = random.Random(0), 0
-    for i in range(200):
-        size = rng.choice([60, 120, 250, 500, 900, 1600])
+    rng, pos = random.Random(seed), 0
+    for i in range(count):
+        size = rng.choice(sizes)
         (root / f"doc{i:04d}.txt").write_text(text[pos : pos + size])
         pos += size
     return str(root)
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """A corpus of short documents cut from stdlib modules, so a window packs several."""
+    return cut_documents(tmp_path_factory.mktemp("short-docs"), 0, [60, 120, 250, 500, 900, 1600], 200)
 
 
 @pytest.fixture(scope="module")

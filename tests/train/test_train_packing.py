@@ -16,6 +16,7 @@ import torch
 from megatron_slim.plan.pack.training import iteration_samples
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.train.packed import PackedData
+from tests.train.conftest import cut_documents
 from tests.train.test_train_job import _train
 
 SEQ = 128
@@ -31,18 +32,9 @@ LAYOUTS = {"pp1-dp2": ["parallel.pp=1", "parallel.dp=2"], "pp2": ["parallel.pp=2
 
 @pytest.fixture(scope="module")
 def short_documents(tmp_path_factory):
-    """A corpus of documents from 20 to 600 characters (a few tokens to a few windows), cut from stdlib
+    """A corpus of documents from 20 to 1500 characters (a few tokens to a few windows), cut from stdlib
     modules, so windows pack several documents and some documents are cut into samples."""
-    from megatron_slim.data import stdlib_root
-
-    root = tmp_path_factory.mktemp("packing-docs")
-    text = "".join((stdlib_root() / name).read_text() for name in ("argparse.py", "textwrap.py"))
-    rng, pos = random.Random(1), 0
-    for i in range(240):
-        size = rng.choice([20, 60, 150, 300, 600, 1500])
-        (root / f"doc{i:04d}.txt").write_text(text[pos : pos + size])
-        pos += size
-    return str(root)
+    return cut_documents(tmp_path_factory.mktemp("packing-docs"), 1, [20, 60, 150, 300, 600, 1500], 240)
 
 
 def _documents(seed=0, count=60):
