@@ -33,7 +33,12 @@ PIPELINED = {
 }
 
 
-@pytest.mark.parametrize("case", list(PIPELINED))
+# default-tier time: pp4 and tp2 tied runs go to the slow tier (pp2 and interleaved stay; tied pp4 is
+# also checked by tests/runtime/pipeline/test_vocab_parallel_exactness.py, tp2 x pp2 by real_megatron)
+SLOW_CASES = ("pp4-slimpipe", "tp2-pp2-slimpipe")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in PIPELINED])
 def test_tied_embeddings_with_slices_train_the_unpipelined_model(tmp_path, data_cache, reference, case):
     run = _train(tmp_path, case, data_cache, *TIED, *PIPELINED[case])
     assert run["loss_iterations"] == reference["loss_iterations"] == [1, 2, 3, 4]
