@@ -1,6 +1,7 @@
 """Rank function of the vocabulary-parallel exactness test (module level so spawn can import it)."""
 
 import dataclasses
+import functools
 
 import torch
 
@@ -29,27 +30,20 @@ def run_vocab_parallel(rank, world_size, configs, seed=1234):
         chunks = build_rank_chunks(model, groups, core_attention=SliceCoreAttention, seed=seed)
         head = build_vocab_head(chunks, groups)
         fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths), kind=kind), vocab_head=head)
-        reports = fb(
+        step = functools.partial(
+            fb,
             forward_step_func=vocab_forward_step,
-            data_iterator=[iter(batches) for _ in chunks],
             model=chunks,
             num_microbatches=m,
             seq_length=model.seq_length,
             micro_batch_size=2,
         )
+        reports = step(data_iterator=[iter(batches) for _ in chunks])
         head.reduce_grads()
         grads = {}
         for c in chunks:
             grads.update(global_grads(c))
-        evaluated = fb(
-            forward_step_func=vocab_forward_step,
-            data_iterator=[iter(batches) for _ in chunks],
-            model=chunks,
-            num_microbatches=m,
-            seq_length=model.seq_length,
-            micro_batch_size=2,
-            forward_only=True,
-        )
+        evaluated = step(data_iterator=[iter(batches) for _ in chunks], forward_only=True)
         ref = reference.unsliced_step(model, dataclasses.replace(groups), batches, seed) if rank == 0 else None
         reports = [r["lm loss"] for r in reports]
         assert len(evaluated) == len(reports)
