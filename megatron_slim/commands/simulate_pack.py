@@ -8,6 +8,8 @@ simulator (``plan/pack/simulate.py``).
 One global batch -- lengths drawn until they hold ``train.global_batch_size * model.seq_length``
 tokens, the last cut to fit -- goes to every method, each under the same MicroPack token cap
 (``--micropack-tokens``, default ``model.seq_length``), over the recipe's ``parallel.dp`` ranks.
+With ``parallel.cp > 1`` SlimPack routes each outlier over DP (DP-merge) or over the replica's CP
+group (Zeppelin), whichever is cheaper; the counts go to ``packing.slimpack.outlier_routes``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.cp.lengths import SPEC_FORMS, parse_lengths
 from megatron_slim.plan.pack.baselines import BASELINES, plan_baseline
 from megatron_slim.plan.pack.costs import fit_slice_costs
+from megatron_slim.plan.pack.cp_route import CPRoute
 from megatron_slim.plan.pack.evaluate import draw_global_batch
 from megatron_slim.plan.pack.plan import PackingPlan
 from megatron_slim.plan.pack.simulate import PackedSimulation, simulate_plan
@@ -58,10 +61,12 @@ def check_flags(args) -> None:
 
 
 def make_plan(method: str, lengths: tuple[int, ...], cost: CostModel, cap: int) -> PackingPlan:
+    """``method``'s plan; SlimPack's outliers may take the CP route when ``parallel.cp > 1``."""
     costs = fit_slice_costs(cost, cap, max(lengths))
     dp = cost.recipe.parallel.dp
     if method == "slimpack":
-        return solve(lengths, costs, dp, cap).plan
+        cp_route = CPRoute.from_cost_model(cost, cap) if cost.recipe.parallel.cp > 1 else None
+        return solve(lengths, costs, dp, cap, cp_route=cp_route).plan
     return plan_baseline(method, lengths, costs, dp, cap)
 
 
@@ -123,6 +128,10 @@ def run(args, recipe: Recipe, calibration: Calibration | None, note: str | None 
         file=out,
     )
     print(table(results), file=out)
+    for r in results:
+        if r.outlier_routes:
+            counts = ", ".join(f"{n} {route}" for route, n in r.outlier_routes)
+            print(f"{r.method} outliers by route: {counts} (cp: split over the CP group by Zeppelin)", file=out)
     if args.json and args.json != "-":
         print(f"wrote {args.json}", file=out)
     return 0

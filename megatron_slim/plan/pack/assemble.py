@@ -4,16 +4,19 @@ Pricing a piece: forward/backward of its length at its prefix (its start in the 
 document whose pieces sit on several DP ranks (DP-merge, or a baseline's round-robin scattering
 a long document's chunks) also pays for the prefix K/V it receives (forward) and the dK/dV it
 sends back (backward). A context-parallel shard (Megatron hybrid CP) costs 1/k of its document,
-head-tail balanced (a piece of a shard: its share by tokens), plus the other shards' K/V.
+head-tail balanced (a piece of a shard: its share by tokens), plus the other shards' K/V. A
+CP-routed outlier (``cp_route.py``) costs its route's price, shared among its pieces as their
+forward / backward work at their prefix.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 from megatron_slim.plan.pack.costs import SliceCosts
-from megatron_slim.plan.pack.plan import MicroPack, PackingPlan, Piece
+from megatron_slim.plan.pack.plan import MicroPack, PackingPlan, Piece, Route
 from megatron_slim.plan.schema import fail
 
 Rank = list[list[Piece]]
@@ -68,10 +71,26 @@ def spread_samples(ranks: Sequence[Rank]) -> set[int]:
     return spread
 
 
+@dataclass(frozen=True)
+class Extras:
+    """What some samples cost apart from their pieces' own work: ``shards`` (samples cut into that
+    many hybrid-CP shards), ``routed`` (CP-routed samples' whole (forward, backward) seconds) and the
+    ``routes`` the plan records."""
+
+    shards: Mapping[int, int] = field(default_factory=dict)
+    routed: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    routes: tuple[tuple[int, Route], ...] = ()
+
+
 def _piece_cost(
-    costs: SliceCosts, p: Piece, lengths: Sequence[int], spread: set[int], shards: Mapping[int, int]
+    costs: SliceCosts, p: Piece, lengths: Sequence[int], spread: set[int], extras: Extras
 ) -> tuple[float, float]:
-    k = shards.get(p.sample)
+    fwd, bwd = costs.forward(p.length, p.start), costs.backward(p.length, p.start)
+    routed = extras.routed.get(p.sample)
+    if routed:
+        own_f, own_b = costs.sample_work(lengths[p.sample])
+        return fwd * routed[0] / own_f if own_f else 0.0, bwd * routed[1] / own_b if own_b else 0.0
+    k = extras.shards.get(p.sample)
     if k:
         whole = lengths[p.sample]
         fwd, bwd = costs.sample_work(whole)
@@ -79,7 +98,7 @@ def _piece_cost(
         moved = costs.transfer(whole * (k - 1)) * share
         return fwd * share + moved, bwd * share + 2 * moved
     moved = costs.transfer(p.start) if p.sample in spread else 0.0
-    return costs.forward(p.length, p.start) + moved, costs.backward(p.length, p.start) + 2 * moved
+    return fwd + moved, bwd + 2 * moved
 
 
 def price(
@@ -89,24 +108,22 @@ def price(
     costs: SliceCosts,
     token_cap: int,
     memory_cap: float,
-    shards: Optional[Mapping[int, int]] = None,
+    extras: Optional[Extras] = None,
 ) -> PackingPlan:
-    """The plan value of ``ranks`` (each a list of MicroPacks' pieces), every MicroPack priced.
-
-    ``shards``: samples cut into that many context-parallel shards (priced as shares)."""
-    shards = shards or {}
+    """The plan value of ``ranks`` (each a list of MicroPacks' pieces), every MicroPack priced."""
+    extras = extras or Extras()
     spread = spread_samples(ranks)
     out = []
     for packs in ranks:
         rank = []
         for pieces in packs:
-            fb = [_piece_cost(costs, p, lengths, spread, shards) for p in pieces]
+            fb = [_piece_cost(costs, p, lengths, spread, extras) for p in pieces]
             tokens = sum(p.length for p in pieces)
             rank.append(
                 MicroPack(tuple(pieces), math.fsum(f for f, _ in fb), math.fsum(b for _, b in fb), costs.memory(tokens))
             )
         out.append(tuple(rank))
-    return PackingPlan(method, tuple(lengths), token_cap, memory_cap, tuple(out))
+    return PackingPlan(method, tuple(lengths), token_cap, memory_cap, tuple(out), extras.routes)
 
 
 def fill_rank(units: Sequence[list[Piece]], weights: Sequence[float], cap: int, pack_work: float) -> Rank:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from megatron_slim.plan.pack.assemble import Rank, cut, effective_cap, price, round_robin
+from megatron_slim.plan.pack.assemble import Extras, Rank, cut, effective_cap, price, round_robin
 from megatron_slim.plan.pack.costs import SliceCosts
 from megatron_slim.plan.pack.plan import PackingPlan, Piece
 
@@ -186,7 +186,7 @@ def plan_baseline(
         return price(method, lengths, simple[method](lengths, cap, dp), costs, token_cap, memory_cap)
     if method == "hybrid_cp":
         ranks, shards = hybrid_cp(lengths, cap, dp)
-        return price(method, lengths, ranks, costs, token_cap, memory_cap, shards)
+        return price(method, lengths, ranks, costs, token_cap, memory_cap, Extras(shards=shards))
     if method == "wlb":
         return price(method, lengths, wlb(lengths, cap, dp, costs), costs, token_cap, memory_cap)
     raise ValueError(f"packing method {method!r}: allowed {', '.join(BASELINES)}")

@@ -16,16 +16,19 @@ Memory per slice follows its token count, as for an unpacked slice. A piece whos
 in an earlier MicroPack (or on another DP rank) also holds that prefix's K/V from its forward to
 its backward; a piece of a document spread over DP ranks pays for receiving that prefix K/V in
 forward and returning dK/dV in backward (as ``assemble.price`` does). Both are charged to the slice
-holding the piece's first token.
+holding the piece's first token. A piece of a CP-routed outlier (``PackingPlan.routes``) runs split
+over the CP group by Zeppelin's placement: its times are scaled by ``routed_scales`` (the CP
+route's price of the whole document over the cost model's, forward apart from backward).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from megatron_slim.plan.cost.model import CostModel, Link
-from megatron_slim.plan.pack.plan import MicroPack, Piece
+from megatron_slim.plan.pack.cp_route import CPRoute
+from megatron_slim.plan.pack.plan import MicroPack, PackingPlan, Piece
 from megatron_slim.plan.sim.costs import CostModelTerms
 
 TimeFn = Callable[[int, float, float], float]
@@ -71,11 +74,28 @@ def cut_micropack(pack: MicroPack, num_slices: int, spread: frozenset[int] = fro
     return tuple(PackedSlice(tuple(s), e, r) for s, e, r in zip(slices, external, received))
 
 
+def routed_scales(plan: PackingPlan, cost: CostModel) -> dict[int, tuple[float, float]]:
+    """Per CP-routed sample: (forward, backward) of its CP route over the cost model's time of the
+    whole document, both on the stage the plan was priced at (``cp_route.CPRoute.from_cost_model``)."""
+    routed = plan.cp_routed()
+    if not routed:
+        return {}
+    route = CPRoute.from_cost_model(cost, plan.token_cap)
+    stage = min(1, cost.num_stages - 1)
+    out = {}
+    for sample in sorted(routed):
+        n = plan.sample_lengths[sample]
+        fwd, bwd = route.sample_work(n)
+        out[sample] = (fwd / cost.forward_time(stage, n, 0.0), bwd / cost.backward_time(stage, n, 0.0))
+    return out
+
+
 class PackedCosts(CostModelTerms):
     """What the simulator asks, for the MicroPacks ``packs`` of one DP rank (``PipelineCosts``).
 
     ``model_flops_total``: the model FLOPs this rank's share of the batch stands for (the MFU
-    numerator, decided by the caller); ``kv_link``: the link prefix K/V crosses between DP ranks."""
+    numerator, decided by the caller); ``kv_link``: the link prefix K/V crosses between DP ranks;
+    ``scales``: CP-routed samples' time factors (``routed_scales``)."""
 
     def __init__(
         self,
@@ -85,6 +105,7 @@ class PackedCosts(CostModelTerms):
         spread: frozenset[int] = frozenset(),
         model_flops_total: float = 0.0,
         kv_link: Link | None = None,
+        scales: Mapping[int, tuple[float, float]] | None = None,
     ) -> None:
         self.cost = cost
         self.slices = [cut_micropack(m, num_slices, spread) for m in packs]
@@ -92,6 +113,7 @@ class PackedCosts(CostModelTerms):
         p = cost.recipe.parallel
         self.kv_link = kv_link or cost.link(cost.gpu_index(), cost.gpu_index(dp=min(1, p.dp - 1)))
         self._fixed: dict[tuple[str, int], float] = {}
+        self.scales = scales or {}
 
     def _fixed_part(self, name: str, fn: TimeFn, stage: int) -> float:
         key = (name, stage)
@@ -102,7 +124,11 @@ class PackedCosts(CostModelTerms):
     def _packed_time(self, name: str, fn: TimeFn, stage: int, s: PackedSlice) -> float:
         if not s.pieces:
             return 0.0
-        total = sum(fn(stage, p.length, p.start) for p in s.pieces)
+        if self.scales:
+            pick = 0 if name == "f" else 1
+            total = sum(fn(stage, p.length, p.start) * self.scales.get(p.sample, (1.0, 1.0))[pick] for p in s.pieces)
+        else:
+            total = sum(fn(stage, p.length, p.start) for p in s.pieces)
         return total - (len(s.pieces) - 1) * self._fixed_part(name, fn, stage)
 
     def _transfer(self, stage: int, s: PackedSlice) -> float:

@@ -5,6 +5,11 @@
 rank its pieces appear in start order. Forward and backward seconds are per pipeline stage, as
 priced when the plan was built. The plan checks itself on construction: every token of every
 sample exactly once, no MicroPack over the token cap or the memory cap.
+
+``routes``: with context parallelism (cp > 1), each outlier's route, ``(sample, "cp" | "dp-merge")``
+by sample: ``cp`` keeps it on one DP replica, split over the replica's CP group by Zeppelin's
+placement (``cp_route.py``: its MicroPacks are priced so, and the simulator times them so);
+``dp-merge`` lets its slices go to any replica. Empty without CP (nothing to choose).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from megatron_slim.plan.schema import ConfigError
 
@@ -64,6 +70,30 @@ def _check_order(rank: int, packs: tuple[MicroPack, ...]) -> None:
             last[p.sample] = p.start
 
 
+Route = Literal["cp", "dp-merge"]
+ROUTES: tuple[Route, ...] = ("cp", "dp-merge")
+
+
+def _check_routes(plan: "PackingPlan") -> None:
+    """Routes by increasing sample, each a sample of the plan and a known route; a CP-routed sample
+    on one DP rank only."""
+    samples = [s for s, _ in plan.routes]
+    if samples != sorted(set(samples)):
+        raise ConfigError(f"packing plan: routes {plan.routes[:8]} are not by increasing sample, each once")
+    for s, route in plan.routes:
+        if route not in ROUTES or not 0 <= s < len(plan.sample_lengths):
+            raise ConfigError(
+                f"packing plan: route {s}:{route}: allowed a sample of 0..{len(plan.sample_lengths) - 1} "
+                f"and a route of {' | '.join(ROUTES)}"
+            )
+    routed = plan.cp_routed()
+    held = {(p.sample, r) for r, packs in enumerate(plan.ranks) for m in packs for p in m.pieces if p.sample in routed}
+    for s in routed:
+        ranks = sorted(r for t, r in held if t == s)
+        if len(ranks) > 1:
+            raise ConfigError(f"packing plan: CP-routed sample {s} sits on DP ranks {ranks} (allowed: one)")
+
+
 @dataclass(frozen=True)
 class PackingPlan:
     method: str
@@ -71,6 +101,7 @@ class PackingPlan:
     token_cap: int
     memory_cap: float
     ranks: tuple[tuple[MicroPack, ...], ...]
+    routes: tuple[tuple[int, Route], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -86,6 +117,7 @@ class PackingPlan:
                     raise ConfigError(f"packing plan: rank {r} MicroPack {m} needs {need} B > cap {cap}")
             _check_order(r, packs)
         _check_cover(self.sample_lengths, [p for packs in self.ranks for m in packs for p in m.pieces])
+        _check_routes(self)
 
     @property
     def dp(self) -> int:
@@ -97,9 +129,19 @@ class PackingPlan:
     def rank_backward(self) -> tuple[float, ...]:
         return tuple(math.fsum(m.backward_s for m in packs) for packs in self.ranks)
 
+    def cp_routed(self) -> frozenset[int]:
+        return frozenset(s for s, route in self.routes if route == "cp")
+
+    def route_counts(self) -> dict[str, int]:
+        """Outliers per route (every route named, zero included)."""
+        return {route: sum(1 for _, r in self.routes if r == route) for route in ROUTES}
+
     def text(self) -> str:
-        """One line per MicroPack: rank, index, seconds, then ``sample:start+length`` pieces."""
+        """One line per MicroPack: rank, index, seconds, then ``sample:start+length`` pieces; the
+        outliers' routes on a line of their own when there are any."""
         lines = [f"packing {self.method} dp={self.dp} samples={len(self.sample_lengths)} cap={self.token_cap}"]
+        if self.routes:
+            lines.append("routes " + " ".join(f"{s}:{route}" for s, route in self.routes))
         for r, packs in enumerate(self.ranks):
             for m, pack in enumerate(packs):
                 pieces = " ".join(f"{p.sample}:{p.start}+{p.length}" for p in pack.pieces)

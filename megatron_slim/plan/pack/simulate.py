@@ -17,7 +17,7 @@ from typing import Optional
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.pack.assemble import spread_samples
 from megatron_slim.plan.pack.evaluate import evaluate
-from megatron_slim.plan.pack.pipeline_costs import PackedCosts
+from megatron_slim.plan.pack.pipeline_costs import PackedCosts, routed_scales
 from megatron_slim.plan.pack.plan import PackingPlan
 from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.schedule.generators import generate
@@ -38,9 +38,10 @@ class PackedSimulation:
     micropacks: int
     slowest_rank: int
     hbm_bytes: float
+    outlier_routes: tuple[tuple[str, int], ...] = ()  # outliers per route, when the plan chose routes
 
-    def to_json(self) -> dict[str, float | int]:
-        return {
+    def to_json(self) -> dict[str, float | int | dict[str, int]]:
+        out: dict[str, float | int | dict[str, int]] = {
             "iteration_time_s": self.iteration_time_s,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
@@ -51,6 +52,9 @@ class PackedSimulation:
             "micropacks": self.micropacks,
             "slowest_dp_rank": self.slowest_rank,
         }
+        if self.outlier_routes:
+            out["outlier_routes"] = dict(self.outlier_routes)
+        return out
 
 
 def schedule_slices(cost: CostModel) -> int:
@@ -59,15 +63,22 @@ def schedule_slices(cost: CostModel) -> int:
 
 
 def simulate_rank(
-    plan: PackingPlan, rank: int, cost: CostModel, flops: float, progress: Optional[Progress] = None
+    plan: PackingPlan,
+    rank: int,
+    cost: CostModel,
+    flops: float,
+    progress: Optional[Progress] = None,
+    scales: Optional[dict[int, tuple[float, float]]] = None,
 ) -> Optional[SimResult]:
-    """DP rank ``rank``'s pipeline (None when it holds no MicroPack)."""
+    """DP rank ``rank``'s pipeline (None when it holds no MicroPack); ``scales``: ``routed_scales``
+    of the plan, when the caller has them."""
     packs = plan.ranks[rank]
     if not packs:
         return None
     r, p, n = cost.recipe, cost.recipe.parallel, schedule_slices(cost)
     spread = frozenset(spread_samples([[list(m.pieces) for m in ms] for ms in plan.ranks]))
-    costs = PackedCosts(cost, packs, n, spread, flops)
+    scales = routed_scales(plan, cost) if scales is None else scales
+    costs = PackedCosts(cost, packs, n, spread, flops, scales=scales)
     try:
         schedule = generate(r.schedule.kind, p.pp, p.vpp, len(packs), n)
     except ValueError as exc:
@@ -83,9 +94,10 @@ def simulate_plan(plan: PackingPlan, cost: CostModel, progress: Optional[Progres
     pp = cost.recipe.parallel.pp
     after = max(cost.grad_sync_time(s) + cost.optimizer_time(s) for s in range(pp))
     times, peaks = [], []
+    scales = routed_scales(plan, cost)
     for rank, packs in enumerate(plan.ranks):
         share = total_flops * sum(m.tokens for m in packs) / tokens
-        res = simulate_rank(plan, rank, cost, share, progress)
+        res = simulate_rank(plan, rank, cost, share, progress, scales)
         times.append(res.iteration_time_s if res else after)
         peaks.append(max(x.peak_memory_bytes for x in res.ranks) if res else max(map(cost.static_bytes, range(pp))))
     slowest = max(range(plan.dp), key=lambda i: times[i])
@@ -105,4 +117,5 @@ def simulate_plan(plan: PackingPlan, cost: CostModel, progress: Optional[Progres
         micropacks=simple.micropacks,
         slowest_rank=slowest,
         hbm_bytes=cost.hw.usable_hbm_bytes,
+        outlier_routes=tuple(plan.route_counts().items()) if plan.routes else (),
     )

@@ -6,7 +6,11 @@
    DP-merged: each slice a unit of its own, free to go to any replica, paying for the prefix K/V
    it receives. Three candidates (merge nothing, the outliers, or every sliced document) go
    through phase 1; the one with the lower imbalance wins, then the lower slowest rank (where
-   DP-merge's transfers show): "whichever the cost model prefers".
+   DP-merge's transfers show). With context parallelism (``cp_route``), each outlier is first
+   priced DP-merged and CP-routed -- whole on one replica, split over its CP group by Zeppelin's
+   placement (``cp_route.py``) -- and takes the cheaper route ("whichever the cost model
+   prefers"); the candidates then DP-merge the DP-routed outliers, and those plus every other
+   sliced document. The plan records each outlier's route.
 2. Phase 1 (``heuristic``): LPT + local search on ``max(F/F*, B/B*)``.
 3. Phase 2 (``milp``): HiGHS refinement under ``budget_s``; kept only if the priced plan is
    better than phase 1's.
@@ -22,12 +26,13 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megatron_slim.plan.pack.assemble import Rank, cut_balanced, effective_cap, fill_rank, price
+from megatron_slim.plan.pack.assemble import Extras, Rank, cut_balanced, effective_cap, fill_rank, price
 from megatron_slim.plan.pack.costs import SliceCosts
+from megatron_slim.plan.pack.cp_route import CPRoute, choose_routes
 from megatron_slim.plan.pack.evaluate import plan_score
 from megatron_slim.plan.pack.heuristic import Unit, Vector, local_search, lpt, normalised
 from megatron_slim.plan.pack.milp import refine
-from megatron_slim.plan.pack.plan import PackingPlan, Piece
+from megatron_slim.plan.pack.plan import PackingPlan, Piece, Route
 from megatron_slim.plan.schema import fail
 
 
@@ -50,15 +55,21 @@ def make_units(
     slices: list[list[Piece]],
     merged: set[int],
     memo: Optional[dict[tuple[int, bool], list[Unit]]] = None,
+    routed: Optional[dict[int, tuple[float, float]]] = None,
 ) -> list[Unit]:
     """One unit per document, or per slice of a DP-merged one (``slices``: each document's).
-    ``memo``: units already made for ``(sample, merged)``, shared by the DP-merge candidates."""
+    ``memo``: units already made for ``(sample, merged)``, shared by the DP-merge candidates;
+    ``routed``: CP-routed documents' whole (forward, backward) seconds (one unit each, at that price)."""
     memo = {} if memo is None else memo
+    routed = routed or {}
     units = []
     for sample, length in enumerate(lengths):
         key = (sample, sample in merged)
         if key not in memo:
-            memo[key] = _units_of(sample, length, costs, slices[sample], key[1])
+            if sample in routed:
+                memo[key] = [Unit(tuple(slices[sample]), *routed[sample])]
+            else:
+                memo[key] = _units_of(sample, length, costs, slices[sample], key[1])
         units += memo[key]
     return units
 
@@ -83,7 +94,12 @@ class Caps:
 
 
 def build(
-    lengths: Sequence[int], units: list[Unit], assign: Sequence[int], costs: SliceCosts, caps: Caps
+    lengths: Sequence[int],
+    units: list[Unit],
+    assign: Sequence[int],
+    costs: SliceCosts,
+    caps: Caps,
+    extras: Optional[Extras] = None,
 ) -> PackingPlan:
     # A DP-merged document's slices that land on one rank run there as one chain, in order.
     per_rank: list[dict[int, tuple[list[Piece], float]]] = [{} for _ in range(caps.dp)]
@@ -95,7 +111,7 @@ def build(
     for chains in per_rank:
         ordered = [sorted(pieces) for pieces, _ in chains.values()]
         ranks.append(fill_rank(ordered, [w for _, w in chains.values()], caps.cap, pack_work))
-    return price("slimpack", lengths, ranks, costs, caps.token_cap, caps.memory_cap)
+    return price("slimpack", lengths, ranks, costs, caps.token_cap, caps.memory_cap, extras)
 
 
 def outliers(lengths: Sequence[int], costs: SliceCosts, dp: int, outlier_tokens: Optional[int]) -> set[int]:
@@ -107,18 +123,36 @@ def outliers(lengths: Sequence[int], costs: SliceCosts, dp: int, outlier_tokens:
     return {s for s, (f, b) in enumerate(work) if max(f / f_share, b / b_share) > 0.5}
 
 
+def route_outliers(
+    lengths: Sequence[int], costs: SliceCosts, slices: list[list[Piece]], outliers: set[int], dp: int, cp: CPRoute
+) -> dict[int, Route]:
+    """Each outlier priced DP-merged (its slices' units) and CP-routed; ``cp_route.choose_routes``."""
+    work = [math.fsum(costs.sample_work(n)) for n in lengths]
+    by_dp = {}
+    for s in outliers:
+        by_dp[s] = math.fsum(u.forward + u.backward for u in _units_of(s, lengths[s], costs, slices[s], True))
+    by_cp = {s: math.fsum(cp.sample_work(lengths[s])) for s in outliers}
+    return choose_routes(sorted(outliers), work, by_dp, by_cp, dp)
+
+
 def _best_candidate(
-    lengths: Sequence[int], costs: SliceCosts, slices: list[list[Piece]], merges: list[set[int]], dp: int
+    lengths: Sequence[int],
+    costs: SliceCosts,
+    slices: list[list[Piece]],
+    merges: list[set[int]],
+    dp: int,
+    routed: Optional[dict[int, tuple[float, float]]] = None,
 ) -> tuple[list[Unit], list[int], set[int]]:
-    """Phase 1 for each DP-merge candidate (LPT for all, the local search for the best only)."""
-    options: list[set[int]] = [set()]
+    """Phase 1 for each DP-merge candidate (LPT for all, the local search for the best only); with
+    CP-routed outliers (``routed``) only the given candidates, so every DP-routed one is merged."""
+    options: list[set[int]] = [] if routed is not None else [set()]
     for m in merges:
         if m not in options:
             options.append(m)
     candidates: list[tuple[float, float, int, list[Unit], list[int], set[int], Vector, Vector]] = []
     memo: dict[tuple[int, bool], list[Unit]] = {}
     for merged in options:
-        units = make_units(lengths, costs, slices, merged, memo)
+        units = make_units(lengths, costs, slices, merged, memo, routed)
         f, b = normalised(units, dp)
         assign = lpt(f, b, dp)
         fwd, bwd = np.bincount(assign, f, dp), np.bincount(assign, b, dp)
@@ -128,6 +162,27 @@ def _best_candidate(
         candidates.append((worst, float(raw.max()), len(candidates), units, assign, merged, f, b))
     *_, units, assign, merged, f, b = min(candidates, key=lambda c: c[:3])
     return units, local_search(assign, f, b, dp), merged
+
+
+def _phase1(
+    lengths: Sequence[int],
+    costs: SliceCosts,
+    slices: list[list[Piece]],
+    large: set[int],
+    dp: int,
+    cp_route: Optional[CPRoute],
+) -> tuple[list[Unit], list[int], set[int], Extras]:
+    """Phase 1's units and assignment, the DP-merged documents and what the plan prices apart."""
+    every_sliced = {s for s, c in enumerate(slices) if len(c) > 1}
+    if cp_route is None:
+        units, assign, merged = _best_candidate(lengths, costs, slices, [large, large | every_sliced], dp)
+        return units, assign, merged, Extras()
+    routes = route_outliers(lengths, costs, slices, large, dp, cp_route)
+    routed = {s: cp_route.sample_work(lengths[s]) for s, r in routes.items() if r == "cp"}
+    merge = large - set(routed)
+    candidates = [merge, merge | (every_sliced - set(routed))]
+    units, assign, merged = _best_candidate(lengths, costs, slices, candidates, dp, routed)
+    return units, assign, merged, Extras(routed=routed, routes=tuple(sorted(routes.items())))
 
 
 def solve(
@@ -140,12 +195,13 @@ def solve(
     outlier_tokens: Optional[int] = None,
     budget_s: float = 0.5,
     whole_samples: bool = False,
+    cp_route: Optional[CPRoute] = None,
 ) -> SlimPackResult:
     """SlimPack's plan of ``lengths`` over ``dp`` ranks, with phase 1's plan beside it.
 
     ``whole_samples``: every sample stays one piece in one MicroPack (no slicing, no DP-merge), for a
     runtime that cannot carry a document's K/V from one microbatch to the next; samples must then
-    fit the cap."""
+    fit the cap. ``cp_route``: the replicas' CP groups (cp > 1), so outliers may take the CP route."""
     began, began_cpu = time.perf_counter(), time.process_time()
     if dp < 1:
         raise fail("packing dp", dp, "an integer >= 1")
@@ -161,16 +217,15 @@ def solve(
         slices = [[Piece(s, 0, n)] for s, n in enumerate(lengths)]
     else:
         slices = [cut_balanced(s, n, size, costs) for s, n in enumerate(lengths)]
-    merge = set() if whole_samples else outliers(lengths, costs, dp, outlier_tokens)
-    every_sliced = {s for s, c in enumerate(slices) if len(c) > 1}
-    units, assign, merged = _best_candidate(lengths, costs, slices, [merge, merge | every_sliced], dp)
-    first = build(lengths, units, assign, costs, caps)
+    large = set() if whole_samples else outliers(lengths, costs, dp, outlier_tokens)
+    units, assign, merged, extras = _phase1(lengths, costs, slices, large, dp, cp_route)
+    first = build(lengths, units, assign, costs, caps, extras)
     phase1_s, phase1_cpu_s = time.perf_counter() - began, time.process_time() - began_cpu
     f, b = normalised(units, dp)
     refined = refine(assign, f, b, dp, max(0.0, budget_s - phase1_s))
     plan = first
     if refined.rounds_taken:
-        second = build(lengths, units, refined.assign, costs, caps)
+        second = build(lengths, units, refined.assign, costs, caps, extras)
         if plan_score(second) < plan_score(first):
             plan = second
     return SlimPackResult(
