@@ -33,7 +33,9 @@ def add_mode_args(sim: argparse.ArgumentParser) -> None:
         metavar="METHODS",
         help="time packers of variable-length samples with the pipeline simulator instead: 'all' or a "
         "comma list of slimpack, megatron, bfd, lpfhp, hybrid_cp, wlb (docs/packing.md); one global batch "
-        "of --lengths filling train.global_batch_size * model.seq_length tokens, split over parallel.dp ranks",
+        "of --lengths filling train.global_batch_size * model.seq_length tokens, split over parallel.dp ranks; "
+        "with parallel.cp > 1 slimpack sends each outlier over DP (DP-merge) or over the replica's CP group "
+        "(Zeppelin), whichever is cheaper, and reports the count by route",
     )
     sim.add_argument(
         "--micropack-tokens",
