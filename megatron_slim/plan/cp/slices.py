@@ -138,9 +138,7 @@ def _earlier_piece(docs: _Documents, q: Run, q_row: int, k: Run, k_row: int, sou
     return AttentionPiece(q_row, q_end - q[0], source, k_row + k_first - k[0], k[1] - k_first)
 
 
-def slice_pieces(
-    shares: Sequence[SliceShare], index: int, rank: int, documents: Sequence[int]
-) -> list[AttentionPiece]:
+def slice_pieces(shares: Sequence[SliceShare], index: int, rank: int, documents: Sequence[int]) -> list[AttentionPiece]:
     """``rank``'s pieces for slice ``index``: every rank's queries of the slice against the keys
     ``rank`` holds (its runs of this slice, source ``OWN``, and of each earlier slice, source ``i``)."""
     docs, share = _Documents.of(documents), shares[index]
