@@ -20,6 +20,7 @@ from megatron_slim.plan.hardware import HardwareProfile, load_hardware
 from megatron_slim.plan.paths import config_dir
 from megatron_slim.plan.recipe_sections import (
     MAX_SEED,
+    SLICED_CP_ENGINES,
     CPConfig,
     CPEngine,
     DataConfig,
@@ -124,13 +125,14 @@ class Recipe:
                 raise fail("parallel.vpp", p.vpp, "an integer >= 2 with schedule.kind=interleaved")
             if s.num_slices != 1:
                 raise fail("schedule.num_slices", s.num_slices, "1 with schedule.kind=interleaved (use slimpipe)")
-        if s.kind == "slimpipe" and p.cp > 1 and (self.cp.engine != "ring" or self.cp.remap):
+        if s.kind == "slimpipe" and p.cp > 1 and (self.cp.engine not in SLICED_CP_ENGINES or self.cp.remap):
             raise fail(
                 "cp.engine",
                 self.cp.engine,
-                "ring (the default) with cp.remap=false when schedule.kind=slimpipe: SlimPipe runs context "
-                "parallelism itself, as query-out attention over its K/V cache; cp.engine selects the "
-                "engine for 1f1b/interleaved runs",
+                f"one of {', '.join(SLICED_CP_ENGINES)} (ring is the default) with cp.remap=false when "
+                "schedule.kind=slimpipe: megatron-slim train plans each window with the engine and runs every "
+                "slice as query-out attention over that plan and the K/V cache (the Megatron-LM launcher runs "
+                "its own zigzag query-out); the other engines run under 1f1b/interleaved",
             )
         allowed = self._allowed_slice_counts()
         if allowed is not None:

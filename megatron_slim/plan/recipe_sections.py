@@ -14,6 +14,8 @@ from megatron_slim.plan.schema import ConfigError, check_fields, fail
 ScheduleKind = Literal["1f1b", "interleaved", "slimpipe"]
 SlicePolicy = Literal["uniform", "balanced", "exchange"]
 CPEngine = Literal["ring", "zeppelin", "ulysses", "a2a+p2p", "allgather", "dynamic"]
+# engines whose plans ``megatron-slim train`` runs slice by slice under SlimPipe (plan/cp/slices.py)
+SLICED_CP_ENGINES = ("zeppelin", "ring", "ulysses")
 Packing = Literal["none", "slimpack", "megatron", "bfd"]
 
 

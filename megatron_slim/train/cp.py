@@ -195,10 +195,14 @@ def describe(recipe: Recipe) -> str:
         )
     topo, _ = cp_topology(recipe)
     remap = " with remap" if recipe.cp.remap else ""
+    s = recipe.schedule
+    sliced = (
+        f"; its {s.num_slices} SlimPipe slices follow that plan" if s.kind == "slimpipe" and s.num_slices > 1 else ""
+    )
     return (
         f"context parallel: cp{recipe.parallel.cp} engine {recipe.cp.engine}{remap} on {topo.num_nodes} node(s) "
         f"x {topo.ranks_per_node} CP ranks (hardware {recipe.hardware_profile.name}); each microbatch is a "
-        "pack of the documents between eod tokens, attention stays inside each document"
+        f"pack of the documents between eod tokens, attention stays inside each document{sliced}"
     )
 
 

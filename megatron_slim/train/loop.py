@@ -62,15 +62,18 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
     from megatron_slim.runtime.attention import choose_backend
-    from megatron_slim.train.cp import CPTrainStep, cp_layer_classes
+    from megatron_slim.train.cp import cp_layer_classes
+    from megatron_slim.train.cp_slices import CPSlicedTrainStep
 
     recipe = recipe_from_dict(recipe_data)
     p, t = recipe.parallel, recipe.train
     torch.manual_seed(t.seed)
     groups = init_model_parallel(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, dp=p.dp, seed=t.seed)
     engine = p.cp > 1 and not recipe.query_out_cp
-    cp_step = CPTrainStep(recipe, groups, prepared.tokenizer.eod) if engine else None
-    layers = cp_layer_classes(recipe) if cp_step else {"core_attention": SliceCoreAttention}
+    settings = pipeline_settings(recipe, options.measure_memory)
+    cp_step = _cp_step(recipe, groups, prepared.tokenizer.eod, settings.slice_lengths) if engine else None
+    sliced = isinstance(cp_step, CPSlicedTrainStep)
+    layers = cp_layer_classes(recipe) if cp_step and not sliced else {"core_attention": SliceCoreAttention}
     layers = with_dynamic_layers(recipe, layers)
     built = dict(layers_per_stage=p.layers_per_stage, seed=t.seed, **recompute_config(t.recompute_plan))
     chunks = build_rank_chunks(recipe.model, groups, **layers, **built)
@@ -78,8 +81,8 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
         cp_step.attach(chunks)
     optimizer, scheduler = build_optimizer(chunks, t)
     vocab_head = build_vocab_head(chunks, groups) if recipe.schedule.vocab_parallel else None
-    settings, rows = pipeline_settings(recipe, options.measure_memory), cp_step.stage_rows if cp_step else None
-    forward_backward = make_forward_backward_func(settings, vocab_head=vocab_head, stage_rows=rows)
+    rows, context = (cp_step.stage_rows, cp_step.slices if sliced else None) if cp_step else (None, None)
+    forward_backward = make_forward_backward_func(settings, context=context, vocab_head=vocab_head, stage_rows=rows)
     dataset = training_data(recipe, prepared)
     backend = choose_backend(None, torch.device("cpu"), torch.float32).label
     report = RankReport(rank, groups.pp_rank, groups.dp_rank, groups.tp_rank, groups.cp_rank, attention_backend=backend)
@@ -95,6 +98,16 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     if training.metrics:
         training.metrics.close()
     return report
+
+
+def _cp_step(recipe: Recipe, groups, eod: int, slice_lengths):
+    """The CP plumbing of an engine run: whole planned packs, or SlimPipe slices that follow each plan."""
+    from megatron_slim.train.cp import CPTrainStep
+    from megatron_slim.train.cp_slices import CPSlicedTrainStep, sliced_under_engine
+
+    if sliced_under_engine(recipe):
+        return CPSlicedTrainStep(recipe, groups, eod, slice_lengths)
+    return CPTrainStep(recipe, groups, eod)
 
 
 @dataclass

@@ -150,15 +150,36 @@ def test_cp_engines_with_pipelines_run_in_train_and_are_refused_by_the_megatron_
         check_trainable(load_recipe("tiny-cpu", CP_RECIPE + ["parallel.pp=2", f"cp.engine={engine}"]))
 
 
-def test_train_refuses_slimpipe_slices_under_cp_naming_what_runs():
-    recipe = load_recipe("tiny-cpu", ["parallel.cp=2", "schedule.kind=slimpipe", "schedule.num_slices=2"])
-    refused = _refusal(check_trainable, recipe)
-    assert refused.startswith("schedule.num_slices: SlimPipe slices of unpacked windows under context parallelism")
-    assert refused.endswith(
-        "allowed: 1 with parallel.cp > 1 (schedule.kind=1f1b or interleaved, any parallel.pp; "
-        "cp.engine=ring then runs one planned pack per microbatch), or packed windows (data.packing=slimpack, "
-        "megatron or bfd), which run SlimPipe's query-out CP attention over each window's documents)"
+@pytest.mark.parametrize("engine", ["zeppelin", "ring", "ulysses"])
+def test_train_runs_slimpipe_slices_under_cp_with_the_sliced_engines(engine):
+    sets = ["parallel.cp=2", "parallel.pp=2", "schedule.kind=slimpipe", "schedule.num_slices=2", f"cp.engine={engine}"]
+    recipe = load_recipe("tiny-cpu", sets)
+    check_trainable(recipe)
+    settings = train_settings(recipe)
+    assert settings.cp_engine == engine and settings.slimpipe and not recipe.query_out_cp
+    refused = _refusal(lambda sets: load_recipe("tiny-cpu", sets), sets + ["cp.engine=zeppelin", "cp.remap=true"])
+    assert "one of zeppelin, ring, ulysses (ring is the default) with cp.remap=false when schedule.kind=slimpipe" in (
+        refused
     )
+
+
+def test_train_refuses_slimpipe_slices_under_the_other_engines_naming_what_runs():
+    refused = _refusal(
+        lambda e: load_recipe("tiny-cpu", ["parallel.cp=2", "schedule.kind=slimpipe", f"cp.engine={e}"]), "allgather"
+    )
+    assert refused.startswith("cp.engine: invalid value (got 'allgather'; allowed: one of zeppelin, ring, ulysses")
+    settings = Settings(cp=2, slimpipe=True, num_slices=2, cp_engine="allgather")
+    rule = broken_rule(settings, TRAIN)
+    assert rule is not None and rule.name == "train-slices-under-cp"
+    message = rule.message(settings, INPUTS[TRAIN])
+    assert message.startswith("cp.engine: SlimPipe slices under this engine are not checked")
+    assert message.endswith(
+        "allowed: one of zeppelin, ring, ulysses with schedule.num_slices > 1 (each window planned once, every "
+        "slice's query-out attention following the plan and reading the K/V of the same documents' earlier "
+        "slices), or schedule.num_slices=1 (schedule.kind=1f1b or interleaved), which runs cp.engine=allgather "
+        "on one planned pack per microbatch)"
+    )
+    assert broken_rule(Settings(cp=2, slimpipe=True, num_slices=2, cp_engine="zeppelin"), TRAIN) is None
 
 
 @pytest.mark.parametrize("method", ["slimpack", "megatron", "bfd"])

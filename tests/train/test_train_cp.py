@@ -233,8 +233,8 @@ def test_cli_trains_with_zeppelin_and_ring_with_falling_equal_losses(
     "sets, needle",
     [
         (
-            ["parallel.cp=2", "schedule.kind=slimpipe", "schedule.num_slices=2", "cp.engine=zeppelin"],
-            "cp.engine: invalid value (got 'zeppelin'",
+            ["parallel.cp=2", "schedule.kind=slimpipe", "schedule.num_slices=2", "cp.engine=allgather"],
+            "cp.engine: invalid value (got 'allgather'",
         ),
         (["parallel.cp=2", "cp.engine=ring", "cp.remap=true"], "cp.remap"),
         (["parallel.cp=2", "train.micro_batch_size=2", "train.global_batch_size=4"], "train.micro_batch_size"),

@@ -7,8 +7,8 @@ each microbatch is one slice whose layers run the engine on the microbatch's pla
 for the work: it always runs the engine and needs a plan (set by ``megatron_slim.train.cp`` before
 every forward). Both parents keep their context in ``self.context``; here the ``SliceContext`` the
 adapter attaches is kept apart (``slice_context``) and ``context`` stays the ``CPContext``.
-Splitting a microbatch into several SlimPipe slices under a CP engine is not supported
-(the start-up rule ``train-slices-under-cp`` rejects it; ``docs/cp-pipeline.md``).
+Several SlimPipe slices per microbatch do not run through this attention: ``megatron-slim train``
+then runs ``SliceCoreAttention`` on each window's plan (``train/cp_slices.py``, ``docs/cp-pipeline.md``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,12 @@ tokens are taken as the zigzag shard of one whole sequence (uncached CP attentio
 Packed windows: when the slicing data iterator recorded document lengths for the current
 microbatch (``SliceContext.documents``: the batch key ``document_lengths`` or a block-causal
 attention mask), attention stays inside each document (varlen kernels of the chosen backend) and
-RoPE positions restart at 0 in each document. Not under context or tensor parallelism (refused).
+RoPE positions restart at 0 in each document. Not under tensor parallelism (refused).
+
+A window a CP engine planned (``SliceContext.cp_shares`` holds the microbatch's shares, set by
+``megatron-slim train``'s ``train/cp_slices.py``): each rank holds the plan's rows of the slice, not
+the zigzag split; the attention is :func:`planned_slice_attention` and RoPE cuts the slice's
+document positions to those rows.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from megatron_slim.megatron.model.core_attention import SlimCoreAttention
 from megatron_slim.megatron.model.rotary import rope_table, zigzag_positions
 from megatron_slim.megatron.model.wrapping import RotaryWrapper, wrap_rotary
+from megatron_slim.runtime.pipeline.cp_planned_attention import planned_slice_attention
 from megatron_slim.runtime.pipeline.cp_slice_attention import cp_sliced_attention
 from megatron_slim.runtime.pipeline.documents import DOCUMENT_LENGTHS, slice_documents, slice_positions
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
@@ -55,6 +61,23 @@ class SliceCoreAttention(SlimCoreAttention):
                 "(call megatron_slim.megatron.slimpipe.slicing.attach_slicing)"
             )
         documents = self._documents(info, q)
+        shares = self.context.cp_shares.get(info.microbatch) if self.context is not None else None
+        if under_cp and shares is not None:
+            if documents is None:
+                raise RuntimeError(f"microbatch {info.microbatch}: a CP-planned window needs its document lengths")
+            return planned_slice_attention(
+                q,
+                k,
+                v,
+                backend=self.attention_backend(q),
+                softmax_scale=self.softmax_scale,
+                group=cp_group,
+                store=self.store,
+                info=info,
+                layer=self.layer_number,
+                documents=documents,
+                shares=shares,
+            )
         if under_cp:
             return cp_sliced_attention(
                 q,
@@ -106,14 +129,18 @@ class SliceRotary(RotaryWrapper):
         start = info.start if info is not None else 0
         documents = self.context.documents.lookup(info.microbatch) if info is not None else None
         if documents is not None:
-            if offset or max_seq_len != info.length:
+            shares = self.context.cp_shares.get(info.microbatch)
+            # megatron asks for (local rows x cp) positions: the slice under zigzag, any count under a CP plan
+            if offset or (shares is None and max_seq_len != info.length):
                 raise ValueError(
                     f"{DOCUMENT_LENGTHS}: rotary table of {max_seq_len} positions at offset {offset} for a slice "
                     f"of {info.length} tokens; allowed: the whole slice at offset 0 (before any context-parallel split)"
                 )
             positions = torch.tensor(slice_positions(documents, info.start, info.length))
             cp_group = kwargs.get("cp_group") or getattr(self.inner, "cp_group", None)
-            if cp_group is not None and cp_group.size() > 1 and not kwargs.get("packed_seq", False):
+            if cp_group is not None and cp_group.size() > 1 and shares is not None:
+                positions = positions[shares[info.slice].local_rows(cp_group.rank())]
+            elif cp_group is not None and cp_group.size() > 1 and not kwargs.get("packed_seq", False):
                 positions = positions[zigzag_positions(info.length, cp_group.rank(), cp_group.size())]
             return rope_table(self.inner, positions)  # on the table's device
         return self.inner(max_seq_len, offset + start, *args, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron_slim.plan.recipe_sections import SLICED_CP_ENGINES
 from megatron_slim.plan.schema import fail
 from megatron_slim.plan.startup.rule import Rule
 from megatron_slim.plan.startup.settings import NO_CP_ENGINE, TRAIN, Settings
@@ -64,17 +65,16 @@ TRAIN_RULES = [
     Rule(
         "train-slices-under-cp",
         (TRAIN,),
-        lambda s: s.cp > 1 and s.slimpipe and s.cp_engine != NO_CP_ENGINE,
+        lambda s: s.cp > 1 and s.slimpipe and s.cp_engine != NO_CP_ENGINE and s.cp_engine not in SLICED_CP_ENGINES,
         lambda s, i: str(
             fail(
-                "schedule.num_slices",
-                s.num_slices,
-                f"1 with parallel.cp > 1 (schedule.kind=1f1b or interleaved, any parallel.pp; cp.engine={s.cp_engine} "
-                "then runs one planned pack per microbatch), or packed windows (data.packing=slimpack, megatron or "
-                "bfd), which run SlimPipe's query-out CP attention over each window's documents",
-                "SlimPipe slices of unpacked windows under context parallelism are not run by megatron-slim train: "
-                "its CP engines plan whole packs of documents, and a slice would need a plan whose attention also "
-                "reads the K/V cached from the same documents' earlier slices, which no CP engine has yet",
+                "cp.engine",
+                s.cp_engine,
+                f"one of {', '.join(SLICED_CP_ENGINES)} with schedule.num_slices > 1 (each window planned once, "
+                "every slice's query-out attention following the plan and reading the K/V of the same documents' "
+                "earlier slices), or schedule.num_slices=1 (schedule.kind=1f1b or interleaved), which runs "
+                f"cp.engine={s.cp_engine} on one planned pack per microbatch",
+                "SlimPipe slices under this engine are not checked against the single-process reference yet",
             )
         ),
     ),

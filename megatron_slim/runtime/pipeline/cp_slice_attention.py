@@ -52,7 +52,7 @@ Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
-class _Cached:
+class CachedSlice:
     """The cache entries of one (microbatch, slice, layer); ``store`` None: one uncached sequence."""
 
     store: Optional[KVCacheStore]
@@ -157,7 +157,7 @@ def _combine(s: _Setup, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     return acc_out, acc_lse
 
 
-def _forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, cached: _Cached) -> tuple[Tensor, Tensor]:
+def _forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, cached: CachedSlice) -> tuple[Tensor, Tensor]:
     q_all = _from_ranks(all_gather([q], s.group)[0], s.layout, 1)
     out, lse = _partial_forward(s, q_all, k, v, cached.prefix())
     out, lse = _combine(s, out, lse)
@@ -165,7 +165,7 @@ def _forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, cached: _Cached) -> tup
 
 
 def _backward(
-    s: _Setup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cached: _Cached
+    s: _Setup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cached: CachedSlice
 ) -> tuple[Tensor, Tensor, Tensor]:
     q_all, dout_all, out_all, lse_all = all_gather([q, dout, out, lse], s.group)
     qp, doutp, outp = (_from_ranks(t, s.layout, 1) for t in (q_all, dout_all, out_all))
@@ -205,7 +205,7 @@ def _backward(
     return dq_mine.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _document_backward(s: _Setup, qp, doutp, outp, lsep, k: Tensor, v: Tensor, cached: _Cached):
+def _document_backward(s: _Setup, qp, doutp, outp, lsep, k: Tensor, v: Tensor, cached: CachedSlice):
     prefix = cached.prefix()
     keys = {OWN: (k, v), **dict(enumerate(prefix))}
     dq, grads = pieces_backward(s.backend, s.scale, qp, doutp, outp, lsep, keys, s.pieces(prefix))
@@ -222,7 +222,7 @@ def _document_backward(s: _Setup, qp, doutp, outp, lsep, k: Tensor, v: Tensor, c
 
 class _CPSliceAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, setup: _Setup, cached: _Cached):
+    def forward(ctx, q, k, v, setup: _Setup, cached: CachedSlice):
         out, lse = _forward(setup, q, k, v, cached)
         cached.append(k, v)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -270,7 +270,9 @@ def cp_sliced_attention(
         raise ValueError("documents: allowed only for a cached slice (info) of micro-batch size 1")
     start = info.start if info is not None else 0
     setup = _Setup(backend, softmax_scale, group, dist.get_rank(group), ZigzagLayout(cp, length), documents, start)
-    cached = _Cached(store) if info is None else _Cached(store, info.microbatch, info.slice, layer, info.recompute)
+    cached = (
+        CachedSlice(store) if info is None else CachedSlice(store, info.microbatch, info.slice, layer, info.recompute)
+    )
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
         with torch.no_grad():

@@ -5,12 +5,16 @@ inside a backward rebuilds checkpointed activations); the slice attention (K/V c
 length, whether to append) and the rotary wrapper (positions) read it. One object per model-chunk set,
 injected at the edge: no module-level state. ``documents`` holds each microbatch's document lengths
 when its batch is a pack (``runtime/pipeline/documents.py``), recorded by the slicing data iterator.
+``cp_shares`` holds, per microbatch a CP engine planned (``megatron-slim train`` with slices and
+``cp.engine``, ``train/cp_slices.py``), which rows of each slice every CP rank holds: the slice
+attention and RoPE then follow the plan instead of the zigzag split.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_slim.plan.cp.slices import SliceShare
 from megatron_slim.runtime.pipeline.documents import DocumentTable
 
 
@@ -35,6 +39,7 @@ class SliceContext:
     def __init__(self) -> None:
         self._current: SliceInfo | None = None
         self.documents = DocumentTable()
+        self.cp_shares: dict[int, tuple[SliceShare, ...]] = {}
 
     @property
     def current(self) -> SliceInfo | None:
