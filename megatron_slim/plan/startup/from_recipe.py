@@ -50,9 +50,11 @@ def megatron_args_settings(recipe: Recipe) -> Settings:
     p, s = recipe.parallel, recipe.schedule
     slimpipe = s.kind == "slimpipe"
     engine_runs = p.cp > 1 and not slimpipe
+    # ring is SlimPipe's own query-out CP on the launcher; any other engine there would be dropped unseen
+    engine_dropped = p.cp > 1 and slimpipe and recipe.cp.engine != "ring"
     return Settings(
         **_common(recipe),
-        cp_engine=recipe.cp.engine if engine_runs else NO_CP_ENGINE,
+        cp_engine=recipe.cp.engine if engine_runs or engine_dropped else NO_CP_ENGINE,
         cp_remap=recipe.cp.remap and engine_runs,
         slimpipe=slimpipe,
     )
