@@ -26,7 +26,8 @@ BY_NAME = {"MEGATRON_SLIM_TEST_INIT_BY_NAME": "1"}
 
 def _packing_flags(pp: int) -> list[str]:
     layout = [f"parallel.pp={pp}", "parallel.dp=1", "schedule.kind=slimpipe", "schedule.num_slices=2"]
-    return megatron_args([*TINY, *layout, "train.iters=4"]) + ["--slimpipe-packing", "slimpack", "--calculate-per-token-loss"]
+    packing = ["--slimpipe-packing", "slimpack", "--calculate-per-token-loss"]
+    return megatron_args([*TINY, *layout, "train.iters=4"]) + packing
 
 
 def test_packed_windows_at_pp4_train_as_at_pp2(tmp_path):

@@ -283,7 +283,9 @@ class PipelinePlans:
         if self.lengths is None:
             return
         if self.next >= len(self.lengths):
-            raise RuntimeError(f"--cp-engine: forward step {self.next + 1} of a call with {len(self.lengths)} microbatches")
+            raise RuntimeError(
+                f"--cp-engine: forward step {self.next + 1} of a call with {len(self.lengths)} microbatches"
+            )
         lengths = self.lengths[self.next]
         self.next += 1
         if self.reads_batches:

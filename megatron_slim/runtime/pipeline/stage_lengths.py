@@ -99,5 +99,7 @@ def share_microbatch_lengths(
         data_iterator = iter(batches)
     shared = broadcast_lengths(mine, group, device)
     if len(shared) != num_microbatches:
-        raise ValueError(f"the first pipeline stage sent lengths of {len(shared)} microbatches; expected {num_microbatches}")
+        raise ValueError(
+            f"the first pipeline stage sent lengths of {len(shared)} microbatches; expected {num_microbatches}"
+        )
     return data_iterator, shared
