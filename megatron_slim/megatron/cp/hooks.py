@@ -15,6 +15,12 @@
 * **Forward-backward**: the function ``get_forward_backward_func`` returns is wrapped so that it
   attaches the ``CPContext`` to every model chunk and wraps the ``forward_step_func``'s loss
   function (``cp_wide_loss``).
+* **Pipelines** (``PipelinePlans``): with pp > 1 the model config's ``variable_seq_lengths`` is
+  set, so Megatron's 1F1B sends each stage-to-stage tensor's shape first (plans give CP ranks
+  different token counts). Middle stages read no batch: with pp > 2 the first stage reads the
+  call's microbatches up front and broadcasts their sequence lengths over the pipeline group
+  (``runtime/pipeline/stage_lengths``); a middle stage plans each microbatch before its forward
+  step, and the stages that read batches check their lengths against the broadcast ones.
 
 **Loss normalisation.** megatron-core 0.16.1 ``schedules.forward_step_calc_loss`` takes the
 3-tuple ``(loss, num_tokens, report)`` of ``pretrain_gpt.loss_func`` (``loss`` = sum of masked
