@@ -44,6 +44,7 @@ from megatron_slim.megatron.slimpipe.stage import (
     attach_kv_stores,
     finalize_grads,
     model_chunks,
+    reset_documents,
     run_timed,
     shared_documents,
     stage_ops,
@@ -206,10 +207,7 @@ class _Run:
         rank = self.group.rank()
         ledger, stores = attach_kv_stores(chunks, context, settings.slice_lengths, settings.attention_backend)
         iterators = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator] * len(models)
-        context.documents.clear()
-        for microbatch, lengths in enumerate(documents or ()):
-            if lengths is not None:  # a stage that reads the batch too checks it against these
-                context.documents.record(microbatch, lengths)
+        reset_documents(context, documents)
         sliced = [SlicedIterator(it, settings.slice_lengths, context) if it is not None else None for it in iterators]
         lengths, rows = settings.slice_lengths, self.stage_rows
         ops = stage_ops(chunks, forward_step_func, sliced, self.non_loss_only, lengths, micro_batch_size, rows)

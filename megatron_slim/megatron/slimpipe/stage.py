@@ -22,6 +22,15 @@ from megatron_slim.runtime.pipeline.slice_context import SliceContext
 StageRows = Callable[[int, int], int]  # (microbatch, slice) -> this rank's token rows between stages
 
 
+def reset_documents(context: SliceContext, documents: Optional[list]) -> None:
+    """A new call's document table: empty, or the first stage's lengths (``shared_documents``), which
+    a stage that reads the batch too then checks its own reading against."""
+    context.documents.clear()
+    for microbatch, lengths in enumerate(documents or ()):
+        if lengths is not None:
+            context.documents.record(microbatch, lengths)
+
+
 def shared_documents(data_iterator, num_microbatches: int, seq_length: int, group, device) -> tuple[Any, list]:
     """Collective over the pipeline ``group`` (more than two stages): the first stage's microbatches'
     document lengths on every stage (``runtime/pipeline/stage_lengths``), and the iterator to run on."""
