@@ -13,17 +13,19 @@ from megatron_slim.plan.startup import LAUNCHER, Settings, broken_rule, check
 RUNS = Settings(pp=2, slimpipe=True, num_slices=2, seq_length=64, packing="slimpack", per_token_loss=True)
 
 
-def test_a_packed_pp2_slimpipe_run_with_per_token_loss_passes():
+def test_a_packed_slimpipe_run_with_per_token_loss_passes_at_any_pipeline_size():
     check(RUNS, LAUNCHER)
     check(replace(RUNS, pp=1, dataloader_type="single"), LAUNCHER)
+    for pp in (3, 4, 8):  # the first stage hands the documents to the middle stages
+        check(replace(RUNS, pp=pp), LAUNCHER)
 
 
 @pytest.mark.parametrize(
     "change,rule,words",
     [
         (dict(slimpipe=False, num_slices=1), "packing-needs-slimpipe", "needs --use-slimpipe"),
-        (dict(pp=4), "packing-pipeline", "--pipeline-model-parallel-size 1 or 2"),
-        (dict(vpp=2), "packing-pipeline", "without virtual stages"),
+        (dict(pp=4, vpp=2), "packing-pipeline", "without virtual stages"),
+        (dict(vpp=2), "packing-pipeline", "--virtual-pipeline-model-parallel-size 1"),
         (dict(tp=2), "packing-tp-cp", "allowed: both 1"),
         (dict(cp=2), "packing-tp-cp", "allowed: both 1"),
         (dict(micro_batch_size=2), "packing-micro-batch", "allowed: --micro-batch-size 1"),

@@ -145,11 +145,9 @@ def test_train_refuses_vocab_parallel_where_the_exchange_does_not_run(bad):
     assert rule is not None and rule.name == "vocab-parallel-train"
 
 
-def test_cp_engines_with_pipelines_run_in_train_and_are_refused_by_the_megatron_launcher():
-    args = argparse.Namespace(**{**FLAGS, "pipeline_model_parallel_size": 2})
-    launcher = _refusal(check_megatron_args, args)
-    assert launcher.startswith("--cp-engine zeppelin needs --pipeline-model-parallel-size 1 under Megatron-LM's")
-    assert "megatron-slim train runs CP engines with parallel.pp > 1" in launcher
+def test_cp_engines_with_pipelines_run_in_train_and_through_the_megatron_launcher():
+    for pp, layers in ((2, 2), (3, 3), (4, 4)):
+        check_megatron_args(argparse.Namespace(**{**FLAGS, "pipeline_model_parallel_size": pp, "num_layers": layers}))
     for engine in ("zeppelin", "ring", "ulysses", "a2a+p2p", "allgather", "dynamic"):
         check_trainable(load_recipe("tiny-cpu", CP_RECIPE + ["parallel.pp=2", f"cp.engine={engine}"]))
 
@@ -165,6 +163,37 @@ def test_train_runs_slimpipe_slices_under_cp_with_the_sliced_engines(engine):
     assert "one of zeppelin, ring, ulysses (ring is the default) with cp.remap=false when schedule.kind=slimpipe" in (
         refused
     )
+
+
+@pytest.mark.parametrize(
+    "change,rule,words",
+    [
+        (
+            dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+            "cp-engine-virtual-pipeline",
+            "allowed: --virtual-pipeline-model-parallel-size 1",
+        ),
+        (
+            dict(pipeline_model_parallel_size=3, tensor_model_parallel_size=2, num_layers=3),
+            "cp-engine-pipeline-tp",
+            "allowed: --tensor-model-parallel-size 1, or --pipeline-model-parallel-size 1 or 2",
+        ),
+        (
+            dict(pipeline_model_parallel_size=2, recompute_granularity="full"),
+            "cp-engine-pipeline-recompute",
+            "allowed: no recomputation, or --pipeline-model-parallel-size 1",
+        ),
+    ],
+)
+def test_what_a_cp_engine_cannot_run_under_the_launchers_pipeline_is_refused(change, rule, words):
+    args = argparse.Namespace(**{**FLAGS, **change})
+    assert broken_rule(settings_from_megatron_args(args), LAUNCHER).name == rule
+    refused = _refusal(check_megatron_args, args)
+    assert refused.startswith("--cp-engine zeppelin") and words in refused, refused
+    # pp=2 with tp=2 keeps working: both stages read their batches
+    if rule == "cp-engine-pipeline-tp":
+        ok = settings_from_megatron_args(argparse.Namespace(**{**args.__dict__, "pipeline_model_parallel_size": 2}))
+        assert broken_rule(ok, LAUNCHER) is None or broken_rule(ok, LAUNCHER).name != rule
 
 
 def test_train_refuses_slimpipe_slices_under_the_other_engines_naming_what_runs():

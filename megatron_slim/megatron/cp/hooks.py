@@ -15,6 +15,12 @@
 * **Forward-backward**: the function ``get_forward_backward_func`` returns is wrapped so that it
   attaches the ``CPContext`` to every model chunk and wraps the ``forward_step_func``'s loss
   function (``cp_wide_loss``).
+* **Pipelines** (``PipelinePlans``): with pp > 1 the model config's ``variable_seq_lengths`` is
+  set, so Megatron's 1F1B sends each stage-to-stage tensor's shape first (plans give CP ranks
+  different token counts). Middle stages read no batch: with pp > 2 the first stage reads the
+  call's microbatches up front and broadcasts their sequence lengths over the pipeline group
+  (``runtime/pipeline/stage_lengths``); a middle stage plans each microbatch before its forward
+  step, and the stages that read batches check their lengths against the broadcast ones.
 
 **Loss normalisation.** megatron-core 0.16.1 ``schedules.forward_step_calc_loss`` takes the
 3-tuple ``(loss, num_tokens, report)`` of ``pretrain_gpt.loss_func`` (``loss`` = sum of masked
@@ -120,6 +126,7 @@ class CPHookState:
         self.padded = 0  # packs that left a CP rank without tokens (it ran a padding row)
         self.length_sources: Counter = Counter()
         self.attached: list[int] = []
+        self.expected: Optional[tuple[int, ...]] = None  # the first stage's lengths of this microbatch
 
     def active_args(self) -> Optional[Any]:
         args = self.args_getter()
@@ -147,7 +154,6 @@ class CPHookState:
 
     # ---- batch split ----------------------------------------------------------------------------
     def split(self, args, batch: dict, cp_group=None) -> dict:
-        from megatron_slim.megatron.cp.data import plan_microbatch
         from megatron_slim.megatron.cp.lengths import pack_lengths
 
         context = self.cp_context()
@@ -157,13 +163,25 @@ class CPHookState:
                 f"group has {context.comm.size}"
             )
         lengths, source = pack_lengths(batch)
+        if self.expected is not None and self.expected != lengths:
+            raise ValueError(
+                f"--cp-engine: this stage read sequence lengths {lengths}, the first pipeline stage sent "
+                f"{self.expected} for the same microbatch; allowed: every stage reads the same batches"
+            )
+        plan = self.plan_lengths(args, lengths, source)
+        return local_batch(batch, plan, context.rank)
+
+    def plan_lengths(self, args, lengths: tuple[int, ...], source: str):
+        """Plan one pack of ``lengths`` and make it current (collective over the CP group)."""
+        from megatron_slim.megatron.cp.data import plan_microbatch
+
         topo, costs = self.plan_inputs(args)
         plan, routing, remap = plan_microbatch(lengths, topo, costs, engine=args.cp_engine, remap=bool(args.cp_remap))
-        context.set_plan(plan, routing=routing, remap=remap)
+        self.cp_context().set_plan(plan, routing=routing, remap=remap)
         self.plans_set += 1
         self.padded += int(min(plan.tokens_per_rank()) == 0)
         self.length_sources[source] += 1
-        return local_batch(batch, plan, context.rank)
+        return plan
 
     def wrap_batch_split(self, original: Callable) -> Callable:
         @functools.wraps(original)
@@ -213,12 +231,15 @@ class CPHookState:
             model = kwargs.get("model")
             chunks = list(model) if isinstance(model, (list, tuple)) else [model]
             self.attach(chunks)
-            per_token = bool(getattr(get_model_config(chunks[0]), "calculate_per_token_loss", False))
-            step = kwargs["forward_step_func"]
+            config = get_model_config(chunks[0])
+            per_token = bool(getattr(config, "calculate_per_token_loss", False))
             group = self.cp_context().comm.group
+            plans = self.pipeline_plans(kwargs, config)
+            step = kwargs["forward_step_func"]
 
             @functools.wraps(step)
             def forward_step(*step_args, **step_kwargs):
+                plans.before_forward()
                 output, loss_func = step(*step_args, **step_kwargs)
                 if loss_func is None:
                     return output, loss_func
@@ -228,3 +249,52 @@ class CPHookState:
             return forward_backward(*args, **kwargs)
 
         return forward_backward_with_cp_engine
+
+    def pipeline_plans(self, kwargs: dict, config: Any) -> "PipelinePlans":
+        """Under pipeline parallelism: stage-to-stage shapes that follow each plan and, with middle
+        stages, the first stage's sequence lengths on every stage (``kwargs['data_iterator']`` is
+        replaced by the first stage's replay of what it read)."""
+        from megatron.core import parallel_state
+
+        from megatron_slim.megatron.cp.lengths import pack_lengths
+        from megatron_slim.runtime.pipeline.stage_lengths import share_microbatch_lengths
+
+        group = parallel_state.get_pipeline_model_parallel_group()
+        if group is None or group.size() == 1:
+            return PipelinePlans(self, None, reads_batches=True)
+        config.variable_seq_lengths = True  # each microbatch's plan sets this rank's rows between stages
+        if group.size() == 2:
+            return PipelinePlans(self, None, reads_batches=True)
+        iterator, lengths = share_microbatch_lengths(
+            kwargs.get("data_iterator"),
+            int(kwargs["num_microbatches"]),
+            lambda batch: pack_lengths(batch)[0],
+            group,
+            self.cp_context().device,
+        )
+        kwargs["data_iterator"] = iterator
+        first_or_last = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+        return PipelinePlans(self, lengths, reads_batches=first_or_last)
+
+
+class PipelinePlans:
+    """One schedule call's microbatch plans on this pipeline stage: a stage that reads batches plans
+    them in ``split`` (checked against the first stage's lengths, when shared); a middle stage plans
+    each microbatch from the shared lengths before its forward step (1F1B runs forwards in order)."""
+
+    def __init__(self, state: CPHookState, lengths: Optional[list], *, reads_batches: bool) -> None:
+        self.state, self.lengths, self.reads_batches, self.next = state, lengths, reads_batches, 0
+
+    def before_forward(self) -> None:
+        if self.lengths is None:
+            return
+        if self.next >= len(self.lengths):
+            raise RuntimeError(
+                f"--cp-engine: forward step {self.next + 1} of a call with {len(self.lengths)} microbatches"
+            )
+        lengths = self.lengths[self.next]
+        self.next += 1
+        if self.reads_batches:
+            self.state.expected = lengths
+        else:
+            self.state.plan_lengths(self.state.args_getter(), lengths, "first stage")

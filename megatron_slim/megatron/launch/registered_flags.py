@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=(
             "none (default): Megatron's dataset windows; else train on windows the method packs from the corpus "
             "documents, global-batch/dp per DP rank (docs/packing.md, Launcher); needs --use-slimpipe, "
-            "--calculate-per-token-loss, --micro-batch-size 1, tp=cp=1, at most 2 pipeline stages"
+            "--calculate-per-token-loss, --micro-batch-size 1, tp=cp=1, no virtual pipeline stages (with more than 2 "
+            "stages the first hands each microbatch's documents to the middle ones)"
         ),
     )
     _add_slimpipe_cost_and_cp(g)
@@ -74,7 +75,11 @@ def _add_slimpipe_cost_and_cp(g) -> None:
         "--cp-engine",
         choices=CP_ENGINES,
         default="te",
-        help="context-parallel attention: te = Megatron's own (default); the others are megatron-slim engines",
+        help=(
+            "context-parallel attention: te = Megatron's own (default); the others are megatron-slim engines "
+            "(with --pipeline-model-parallel-size > 1: Megatron's 1F1B, no virtual stages, no recomputation, "
+            "tp=1 beyond 2 stages; docs/cp-pipeline.md)"
+        ),
     )
     g.add_argument(
         "--cp-remap",

@@ -31,7 +31,8 @@ def slimpipe_settings(args) -> "SlimPipeSettings":
     )
     lengths = slice_lengths(recipe, CostModel(recipe, calibration=calibration))
     backend = None if args.megatron_slim_attention_backend == "auto" else args.megatron_slim_attention_backend
-    return SlimPipeSettings(lengths, attention_backend=backend)
+    packing = (getattr(args, "slimpipe_packing", None) or "none") != "none"
+    return SlimPipeSettings(lengths, attention_backend=backend, share_documents=packing)
 
 
 class SlimPipeHookState:

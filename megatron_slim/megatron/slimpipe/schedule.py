@@ -44,7 +44,9 @@ from megatron_slim.megatron.slimpipe.stage import (
     attach_kv_stores,
     finalize_grads,
     model_chunks,
+    reset_documents,
     run_timed,
+    shared_documents,
     stage_ops,
     syncs,
 )
@@ -157,9 +159,14 @@ def make_forward_backward_func(
         schedule = planned_schedule(settings, group.size(), len(chunks.models), num_microbatches)
         stats.schedule_digest = schedule.digest()
         _agree_on_plan(stats.schedule_digest, group, stats, chunks.first_param.device)
+        documents = None
+        if settings.share_documents and group.size() > 2:
+            data_iterator, documents = shared_documents(
+                data_iterator, num_microbatches, seq_length, group, chunks.first_param.device
+            )
         non_loss = collect_non_loss_data and forward_only
         run = _Run(settings, chunks, group, schedule, forward_only, non_loss, vocab_head, stage_rows)
-        loss = run.interpret(forward_step_func, data_iterator, micro_batch_size, context, stats)
+        loss = run.interpret(forward_step_func, data_iterator, micro_batch_size, context, stats, documents)
         if not forward_only and getattr(chunks.config, "finalize_model_grads_func", None) is not None:
             finalize_grads(chunks, loss, pg_collection or grad_finalize_pgs, force_all_reduce)
         last_stage = group.rank() == group.size() - 1
@@ -185,15 +192,22 @@ class _Run:
     stage_rows: Optional[StageRows] = None
 
     def interpret(
-        self, forward_step_func, data_iterator, micro_batch_size: int, context: SliceContext, stats: RunStats
+        self,
+        forward_step_func,
+        data_iterator,
+        micro_batch_size: int,
+        context: SliceContext,
+        stats: RunStats,
+        documents: Optional[list] = None,
     ) -> Any:
-        """Run this rank's part of the schedule; returns the loss (or non-loss data) collector."""
+        """Run this rank's part of the schedule; returns the loss (or non-loss data) collector.
+        ``documents``: each microbatch's document lengths as the first stage read them (or None)."""
         settings, chunks, schedule, forward_only = self.settings, self.chunks, self.schedule, self.forward_only
         models, config, device = chunks.models, chunks.config, chunks.first_param.device
         rank = self.group.rank()
         ledger, stores = attach_kv_stores(chunks, context, settings.slice_lengths, settings.attention_backend)
         iterators = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator] * len(models)
-        context.documents.clear()
+        reset_documents(context, documents)
         sliced = [SlicedIterator(it, settings.slice_lengths, context) if it is not None else None for it in iterators]
         lengths, rows = settings.slice_lengths, self.stage_rows
         ops = stage_ops(chunks, forward_step_func, sliced, self.non_loss_only, lengths, micro_batch_size, rows)

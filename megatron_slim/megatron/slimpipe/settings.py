@@ -14,6 +14,9 @@ class SlimPipeSettings:
     attention_backend: Optional[str] = None
     measure_memory: bool = False
     offload_ratio: float = 0.0  # of each slice's decoder-layer activations, held on the host until backward
+    # the first stage hands each microbatch's document lengths to stages that read no batch
+    # (--slimpipe-packing under pretrain_gpt.py with pp > 2: ``runtime/pipeline/stage_lengths``)
+    share_documents: bool = False
 
     @property
     def num_slices(self) -> int:

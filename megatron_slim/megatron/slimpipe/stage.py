@@ -22,6 +22,34 @@ from megatron_slim.runtime.pipeline.slice_context import SliceContext
 StageRows = Callable[[int, int], int]  # (microbatch, slice) -> this rank's token rows between stages
 
 
+def reset_documents(context: SliceContext, documents: Optional[list]) -> None:
+    """A new call's document table: empty, or the first stage's lengths (``shared_documents``), which
+    a stage that reads the batch too then checks its own reading against."""
+    context.documents.clear()
+    for microbatch, lengths in enumerate(documents or ()):
+        if lengths is not None:
+            context.documents.record(microbatch, lengths)
+
+
+def shared_documents(data_iterator, num_microbatches: int, seq_length: int, group, device) -> tuple[Any, list]:
+    """Collective over the pipeline ``group`` (more than two stages): the first stage's microbatches'
+    document lengths on every stage (``runtime/pipeline/stage_lengths``), and the iterator to run on."""
+    from megatron_slim.runtime.pipeline.sliced_data import batch_documents
+    from megatron_slim.runtime.pipeline.stage_lengths import share_microbatch_lengths
+
+    listed = isinstance(data_iterator, (list, tuple))
+    if listed and len(data_iterator) != 1:
+        raise ValueError(
+            f"document lengths for the middle pipeline stages: {len(data_iterator)} model chunks per rank; "
+            "allowed: one (no virtual pipeline stages)"
+        )
+    source = data_iterator[0] if listed else data_iterator
+    source, lengths = share_microbatch_lengths(
+        source, num_microbatches, lambda batch: batch_documents(batch, seq_length), group, device
+    )
+    return ([source] if listed else source), lengths
+
+
 class NonLossData:
     """``collect_non_loss_data``: keep what ``loss_func(output, non_loss_data=True)`` returns."""
 

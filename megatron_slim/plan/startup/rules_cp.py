@@ -46,12 +46,31 @@ CP_ENGINE_RULES = [
         (LAUNCHER, TRAIN),
     ),
     _on_engine(
-        "cp-engine-without-pipeline",
-        lambda s: s.pp > 1,
+        "cp-engine-virtual-pipeline",
+        lambda s: s.pp > 1 and s.vpp > 1,
         lambda s, i: (
-            f"{engine_input(s, i)} needs {i.setting('pp', 1)} under Megatron-LM's launcher: its middle stages "
-            "never see a batch, so they could not plan each microbatch (megatron-slim train runs CP engines "
-            "with parallel.pp > 1: every stage reads the windows there)"
+            f"{engine_input(s, i)} with virtual pipeline stages ({i.name('vpp')} {s.vpp}) is not supported under "
+            "Megatron-LM's launcher (the interleaved schedule runs a rank's chunks out of microbatch order, and "
+            f"middle chunks read no batch); allowed: {i.setting('vpp', 1)} (megatron-slim train runs it)"
+        ),
+    ),
+    _on_engine(
+        "cp-engine-pipeline-tp",
+        lambda s: s.pp > 2 and s.tp > 1,
+        lambda s, i: (
+            f"{engine_input(s, i)} with {i.name('pp')} {s.pp} and {i.name('tp')} {s.tp}: the middle stages get "
+            "each microbatch's sequence lengths from the first stage, whose TP ranks other than 0 read no "
+            f"batch; allowed: {i.setting('tp', 1)}, or {i.name('pp')} 1 or 2"
+        ),
+    ),
+    _on_engine(
+        "cp-engine-pipeline-recompute",
+        lambda s: s.pp > 1 and s.recompute not in (None, "none"),
+        lambda s, i: (
+            f"{engine_input(s, i)} with {i.name('pp')} {s.pp} and activation recomputation "
+            f"({s.recompute}): Megatron's 1F1B recomputes a microbatch's layers after later microbatches made "
+            "their plans current, so the recomputed attention would run the wrong plan; allowed: no "
+            f"recomputation, or {i.setting('pp', 1)}"
         ),
     ),
     _on_engine(

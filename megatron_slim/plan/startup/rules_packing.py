@@ -2,8 +2,9 @@
 
 What cannot work, and why:
 
-* pipeline parallel size above 2: ``pretrain_gpt.get_batch`` reads the batch on the first and last
-  stages only, so a middle stage would never learn the window's documents;
+* virtual pipeline stages: ``pretrain_gpt.get_batch`` reads batches on the first and last stages
+  only; with pp > 2 the first stage hands each microbatch's document lengths to the middle stages
+  (``runtime/pipeline/stage_lengths``), which needs one model chunk per rank;
 * tensor or context parallelism: Megatron's TP broadcast carries tensors only (the other TP ranks
   would not see the documents), and SlimPipe's document attention runs without CP;
 * micro-batch size above 1: a packed window is one row;
@@ -50,11 +51,11 @@ PACKING_RULES = [
     ),
     _packing(
         "packing-pipeline",
-        lambda s: s.pp > 2 or s.vpp > 1,
+        lambda s: s.vpp > 1,
         lambda s: (
-            f"{_flag(s)} with --pipeline-model-parallel-size {s.pp} (virtual {s.vpp}): pretrain_gpt.py "
-            "reads the batch on the first and last stages only, so middle stages never learn the documents; "
-            "allowed: --pipeline-model-parallel-size 1 or 2 without virtual stages"
+            f"{_flag(s)} with --pipeline-model-parallel-size {s.pp} (virtual {s.vpp}): the first stage hands "
+            "each microbatch's documents to the middle stages for one model chunk per rank; allowed: "
+            "--pipeline-model-parallel-size any without virtual stages (--virtual-pipeline-model-parallel-size 1)"
         ),
     ),
     _packing(

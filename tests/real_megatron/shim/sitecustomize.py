@@ -5,7 +5,9 @@ rank writes the exact per-iteration lm loss, grad norm and evaluation losses Meg
 ``MEGATRON_SLIM_BENCH_ACTIVATIONS=1`` as well, each rank also records the peak bytes autograd held
 saved for backward per iteration, the same way under any schedule (``activation_recorder``); with
 ``MEGATRON_SLIM_TEST_LAYER_WEIGHTS=1``, a digest of each decoder layer's weights after every
-training step (``weights_recorder``)."""
+training step (``weights_recorder``); with ``MEGATRON_SLIM_TEST_INIT_BY_NAME=1``, initial weights that
+depend on each parameter's global name only, so different pipeline splits start alike
+(``init_by_name``)."""
 
 import os
 import sys
@@ -22,6 +24,10 @@ if os.environ.get("MEGATRON_SLIM_TEST_CPU_SHIM") == "1" or os.environ.get("MEGAT
         post_import.when_imported("megatron.legacy.fused_kernels", megatron_cpu_shim.patch_fused_kernels)
         post_import.when_imported("megatron.core.datasets.utils", megatron_cpu_shim.patch_dataset_helpers)
         post_import.when_imported("megatron.core.transformer.torch_norm", megatron_cpu_shim.patch_torch_norm)
+        if os.environ.get("MEGATRON_SLIM_TEST_INIT_BY_NAME") == "1":
+            import init_by_name
+
+            post_import.when_imported("megatron.training.training", init_by_name.install)
     if os.environ.get("MEGATRON_SLIM_TEST_RECORD"):
         import metrics_recorder
 

@@ -1,0 +1,105 @@
+"""Per-microbatch sequence lengths handed from the first pipeline stage to the others.
+
+Under Megatron-LM's ``pretrain_gpt.py`` only the first and last pipeline stages read batches
+(``get_batch`` returns ``None`` elsewhere, and no dataset is built on the middle ranks), yet a
+middle stage needs each microbatch's document lengths: the slice attention keeps documents apart
+(``--slimpipe-packing``) and a CP engine plans each pack from them (``--cp-engine``). The middle
+ranks hold no copy of the data source, so they cannot re-derive the lengths; the first stage reads
+every microbatch of the call up front, and one broadcast over the pipeline group hands out the
+lengths. That costs two small int64 broadcasts per schedule call (one for the size, one for the
+words) and holds the call's token batches a little earlier than the schedule would read them.
+
+Wire form (``encode_lengths``): ``[count, n_0, l_0_0 .. l_0_{n_0-1}, n_1, ...]``; ``n = 0`` stands
+for a microbatch without lengths (a plain window: one causal sequence).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+MicrobatchLengths = list[Optional[tuple[int, ...]]]
+
+
+def encode_lengths(per_microbatch: Sequence[Optional[Sequence[int]]]) -> list[int]:
+    """The wire words of each microbatch's lengths (``None``: no lengths)."""
+    words = [len(per_microbatch)]
+    for lengths in per_microbatch:
+        values = [int(n) for n in lengths] if lengths is not None else []
+        if any(n <= 0 for n in values) or (lengths is not None and not values):
+            raise ValueError(f"sequence lengths {tuple(values)}: allowed: one or more positive integers, or None")
+        words.append(len(values))
+        words.extend(values)
+    return words
+
+
+def decode_lengths(words: Sequence[int]) -> MicrobatchLengths:
+    """Inverse of ``encode_lengths``; raises on a malformed word list."""
+    if not words:
+        raise ValueError("microbatch lengths: empty word list; allowed: [count, n_0, lengths_0 ...]")
+    count, at, out = int(words[0]), 1, []
+    for microbatch in range(count):
+        if at >= len(words):
+            raise ValueError(f"microbatch lengths: word list ends before microbatch {microbatch} of {count}")
+        n = int(words[at])
+        values = tuple(int(x) for x in words[at + 1 : at + 1 + n])
+        if len(values) != n:
+            raise ValueError(f"microbatch lengths: microbatch {microbatch} announces {n} lengths, {len(values)} follow")
+        out.append(values if n else None)
+        at += 1 + n
+    if at != len(words):
+        raise ValueError(f"microbatch lengths: {len(words) - at} words after the last of {count} microbatches")
+    return out
+
+
+def broadcast_lengths(
+    per_microbatch: Optional[MicrobatchLengths], group: Any, device: torch.device | str = "cpu"
+) -> MicrobatchLengths:
+    """Collective over the pipeline ``group``: every rank gets the lengths its first rank
+    (pipeline stage 0) passes; the other ranks pass ``None``."""
+    source = dist.get_process_group_ranks(group)[0]
+    is_source = dist.get_rank() == source
+    if is_source and per_microbatch is None:
+        raise ValueError("broadcast_lengths: the first pipeline stage must pass its microbatches' lengths")
+    words = encode_lengths(per_microbatch) if is_source and per_microbatch is not None else []
+    size = torch.tensor([len(words)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=source, group=group)
+    payload = (
+        torch.tensor(words, dtype=torch.int64, device=device)
+        if is_source
+        else torch.empty(int(size.item()), dtype=torch.int64, device=device)
+    )
+    dist.broadcast(payload, src=source, group=group)
+    return decode_lengths(payload.tolist())
+
+
+def share_microbatch_lengths(
+    data_iterator: Optional[Iterator],
+    num_microbatches: int,
+    lengths_of: Callable[[Any], Optional[tuple[int, ...]]],
+    group: Any,
+    device: torch.device | str = "cpu",
+) -> tuple[Optional[Iterator], MicrobatchLengths]:
+    """Collective over the pipeline ``group``. The first stage reads the call's ``num_microbatches``
+    batches from ``data_iterator`` and measures each with ``lengths_of``; every stage gets those
+    lengths. Returns the iterator to run the schedule on (the first stage's replays what it read,
+    in order; the others' is theirs unchanged) and the lengths."""
+    first = dist.get_rank() == dist.get_process_group_ranks(group)[0]
+    mine: Optional[MicrobatchLengths] = None
+    if first:
+        if data_iterator is None:
+            raise ValueError(
+                "the first pipeline stage has no data iterator, so it cannot hand the microbatches' lengths "
+                "to the other stages; allowed: tensor parallel size 1 (the first stage reads the batches)"
+            )
+        batches = [next(data_iterator) for _ in range(num_microbatches)]
+        mine = [lengths_of(b) for b in batches]
+        data_iterator = iter(batches)
+    shared = broadcast_lengths(mine, group, device)
+    if len(shared) != num_microbatches:
+        raise ValueError(
+            f"the first pipeline stage sent lengths of {len(shared)} microbatches; expected {num_microbatches}"
+        )
+    return data_iterator, shared

@@ -1,0 +1,72 @@
+"""The first pipeline stage hands each microbatch's lengths to the others
+(``runtime/pipeline/stage_lengths``): the wire form round-trips, the first stage replays exactly
+what it read, and every rank of a pipeline group (also one that does not start at global rank 0)
+gets the first stage's lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from megatron_slim.runtime.pipeline.stage_lengths import decode_lengths, encode_lengths
+from megatron_slim.runtime.spawn import run_ranks
+
+CASES = [[], [None], [(64,)], [(3, 61), None, (1, 1, 62)], [None, None]]
+
+
+@pytest.mark.parametrize("lengths", CASES, ids=str)
+def test_the_wire_form_round_trips(lengths):
+    words = encode_lengths(lengths)
+    assert words[0] == len(lengths)
+    assert len(words) == 1 + len(lengths) + sum(len(x or ()) for x in lengths)
+    assert decode_lengths(words) == lengths
+
+
+def test_the_wire_form_is_the_documented_one():
+    assert encode_lengths([(3, 61), None, (64,)]) == [3, 2, 3, 61, 0, 1, 64]
+
+
+@pytest.mark.parametrize(
+    "words,message",
+    [([], "empty word list"), ([2, 1, 5], "ends before microbatch 1"), ([1, 3, 5], "announces 3 lengths"),
+     ([1, 1, 5, 7], "1 words after the last")],
+)  # fmt: skip
+def test_a_malformed_word_list_is_refused(words, message):
+    with pytest.raises(ValueError, match=message):
+        decode_lengths(words)
+
+
+@pytest.mark.parametrize("bad", [(), (0, 64), (-1,)])
+def test_lengths_must_be_positive(bad):
+    with pytest.raises(ValueError, match="allowed: one or more positive integers"):
+        encode_lengths([bad])
+
+
+def _documents(batch):
+    return batch["documents"]
+
+
+def _share(rank, world_size):
+    from megatron_slim.runtime.pipeline.stage_lengths import share_microbatch_lengths
+
+    batches = [{"documents": (5, 59), "i": 0}, {"documents": None, "i": 1}, {"documents": (64,), "i": 2}]
+    out = {}
+    iterator = iter(batches) if rank == 0 else None
+    replay, out["world"] = share_microbatch_lengths(iterator, 3, _documents, dist.group.WORLD)
+    out["replayed"] = [b["i"] for b in replay] if rank == 0 else replay
+    # a pipeline group of global ranks 1 and 2: its first stage is rank 1
+    sub = dist.new_group([1, 2])
+    if rank in (1, 2):
+        mine = iter([{"documents": (rank, 64 - rank)}]) if rank == 1 else None
+        _, out["sub"] = share_microbatch_lengths(mine, 1, _documents, sub)
+    return out
+
+
+def test_every_stage_gets_the_first_stages_lengths_and_it_replays_what_it_read():
+    results = run_ranks(_share, 3, timeout_s=120)
+    for r in results:
+        assert r["world"] == [(5, 59), None, (64,)]
+    assert results[0]["replayed"] == [0, 1, 2]
+    assert results[1]["replayed"] is None and results[2]["replayed"] is None
+    assert results[1]["sub"] == results[2]["sub"] == [(1, 63)]
+    assert "sub" not in results[0]
