@@ -17,6 +17,8 @@ Packed windows: when the slicing data iterator recorded document lengths for the
 microbatch (``SliceContext.documents``: the batch key ``document_lengths`` or a block-causal
 attention mask), attention stays inside each document (varlen kernels of the chosen backend) and
 RoPE positions restart at 0 in each document. Not under context or tensor parallelism (refused).
+Megatron's THD ``packed_seq_params`` work outside a schedule (whole windows) and are refused inside
+a slice, where the ``document_lengths`` key is the way in.
 """
 
 from __future__ import annotations
@@ -79,6 +81,17 @@ class SliceCoreAttention(SlimCoreAttention):
             layer=self.layer_number,
             documents=slice_documents(documents, info.start, info.length) if documents is not None else None,
         )
+
+    def attend_documents(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...]
+    ) -> torch.Tensor:
+        if self.context is not None and self.context.current is not None:
+            raise ValueError(
+                "packed_seq_params (THD) inside a SlimPipe slice: megatron's THD offsets describe the whole "
+                f"window, not the slice; allowed: the batch key {DOCUMENT_LENGTHS!r} (docs/packing.md) with "
+                "packed_seq_params=None"
+            )
+        return super().attend_documents(q, k, v, lengths)
 
     def _documents(self, info: SliceInfo, q: torch.Tensor) -> Optional[tuple[int, ...]]:
         """The document lengths of the current microbatch if it is a packed window, else None."""
