@@ -160,3 +160,48 @@ def test_refuses_thd_under_context_parallelism_and_batched_layout():
         plain(*(t.unsqueeze(1) for t in (q, k, v)), None, packed_seq_params=thd_params((4, 4)))
     with pytest.raises(ValueError, match="attn_mask_type"):
         plain(*(t.unsqueeze(1) for t in (q, k, v)), None, attn_mask_type=AttnMaskType.padding_causal)
+
+
+@pytest.fixture(scope="module")
+def thd_model_result():
+    from megatron_slim.runtime.spawn import run_ranks
+    from tests.megatron import _thd_workers
+
+    return run_ranks(_thd_workers.thd_model, 1, 11)[0]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_megatron_gpt_model_with_thd_pack_equals_documents_one_by_one(thd_model_result, padded):
+    """Through megatron-core's own GPTModel, SelfAttention (batch squeeze) and THD RoPE: the pack's
+    real-token losses and every gradient equal running each document alone."""
+    run = thd_model_result[padded]
+    (losses, grads), (ref_losses, ref_grads) = run["packed"], run["reference"]
+    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5)
+    assert set(grads) == set(ref_grads)
+    for name, grad in grads.items():
+        err = ((grad - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-30)).item()
+        assert err < 1e-5, name
+    assert (run["whole"] - ref_losses).abs().max() > 1e-3  # without the pack's documents it differs
+
+
+def test_slice_and_cp_attentions_take_thd_outside_a_schedule_and_refuse_it_inside():
+    from types import SimpleNamespace
+
+    from megatron_slim.megatron.cp.attention import CPCoreAttention
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
+    from megatron_slim.runtime.pipeline.slice_context import SliceContext, SliceInfo
+
+    q, k, v = packed_qkv(8, 4, 2)
+    params = thd_params((3, 5))
+    plain = SlimCoreAttention(config=config(), layer_number=1)(q, k, v, None, packed_seq_params=params)
+    sliced = SliceCoreAttention(config=config(), layer_number=1)
+    sliced.context = SliceContext()
+    torch.testing.assert_close(sliced(q, k, v, None, packed_seq_params=params), plain, rtol=0, atol=0)
+    inside = SliceInfo(microbatch=0, slice=0, num_slices=2, start=0, length=8)
+    with sliced.context.enter(inside), pytest.raises(ValueError, match="document_lengths"):
+        sliced(q, k, v, None, packed_seq_params=params)
+    cp = CPCoreAttention(config=config(), layer_number=1)
+    torch.testing.assert_close(cp(q, k, v, None, packed_seq_params=params), plain, rtol=0, atol=0)
+    cp.context = SimpleNamespace(plan=object())
+    with pytest.raises(ValueError, match="context-parallel plan"):
+        cp(q, k, v, None, packed_seq_params=params)
