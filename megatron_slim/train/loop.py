@@ -62,6 +62,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
     from megatron_slim.runtime.attention import choose_backend
+    from megatron_slim.runtime.pipeline.slice_context import SliceContext
     from megatron_slim.train.cp import CPTrainStep, cp_layer_classes
 
     recipe = recipe_from_dict(recipe_data)
@@ -79,7 +80,8 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     optimizer, scheduler = build_optimizer(chunks, t)
     vocab_head = build_vocab_head(chunks, groups) if recipe.schedule.vocab_parallel else None
     settings, rows = pipeline_settings(recipe, options.measure_memory), cp_step.stage_rows if cp_step else None
-    forward_backward = make_forward_backward_func(settings, vocab_head=vocab_head, stage_rows=rows)
+    context = SliceContext(documents_on_every_tp_rank=True)  # no TP batch broadcast: every rank reads its own
+    forward_backward = make_forward_backward_func(settings, context, vocab_head=vocab_head, stage_rows=rows)
     dataset = training_data(recipe, prepared)
     backend = choose_backend(None, torch.device("cpu"), torch.float32).label
     report = RankReport(rank, groups.pp_rank, groups.dp_rank, groups.tp_rank, groups.cp_rank, attention_backend=backend)

@@ -205,3 +205,23 @@ def test_slice_and_cp_attentions_take_thd_outside_a_schedule_and_refuse_it_insid
     cp.context = SimpleNamespace(plan=object())
     with pytest.raises(ValueError, match="context-parallel plan"):
         cp(q, k, v, None, packed_seq_params=params)
+
+
+def test_slice_documents_under_tensor_parallelism_need_every_tp_rank_reading_its_batch():
+    """Megatron's TP batch broadcast leaves TP ranks > 0 without the documents: refused unless the
+    caller (``megatron-slim train``) says every TP rank reads its own batch."""
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
+    from megatron_slim.runtime.pipeline.slice_context import SliceContext, SliceInfo
+
+    info = SliceInfo(microbatch=0, slice=0, num_slices=2, start=0, length=4)
+    q = torch.zeros(1, 4, 4, 16)
+    tp2 = type("P", (), {"tp": FakeGroup(2), "cp": None})()
+    for every_rank in (False, True):
+        attention = SliceCoreAttention(config=config(), layer_number=1, pg_collection=tp2)
+        attention.context = SliceContext(documents_on_every_tp_rank=every_rank)
+        attention.context.documents.record(0, (3, 5))
+        if every_rank:
+            assert attention._documents(info, q) == (3, 5)
+        else:
+            with pytest.raises(ValueError, match="documents_on_every_tp_rank=True"):
+                attention._documents(info, q)

@@ -5,6 +5,9 @@ inside a backward rebuilds checkpointed activations); the slice attention (K/V c
 length, whether to append) and the rotary wrapper (positions) read it. One object per model-chunk set,
 injected at the edge: no module-level state. ``documents`` holds each microbatch's document lengths
 when its batch is a pack (``runtime/pipeline/documents.py``), recorded by the slicing data iterator.
+``documents_on_every_tp_rank``: every tensor-parallel rank reads its own batch and so records the
+documents itself (``megatron-slim train``); false under Megatron's TP batch broadcast, which
+carries tensors only, so packed windows then refuse tensor parallelism.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ class SliceInfo:
 
 
 class SliceContext:
-    def __init__(self) -> None:
+    def __init__(self, *, documents_on_every_tp_rank: bool = False) -> None:
         self._current: SliceInfo | None = None
         self.documents = DocumentTable()
+        self.documents_on_every_tp_rank = documents_on_every_tp_rank
 
     @property
     def current(self) -> SliceInfo | None:
