@@ -62,6 +62,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
     from megatron_slim.runtime.attention import choose_backend
+    from megatron_slim.runtime.pipeline.slice_context import SliceContext
     from megatron_slim.train.cp import cp_layer_classes
     from megatron_slim.train.cp_slices import CPSlicedTrainStep
 
@@ -81,7 +82,9 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
         cp_step.attach(chunks)
     optimizer, scheduler = build_optimizer(chunks, t)
     vocab_head = build_vocab_head(chunks, groups) if recipe.schedule.vocab_parallel else None
-    rows, context = (cp_step.stage_rows, cp_step.slices if sliced else None) if cp_step else (None, None)
+    rows = cp_step.stage_rows if cp_step else None
+    context = cp_step.slices if sliced else SliceContext()
+    context.documents_on_every_tp_rank = True  # no TP batch broadcast: every rank reads its own
     forward_backward = make_forward_backward_func(settings, context=context, vocab_head=vocab_head, stage_rows=rows)
     dataset = training_data(recipe, prepared)
     backend = choose_backend(None, torch.device("cpu"), torch.float32).label

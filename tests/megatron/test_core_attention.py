@@ -131,7 +131,7 @@ def test_forward_uses_megatron_layout_and_the_attend_seam():
     [
         (dict(attn_mask_type=AttnMaskType.padding), "attn_mask_type"),
         (dict(attention_bias=torch.zeros(1)), "attention_bias"),
-        (dict(packed_seq_params=object()), "packed_seq_params"),
+        (dict(packed_seq_params=object()), "packed_seq_params.qkv_format"),
     ],
 )
 def test_forward_rejects_unsupported_inputs(kwargs, match):

@@ -139,3 +139,16 @@ def test_slimpack_trains_pp2_cp2_to_the_losses_of_pp1_cp1(tmp_path, data_cache, 
     assert len(split["losses"]) == 3 and split["losses"] != flat["losses"][:1] * 3
     assert split["cp"] == {"size": 2, "engine": None, "attention": "slimpipe-query-out", "document_masking": True}
     assert split["losses"] == pytest.approx(flat["losses"], rel=1e-5, abs=0)
+
+
+@pytest.mark.slow
+@pytest.mark.multi
+def test_slimpack_trains_tp2_to_the_losses_of_tp1(tmp_path, data_cache, short_documents):
+    """Packed windows under tensor parallelism: every TP rank reads its own windows and
+    their documents, so the run equals the tp=1 one up to summation order."""
+    sets = [*FAST, f"data.corpus={short_documents}", "data.packing=slimpack", "parallel.pp=1"]
+    split = _train(tmp_path, "tp2", data_cache, *sets, "parallel.tp=2")
+    flat = _train(tmp_path, "tp1", data_cache, *sets)
+    assert [r["document_tokens"] for r in split["packing"]] == [r["document_tokens"] for r in flat["packing"]]
+    assert len(split["losses"]) == 3
+    assert split["losses"] == pytest.approx(flat["losses"], rel=1e-5, abs=0)

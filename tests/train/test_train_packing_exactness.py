@@ -22,14 +22,14 @@ MODEL = dict(TINY_GQA_2L_LONG, seq_length=SEQ)
 LENGTHS = (7, 45, 130, 20, 56, 100, 9, 13, 6, 300, 33, 64)
 
 
-def _recipe(method: str, cp: int = 1):
+def _recipe(method: str, cp: int = 1, tp: int = 1):
     from megatron_slim.plan.recipe import recipe_from_dict
 
     return recipe_from_dict(
         {
             "name": "packed-step",
             "model": MODEL,
-            "parallel": {"pp": 2, "cp": cp},
+            "parallel": {"pp": 2, "cp": cp, "tp": tp},
             "schedule": {"kind": "slimpipe", "num_slices": 4},
             "train": {"global_batch_size": 8, "precision": "fp32"},
             "data": {"packing": method},
@@ -63,27 +63,41 @@ def _crosses_slices(batches, slice_length: int) -> bool:
     return False
 
 
-def packed_step(rank, world_size, method, seed=1234):
+def reference_step(rank, world_size, method, tp, seed=1234):
+    """The per-document reference in a world of its own: under tensor parallelism megatron's
+    vocab-parallel loss reads the global TP group, which a reference beside the TP ranks would join."""
+    from megatron_slim.megatron.model.parallel import init_model_parallel
+    from megatron_slim.train.packed import PackedData
+
+    groups, recipe = init_model_parallel(seed=seed), _recipe(method, 1, tp)
+    pack = _one_pack(PackedData(recipe, _documents(seed), dp=1).step(0, 0)[1])
+    return pack["tokens"], reference.per_document_step(recipe.model, groups, [pack], seed)
+
+
+def packed_step(rank, world_size, method, tp=1, ref=None, seed=1234):
     import functools
 
     import torch.distributed as dist
 
-    from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
+    from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads, global_named_parameters
     from megatron_slim.megatron.model.parallel import init_model_parallel
+    from megatron_slim.megatron.model.weights import tp_shard
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
+    from megatron_slim.runtime.pipeline.slice_context import SliceContext
     from megatron_slim.train.loop import pipeline_settings
     from megatron_slim.train.packed import PackedData, packed_cp_forward_step, packed_forward_step
     from megatron_slim.train.step import average_data_parallel
 
-    cp = world_size // 2
-    recipe = _recipe(method, cp)
-    groups = init_model_parallel(pp=2, cp=cp, seed=seed)
+    cp = world_size // (2 * tp)
+    recipe = _recipe(method, cp, tp)
+    groups = init_model_parallel(tp=tp, pp=2, cp=cp, seed=seed)
     solo = reference.solo_groups(rank, world_size)
     data = PackedData(recipe, _documents(seed), dp=1)
     packing, batches = data.step(0, 0)
     chunks = build_rank_chunks(recipe.model, groups, core_attention=SliceCoreAttention, seed=seed)
-    fb = make_forward_backward_func(pipeline_settings(recipe, measure_memory=False))
+    context = SliceContext(documents_on_every_tp_rank=True)  # as the training loop: every rank reads its batch
+    fb = make_forward_backward_func(pipeline_settings(recipe, measure_memory=False), context)
     reports = fb(
         forward_step_func=functools.partial(packed_cp_forward_step, groups.cp) if cp > 1 else packed_forward_step,
         data_iterator=[iter(batches)],
@@ -95,7 +109,14 @@ def packed_step(rank, world_size, method, seed=1234):
     average_data_parallel(list(chunks[0].parameters()), groups.dp_cp, cp)  # the loop's dp x cp average
     pair = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
     dist.all_reduce(pair)  # only the last stage reports; under CP each rank its own tokens
-    ref_loss, ref_grads = reference.per_document_step(recipe.model, solo, [_one_pack(batches)], seed)
+    pack = _one_pack(batches)
+    if ref is None:
+        ref_loss, ref_grads = reference.per_document_step(recipe.model, solo, [pack], seed)
+    else:
+        ref_tokens, (ref_loss, ref_grads) = ref
+        assert torch.equal(ref_tokens, pack["tokens"])  # the reference ran the same pack
+    params = global_named_parameters(chunks[0])
+    ref_grads = {n: tp_shard(g, params[n], groups.tp_rank, tp) if n in params else g for n, g in ref_grads.items()}
     return {
         "pair": pair,
         "grads": global_grads(chunks[0]),
@@ -106,10 +127,11 @@ def packed_step(rank, world_size, method, seed=1234):
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 4], ids=["pp2", "pp2xcp2"])
+@pytest.mark.parametrize("world_size, tp", [(2, 1), (4, 1), (4, 2)], ids=["pp2", "pp2xcp2", "tp2xpp2"])
 @pytest.mark.parametrize("method", ["slimpack", "megatron"])
-def test_packed_step_equals_the_per_document_reference(method, world_size):
-    results = run_ranks(packed_step, world_size, method, timeout_s=300)
+def test_packed_step_equals_the_per_document_reference(method, world_size, tp):
+    ref = run_ranks(reference_step, 1, method, tp)[0] if tp > 1 else None
+    results = run_ranks(packed_step, world_size, method, tp, ref, timeout_s=300)
     assert results[0]["crosses"] and results[0]["windows"] > 1
     stages = set()
     for got in results:

@@ -119,6 +119,16 @@ class CPCoreAttention(SlimCoreAttention):
             out = torch.cat([out, out.new_zeros(padding.shape[0], *out.shape[1:])])
         return out.unsqueeze(0)
 
+    def attend_documents(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...]
+    ) -> torch.Tensor:
+        if self.context is not None and self.context.plan is not None:
+            raise ValueError(
+                "packed_seq_params (THD) with a context-parallel plan: allowed: packed_seq_params=None (the "
+                "plan already places each sequence)"
+            )
+        return super().attend_documents(q, k, v, lengths)
+
 
 class CPRotary(RotaryWrapper):
     """The chunk's rotary embedding, evaluated at the current plan's position ids of this rank."""

@@ -15,16 +15,20 @@ attention_type=, cp_comm_type=, softmax_scale=, pg_collection=)`` (0.15+; 0.14 p
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_slim.megatron.model.packed_seq import PACKED_SEQ_PARAMS, thd_documents
+
 if TYPE_CHECKING:
     from megatron_slim.runtime.attention.backend import AttentionBackend
 
 SUPPORTED_MASK_TYPES = (AttnMaskType.causal,)
+THD_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)  # megatron marks THD packs padding_causal
 
 
 class SlimCoreAttention(MegatronModule):
@@ -86,20 +90,34 @@ class SlimCoreAttention(MegatronModule):
         """``query [sq, b, np, hn]``, ``key``/``value [sk, b, ng, hn]`` -> ``[sq, b, np*hn]``.
 
         ``attention_mask`` is ignored: the mask type is causal, which needs no explicit mask.
+        With THD ``packed_seq_params`` megatron passes ``[t, np, hn]`` / ``[t, ng, hn]`` (batch
+        squeezed) and gets ``[t, np*hn]`` (``megatron/model/packed_seq.py``).
         """
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if mask_type not in SUPPORTED_MASK_TYPES:
-            raise ValueError(
-                f"attn_mask_type={mask_type!r}: allowed values are {', '.join(str(m) for m in SUPPORTED_MASK_TYPES)}"
-            )
+        allowed = SUPPORTED_MASK_TYPES if packed_seq_params is None else THD_MASK_TYPES
+        if mask_type not in allowed:
+            raise ValueError(f"attn_mask_type={mask_type!r}: allowed values are {', '.join(str(m) for m in allowed)}")
         if attention_bias is not None:
             raise ValueError("attention_bias: allowed value is None (not supported)")
         if packed_seq_params is not None:
-            raise ValueError("packed_seq_params: allowed value is None (THD packing not supported)")
+            return self._forward_thd(query, key, value, packed_seq_params)
         sq, b, heads, hn = query.shape
         q, k, v = (t.permute(1, 0, 2, 3) for t in (query, key, value))
         out = self.attend(q, k, v)  # [b, sq, np, hn]
         return out.permute(1, 0, 2, 3).reshape(sq, b, heads * hn)
+
+    def _forward_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> torch.Tensor:
+        cp = self.cp_group
+        documents = thd_documents(params, query.shape[0], cp.size() if cp is not None else 1)
+        if query.dim() != 3:
+            raise ValueError(
+                f"query {tuple(query.shape)} with THD {PACKED_SEQ_PARAMS}: allowed: [tokens, heads, head_dim] "
+                "(megatron squeezes the batch dimension of a THD pack)"
+            )
+        out = self.attend_documents(query, key, value, documents.lengths)
+        if documents.padded:
+            out = out * documents.real_rows(out.device)[:, None, None].to(out.dtype)
+        return out.reshape(out.shape[0], -1)
 
     def attention_backend(self, q: torch.Tensor):
         """The kernel backend, chosen once (``runtime.attention.select_backend`` logs the choice);
@@ -121,3 +139,26 @@ class SlimCoreAttention(MegatronModule):
 
         out = attention(q, k, v, causal=True, softmax_scale=self.softmax_scale, backend=self.attention_backend(q))
         return cast(torch.Tensor, out)  # without return_lse: the output alone
+
+    def attend_documents(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...]
+    ) -> torch.Tensor:
+        """Causal attention inside each document: ``q [t, hq, d]``, ``k``/``v [t, hkv, d]`` with
+        ``sum(lengths) == t`` -> ``[t, hq, d]``; no token sees an earlier document."""
+        from megatron_slim.runtime.attention import varlen_attention
+
+        cu = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=q.device)
+        longest = max(lengths)
+        out = varlen_attention(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            longest,
+            longest,
+            causal=True,
+            softmax_scale=self.softmax_scale,
+            backend=self.attention_backend(q),
+        )
+        return cast(torch.Tensor, out)

@@ -16,7 +16,10 @@ tokens are taken as the zigzag shard of one whole sequence (uncached CP attentio
 Packed windows: when the slicing data iterator recorded document lengths for the current
 microbatch (``SliceContext.documents``: the batch key ``document_lengths`` or a block-causal
 attention mask), attention stays inside each document (varlen kernels of the chosen backend) and
-RoPE positions restart at 0 in each document. Not under tensor parallelism (refused).
+RoPE positions restart at 0 in each document, also under SlimPipe's CP attention; under tensor
+parallelism only when every TP rank reads its own batch (``SliceContext.documents_on_every_tp_rank``).
+Megatron's THD ``packed_seq_params`` work outside a schedule (whole windows) and are refused inside
+a slice, where the ``document_lengths`` key is the way in.
 
 A window a CP engine planned (``SliceContext.cp_shares`` holds the microbatch's shares, set by
 ``megatron-slim train``'s ``train/cp_slices.py``): each rank holds the plan's rows of the slice, not
@@ -103,6 +106,17 @@ class SliceCoreAttention(SlimCoreAttention):
             documents=slice_documents(documents, info.start, info.length) if documents is not None else None,
         )
 
+    def attend_documents(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...]
+    ) -> torch.Tensor:
+        if self.context is not None and self.context.current is not None:
+            raise ValueError(
+                "packed_seq_params (THD) inside a SlimPipe slice: megatron's THD offsets describe the whole "
+                f"window, not the slice; allowed: the batch key {DOCUMENT_LENGTHS!r} (docs/packing.md) with "
+                "packed_seq_params=None"
+            )
+        return super().attend_documents(q, k, v, lengths)
+
     def _documents(self, info: SliceInfo, q: torch.Tensor) -> Optional[tuple[int, ...]]:
         """The document lengths of the current microbatch if it is a packed window, else None."""
         assert self.context is not None
@@ -110,11 +124,12 @@ class SliceCoreAttention(SlimCoreAttention):
         if lengths is None:
             return None
         tp_group = self.tp_group
-        if tp_group is not None and tp_group.size() > 1:
+        if tp_group is not None and tp_group.size() > 1 and not self.context.documents_on_every_tp_rank:
             raise ValueError(
                 f"{DOCUMENT_LENGTHS}: packed windows under SlimPipe with tensor parallel size {tp_group.size()} "
-                "are not supported (Megatron's TP batch broadcast carries tensors only, so the other TP ranks "
-                "would not see the documents); allowed: tp=1"
+                "and Megatron's TP batch broadcast (it carries tensors only, so the other TP ranks would not see "
+                "the documents); allowed: tp=1, or every TP rank reading its own batch "
+                "(SliceContext(documents_on_every_tp_rank=True), as megatron-slim train does)"
             )
         if q.shape[0] != 1:
             raise ValueError(f"{DOCUMENT_LENGTHS}: micro-batch size {q.shape[0]}; allowed: 1 (one packed window)")

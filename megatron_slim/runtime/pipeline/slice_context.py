@@ -8,6 +8,9 @@ when its batch is a pack (``runtime/pipeline/documents.py``), recorded by the sl
 ``cp_shares`` holds, per microbatch a CP engine planned (``megatron-slim train`` with slices and
 ``cp.engine``, ``train/cp_slices.py``), which rows of each slice every CP rank holds: the slice
 attention and RoPE then follow the plan instead of the zigzag split.
+``documents_on_every_tp_rank``: every tensor-parallel rank reads its own batch and so records the
+documents itself (``megatron-slim train``); false under Megatron's TP batch broadcast, which
+carries tensors only, so packed windows then refuse tensor parallelism.
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ class SliceInfo:
 
 
 class SliceContext:
-    def __init__(self) -> None:
+    def __init__(self, *, documents_on_every_tp_rank: bool = False) -> None:
         self._current: SliceInfo | None = None
         self.documents = DocumentTable()
         self.cp_shares: dict[int, tuple[SliceShare, ...]] = {}
+        self.documents_on_every_tp_rank = documents_on_every_tp_rank
 
     @property
     def current(self) -> SliceInfo | None:
