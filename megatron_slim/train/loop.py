@@ -44,12 +44,17 @@ if TYPE_CHECKING:  # the schedule imports megatron; loop.py imports it only when
 def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
     """The schedule settings every rank of ``megatron-slim train`` runs under: the recipe's kind and
     the slice plan the simulator is given (``plan.sim.costs.slice_lengths``), and the share of each
-    slice's layer activations that waits in host memory for its backward (``train.offload_ratio``)."""
+    slice's layer activations that waits in host memory for its backward (``train.offload_ratio``), and
+    whether training calls run context exchange (``schedule.slice_policy: exchange``)."""
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings
 
     lengths = slice_lengths(recipe, CostModel(recipe))
     return SlimPipeSettings(
-        lengths, measure_memory=measure_memory, kind=recipe.schedule.kind, offload_ratio=recipe.train.offload_ratio
+        lengths,
+        measure_memory=measure_memory,
+        kind=recipe.schedule.kind,
+        offload_ratio=recipe.train.offload_ratio,
+        exchange=recipe.schedule.kind == "slimpipe" and recipe.schedule.slice_policy == "exchange",
     )
 
 

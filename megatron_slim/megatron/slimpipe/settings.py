@@ -14,6 +14,7 @@ class SlimPipeSettings:
     attention_backend: Optional[str] = None
     measure_memory: bool = False
     offload_ratio: float = 0.0  # of each slice's decoder-layer activations, held on the host until backward
+    exchange: bool = False  # context exchange (schedule.slice_policy: exchange) in training calls
 
     @property
     def num_slices(self) -> int:
@@ -28,6 +29,7 @@ class RunStats:
     peak_kv_bytes: int = 0
     offloaded_bytes: int = 0  # activation bytes the last call moved to the host (train.offload_ratio)
     peak_p2p_bytes: int = 0  # point-to-point buffers in flight (sent and received)
+    exchanged_tokens: int = 0  # K/V tokens the last call moved to exchange peers, summed over layers
     schedule_digest: str = ""
     agreed_digests: set = field(default_factory=set)
 

@@ -5,13 +5,21 @@ inside a backward rebuilds checkpointed activations); the slice attention (K/V c
 length, whether to append) and the rotary wrapper (positions) read it. One object per model-chunk set,
 injected at the edge: no module-level state. ``documents`` holds each microbatch's document lengths
 when its batch is a pack (``runtime/pipeline/documents.py``), recorded by the slicing data iterator.
+``exchange`` is the run's context exchange while a schedule with pairs runs (``exchanging(action)``
+tells it which action is running), else None.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 from megatron_slim.runtime.pipeline.documents import DocumentTable
+
+if TYPE_CHECKING:
+    from megatron_slim.plan.schedule.ir import Action
+    from megatron_slim.runtime.pipeline.context_exchange import ContextExchange
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,13 @@ class SliceContext:
     def __init__(self) -> None:
         self._current: SliceInfo | None = None
         self.documents = DocumentTable()
+        self.exchange: Optional["ContextExchange"] = None
+
+    def exchanging(self, action: "Action") -> AbstractContextManager:
+        """Around any action: a compute action's attention layers meet its exchange partner's."""
+        if self.exchange is None or not action.kind.is_compute:
+            return nullcontext()
+        return self.exchange.scope(action)
 
     @property
     def current(self) -> SliceInfo | None:
