@@ -225,6 +225,7 @@ class _RankTraining:
         report.peak_kv_bytes = max(report.peak_kv_bytes, stats.peak_kv_bytes)
         report.offloaded_bytes = max(report.offloaded_bytes, stats.offloaded_bytes)
         report.peak_p2p_bytes = max(report.peak_p2p_bytes, stats.peak_p2p_bytes)
+        report.exchanged_tokens = max(report.exchanged_tokens, stats.exchanged_tokens)
         report.schedule_digest = stats.schedule_digest
 
     def _print(self, number: int, loss: float, norm: float, stepped: bool, elapsed: float, cp_summary) -> None:

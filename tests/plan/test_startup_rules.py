@@ -103,7 +103,8 @@ def test_context_exchange_runs_in_train_and_is_refused_by_the_megatron_launcher(
     launcher = _refusal(check_megatron_args, args)
     assert launcher.startswith("--slimpipe-slice-policy exchange: context exchange runs in megatron-slim train only")
     assert "Megatron-LM's launcher does not run it yet; allowed: uniform, balanced" in launcher
-    check_trainable(load_recipe("tiny-cpu", ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]))
+    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]
+    check_trainable(load_recipe("tiny-cpu", sets))  # megatron-slim train runs it
 
 
 @pytest.mark.parametrize(

@@ -50,8 +50,8 @@ from megatron_slim.megatron.slimpipe.stage import (
     stage_ops,
     syncs,
 )
-from megatron_slim.plan.schedule.executable import executable, executable_forward_only, executable_with_exchange
 from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.executable import executable, executable_forward_only, executable_with_exchange
 from megatron_slim.plan.schedule.ir import Schedule
 from megatron_slim.plan.schedule.vocab import embedding_exchange_steps
 from megatron_slim.runtime.agreement import check_agreement

@@ -40,9 +40,7 @@ def executable(kind: str, pp: int, vpp: int, num_microbatches: int, num_slices: 
 
 
 @functools.lru_cache(maxsize=PLANS_KEPT)
-def executable_with_exchange(
-    kind: str, pp: int, vpp: int, num_microbatches: int, lengths: tuple[int, ...]
-) -> Schedule:
+def executable_with_exchange(kind: str, pp: int, vpp: int, num_microbatches: int, lengths: tuple[int, ...]) -> Schedule:
     """``executable`` carrying its deadlock-free context-exchange pairing for slices of ``lengths``."""
     schedule = executable(kind, pp, vpp, num_microbatches, len(lengths))
     return check_link_order(validate(with_exchange(schedule, lengths)))

@@ -137,7 +137,8 @@ class ContextExchange:
     def serve_forward(self, backend, scale: float, q_like: torch.Tensor, kv_like: torch.Tensor) -> None:
         """Attend the sender's Q to its moved K/V, unmasked, and return (out, lse)."""
         role, tag = self._role(), self._next_layer()
-        q, k, v = self._receive(role, tag, (self._q_shape(role, q_like),) + (self._kv_shape(role, kv_like),) * 2, q_like)
+        kv_shape = self._kv_shape(role, kv_like)
+        q, k, v = self._receive(role, tag, (self._q_shape(role, q_like), kv_shape, kv_shape), q_like)
         out, lse = backend.forward(q, k, v, causal=False, softmax_scale=scale)
         self._reply(role, tag + 3, (out, lse.float()))
 
@@ -165,6 +166,7 @@ class ContextExchange:
         other = self.pp_ranks[role.other]
         works = [dist.isend(t.detach().contiguous(), other, self.group, tag + i) for i, t in enumerate(tensors)]
         for work in works:  # the sender posted these receives with its sends
+            assert work is not None  # None only for a rank outside the group
             work.wait()
 
     @staticmethod

@@ -21,7 +21,9 @@ def run_exchange(rank, world_size, configs, seed=1234):
     results = []
     for m, lengths in configs:
         batches = make_batches(model, m, micro_batch=2, seed=seed + m)
-        chunks = build_rank_chunks(model, dataclasses.replace(groups, vpp=1), core_attention=SliceCoreAttention, seed=seed)
+        chunks = build_rank_chunks(
+            model, dataclasses.replace(groups, vpp=1), core_attention=SliceCoreAttention, seed=seed
+        )
         settings = SlimPipeSettings(tuple(lengths), exchange=True)
         fb = make_forward_backward_func(settings)
         reports = _call(fb, chunks, batches, model)
