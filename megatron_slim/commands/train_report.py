@@ -18,8 +18,9 @@ def is_reporter(report, pp: int) -> bool:
     return report.pp_rank == pp - 1 and report.dp_rank == 0 and report.tp_rank == 0 and report.cp_rank == 0
 
 
-# per pipeline stage, from its RankReport (offloaded_bytes: per iteration, moved to host memory)
-_STAGE_FIGURES = ("peak_activation_bytes", "peak_kv_bytes", "offloaded_bytes", "peak_p2p_bytes")
+# per pipeline stage, from its RankReport (offloaded_bytes: per iteration, moved to host memory;
+# exchanged_tokens: per iteration, K/V tokens shipped to context-exchange peers over all layers)
+_STAGE_FIGURES = ("peak_activation_bytes", "peak_kv_bytes", "offloaded_bytes", "peak_p2p_bytes", "exchanged_tokens")
 
 
 def _stage_entries(reports, pp: int) -> list[dict]:
@@ -98,5 +99,6 @@ def report(args, recipe, reports, began) -> int:
                 f"  stage {s['stage']}: peak activations {s['peak_activation_bytes'] / 2**20:.2f} MiB, "
                 f"peak K/V {s['peak_kv_bytes'] / 2**20:.2f} MiB, offloaded {s['offloaded_bytes'] / 2**20:.2f} MiB, "
                 f"peak in-flight p2p {s['peak_p2p_bytes'] / 2**20:.2f} MiB"
+                + (f", exchanged K/V tokens {s['exchanged_tokens']:,}" if s["exchanged_tokens"] else "")
             )
     return STOPPED_EXIT_CODE if reporter.stopped else 0

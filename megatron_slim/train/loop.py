@@ -44,12 +44,17 @@ if TYPE_CHECKING:  # the schedule imports megatron; loop.py imports it only when
 def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
     """The schedule settings every rank of ``megatron-slim train`` runs under: the recipe's kind and
     the slice plan the simulator is given (``plan.sim.costs.slice_lengths``), and the share of each
-    slice's layer activations that waits in host memory for its backward (``train.offload_ratio``)."""
+    slice's layer activations that waits in host memory for its backward (``train.offload_ratio``), and
+    whether training calls run context exchange (``schedule.slice_policy: exchange``)."""
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings
 
     lengths = slice_lengths(recipe, CostModel(recipe))
     return SlimPipeSettings(
-        lengths, measure_memory=measure_memory, kind=recipe.schedule.kind, offload_ratio=recipe.train.offload_ratio
+        lengths,
+        measure_memory=measure_memory,
+        kind=recipe.schedule.kind,
+        offload_ratio=recipe.train.offload_ratio,
+        exchange=recipe.schedule.kind == "slimpipe" and recipe.schedule.slice_policy == "exchange",
     )
 
 
@@ -236,6 +241,7 @@ class _RankTraining:
         report.peak_kv_bytes = max(report.peak_kv_bytes, stats.peak_kv_bytes)
         report.offloaded_bytes = max(report.offloaded_bytes, stats.offloaded_bytes)
         report.peak_p2p_bytes = max(report.peak_p2p_bytes, stats.peak_p2p_bytes)
+        report.exchanged_tokens = max(report.exchanged_tokens, stats.exchanged_tokens)
         report.schedule_digest = stats.schedule_digest
 
     def _print(self, number: int, loss: float, norm: float, stepped: bool, elapsed: float, cp_summary) -> None:

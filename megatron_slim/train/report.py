@@ -36,6 +36,7 @@ class RankReport:
     peak_kv_bytes: int = 0
     offloaded_bytes: int = 0  # activation bytes one iteration moved to host memory (train.offload_ratio)
     peak_p2p_bytes: int = 0
+    exchanged_tokens: int = 0  # K/V tokens one iteration shipped to context-exchange peers (all layers)
     resumed_from: Optional[int] = None
     last_iteration: int = 0
     attention_backend: str = ""

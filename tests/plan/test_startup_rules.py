@@ -39,10 +39,7 @@ SHARED = {
     ),
     "slice-policy-exchange": (
         {**SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange"},
-        {
-            TRAIN: ["schedule.num_slices=2", "schedule.slice_policy=exchange"],
-            MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.slice_policy=exchange"],
-        },
+        {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.slice_policy=exchange"]},
     ),
     "vocab-parallel-megatron": (
         {**SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True},
@@ -101,17 +98,30 @@ def test_a_shared_rule_fires_from_every_caller_with_the_same_wording(name):
         assert all(INPUTS[LAUNCHER].name(key) in launcher for key in named)
 
 
-def test_context_exchange_is_refused_at_start_up_with_the_allowed_policies():
+def test_context_exchange_runs_in_train_and_is_refused_by_the_megatron_launcher():
     from megatron_slim.megatron.launch.flags import add_arguments
 
     parsed = add_arguments(argparse.ArgumentParser()).parse_args(["--slimpipe-slice-policy", "exchange"])
     assert parsed.slimpipe_slice_policy == "exchange"  # the launcher accepts the flag, then refuses the run
     args = argparse.Namespace(**{**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange"})
     launcher = _refusal(check_megatron_args, args)
-    assert launcher.startswith("--slimpipe-slice-policy exchange: context exchange is simulated only")
-    assert "the runtime does not run it yet; allowed: uniform, balanced" in launcher
-    recipe = load_recipe("tiny-cpu", ["schedule.num_slices=2", "schedule.slice_policy=exchange"])
-    assert _refusal(check_trainable, recipe).startswith("schedule.slice_policy=exchange: context exchange")
+    assert launcher.startswith("--slimpipe-slice-policy exchange: context exchange runs in megatron-slim train only")
+    assert "Megatron-LM's launcher does not run it yet; allowed: uniform, balanced" in launcher
+    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]
+    check_trainable(load_recipe("tiny-cpu", sets))  # megatron-slim train runs it
+
+
+@pytest.mark.parametrize(
+    "bad", ["parallel.tp=2", "parallel.vpp=2", "train.recompute=full", "schedule.vocab_parallel=true"]
+)
+def test_train_refuses_context_exchange_where_it_does_not_run(bad):
+    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", bad]
+    refused = _refusal(check_trainable, load_recipe("tiny-cpu", sets))
+    assert refused.startswith("schedule.slice_policy=exchange with parallel.tp=")
+    assert bad.split("=")[0] in refused and refused.endswith(
+        "allowed: parallel.tp=1, parallel.cp=1, parallel.vpp=1, train.recompute=none and "
+        "schedule.vocab_parallel=false, or schedule.slice_policy=uniform or balanced"
+    )
 
 
 def test_vocab_parallel_runs_in_train_and_is_refused_by_the_megatron_launcher():

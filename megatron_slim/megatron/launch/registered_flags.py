@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="uniform",
         help=(
             "uniform: equal slices; balanced: equal forward+backward work under the causal mask; exchange: "
-            "uniform slices plus attention context exchange between pipeline ranks (simulated only: the "
-            "runtime refuses it at start-up)"
+            "uniform slices plus attention context exchange between pipeline ranks (megatron-slim train and "
+            "simulate run it; this launcher refuses it at start-up for now)"
         ),
     )
     g.add_argument(

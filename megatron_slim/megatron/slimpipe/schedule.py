@@ -22,8 +22,10 @@ megatron does on each CP rank (``runtime.pipeline.loss``); DDP averages over dat
 
 Recomputation is megatron-core's (the chunks' ``TransformerConfig.recompute_*``); the interpreter
 runs each backward in its slice's context so a recomputed layer reads the cached K/V prefix.
-``SlimPipeSettings.offload_ratio`` moves that share of each chunk's layers' saved activations to
-host memory until backward (``offload_layers``).
+``SlimPipeSettings.exchange`` runs the schedule's context-exchange pairs in training calls
+(``runtime.pipeline.context_exchange``; cp=1, vpp=1, gloo). ``SlimPipeSettings.offload_ratio``
+moves that share of each chunk's layers' saved activations to host memory until backward
+(``offload_layers``).
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ from megatron_slim.megatron.slimpipe.stage import (
     stage_ops,
     syncs,
 )
-from megatron_slim.plan.schedule.executable import executable, executable_forward_only
+from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.executable import executable, executable_forward_only, executable_with_exchange
 from megatron_slim.plan.schedule.ir import Schedule
 from megatron_slim.plan.schedule.vocab import embedding_exchange_steps
 from megatron_slim.runtime.agreement import check_agreement
+from megatron_slim.runtime.pipeline.context_exchange import ContextExchange
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter
 from megatron_slim.runtime.pipeline.loss import SlicedLoss
 from megatron_slim.runtime.pipeline.memory_meter import ActivationMeter
@@ -102,8 +106,13 @@ def check_schedule_groups(*args: Any, **kwargs: Any) -> None:
         )
 
 
-def planned_schedule(settings: SlimPipeSettings, pp: int, vpp: int, num_microbatches: int) -> Schedule:
-    """The schedule every pipeline rank runs for one call (the simulator times the same one)."""
+def planned_schedule(
+    settings: SlimPipeSettings, pp: int, vpp: int, num_microbatches: int, forward_only: bool = False
+) -> Schedule:
+    """The schedule every pipeline rank runs for one call (the simulator times the same one); with
+    ``settings.exchange`` a training call's carries its context-exchange pairs (an evaluation has none)."""
+    if settings.exchange and not forward_only and pp > 1:
+        return executable_with_exchange(settings.kind, pp, vpp, num_microbatches, settings.slice_lengths)
     return executable(settings.kind, pp, vpp, num_microbatches, settings.num_slices)
 
 
@@ -156,7 +165,7 @@ def make_forward_backward_func(
         _refuse_unsupported_call(settings, seq_length, adjust_tensor_shapes_fn)
         chunks = model_chunks(model)
         group = _pp_group(pg_collection, p2p_communicator)
-        schedule = planned_schedule(settings, group.size(), len(chunks.models), num_microbatches)
+        schedule = planned_schedule(settings, group.size(), len(chunks.models), num_microbatches, forward_only)
         stats.schedule_digest = schedule.digest()
         _agree_on_plan(stats.schedule_digest, group, stats, chunks.first_param.device)
         documents = None
@@ -220,6 +229,7 @@ class _Run:
         grad_sync, param_sync = syncs(chunks, schedule.ranks[rank], forward_only)
         executed = executable_forward_only(schedule) if forward_only else schedule
         vocab = self._vocab(micro_batch_size, executed)
+        context.exchange = self._exchange(chunks)
         interpreter = PipelineInterpreter(
             executed,
             rank,
@@ -241,6 +251,8 @@ class _Run:
         finally:
             for hook in hooks:
                 hook.remove()
+            exchange, context.exchange = context.exchange, None
+        stats.exchanged_tokens = exchange.sent_tokens if exchange is not None else 0
         if vocab is not None:
             loss.reports.extend(vocab.reports)
         if meter is not None:
@@ -268,6 +280,21 @@ class _Run:
             self.vocab_head, rank, lengths, micro_batch_size, config.hidden_size, s.num_microbatches, tag_base,
             self.forward_only, embedding,
         )  # fmt: skip
+
+    def _exchange(self, chunks: Chunks) -> Optional[ContextExchange]:
+        """This rank's side of the schedule's context-exchange pairs; None without any."""
+        if not self.schedule.exchange:
+            return None
+        backend = dist.get_backend(self.group)
+        if chunks.cp > 1 or len(chunks.models) > 1 or backend != "gloo":
+            raise ValueError(
+                f"schedule.slice_policy=exchange: context exchange runs with cp=1, vpp=1 and gloo point-to-point "
+                f"(its messages are told apart by tag); got cp={chunks.cp}, vpp={len(chunks.models)}, "
+                f"backend {backend}; allowed: those, or schedule.slice_policy=uniform or balanced"
+            )
+        ranks = dist.get_process_group_ranks(self.group)
+        plan = ExchangePlan.from_text(self.schedule.exchange)
+        return ContextExchange(plan, self.group.rank(), self.group, ranks, self.settings.slice_lengths)
 
     def _p2p(self, device: torch.device) -> Optional[P2P]:
         """The send/receive pairs between pipeline stages; none for a single stage."""

@@ -17,6 +17,7 @@ class SlimPipeSettings:
     # the first stage hands each microbatch's document lengths to stages that read no batch
     # (--slimpipe-packing under pretrain_gpt.py with pp > 2: ``runtime/pipeline/stage_lengths``)
     share_documents: bool = False
+    exchange: bool = False  # context exchange (schedule.slice_policy: exchange) in training calls
 
     @property
     def num_slices(self) -> int:
@@ -31,6 +32,7 @@ class RunStats:
     peak_kv_bytes: int = 0
     offloaded_bytes: int = 0  # activation bytes the last call moved to the host (train.offload_ratio)
     peak_p2p_bytes: int = 0  # point-to-point buffers in flight (sent and received)
+    exchanged_tokens: int = 0  # K/V tokens the last call moved to exchange peers, summed over layers
     schedule_digest: str = ""
     agreed_digests: set = field(default_factory=set)
 

@@ -104,6 +104,7 @@ class SliceCoreAttention(SlimCoreAttention):
             info=info,
             layer=self.layer_number,
             documents=slice_documents(documents, info.start, info.length) if documents is not None else None,
+            exchange=self.context.exchange if self.context is not None else None,
         )
 
     def attend_documents(

@@ -10,6 +10,10 @@ Both are planned once per shape and process: a training run asks for the same sc
 iteration, and at 70B / 512K one schedule is about 60K actions (half a second to lower and
 validate; ``benchmarks/planning.py``). The shape is (kind, pp, vpp, microbatches, slices): slice
 lengths and model sizes do not enter a schedule, only the interpreter's tensors.
+
+``executable_with_exchange`` adds the context-exchange pairing (``exchange.with_exchange`` on the
+unit-time timeline, which depends on the schedule and the slice lengths alone, so every rank
+derives the same pairs without a cost model) and checks the result the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 
+from megatron_slim.plan.schedule.exchange import with_exchange
 from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.schedule.ir import Schedule
 from megatron_slim.plan.schedule.lower import forward_only, lower
@@ -32,6 +37,13 @@ def executable(kind: str, pp: int, vpp: int, num_microbatches: int, num_slices: 
     """With ``pp=1`` (context parallelism alone, or one rank) lowering adds no messages."""
     schedule = lower(generate(kind, pp, vpp, num_microbatches, num_slices))
     return check_link_order(validate(schedule))
+
+
+@functools.lru_cache(maxsize=PLANS_KEPT)
+def executable_with_exchange(kind: str, pp: int, vpp: int, num_microbatches: int, lengths: tuple[int, ...]) -> Schedule:
+    """``executable`` carrying its deadlock-free context-exchange pairing for slices of ``lengths``."""
+    schedule = executable(kind, pp, vpp, num_microbatches, len(lengths))
+    return check_link_order(validate(with_exchange(schedule, lengths)))
 
 
 def executable_forward_only(schedule: Schedule) -> Schedule:

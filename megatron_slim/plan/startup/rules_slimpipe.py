@@ -21,11 +21,30 @@ def _unit(s: Settings) -> int:
 SLIMPIPE_RULES = [
     Rule(
         "slice-policy-exchange",
-        (LAUNCHER, TRAIN, MEGATRON_ARGS),
+        (LAUNCHER, MEGATRON_ARGS),
         lambda s: s.slice_policy == "exchange",
         lambda s, i: (
-            f"{i.setting('slice_policy', s.slice_policy)}: context exchange is simulated only (megatron-slim "
-            "simulate); the runtime does not run it yet; allowed: uniform, balanced"
+            f"{i.setting('slice_policy', s.slice_policy)}: context exchange runs in megatron-slim train only "
+            "(gloo point-to-point; simulated by megatron-slim simulate); Megatron-LM's launcher does not run "
+            "it yet; allowed: uniform, balanced"
+        ),
+    ),
+    Rule(
+        "slice-policy-exchange-train",
+        (TRAIN,),
+        lambda s: (
+            s.slimpipe
+            and s.slice_policy == "exchange"
+            and (s.tp > 1 or s.cp > 1 or s.vpp > 1 or s.recompute is not None or s.vocab_parallel)
+        ),
+        lambda s, i: (
+            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)}, "
+            f"{i.setting('vpp', s.vpp)}, {i.name('recompute')}={s.recompute or 'none'} and "
+            f"{i.setting('vocab_parallel', s.vocab_parallel)}: context exchange runs with one model chunk per "
+            "pipeline rank, without tensor or context parallelism, activation recomputation or the vocabulary "
+            f"exchange; allowed: {i.name('tp')}=1, {i.name('cp')}=1, {i.name('vpp')}=1, "
+            f"{i.name('recompute')}=none and {i.name('vocab_parallel')}=false, or "
+            f"{i.name('slice_policy')}=uniform or balanced"
         ),
     ),
     Rule(

@@ -59,7 +59,8 @@ def _fields(r: Recompute) -> RecomputeOption:
     return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in r.train_fields().items())
 
 
-# Context exchange is priced by `simulate` only and the runtime refuses it: a search picks what runs.
+# Context exchange runs in `megatron-slim train` only (the Megatron-LM launcher refuses it): a search
+# picks what the emitted flags run.
 SLICE_POLICIES: tuple[str, ...] = tuple(p for p in get_args(SlicePolicy) if p != "exchange")
 
 FAMILIES: dict[str, tuple[str, ...]] = {"slimpipe": ("slimpipe",), "megatron": ("1f1b", "interleaved")}

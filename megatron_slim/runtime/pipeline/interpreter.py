@@ -253,7 +253,8 @@ class PipelineInterpreter:
                     self._post(recv)
             if self.vocab is not None and self.vocab.embedding is not None:
                 self.vocab.embedding.before(step)  # stage 0: the lookup its F makes; else serve it
-            with record_function(str(a)) if torch.autograd._profiler_enabled() else nullcontext():
+            label = record_function(str(a)) if torch.autograd._profiler_enabled() else nullcontext()
+            with label, self.ctx.exchanging(a):  # a paired compute meets its context-exchange partner
                 self._handlers[a.kind](a)
             if self.p2p is not None:
                 self.p2p.poll()

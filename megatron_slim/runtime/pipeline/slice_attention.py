@@ -14,6 +14,13 @@ document holding the slice's first token, and attends through the backends' varl
 sequence per document touched (bottom-right causal per document: its queries are the last of its
 keys). Cached chunks wholly before that start get no dK/dV from this slice; the chunk holding it
 gets zeros for its rows before it.
+
+Context exchange (``exchange``, ``runtime/pipeline/context_exchange.py``): in a paired action the
+sender's oldest cached chunks go to the peer, which attends the slice's queries to them unmasked;
+the sender's own call covers the rest of the prefix (still bottom-right causal: its queries are
+the last of those keys) and merges the two by log-sum-exp. Backward passes the merged out and lse
+to both blocks, so each block's gradient is exact; the peer's dK/dV add into the moved chunks'
+buffers. The peer serves its sender before its own attention, forward and backward.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from typing import Optional
 import torch
 
 from megatron_slim.runtime.attention import AttentionBackend
+from megatron_slim.runtime.attention.merge import merge
+from megatron_slim.runtime.pipeline.context_exchange import ContextExchange, ExchangeRole, Pending
 from megatron_slim.runtime.pipeline.documents import SliceDocuments
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceInfo
@@ -107,6 +116,49 @@ def _with_skipped_rows(d: torch.Tensor, skip: int) -> torch.Tensor:
     return torch.cat([d.new_zeros(d.shape[0], skip, *d.shape[2:]), d], dim=1) if skip else d
 
 
+def _role(exchange: Optional[ContextExchange], info: SliceInfo, documents) -> Optional[ExchangeRole]:
+    role = exchange.role if exchange is not None else None
+    if role is not None and (documents is not None or info.recompute):
+        raise ValueError(
+            "schedule.slice_policy=exchange: context exchange runs neither packed documents nor activation "
+            "recomputation; allowed: unpacked batches with train.recompute=none, or schedule.slice_policy=uniform"
+        )
+    return role
+
+
+def _moved(prefix: list, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oldest ``first`` cached chunks' K and V, joined: what the peer attends to."""
+    return torch.cat([k_i for k_i, _ in prefix[:first]], dim=1), torch.cat([v_i for _, v_i in prefix[:first]], dim=1)
+
+
+def _attend(backend, q, k, v, scale: float, store: KVCacheStore, info: SliceInfo, layer: int, documents, exchange):
+    """(out, lse) of the slice; a paired sender's oldest chunks are attended to by its peer, whose
+    block merges with the sender's own causal attention over the rest (module docstring)."""
+    prefix = store.prefix(info.microbatch, layer, info.slice)
+    role = _role(exchange, info, documents)
+    if role is not None and role.sender:
+        first = exchange.moved_chunks([k_i.shape[1] for k_i, _ in prefix])
+        pending = exchange.send_forward(q, *_moved(prefix, first))
+        keys, values = _joined(prefix, k, v, _Keys(first, 0))
+        out, lse = backend.forward(q, keys, values, causal=True, softmax_scale=scale)
+        return merge(out, lse, *pending.wait())
+    if role is not None:
+        exchange.serve_forward(backend, scale, q, k)
+    keys, values = _joined(prefix, k, v, _keys_of(prefix, documents))
+    return _forward(backend, q, keys, values, scale, documents)
+
+
+def _add_moved_gradients(pending: Pending, dq, store: KVCacheStore, info: SliceInfo, layer: int, moved: list):
+    """The peer's block gradients: dK/dV into the moved chunks' accumulators; returns dQ plus its dQ."""
+    dq_block, dk_block, dv_block = pending.wait()
+    start = 0
+    for i, (k_i, _) in enumerate(moved):
+        rows = slice(start, start + k_i.shape[1])
+        store.accumulate(info.microbatch, layer, i, dk_block[:, rows], dv_block[:, rows])
+        start = rows.stop
+    return (dq.float() + dq_block).to(dq.dtype)
+
+
 class _SliceAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -120,23 +172,30 @@ class _SliceAttention(torch.autograd.Function):
         info: SliceInfo,
         layer: int,
         documents: Optional[SliceDocuments],
+        exchange: Optional[ContextExchange],
     ):
-        prefix = store.prefix(info.microbatch, layer, info.slice)
-        keys, values = _joined(prefix, k, v, _keys_of(prefix, documents))
-        out, lse = _forward(backend, q, keys, values, scale, documents)
+        out, lse = _attend(backend, q, k, v, scale, store, info, layer, documents, exchange)
         _keep(store, info, layer, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (backend, scale, store, info, layer, documents)
+        ctx.meta = (backend, scale, store, info, layer, documents, exchange)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        backend, scale, store, info, layer, documents = ctx.meta
+        backend, scale, store, info, layer, documents, exchange = ctx.meta
         prefix = store.prefix(info.microbatch, layer, info.slice)
-        span = _keys_of(prefix, documents)
+        span, dout, pending = _keys_of(prefix, documents), dout.contiguous(), None
+        role = _role(exchange, info, documents)
+        if role is not None and role.sender:
+            span = _Keys(exchange.moved_chunks([k_i.shape[1] for k_i, _ in prefix]), 0)
+            pending = exchange.send_backward(dout, q, out, lse, *_moved(prefix, span.first))
+        elif role is not None:
+            exchange.serve_backward(backend, scale, q, k)
         keys, values = _joined(prefix, k, v, span)
-        dq, dkeys, dvalues = _backward(backend, dout.contiguous(), q, keys, values, out, lse, scale, documents)
+        dq, dkeys, dvalues = _backward(backend, dout, q, keys, values, out, lse, scale, documents)
+        if pending is not None:
+            dq = _add_moved_gradients(pending, dq, store, info, layer, prefix[: span.first])
         dkeys, dvalues = _with_skipped_rows(dkeys, span.skip), _with_skipped_rows(dvalues, span.skip)
         start = 0
         for i in range(span.first, len(prefix)):
@@ -149,7 +208,7 @@ class _SliceAttention(torch.autograd.Function):
             dk = (dk.float() + later[0]).to(k.dtype)
             dv = (dv.float() + later[1]).to(v.dtype)
         store.release(info.microbatch, layer, info.slice)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def sliced_attention(
@@ -163,9 +222,11 @@ def sliced_attention(
     info: SliceInfo,
     layer: int,
     documents: Optional[SliceDocuments] = None,
+    exchange: Optional[ContextExchange] = None,
 ) -> torch.Tensor:
     """``q [b, s, hq, d]``, ``k``/``v [b, s, hkv, d]`` of slice ``info.slice`` -> ``[b, s, hq, d]``;
-    ``documents``: the slice of a packed ``b = 1`` window (attention stays inside each document).
+    ``documents``: the slice of a packed ``b = 1`` window (attention stays inside each document);
+    ``exchange``: the run's context exchange (``runtime/pipeline/context_exchange.py``), if any.
 
     K and V are made contiguous first: they stay in the cache until this slice's backward, and a
     view would keep the whole fused QKV projection output alive with them.
@@ -173,11 +234,9 @@ def sliced_attention(
     k, v = k.contiguous(), v.contiguous()
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
         with torch.no_grad():
-            prefix = store.prefix(info.microbatch, layer, info.slice)
-            keys, values = _joined(prefix, k, v, _keys_of(prefix, documents))
-            out, _ = _forward(backend, q, keys, values, softmax_scale, documents)
+            out, _ = _attend(backend, q, k, v, softmax_scale, store, info, layer, documents, exchange)
             _keep(store, info, layer, k, v)
         if torch.is_grad_enabled() and info.is_last and not (info.forward_only or info.recompute):
             store.drop_layer(info.microbatch, layer)  # training, but no backward will release it
         return out
-    return _SliceAttention.apply(q, k, v, backend, softmax_scale, store, info, layer, documents)
+    return _SliceAttention.apply(q, k, v, backend, softmax_scale, store, info, layer, documents, exchange)

@@ -11,14 +11,22 @@ attention and RoPE then follow the plan instead of the zigzag split.
 ``documents_on_every_tp_rank``: every tensor-parallel rank reads its own batch and so records the
 documents itself (``megatron-slim train``); false under Megatron's TP batch broadcast, which
 carries tensors only, so packed windows then refuse tensor parallelism.
+``exchange`` is the run's context exchange while a schedule with pairs runs (``exchanging(action)``
+tells it which action is running), else None.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 from megatron_slim.plan.cp.slices import SliceShare
 from megatron_slim.runtime.pipeline.documents import DocumentTable
+
+if TYPE_CHECKING:
+    from megatron_slim.plan.schedule.ir import Action
+    from megatron_slim.runtime.pipeline.context_exchange import ContextExchange
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,13 @@ class SliceContext:
         self.documents = DocumentTable()
         self.cp_shares: dict[int, tuple[SliceShare, ...]] = {}
         self.documents_on_every_tp_rank = documents_on_every_tp_rank
+        self.exchange: Optional["ContextExchange"] = None
+
+    def exchanging(self, action: "Action") -> AbstractContextManager:
+        """Around any action: a compute action's attention layers meet its exchange partner's."""
+        if self.exchange is None or not action.kind.is_compute:
+            return nullcontext()
+        return self.exchange.scope(action)
 
     @property
     def current(self) -> SliceInfo | None:

@@ -1,0 +1,36 @@
+"""Rank function for the context-exchange exactness test (module level so spawn can import it)."""
+
+import dataclasses
+
+from megatron_slim.plan.recipe import ModelConfig
+from tests.oracle import reference
+from tests.oracle.models import TINY_GQA_8L
+from tests.runtime.pipeline._workers import _call, make_batches
+
+
+def run_exchange(rank, world_size, configs, seed=1234):
+    """Each config: (num_microbatches, slice_lengths). Returns per config (loss reports, grads,
+    reference on rank 0, K/V tokens this rank sent to exchange peers, the schedule's pairing text)."""
+    from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
+    from megatron_slim.megatron.model.parallel import init_model_parallel
+    from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func, planned_schedule
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
+
+    groups = init_model_parallel(pp=world_size)
+    model = ModelConfig(**TINY_GQA_8L)
+    results = []
+    for m, lengths in configs:
+        batches = make_batches(model, m, micro_batch=2, seed=seed + m)
+        chunks = build_rank_chunks(
+            model, dataclasses.replace(groups, vpp=1), core_attention=SliceCoreAttention, seed=seed
+        )
+        settings = SlimPipeSettings(tuple(lengths), exchange=True)
+        fb = make_forward_backward_func(settings)
+        reports = _call(fb, chunks, batches, model)
+        grads = {}
+        for c in chunks:
+            grads.update(global_grads(c))
+        ref = reference.unsliced_step(model, groups, batches, seed) if rank == 0 else None
+        pairing = planned_schedule(settings, world_size, 1, m).exchange
+        results.append(([r["lm loss"] for r in reports], grads, ref, fb.stats.exchanged_tokens, pairing))
+    return results
