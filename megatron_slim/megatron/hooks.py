@@ -130,7 +130,7 @@ def _patch_schedule(slim_state: SlimPipeHookState, cp_state: CPHookState) -> Non
         if slim_state.active_args() is None:
             chosen = original(*args, **kwargs)
             return cp_state.wrap_forward_backward(chosen) if cp_engine_active(parsed) else chosen
-        from megatron_slim.megatron.slimpipe.schedule import check_schedule_groups
+        from megatron_slim.megatron.slimpipe.call_plan import check_schedule_groups
 
         check_schedule_groups(*args, **kwargs)
         return slim_state.forward_backward_func(parsed)

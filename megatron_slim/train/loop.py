@@ -88,7 +88,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     optimizer, scheduler = build_optimizer(chunks, t)
     vocab_head = build_vocab_head(chunks, groups) if recipe.schedule.vocab_parallel else None
     rows = cp_step.stage_rows if cp_step else None
-    context = cp_step.slices if sliced else SliceContext()
+    context = cp_step.slices if isinstance(cp_step, CPSlicedTrainStep) else SliceContext()
     context.documents_on_every_tp_rank = True  # no TP batch broadcast: every rank reads its own
     forward_backward = make_forward_backward_func(settings, context=context, vocab_head=vocab_head, stage_rows=rows)
     dataset = training_data(recipe, prepared)

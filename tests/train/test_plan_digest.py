@@ -1,11 +1,11 @@
 """The schedule a ``megatron-slim train`` rank runs is the one ``megatron-slim simulate`` times:
-the runtime's planning calls (``train.loop.pipeline_settings``, ``megatron.slimpipe.schedule.planned_schedule``)
+the runtime's planning calls (``train.loop.pipeline_settings``, ``megatron.slimpipe.call_plan.planned_schedule``)
 give the simulator's schedule digest for the same recipe, without spawning ranks."""
 
 import pytest
 
 from megatron_slim.commands.simulate import run_one
-from megatron_slim.megatron.slimpipe.schedule import planned_schedule
+from megatron_slim.megatron.slimpipe.call_plan import planned_schedule
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.variants import schedule_variant
 from megatron_slim.train.loop import pipeline_settings

@@ -65,7 +65,7 @@ def slice_attention_spec(original: Any) -> Callable:
 
 
 def _schedule_getter(function: Callable) -> Callable:
-    from megatron_slim.megatron.slimpipe.schedule import check_schedule_groups
+    from megatron_slim.megatron.slimpipe.call_plan import check_schedule_groups
 
     def get_forward_backward_func(*args: Any, **kwargs: Any) -> Callable:
         check_schedule_groups(*args, **kwargs)

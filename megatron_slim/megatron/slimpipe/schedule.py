@@ -37,6 +37,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_slim.megatron.model.vocab_head import distributed_lookup
+from megatron_slim.megatron.slimpipe.call_plan import (
+    agree_on_plan,
+    pipeline_group,
+    planned_schedule,
+    refuse_unsupported_call,
+)
 from megatron_slim.megatron.slimpipe.offload_layers import attach_offload
 from megatron_slim.megatron.slimpipe.settings import ForwardBackwardFunc, RunStats, SlimPipeSettings
 from megatron_slim.megatron.slimpipe.stage import (
@@ -53,10 +59,9 @@ from megatron_slim.megatron.slimpipe.stage import (
     syncs,
 )
 from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
-from megatron_slim.plan.schedule.executable import executable, executable_forward_only, executable_with_exchange
+from megatron_slim.plan.schedule.executable import executable_forward_only
 from megatron_slim.plan.schedule.ir import Schedule
 from megatron_slim.plan.schedule.vocab import embedding_exchange_steps
-from megatron_slim.runtime.agreement import check_agreement
 from megatron_slim.runtime.pipeline.context_exchange import ContextExchange
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter
 from megatron_slim.runtime.pipeline.loss import SlicedLoss
@@ -67,65 +72,6 @@ from megatron_slim.runtime.pipeline.sliced_data import SlicedIterator
 from megatron_slim.runtime.pipeline.vocab import VocabExchange
 from megatron_slim.runtime.pipeline.vocab_embedding import EmbeddingExchange
 from megatron_slim.runtime.pipeline.vocab_weights import VocabHead
-
-
-def _pp_group(pg_collection, p2p_communicator):
-    for source in (pg_collection, p2p_communicator):
-        group = getattr(source, "pp", None) or getattr(source, "pp_group", None)
-        if group is not None:
-            return group
-    from megatron.core import parallel_state
-
-    return parallel_state.get_pipeline_model_parallel_group()
-
-
-def _agree_on_plan(digest: str, group, stats: RunStats, device: torch.device) -> None:
-    if digest in stats.agreed_digests or group.size() == 1:
-        return
-    check_agreement(
-        digest,
-        group,
-        device=device,
-        ranks="pipeline ranks",
-        what="SlimPipe schedule",
-        remedy="every rank must generate it from the same schedule settings",
-    )
-    stats.agreed_digests.add(digest)
-
-
-def check_schedule_groups(*args: Any, **kwargs: Any) -> None:
-    """Refuse what ``get_forward_backward_func(*args, **kwargs)`` asks for that SlimPipe cannot run:
-    0.19's ``schedule_pg_collection`` (third positional) as a ``MultiModuleProcessGroupCollection``
-    (pipelines of several modules, e.g. a vision encoder before the language model)."""
-    groups = kwargs.get("schedule_pg_collection", args[2] if len(args) > 2 else None)
-    if type(groups).__name__ == "MultiModuleProcessGroupCollection":
-        raise ValueError(
-            "--use-slimpipe: multi-module pipelines (a MultiModuleProcessGroupCollection from "
-            "get_forward_backward_func(schedule_pg_collection=...)) are not supported; allowed: one "
-            "GPT model per pipeline rank"
-        )
-
-
-def planned_schedule(
-    settings: SlimPipeSettings, pp: int, vpp: int, num_microbatches: int, forward_only: bool = False
-) -> Schedule:
-    """The schedule every pipeline rank runs for one call (the simulator times the same one); with
-    ``settings.exchange`` a training call's carries its context-exchange pairs (an evaluation has none)."""
-    if settings.exchange and not forward_only and pp > 1:
-        return executable_with_exchange(settings.kind, pp, vpp, num_microbatches, settings.slice_lengths)
-    return executable(settings.kind, pp, vpp, num_microbatches, settings.num_slices)
-
-
-def _refuse_unsupported_call(settings: SlimPipeSettings, seq_length: int, adjust_tensor_shapes_fn) -> None:
-    if adjust_tensor_shapes_fn is not None:
-        raise ValueError(
-            "adjust_tensor_shapes_fn: not supported by SlimPipe (ModelOpt distillation); run without --use-slimpipe"
-        )
-    if sum(settings.slice_lengths) != seq_length:
-        raise ValueError(
-            f"seq_length={seq_length}: the SlimPipe slice plan covers "
-            f"{sum(settings.slice_lengths)} tokens ({settings.slice_lengths})"
-        )
 
 
 def make_forward_backward_func(
@@ -162,12 +108,12 @@ def make_forward_backward_func(
         force_all_reduce=False,
         **unused: Any,
     ):
-        _refuse_unsupported_call(settings, seq_length, adjust_tensor_shapes_fn)
+        refuse_unsupported_call(settings, seq_length, adjust_tensor_shapes_fn)
         chunks = model_chunks(model)
-        group = _pp_group(pg_collection, p2p_communicator)
+        group = pipeline_group(pg_collection, p2p_communicator)
         schedule = planned_schedule(settings, group.size(), len(chunks.models), num_microbatches, forward_only)
         stats.schedule_digest = schedule.digest()
-        _agree_on_plan(stats.schedule_digest, group, stats, chunks.first_param.device)
+        agree_on_plan(stats.schedule_digest, group, stats, chunks.first_param.device)
         documents = None
         if settings.share_documents and group.size() > 2:
             data_iterator, documents = shared_documents(
@@ -252,14 +198,9 @@ class _Run:
             for hook in hooks:
                 hook.remove()
             exchange, context.exchange = context.exchange, None
-        stats.exchanged_tokens = exchange.sent_tokens if exchange is not None else 0
         if vocab is not None:
             loss.reports.extend(vocab.reports)
-        if meter is not None:
-            stats.peak_activation_bytes = meter.peak_bytes
-            stats.peak_kv_bytes = ledger.peak_bytes
-            stats.peak_p2p_bytes = meter.p2p.peak_bytes
-        stats.offloaded_bytes = offload.moved_bytes if offload is not None else 0
+        _record(stats, meter, ledger, offload, exchange)
         return loss
 
     def _vocab(self, micro_batch_size: int, executed: Schedule) -> Optional[VocabExchange]:
@@ -310,3 +251,13 @@ class _Run:
             return NonLossData()
         per_token = getattr(self.chunks.config, "calculate_per_token_loss", False)
         return SlicedLoss(self.schedule.num_microbatches, self.settings.num_slices, per_token, cp_size=self.chunks.cp)
+
+
+def _record(stats: RunStats, meter, ledger, offload, exchange: Optional[ContextExchange]) -> None:
+    """What the call measured: exchanged tokens, peak activation / K/V / P2P bytes, offloaded bytes."""
+    stats.exchanged_tokens = exchange.sent_tokens if exchange is not None else 0
+    if meter is not None:
+        stats.peak_activation_bytes = meter.peak_bytes
+        stats.peak_kv_bytes = ledger.peak_bytes
+        stats.peak_p2p_bytes = meter.p2p.peak_bytes
+    stats.offloaded_bytes = offload.moved_bytes if offload is not None else 0

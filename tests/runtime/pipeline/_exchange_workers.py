@@ -13,7 +13,8 @@ def run_exchange(rank, world_size, configs, seed=1234):
     reference on rank 0, K/V tokens this rank sent to exchange peers, the schedule's pairing text)."""
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
     from megatron_slim.megatron.model.parallel import init_model_parallel
-    from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func, planned_schedule
+    from megatron_slim.megatron.slimpipe.call_plan import planned_schedule
+    from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 
     groups = init_model_parallel(pp=world_size)
