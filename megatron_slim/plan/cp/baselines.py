@@ -22,8 +22,6 @@
 
 from __future__ import annotations
 
-import bisect
-
 from megatron_slim.plan.cp.assemble import GroupSpec, assemble
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.layout import CPPlan, GroupKind
@@ -136,37 +134,28 @@ def _dynamic_block(size: int, share: float, budget: int, work: list[float], toke
     return tuple(range(starts[k], starts[k] + size))
 
 
-def _least_work_with_room(by_work: list[tuple[float, int]], tokens: list[float], budget: int, share: float) -> int:
-    """The rank with the least work among those with room for ``share`` more tokens (ties: the
-    lowest); with none, the one with most room. ``by_work``: every ``(work, rank)``, ascending."""
-    if budget - min(tokens) >= share:  # some rank has room: the emptiest one has most
-        for _, r in by_work:
-            if budget - tokens[r] >= share:
-                return r
-    room = [budget - t for t in tokens]
-    return room.index(max(room))
-
-
 def dynamic_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]:
     num_ranks = topo.num_ranks
     budget = -(-sum(lengths) // num_ranks)
     work = [0.0] * num_ranks
     tokens = [0.0] * num_ranks
-    by_work = [(0.0, r) for r in range(num_ranks)]  # kept sorted: least work, then lowest rank
     blocks: dict[tuple[int, ...], list[int]] = {}
-    for i in sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True):  # stable: ties by index
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         s = lengths[i]
         size = dynamic_size(s, budget, num_ranks)
         share = s / size
         if size == 1:  # the common case, without building one-rank blocks
-            block: tuple[int, ...] = (_least_work_with_room(by_work, tokens, budget, share),)
+            fitting = [r for r, t in enumerate(tokens) if budget - t >= share]
+            if fitting:
+                r0 = min(fitting, key=work.__getitem__)
+            else:
+                room = [budget - t for t in tokens]
+                r0 = room.index(max(room))
+            block: tuple[int, ...] = (r0,)
         else:
             block = _dynamic_block(size, share, budget, work, tokens)
-        added = s * s / size
         for r in block:
-            del by_work[bisect.bisect_left(by_work, (work[r], r))]
-            work[r] += added
-            bisect.insort(by_work, (work[r], r))
+            work[r] += s * s / size
             tokens[r] += share
         blocks.setdefault(block, []).append(i)
     return [GroupSpec("zigzag" if len(b) > 1 else "local", b, tuple(seqs)) for b, seqs in blocks.items()]

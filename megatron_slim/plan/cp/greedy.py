@@ -13,6 +13,7 @@ the sequence is node-local before and after, and the rank filling of every node 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -41,18 +42,31 @@ class _AfterInter:
 
 
 @dataclass
+class _Orders:
+    """Per-sequence numbers of the splits and the two orders the greedy visits sequences in."""
+
+    est: list[float]  # per-member cost
+    span: list[int]
+    work: list[float]  # est * span
+    nodes: list[int]
+    by_work: list[int]  # every sequence by decreasing work, then index
+    by_est: list[int]  # every sequence by decreasing est, then decreasing span, then index
+
+
+@dataclass
 class Buckets:
     members: list[tuple[int, ...]]  # every sequence's ranks, ascending (hence node-major)
     loads: list[float]  # every rank's estimated load
     node_items: list[list[int]]  # node-local sequences of every node
     # what a later ``greedy(like=(this, i))`` may reuse; emptied once the buckets change (``forget``)
     splits: list[SplitOption] = field(default_factory=list)
+    orders: _Orders | None = None
     after_inter: _AfterInter | None = None
     fills: list[_Fill] = field(default_factory=list)
 
     def forget(self) -> None:
         """Drop the reusable work: ``members`` and ``loads`` are about to change in place."""
-        self.splits, self.after_inter, self.fills = [], None, []
+        self.splits, self.orders, self.after_inter, self.fills = [], None, None, []
 
 
 class _NodeState:
@@ -162,9 +176,58 @@ def _fill_ranks(
     return loads
 
 
-def _by_est(local: list[int], est: list[float], span: list[int]) -> list[int]:
-    """``local`` by decreasing per-member cost, then decreasing span, then index (stable sorts)."""
-    return sorted(sorted(sorted(local), key=span.__getitem__, reverse=True), key=est.__getitem__, reverse=True)
+def _orders(splits: list[SplitOption], like: tuple[Buckets, int] | None) -> _Orders:
+    """The splits' numbers and orders; from ``like``'s by moving the changed sequence alone."""
+    base = like[0].orders if like is not None else None
+    if base is None or like is None:
+        est = [sp.est_s for sp in splits]
+        span = [sp.span for sp in splits]
+        work = [e * g for e, g in zip(est, span)]
+        by_work = sorted(range(len(splits)), key=work.__getitem__, reverse=True)  # stable: ties by index
+        by_span = sorted(range(len(splits)), key=span.__getitem__, reverse=True)
+        by_est = sorted(by_span, key=est.__getitem__, reverse=True)
+        return _Orders(est, span, work, [sp.nodes for sp in splits], by_work, by_est)
+    i, split = like[1], splits[like[1]]
+    est, span, work, nodes = base.est.copy(), base.span.copy(), base.work.copy(), base.nodes.copy()
+    est[i], span[i], work[i], nodes[i] = split.est_s, split.span, split.est_s * split.span, split.nodes
+    by_work, by_est = base.by_work.copy(), base.by_est.copy()
+    by_work.remove(i)
+    by_work.insert(bisect.bisect_left(by_work, (-work[i], i), key=lambda j: (-work[j], j)), i)
+    by_est.remove(i)
+    by_est.insert(bisect.bisect_left(by_est, (-est[i], -span[i], i), key=lambda j: (-est[j], -span[j], j)), i)
+    return _Orders(est, span, work, nodes, by_work, by_est)
+
+
+def _fill_nodes(
+    visit: list[int] | range,
+    topo: CPTopology,
+    start: list[float],
+    pieces: list[list[int]],
+    orders: _Orders,
+    members: list[tuple[int, ...]],
+    like: tuple[Buckets, int] | None,
+    give_up_above: float,
+) -> tuple[list[float], list[_Fill]] | None:
+    """Step 3 in every node, in ``visit`` order; ``like``'s result for a node whose input is the
+    same. Every rank's load and every node's fill, or None once a rank ends above ``give_up_above``."""
+    old = like[0].fills if like is not None else []
+    changed = like[1] if like is not None else -1
+    fills: list[_Fill] = [_Fill(0.0, [], [])] * topo.num_nodes
+    rank_load = [0.0] * topo.num_ranks
+    for node in visit:
+        ranks, first = topo.ranks_of_node(node), start[node]
+        fill = old[node] if old else None
+        if fill is not None and fill.start == first and fill.pieces == pieces[node] and changed not in fill.pieces:
+            for i in fill.pieces:
+                members[i] = like[0].members[i]  # type: ignore[index]  # old is empty without like
+        else:
+            loads = _fill_ranks(ranks, first, pieces[node], orders.est, orders.span, members)
+            fill = _Fill(first, pieces[node], loads)
+        if max(fill.loads) > give_up_above:
+            return None
+        fills[node] = fill
+        rank_load[ranks[0] : ranks[-1] + 1] = fill.loads  # a node's ranks are a range
+    return rank_load, fills
 
 
 def _inter_phase(
@@ -207,39 +270,25 @@ def greedy(
     with splits that differ from ``splits`` at sequence ``i`` only; its work is reused."""
     m, n = topo.ranks_per_node, topo.num_nodes
     state = _NodeState(n, -(-sum(lengths) // n))
-    est = [sp.est_s for sp in splits]
-    span = [sp.span for sp in splits]
-    work = [e * g for e, g in zip(est, span)]
-    by_total = sorted(range(len(lengths)), key=work.__getitem__, reverse=True)  # stable: ties by index
-    nodes = [sp.nodes for sp in splits]
-    local = [i for i in by_total if nodes[i] == 1]
-    inter = [i for i in by_total if nodes[i] > 1] if len(local) < len(by_total) else []
+    orders = _orders(splits, like)
+    nodes = orders.nodes
+    local = [i for i in orders.by_work if nodes[i] == 1]
+    inter = [i for i in orders.by_work if nodes[i] > 1] if len(local) < len(nodes) else []
     members, after = _inter_phase(lengths, splits, inter, topo, state, like)
-    node_of = _node_of_each(lengths, local, est, work, overflow_s, state, (after.start, give_up_above))
+    limit = (after.start, give_up_above)
+    node_of = _node_of_each(lengths, local, orders.est, orders.work, overflow_s, state, limit)
     if node_of is None or max(state.load) > m * give_up_above * (1 + 1e-9):
         return None
     node_items: list[list[int]] = [[] for _ in range(n)]
     for i in local:
         node_items[node_of[i]].append(i)
-    pieces: list[list[int]] = [[] for _ in range(n)]
-    for i in _by_est(local, est, span):
-        pieces[node_of[i]].append(i)
-    old = like[0].fills if like is not None else []
-    changed = like[1] if like is not None else -1
-    fills: list[_Fill] = [_Fill(0.0, [], [])] * n
-    rank_load = [0.0] * topo.num_ranks
+    pieces: list[list[int]] = [[] for _ in range(n)]  # every node's, by decreasing est
+    for i in orders.by_est:
+        if node_of[i] >= 0:
+            pieces[node_of[i]].append(i)
     # nodes are independent from here on: a trial visits the busiest first, where it gives up soonest
     visit = range(n) if give_up_above == math.inf else sorted(range(n), key=state.load.__getitem__, reverse=True)
-    for node in visit:
-        ranks, start = topo.ranks_of_node(node), after.start[node]
-        fill = old[node] if old else None
-        if fill is not None and fill.start == start and fill.pieces == pieces[node] and changed not in fill.pieces:
-            for i in fill.pieces:
-                members[i] = like[0].members[i]  # type: ignore[index]  # old is empty without like
-        else:
-            fill = _Fill(start, pieces[node], _fill_ranks(ranks, start, pieces[node], est, span, members))
-        if max(fill.loads) > give_up_above:
-            return None
-        fills[node] = fill
-        rank_load[ranks[0] : ranks[-1] + 1] = fill.loads  # a node's ranks are a range
-    return Buckets(members, rank_load, node_items, splits, after, fills)
+    filled = _fill_nodes(visit, topo, after.start, pieces, orders, members, like, give_up_above)
+    if filled is None:
+        return None
+    return Buckets(members, filled[0], node_items, splits, orders, after, filled[1])
