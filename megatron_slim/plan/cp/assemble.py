@@ -45,17 +45,15 @@ def _a2a_size(spec: GroupSpec) -> int:
 
 
 def _ring_segments(spec: GroupSpec, index: int, lengths: tuple[int, ...], offsets: list[int]) -> list[list[Segment]]:
-    """Every member's segments of a zigzag / allgather group (chunk bounds cut once per sequence):
-    member ``j`` holds chunks ``j`` and ``2g - 1 - j``."""
+    """Every member's segments of a zigzag / allgather group (chunk bounds cut once per sequence)."""
     g = len(spec.ranks)
     out: list[list[Segment]] = [[] for _ in range(g)]
     for i in spec.seqs:
         b, off = chunk_bounds(lengths[i], 2 * g), offsets[i]
         for member, segs in enumerate(out):
-            for c in (member, 2 * g - 1 - member):
-                lo, hi = b[c], b[c + 1]
-                if hi > lo:
-                    segs.append(Segment(i, lo, hi, off + lo, index, c))
+            for c in zigzag_chunks(member, g):
+                if b[c + 1] > b[c]:
+                    segs.append(Segment(i, b[c], b[c + 1], off + b[c], index, c))
     return out
 
 
@@ -63,22 +61,19 @@ def _hierarchical_segments(
     spec: GroupSpec, index: int, lengths: tuple[int, ...], offsets: list[int]
 ) -> list[list[Segment]]:
     """Every member's segments of a hierarchical group: member ``node * a + local`` holds part
-    ``local`` of its node's two zigzag chunks ``node`` and ``2 * nodes - 1 - node``
-    (``zigzag.hierarchical_ranges``)."""
+    ``local`` of its node's two zigzag chunks (``zigzag.hierarchical_ranges``)."""
     a = spec.a2a_size
     nodes = len(spec.ranks) // a
     out: list[list[Segment]] = [[] for _ in spec.ranks]
     for i in spec.seqs:
         b, off = chunk_bounds(lengths[i], 2 * nodes), offsets[i]
-        for node in range(nodes):
-            members = out[node * a : (node + 1) * a]
-            for c in (node, 2 * nodes - 1 - node):
-                first = b[c]
-                sub = chunk_bounds(b[c + 1] - first, a)
-                for local, segs in enumerate(members):
-                    start, end = first + sub[local], first + sub[local + 1]
-                    if end > start:
-                        segs.append(Segment(i, start, end, off + start, index, c, local))
+        subs = [chunk_bounds(b[c + 1] - b[c], a) for c in range(2 * nodes)]
+        for member, segs in enumerate(out):
+            node, local = divmod(member, a)
+            for c in zigzag_chunks(node, nodes):
+                start, end = b[c] + subs[c][local], b[c] + subs[c][local + 1]
+                if end > start:
+                    segs.append(Segment(i, start, end, off + start, index, c, local))
     return out
 
 
