@@ -45,6 +45,7 @@ from megatron_slim.plan.cp.buckets import polish
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import (
     ALL_LAYERS,
+    NodeRates,
     SplitOption,
     SplitOptions,
     ZeppelinLayers,
@@ -122,8 +123,11 @@ def partition_pack(
 ) -> tuple[list[SplitOption], list[tuple[int, ...]], list[float]]:
     """Steps 1-3 and the refinement: every sequence's split, its members, every rank's load."""
     remap = layers.remap
+    rates = NodeRates.of(topo, costs, remap)
     by_length = {  # packs of many short documents repeat lengths: price each length once
-        s: SplitOptions(s, topo, costs, remap=remap, routing=layers.routing, hierarchical=layers.hierarchical)
+        s: SplitOptions(
+            s, topo, costs, remap=remap, routing=layers.routing, hierarchical=layers.hierarchical, rates=rates
+        )
         for s in set(lengths)
     }
     options = [by_length[s] for s in lengths]  # read only: equal lengths share one list

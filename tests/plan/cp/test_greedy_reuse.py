@@ -1,14 +1,17 @@
-"""``greedy(like=(current, i))`` reuses the current placement's work; it must give exactly what a
-fresh ``greedy`` gives for the same splits (members, every rank's load, node buckets), whether
-the changed sequence stays node-local, becomes inter-node or grows across more nodes."""
+"""What the refinement reuses must give what it replaces.
+
+``greedy(like=(current, i))`` reuses the current placement's work; it must give exactly what a
+fresh ``greedy`` gives for the same splits (members, every rank's load, node buckets), whether the
+changed sequence stays node-local, becomes inter-node or grows across more nodes."""
 
 import random
 
 import pytest
 
-from megatron_slim.plan.cp.estimate import SplitOptions
+from megatron_slim.plan.cp.estimate import NodeRates, SplitOptions, local_time, zigzag_time
 from megatron_slim.plan.cp.greedy import greedy
 from megatron_slim.plan.cp.placement import overflow_cost
+from megatron_slim.plan.cp.topology import CPTopology
 
 from .conftest import random_pack, topology
 
@@ -68,3 +71,16 @@ def test_reuse_gives_up_exactly_when_a_fresh_greedy_does(costs):
                 assert (reused.members, reused.loads) == (fresh.members, fresh.loads)
             outcomes.add(fresh is None)
     assert outcomes == {True, False}  # both kinds of trial were exercised
+
+
+@pytest.mark.parametrize("remap", [True, False])
+def test_node_rates_price_as_the_helpers_do(remap, costs):
+    """``NodeRates`` (what ``SplitOptions`` prices a pack's lengths with) gives the very floats of
+    ``local_time`` and ``zigzag_time`` inside a node."""
+    rng = random.Random(3)
+    for topo in (topology("4x8"), CPTopology.uniform(3, 4, 123e9, 37e9, 2.5e-6, 9e-6)):
+        rates = NodeRates.of(topo, costs, remap)
+        for s in [1, 2, 3, 255, 4096] + [rng.randint(1, 1 << 20) for _ in range(500)]:
+            assert rates.local(s) == local_time(s, topo, costs, remap)
+            for g in range(2, topo.ranks_per_node + 1):
+                assert rates.zigzag(s, g) == zigzag_time(s, g, topo, costs, remap, inter=False, routed=False)
