@@ -13,7 +13,11 @@ Before timing, every batch's plans are hashed and compared with ``<out>/cp_plann
 (recorded before the planner was made faster): a speed-up must not change a pick. A mismatch
 exits 1; ``--record-digests`` rewrites the file after an intended change of picks.
 
+``--before <json>`` (the ``.json`` of an earlier run, e.g. of the planner before a speed-up, run on
+the same machine just before) adds its CPU times as a "before" column and a before/after summary.
+
     python scripts/bench_cp_planner.py [--ranks 64] [--seeds 0,1,2] [--repeat 7] [--out benchmarks/results]
+                                       [--before earlier/cp_planner_time.json]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import datetime
 import hashlib
 import json
+import math
 import os
 import platform
 import shlex
@@ -98,7 +103,8 @@ def run(recipe_name: str, ranks: int, seeds: list[int], repeat: int, digests: di
     return rows
 
 
-def markdown(rows: list[dict], header: dict) -> str:
+def markdown(rows: list[dict], header: dict, before: dict[tuple[str, int], dict] | None = None) -> str:
+    """The results table; ``before``: an earlier run's rows by (distribution, seed), for comparison."""
     worst = max(r["all_candidates_ms"] for r in rows)
     worst_cpu = max(r["all_candidates_cpu_ms"] for r in rows)
     lines = [
@@ -115,13 +121,16 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"- budget {BUDGET_MS:.0f} ms per batch; slowest batch here {worst:.1f} ms wall clock, "
         f"{worst_cpu:.1f} ms CPU time ({'within' if worst_cpu <= BUDGET_MS else 'OVER'} budget by CPU time)",
         "",
-        "| distribution | seed | sequences | all candidates ms (wall / CPU) | own placements only ms (wall / CPU) |",
-        "|---|---|---|---|---|",
+        "| distribution | seed | sequences | all candidates ms (wall / CPU) | own placements only ms (wall / CPU) |"
+        + (" before: all candidates ms CPU |" if before else ""),
+        "|---|---|---|---|---|" + ("---|" if before else ""),
     ]
     for r in rows:
+        then = before.get((r["distribution"], r["seed"])) if before else None
         lines.append(
             f"| {r['distribution']} | {r['seed']} | {r['sequences']} | {r['all_candidates_ms']:.1f} / "
             f"{r['all_candidates_cpu_ms']:.1f} | {r['own_only_ms']:.1f} / {r['own_only_cpu_ms']:.1f} |"
+            + (f" {then['all_candidates_cpu_ms']:.1f} |" if then else (" - |" if before else ""))
         )
     mean_all = statistics.fmean(r["all_candidates_cpu_ms"] for r in rows)
     mean_own = statistics.fmean(r["own_only_cpu_ms"] for r in rows)
@@ -131,6 +140,23 @@ def markdown(rows: list[dict], header: dict) -> str:
         "(pricing and assembling the baselines' placements is the difference).",
         "",
     ]
+    lines += ["| distribution | slowest / mean ms CPU" + (" | before: slowest / mean ms CPU |" if before else " |")]
+    lines += ["|---|---|" + ("---|" if before else "")]
+    for dist in dict.fromkeys(r["distribution"] for r in rows):
+        cells = [[r["all_candidates_cpu_ms"] for r in rows if r["distribution"] == dist]]
+        if before:
+            cells.append([r["all_candidates_cpu_ms"] for (d, _), r in before.items() if d == dist] or [math.nan])
+        lines.append(f"| {dist} | " + " | ".join(f"{max(c):.1f} / {statistics.fmean(c):.1f}" for c in cells) + " |")
+    lines.append("")
+    if before:
+        then = list(before.values())
+        lines += [
+            f"Before (`{header['before']}`, same command and machine): slowest batch "
+            f"{max(r['all_candidates_cpu_ms'] for r in then):.1f} ms CPU, mean "
+            f"{statistics.fmean(r['all_candidates_cpu_ms'] for r in then):.1f} ms; after: slowest {worst_cpu:.1f} ms, "
+            f"mean {mean_all:.1f} ms.",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -144,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "--record-digests", action="store_true", help="rewrite <out>/cp_planner_digests.json (after an intended change)"
     )
     parser.add_argument("--out", default="benchmarks/results", help="output folder")
+    parser.add_argument("--before", help="cp_planner_time.json of an earlier run to compare with (optional)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     recipe = load_recipe(args.recipe)
@@ -168,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     header["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     header["digests"], changed = check_digests(out / "cp_planner_digests.json", digests, args.record_digests)
-    text = markdown(rows, header)
+    before = None
+    if args.before:
+        header["before"] = args.before
+        earlier = json.loads(Path(args.before).read_text())["rows"]
+        before = {(r["distribution"], r["seed"]): r for r in earlier}
+    text = markdown(rows, header, before)
     (out / "cp_planner_time.md").write_text(text)
     (out / "cp_planner_time.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
     print(text)

@@ -109,15 +109,62 @@ def hierarchical_allowed(topo: CPTopology, costs: CPCosts) -> bool:
     return m > 1 and costs.heads % m == 0
 
 
+@dataclass(frozen=True)
+class NodeRates:
+    """Per-unit rates of local and intra-node splits, read once per pack: ``SplitOptions`` prices
+    many lengths with them instead of the chain of helpers above, to the same floats (the same
+    products and sums in the same order)."""
+
+    token_s: float  # token work per token in the attention layout (``costs.token_s(1.0, ...)``)
+    pair_s: float
+    pair_fwd_s: float
+    pair_bwd_s: float
+    kv_bytes: float
+    latency: float  # NVLink
+    bandwidth: float
+
+    @classmethod
+    def of(cls, topo: CPTopology, costs: CPCosts, remap: bool) -> "NodeRates":
+        nv = topo.nvlink
+        per_token = costs.token_s(1.0, remap=remap)
+        return cls(
+            per_token, costs.pair_s(), costs.pair_fwd_s, costs.pair_bwd_s, costs.kv_bytes, nv.latency, nv.bandwidth
+        )
+
+    def local(self, s: int) -> float:
+        """``local_time``."""
+        return s * self.token_s + s * (s + 1) / 2 * self.pair_s
+
+    def zigzag(self, s: int, g: int) -> float:
+        """``zigzag_time`` inside a node, ``g > 1``."""
+        pairs = s * s / (2 * g * g)
+        block = s / g * self.kv_bytes
+        hop = self.latency + block / self.bandwidth
+        ring = _ring(
+            g, pairs * self.pair_fwd_s, hop, pairs * self.pair_bwd_s, self.latency + 2 * block / self.bandwidth, hop
+        )
+        return ring + s / g * self.token_s
+
+
 class SplitOptions(Sequence[SplitOption]):
     """``split_options`` priced on demand, in the same order: Zeppelin reads a short sequence's
     first option or two (the first that fits the target, the next when refining), so pricing all
     ``m + n - 1`` spans of every length would be most of the planner's time."""
 
     def __init__(
-        self, s: int, topo: CPTopology, costs: CPCosts, *, remap: bool, routing: bool, hierarchical: bool
+        self,
+        s: int,
+        topo: CPTopology,
+        costs: CPCosts,
+        *,
+        remap: bool,
+        routing: bool,
+        hierarchical: bool,
+        rates: NodeRates | None = None,
     ) -> None:
+        """``rates``: ``NodeRates.of(topo, costs, remap)``, shared by the lengths of a pack."""
         self._s, self._topo, self._costs = s, topo, costs
+        self._rates = rates
         self._remap, self._routing = remap, routing
         self._hier = hierarchical and hierarchical_allowed(topo, costs)
         self._made: list[SplitOption] = []
@@ -151,10 +198,16 @@ class SplitOptions(Sequence[SplitOption]):
 
     def _make(self, j: int) -> SplitOption:
         s, topo, costs, remap, m = self._s, self._topo, self._costs, self._remap, self._topo.ranks_per_node
+        rates = self._rates
         if j == 0:
-            return SplitOption("local", 1, 1, local_time(s, topo, costs, remap))
+            return SplitOption("local", 1, 1, rates.local(s) if rates else local_time(s, topo, costs, remap))
         if j < m:
-            return SplitOption("zigzag", j + 1, 1, zigzag_time(s, j + 1, topo, costs, remap, inter=False, routed=False))
+            intra = (
+                rates.zigzag(s, j + 1)
+                if rates
+                else zigzag_time(s, j + 1, topo, costs, remap, inter=False, routed=False)
+            )
+            return SplitOption("zigzag", j + 1, 1, intra)
         k = j - m + 2
         ring = zigzag_time(s, k * m, topo, costs, remap, inter=True, routed=self._routing)
         best = SplitOption("zigzag", k * m, k, ring)

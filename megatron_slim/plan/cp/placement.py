@@ -41,14 +41,16 @@ from __future__ import annotations
 from typing import Iterator
 
 from megatron_slim.plan.cp.assemble import GroupSpec
-from megatron_slim.plan.cp.buckets import Buckets, greedy, polish
+from megatron_slim.plan.cp.buckets import polish
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import (
     ALL_LAYERS,
+    NodeRates,
     SplitOption,
     SplitOptions,
     ZeppelinLayers,
 )
+from megatron_slim.plan.cp.greedy import Buckets, greedy
 from megatron_slim.plan.cp.layout import GroupKind
 from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.schema import fail
@@ -121,8 +123,11 @@ def partition_pack(
 ) -> tuple[list[SplitOption], list[tuple[int, ...]], list[float]]:
     """Steps 1-3 and the refinement: every sequence's split, its members, every rank's load."""
     remap = layers.remap
+    rates = NodeRates.of(topo, costs, remap)
     by_length = {  # packs of many short documents repeat lengths: price each length once
-        s: SplitOptions(s, topo, costs, remap=remap, routing=layers.routing, hierarchical=layers.hierarchical)
+        s: SplitOptions(
+            s, topo, costs, remap=remap, routing=layers.routing, hierarchical=layers.hierarchical, rates=rates
+        )
         for s in set(lengths)
     }
     options = [by_length[s] for s in lengths]  # read only: equal lengths share one list
@@ -140,8 +145,9 @@ def partition_pack(
         for i in _growable(current, splits, [c < last for c in choice], topo.ranks_per_node):
             trial = list(splits)
             trial[i] = options[i][choice[i] + 1]
-            # a trial whose busiest rank ends above today's cannot be better (_better): stop it early
-            tried = greedy(lengths, trial, topo, overflow_s, give_up_above=max(current.loads))
+            # a trial whose busiest rank ends above today's cannot be better (_better): stop it early;
+            # it differs from the current placement at sequence i only: reuse what i leaves alone
+            tried = greedy(lengths, trial, topo, overflow_s, give_up_above=max(current.loads), like=(current, i))
             if tried is not None and _better(tried.loads, current.loads, target):
                 choice[i] += 1
                 splits, current = trial, tried

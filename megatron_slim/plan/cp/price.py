@@ -155,20 +155,21 @@ def _remap(loads: _Loads, topo: CPTopology, costs: CPCosts) -> None:
     """Token work, and the remap all-to-alls (there and back, forward and backward) of every rank
     whose attention-layout tokens differ from the balanced share; the part of a node's surplus or
     deficit that the node cannot settle inside crosses a NIC."""
-    n = len(loads.tokens)
-    share = sum(loads.tokens) / n
+    tokens, intra, inter = loads.tokens, loads.intra, loads.inter
+    share = sum(tokens) / len(tokens)
     per_hidden = 4 * costs.hidden_bytes
+    nvlink_bw, nic_bw = topo.nvlink.bandwidth, topo.nic.bandwidth
     for node in range(topo.num_nodes):
         ranks = topo.ranks_of_node(node)
-        gaps = [loads.tokens[r] - share for r in ranks]
-        moved = sum(abs(x) for x in gaps)
+        gaps = [tokens[r] - share for r in ranks]
+        moved = sum(map(abs, gaps))
         net = abs(sum(gaps))
         for r, gap in zip(ranks, gaps):
             if not gap:
                 continue
             off_node = abs(gap) * net / moved
-            loads.comm(r, (abs(gap) - off_node) * per_hidden / topo.nvlink.bandwidth, False)
-            loads.comm(r, off_node * per_hidden / topo.nic.bandwidth, True)
+            intra[r] += (abs(gap) - off_node) * per_hidden / nvlink_bw
+            inter[r] += off_node * per_hidden / nic_bw
 
 
 def price_specs(
