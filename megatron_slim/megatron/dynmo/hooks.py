@@ -1,10 +1,11 @@
-"""``--dynmo-profile`` and ``--dynmo-freeze`` around Megatron-LM's ``train_step``.
+"""``--dynmo-*`` around Megatron-LM's ``train_step``: profiling, freezing and the token counts of
+early exit and mixture of depths (whose layer classes enter through the layer spec: ``layers``).
 
 ``train_step(forward_step_func, data_iterator, model, optimizer, ...)`` is the one call per
 iteration that sees the built model chunks and optimizer, on every Megatron-LM release; the wrapper
-sets up the profiler and the freezer on its first call, applies the freeze schedule for the
-iteration before it (iterations 1-based, as Megatron logs them: ``args.curr_iteration + 1``), and
-closes the iteration's profile after it.
+sets up the profiler, the freezer and the token counter on its first call, applies the freeze
+schedule for the iteration before it (iterations 1-based, as Megatron logs them:
+``args.curr_iteration + 1``), and closes the iteration's profile and token counts after it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import functools
 import inspect
 from typing import Any, Callable, Optional
+
+import torch.distributed as dist
 
 from megatron_slim.plan.dynmo.options import frozen_layers
 
@@ -29,7 +32,22 @@ class LaunchDynmo:
         self.optimizer = optimizer
         main_params = MainParams(optimizer)
         self.freeze_steps = config.freeze_steps(args.num_layers)
-        self.freezer = FrozenLayers(model, optimizer, main_params) if self.freeze_steps else None
+        self.freezer = None
+        if self.freeze_steps:
+            from megatron_slim.megatron.dynmo.freeze import weight_grads_kept_by
+
+            kept_by = weight_grads_kept_by(args)
+            self.freezer = FrozenLayers(model, optimizer, main_params, skips_weight_grads=kept_by is None)
+            _say(
+                "dynmo freeze: frozen layers skip their weight gradients"
+                if kept_by is None
+                else f"dynmo freeze: frozen layers compute weight gradients, dropped before the optimizer ({kept_by})"
+            )
+        self.token_counts = None
+        if config.early_exit or config.mixture_of_depths:
+            from megatron_slim.megatron.dynmo.token_counts import TokenCounts
+
+            self.token_counts = TokenCounts(model)
         self.profile_log = None
         if config.profile:
             from megatron_slim.megatron.dynmo.profile_log import ProfileLog
@@ -41,14 +59,37 @@ class LaunchDynmo:
             self.freezer.set(frozen_layers(self.freeze_steps, iteration))
         if self.profile_log is not None:
             self.profile_log.start(iteration)
+        if self.token_counts is not None:
+            self.token_counts.clear()
 
     def after(self, iteration: int) -> None:
         if self.profile_log is not None:
             self.profile_log.finish(iteration)
+        if self.token_counts is not None and _logged(self.args, iteration):
+            from megatron.core import parallel_state
+
+            from megatron_slim.megatron.dynmo.token_counts import logs_tokens
+
+            if logs_tokens(parallel_state):
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                print("\n".join(self.token_counts.lines(iteration, rank)), flush=True)
+
+
+def _logged(args, iteration: int) -> bool:
+    return iteration % (args.log_interval or 1) == 0 or iteration == args.train_iters
+
+
+def _say(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
 
 
 def dynmo_requested(args: Any) -> bool:
-    return args is not None and bool(getattr(args, "dynmo_profile", False) or getattr(args, "dynmo_freeze", ""))
+    if args is None:
+        return False
+    from megatron_slim.megatron.launch.dynmo_flags import dynmo_from_megatron_args
+
+    return dynmo_from_megatron_args(args).active
 
 
 def with_dynmo(train_step: Callable, args_getter: Callable[[], Optional[Any]]) -> Callable:

@@ -19,6 +19,7 @@ a select), for tests.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -50,7 +51,7 @@ def token_confidence(hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 class EarlyExitTransformerLayer(TransformerLayer):
-    exit_rule: Optional[ExitRule] = None  # set per layer by ``attach_exit_rule``; None: the stock layer
+    exit_rule: Optional[ExitRule] = None  # per layer: ``attach_exit_rule``, per class: ``early_exit_layer``
     exit_counts: Optional[list] = None  # when a list: (layer index, active tokens, tokens) per forward
 
     def forward(self, *args: Any, **kwargs: Any):
@@ -87,6 +88,14 @@ def attach_exit_rule(chunks, rule: Optional[ExitRule], counts: Optional[list] = 
                 module.exit_rule, module.exit_counts = rule, counts
                 n += 1
     return n
+
+
+@functools.cache
+def early_exit_layer(threshold: float, from_layer: int) -> type:
+    """The layer class that carries ``ExitRule(threshold, from_layer)`` from construction on (for
+    model builders that take a class, not instances: Megatron-LM's, through the launcher)."""
+    rule = ExitRule(threshold, from_layer)
+    return type("EarlyExitTransformerLayer", (EarlyExitTransformerLayer,), {"exit_rule": rule, "__module__": __name__})
 
 
 def reference_exit_forward(layer: TransformerLayer, rule: ExitRule, hidden_states: torch.Tensor, **kwargs):
