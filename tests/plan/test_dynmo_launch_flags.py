@@ -117,8 +117,12 @@ def test_profiling_is_refused_beside_recomputation_as_in_train():
             "got 0.5 with --sequence-parallel; allowed: 0",
         ),
         (["--dynmo-exit-threshold", "0.5"], {"num_experts": 4}, "got 0.5 with --num-experts 4; allowed: 0"),
-        (["--dynmo-mod-capacity", "0.5"], {"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2"),
-        (["--dynmo-mod-capacity", "0.5"], {"context_parallel_size": 2}, "--context-parallel-size 2"),
+        (
+            ["--dynmo-mod-capacity", "0.5"],
+            {"tensor_model_parallel_size": 2},
+            "got 0.5 with --tensor-model-parallel-size 2;",
+        ),
+        (["--dynmo-mod-capacity", "0.5"], {"context_parallel_size": 2}, "got 0.5 with --context-parallel-size 2;"),
     ],
 )
 def test_dynamic_layers_are_refused_beside_megatron_flags_they_cannot_follow(argv, megatron, message):

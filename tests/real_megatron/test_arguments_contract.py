@@ -236,8 +236,8 @@ REJECTED = {
     "remap-without-zeppelin": (1, ["--cp-remap"], "--cp-remap: only with --cp-engine zeppelin"),
     "dynmo-early-exit": (
         1,
-        ["--dynmo-exit-threshold", "0.5"],
-        "--dynmo-exit-threshold: got 0.5; early exit runs in `megatron-slim train` only",
+        ["--dynmo-exit-threshold", "0.5", "--dynmo-mod-capacity", "0.5"],
+        "--dynmo-exit-threshold: got 0.5 with --dynmo-mod-capacity 0.5; allowed: 0 (off) beside it",
     ),
     "dynmo-freeze-past-the-model": (1, ["--dynmo-freeze", "2:3-4"], "layers in [0, --num-layers-1=3]"),
     "dynmo-profile-with-recompute": (

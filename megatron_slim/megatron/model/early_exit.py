@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
 
 from megatron_slim.megatron import compat
 
@@ -76,7 +77,8 @@ class EarlyExitTransformerLayer(TransformerLayer):
             raise ValueError("early exit: allowed padding_mask / packed_seq_params: None (tokens are regrouped)")
         mlp_out = compat.forward_mlp(self, mlp_in, inference_context=kwargs.get("inference_context"))
         output = flat.index_copy(0, rows, mlp_out.squeeze(1)).view(s, b, h)
-        return output, context
+        # a stage's output must own its storage: Megatron's pipeline frees it after sending it
+        return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True), context
 
 
 def attach_exit_rule(chunks, rule: Optional[ExitRule], counts: Optional[list] = None) -> int:
