@@ -8,6 +8,8 @@ their weights are bit-identical (sha256 of their bytes, recorded by the shim's `
 after each training step) from the step before the freeze point to the end, on every rank, while
 they had gradients and changed before it and the other layers keep both.
 Profile: every rank writes the smoothed per-layer profile of its layers and of the whole model.
+Under ``--overlap-grad-reduce`` (dp=2) frozen layers keep computing weight gradients, which DDP's
+buckets wait for, and the optimizer still leaves their weights bit-identical.
 """
 
 from __future__ import annotations
@@ -99,3 +101,25 @@ def _assert_frozen_layers_had_no_gradient(grads: dict[int, dict[int, dict]]) -> 
                         assert g["grad_is_none"] and g["main_grad_abs_sum"] == 0.0, (rank, iteration, layer, name)
                     else:
                         assert g["main_grad_abs_sum"] > 0.0, (rank, iteration, layer, name)
+
+
+def test_under_overlapped_grad_reduce_frozen_layers_compute_gradients_but_never_change(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    sets = TINY + ["parallel.dp=2", "train.global_batch_size=4", "train.iters=3", "train.weight_decay=0.1"]
+    sets += ["schedule.kind=1f1b", "schedule.num_slices=1", 'dynmo.freeze="2:0-3"']
+    flags = megatron_args(sets) + ["--overlap-grad-reduce"]
+    env = {"MEGATRON_SLIM_TEST_LAYER_WEIGHTS": "1"}
+    run = run_pretrain(2, flags, tmp_path / "run", launcher=True, data_prefix=corpus, env=env)
+    assert len(run.losses) == 3 and run.skipped == 0
+    assert "frozen layers compute weight gradients, dropped before the optimizer (--overlap-grad-reduce)" in run.log
+    weights = _weights(tmp_path / "run" / "records", 2)
+    grads = _weights(tmp_path / "run" / "records", 2, "layer_grads")
+    for rank in range(2):
+        for layer in range(8):
+            series = [weights[rank][i][layer] for i in (1, 2, 3)]
+            if layer < 4:  # frozen from iteration 2: unchanged after step 1
+                assert series[0] == series[1] == series[2], (rank, layer)
+            else:
+                assert series[0] != series[1] != series[2], (rank, layer)
+            for g in grads[rank][3][layer].values():
+                assert g["requires_grad"] and g["main_grad_abs_sum"] > 0.0, (rank, layer)
