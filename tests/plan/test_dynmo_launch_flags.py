@@ -53,6 +53,7 @@ def test_the_default_section_renders_no_flag_and_parses_to_the_defaults():
         ),
         (["dynmo.exit_threshold=0.5"], ["--dynmo-exit-threshold", "0.5"]),
         (["dynmo.mod_capacity=0.5", "schedule.num_slices=1"], ["--dynmo-mod-capacity", "0.5"]),
+        (['dynmo.prune="2-4:0.5"'], ["--dynmo-prune", "2-4:0.5"]),
     ],
 )
 def test_early_exit_and_mixture_of_depths_render_and_read_back(sets, flags):
@@ -63,7 +64,7 @@ def test_early_exit_and_mixture_of_depths_render_and_read_back(sets, flags):
 
 @pytest.mark.parametrize(
     "sets",
-    [['dynmo.prune="2-4:0.5"'], ["dynmo.moe_experts=4"], ["dynmo.profile=true", "dynmo.rebalance=dynmo"]],
+    [["dynmo.moe_experts=4"], ["dynmo.profile=true", "dynmo.rebalance=dynmo"], ["dynmo.rebalance_interval=3"]],
 )
 def test_megatron_args_refuses_what_runs_in_train_only(sets):
     key = sets[-1].split("=")[0]
@@ -88,6 +89,10 @@ def test_megatron_args_refuses_what_runs_in_train_only(sets):
             "--dynmo-mod-capacity: got 0.5 with --slimpipe-num-slices 4; allowed: 0",
         ),
         (["--dynmo-mod-capacity", "2"], r"--dynmo-mod-capacity: .*allowed: a number in \[0, 1\]"),
+        (
+            ["--dynmo-prune", "2-4:1.5"],
+            r"--dynmo-prune: the final sparsity must lie in \[0, 1\) .*allowed: \"<first_iteration>",
+        ),
         (["--dynmo-freeze", "3:6-8"], r"--dynmo-freeze: .*allowed: layers in \[0, --num-layers-1=7\]"),
         (["--dynmo-freeze", "0:1"], "--dynmo-freeze: .*iterations count from 1"),
         (["--dynmo-profile-smoothing", "1.5"], r"--dynmo-profile-smoothing: .*allowed: a number in \(0, 1\]"),
@@ -123,6 +128,13 @@ def test_profiling_is_refused_beside_recomputation_as_in_train():
             "got 0.5 with --tensor-model-parallel-size 2;",
         ),
         (["--dynmo-mod-capacity", "0.5"], {"context_parallel_size": 2}, "got 0.5 with --context-parallel-size 2;"),
+        (
+            ["--dynmo-prune", "2:0.5"],
+            {"tensor_model_parallel_size": 2},
+            "got '2:0.5' with --tensor-model-parallel-size 2;",
+        ),
+        (["--dynmo-prune", "2:0.5"], {"swiglu": False}, "got '2:0.5' with an MLP other than bias-free SwiGLU"),
+        (["--dynmo-prune", "2:0.5"], {"add_bias_linear": True}, "got '2:0.5' with an MLP other than bias-free SwiGLU"),
     ],
 )
 def test_dynamic_layers_are_refused_beside_megatron_flags_they_cannot_follow(argv, megatron, message):
@@ -131,5 +143,6 @@ def test_dynamic_layers_are_refused_beside_megatron_flags_they_cannot_follow(arg
     with pytest.raises(ConfigError, match=f"^{argv[0]}: {message}"):
         check_dynmo_args(args)
     off = {"sequence_parallel": False, "num_experts": None, "tensor_model_parallel_size": 1, "context_parallel_size": 1}
+    off |= {"swiglu": True, "add_bias_linear": False}
     vars(args).update({key: off[key] for key in megatron})
     check_dynmo_args(args)  # the same flags with the Megatron option off are accepted

@@ -2,9 +2,10 @@
 they stand for.
 
 The launcher runs per-layer profiling (``--dynmo-profile``), layer freezing (``--dynmo-freeze``),
-early exit (``--dynmo-exit-threshold``, ``--dynmo-exit-from-layer``) and mixture of depths
-(``--dynmo-mod-capacity``) inside Megatron-LM's own loop (``megatron.dynmo``). The other keys of the
-section need what only ``megatron-slim train`` has (``TRAIN_ONLY``) and are refused at start-up.
+early exit (``--dynmo-exit-threshold``, ``--dynmo-exit-from-layer``), mixture of depths
+(``--dynmo-mod-capacity``) and gradual pruning (``--dynmo-prune``) inside Megatron-LM's own loop
+(``megatron.dynmo``). The other keys of the section need what only ``megatron-slim train`` has
+(``TRAIN_ONLY``) and are refused at start-up.
 Imports no megatron and no torch.
 """
 
@@ -14,6 +15,7 @@ import argparse
 from dataclasses import fields
 
 from megatron_slim.plan.dynmo.options import FREEZE_FORMAT, DynmoConfig
+from megatron_slim.plan.dynmo.prune import PRUNE_FORMAT
 from megatron_slim.plan.schema import ConfigError
 
 # recipe key -> launcher flag, for the keys the launcher runs
@@ -24,13 +26,12 @@ LAUNCHER_FLAGS = {
     "exit_threshold": "--dynmo-exit-threshold",
     "exit_from_layer": "--dynmo-exit-from-layer",
     "mod_capacity": "--dynmo-mod-capacity",
+    "prune": "--dynmo-prune",
 }
 _MOE = "dynmo's MoE layers with router drift (Megatron-LM's own MoE is --num-experts)"
 _MOVES = "moving layers between ranks, which Megatron-LM's model builder and optimizer cannot follow"
 # recipe key -> why it runs in `megatron-slim train` only
 TRAIN_ONLY = {
-    "prune": "pruning zeroes neurons in the optimizer's main parameters and Adam moments, which Megatron's "
-    "distributed optimizer keeps as flat per-rank shards",
     "moe_experts": _MOE,
     "moe_topk": _MOE,
     "moe_drift": _MOE,
@@ -44,7 +45,7 @@ _DEFAULTS = DynmoConfig()
 
 
 def add_dynmo_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("megatron-slim dynmo (profiling, freezing, early exit, mixture of depths)")
+    g = parser.add_argument_group("megatron-slim dynmo (profiling, freezing, early exit, mixture of depths, pruning)")
     g.add_argument(
         "--dynmo-profile",
         action="store_true",
@@ -94,6 +95,15 @@ def add_dynmo_arguments(parser: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.mod_capacity,
         help="mixture of depths: every other layer runs only this share of each sequence's tokens, picked by "
         "a router, in [0, 1] (default 0: off; dynmo.mod_capacity); tokens per layer are logged",
+    )
+
+    g.add_argument(
+        "--dynmo-prune",
+        default="",
+        metavar="SPEC",
+        help=f"gradual magnitude pruning of whole FFN neurons (bias-free SwiGLU MLPs): {PRUNE_FORMAT}; pruned "
+        "weights and their Adam moments stay zero and the MLP computes the kept neurons only; kept neurons per "
+        "layer are logged (dynmo.prune)",
     )
 
 
@@ -146,6 +156,17 @@ def _check_dynamic_layers(args: argparse.Namespace, d: DynmoConfig) -> None:
         conflicts |= {f"--slimpipe-num-slices {slices}": slices > 1, f"--slimpipe-packing {packing}": packing != "none"}
         why = "a router picks tokens of one whole, unpacked sequence on one rank"
         _refuse_beside("--dynmo-mod-capacity", d.mod_capacity, conflicts, why)
+    if d.prune_schedule is not None:
+        conflicts = {**shared, f"--tensor-model-parallel-size {tp}": tp > 1}
+        conflicts["an MLP other than bias-free SwiGLU (--swiglu --disable-bias-linear)"] = not (
+            getattr(args, "swiglu", True) and not getattr(args, "add_bias_linear", False)
+        )
+        on = [name for name, is_on in conflicts.items() if is_on]
+        if on:
+            raise ConfigError(
+                f'--dynmo-prune: got {d.prune!r} with {on[0]}; allowed: "" (off) beside it (neurons are chosen '
+                "per whole, bias-free SwiGLU MLP on one rank, in dense layers)"
+            )
 
 
 def _refuse_beside(flag: str, value: float, conflicts: dict[str, bool], why: str) -> None:
