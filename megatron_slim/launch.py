@@ -5,7 +5,7 @@
 torchrun works the same way: ``torchrun ... -m megatron_slim.launch pretrain_gpt.py ...``.
 ``pretrain_gpt.py --help`` through the launcher lists megatron-slim's flags beside Megatron's
 (``--use-slimpipe``, ``--cp-engine``, ``--dynmo-profile``, ``--dynmo-freeze``,
-``--dynmo-exit-threshold``, ``--dynmo-mod-capacity``, ...).
+``--dynmo-exit-threshold``, ``--dynmo-mod-capacity``, ``--dynmo-prune``, ...).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
             "  e.g. python -m megatron_slim.launch pretrain_gpt.py --use-slimpipe "
             "--slimpipe-num-slices 8 ...\n"
             "  megatron-slim's flags (SlimPipe, CP engines, --dynmo-profile, --dynmo-freeze, --dynmo-exit-threshold, "
-            "--dynmo-mod-capacity): "
+            "--dynmo-mod-capacity, --dynmo-prune): "
             "python -m megatron_slim.launch pretrain_gpt.py --help"
         )
     script = os.path.abspath(argv[0])

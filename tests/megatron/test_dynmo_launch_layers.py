@@ -76,3 +76,33 @@ def test_token_rows_count_every_position_of_a_hidden_input():
 )
 def test_frozen_layers_skip_weight_gradients_unless_ddp_waits_for_them(flags, kept_by):
     assert weight_grads_kept_by(argparse.Namespace(**flags)) == kept_by
+
+
+class _Span:
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+
+class _ShardedOptimizer:
+    """Stands for a DistributedOptimizer holding ``[start, end)`` of a parameter's flattened data."""
+
+    def __init__(self, param: torch.Tensor, start: int, end: int) -> None:
+        self.span = _Span(start, end)
+        self.shard = param.detach().reshape(-1)[start:end].clone()
+        self.model_fp32_groups, self.shard_fp32_groups = [[param]], [[self.shard]]
+        self.optimizer = argparse.Namespace(state={self.shard: {"exp_avg": torch.ones(end - start), "step": 3}})
+
+    def _get_model_param_range_map(self, param):
+        return {"param": self.span}
+
+
+def test_masks_reach_the_shard_of_a_parameter_and_its_moments():
+    from megatron_slim.megatron.dynmo.main_params import MainParams
+
+    param = torch.arange(1.0, 13.0).view(3, 4)
+    sharded = _ShardedOptimizer(param, 5, 10)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    mask[:, 1] = True  # column 1: flat positions 1, 5, 9
+    [(part, tensors)] = MainParams(sharded).masked(param, mask)
+    assert part.tolist() == [True, False, False, False, True]  # flat 5..9
+    assert tensors[0] is sharded.shard and len(tensors) == 2 and tensors[1].shape == (5,)  # step is not a tensor
