@@ -73,6 +73,10 @@ def add_dynmo_arguments(parser: argparse.ArgumentParser) -> None:
         "(they compute and drop them with --overlap-grad-reduce) and their weights and optimizer state stay "
         "bit-identical from then on (dynmo.freeze)",
     )
+    _add_dynamic_model_arguments(g)
+
+
+def _add_dynamic_model_arguments(g) -> None:
     g.add_argument(
         "--dynmo-exit-threshold",
         type=float,
