@@ -4,7 +4,8 @@
 
 torchrun works the same way: ``torchrun ... -m megatron_slim.launch pretrain_gpt.py ...``.
 ``pretrain_gpt.py --help`` through the launcher lists megatron-slim's flags beside Megatron's
-(``--use-slimpipe``, ``--cp-engine``, ``--dynmo-profile``, ``--dynmo-freeze``, ...).
+(``--use-slimpipe``, ``--cp-engine``, ``--dynmo-profile``, ``--dynmo-freeze``,
+``--dynmo-exit-threshold``, ``--dynmo-mod-capacity``, ``--dynmo-prune``, ...).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ def main(argv: list[str] | None = None) -> None:
             "usage: python -m megatron_slim.launch SCRIPT.py [script flags...]\n"
             "  e.g. python -m megatron_slim.launch pretrain_gpt.py --use-slimpipe "
             "--slimpipe-num-slices 8 ...\n"
-            "  megatron-slim's flags (SlimPipe, CP engines, --dynmo-profile, --dynmo-freeze): "
+            "  megatron-slim's flags (SlimPipe, CP engines, --dynmo-profile, --dynmo-freeze, --dynmo-exit-threshold, "
+            "--dynmo-mod-capacity, --dynmo-prune): "
             "python -m megatron_slim.launch pretrain_gpt.py --help"
         )
     script = os.path.abspath(argv[0])

@@ -25,8 +25,10 @@ megatron-slim's CP engines instead (``cp/hooks.py``): the spec gets ``CPCoreAtte
 engine's context and normalise the loss CP-wide, and ``get_batch_on_this_cp_rank`` -- the name
 ``pretrain_gpt.get_batch`` calls -- plans each pack and returns this rank's part of it.
 
-* dynmo: ``train_step`` (``megatron.training.training``) runs ``--dynmo-profile`` and
-  ``--dynmo-freeze`` around each iteration (``megatron/dynmo/hooks.py``).
+* dynmo: ``train_step`` (``megatron.training.training``) runs ``--dynmo-profile``,
+  ``--dynmo-freeze`` and the token counts around each iteration (``megatron/dynmo/hooks.py``); the
+  layer-spec builders build every decoder layer as the early-exit or mixture-of-depths layer with
+  ``--dynmo-exit-threshold`` / ``--dynmo-mod-capacity`` (``megatron/dynmo/layers.py``).
 
 With ``--slimpipe-packing`` the train split's data loader serves packed windows instead
 (``data/packed_windows.py``, hooked at ``build_pretraining_data_loader``).
@@ -45,6 +47,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from megatron_slim.megatron.cp.hooks import CPHookState, cp_engine_active, with_cp_attention
+from megatron_slim.megatron.dynmo.layers import with_dynamic_layer
 from megatron_slim.megatron.launch.flags import add_arguments, check_megatron_args
 from megatron_slim.megatron.rebind import replace_everywhere as _replace_everywhere
 from megatron_slim.megatron.slimpipe.hooks import SlimPipeHookState, with_slice_attention, with_slice_length
@@ -163,10 +166,10 @@ def _patch_layer_specs(args_getter: Callable[[], Any]) -> None:
             spec = __original(*args, **kwargs)
             parsed = args_getter()
             if parsed is not None and parsed.use_slimpipe:
-                return with_slice_attention(spec)
-            if cp_engine_active(parsed):
-                return with_cp_attention(spec, remap=bool(parsed.cp_remap))
-            return spec
+                spec = with_slice_attention(spec)
+            elif cp_engine_active(parsed):
+                spec = with_cp_attention(spec, remap=bool(parsed.cp_remap))
+            return with_dynamic_layer(spec, parsed)
 
         setattr(builder, _MARK, True)
         _replace_everywhere(original, builder)

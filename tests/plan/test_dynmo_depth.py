@@ -44,10 +44,9 @@ def test_flag_is_the_set_entry_it_names():
     assert d.active and d.mixture_of_depths and d.mod_capacity == 0.25
 
 
-def test_megatron_args_refuses_mixture_of_depths(capsys):
+def test_megatron_args_renders_mixture_of_depths_for_the_launcher(capsys):
     from megatron_slim.cli import main
 
     argv = ["megatron-args", "--recipe", "tiny-cpu", "--set", "dynmo.mod_capacity=0.5", *ONE_SLICE]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "dynmo.mod_capacity" in err and "megatron-slim train` only" in err and "allowed here: 0.0" in err
+    assert main(argv) == 0
+    assert "--dynmo-mod-capacity 0.5" in capsys.readouterr().out

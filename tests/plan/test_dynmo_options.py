@@ -106,8 +106,8 @@ def test_ranks_profiles_merge_in_layer_order_into_layer_costs():
 def test_megatron_args_refuses_what_only_train_runs(capsys):
     from megatron_slim.cli import main
 
-    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", "dynmo.exit_threshold=0.3"]) == 2
-    assert "dynmo.exit_threshold: got 0.3; early exit runs in `megatron-slim train` only" in capsys.readouterr().err
+    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", "dynmo.moe_experts=4"]) == 2
+    assert "dynmo.moe_experts: got 4; runs in `megatron-slim train` only (dynmo's MoE" in capsys.readouterr().err
     assert main(["megatron-args", "--recipe", "tiny-cpu"]) == 0
     capsys.readouterr()
     assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", "dynmo.profile=true"]) == 0  # the launcher runs it

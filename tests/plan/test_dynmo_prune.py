@@ -65,8 +65,8 @@ def test_flag_is_the_set_entry_it_names():
     assert d.active and d.prune_schedule == PruneSchedule(2, 6, 0.5)
 
 
-def test_megatron_args_refuses_pruning(capsys):
+def test_megatron_args_renders_pruning_for_the_launcher(capsys):
     from megatron_slim.cli import main
 
-    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", 'dynmo.prune="2:0.5"']) == 2
-    assert "dynmo.prune" in capsys.readouterr().err
+    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", 'dynmo.prune="2:0.5"']) == 0
+    assert "--dynmo-prune 2:0.5" in capsys.readouterr().out

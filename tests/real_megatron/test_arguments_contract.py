@@ -175,6 +175,8 @@ SLIMPIPE = ["--use-slimpipe", "--slimpipe-num-slices", "4"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ACCEPTED = {
     "dynmo-profile-and-freeze": (1, ["--dynmo-profile", "--dynmo-profile-smoothing", "0.3", "--dynmo-freeze", "2:0-1"]),
+    "dynmo-early-exit": (1, ["--dynmo-exit-threshold", "0.5", "--dynmo-exit-from-layer", "2"]),
+    "dynmo-mixture-of-depths": (2, ["--dynmo-mod-capacity", "0.5", "--pipeline-model-parallel-size", "2"]),
     "interleaved-slimpipe": (
         8,
         SLIMPIPE
@@ -234,10 +236,15 @@ REJECTED = {
         "drop --recompute-granularity, --context-parallel-size 1",
     ),
     "remap-without-zeppelin": (1, ["--cp-remap"], "--cp-remap: only with --cp-engine zeppelin"),
-    "dynmo-early-exit": (
+    "dynmo-early-exit-beside-mixture-of-depths": (
         1,
-        ["--dynmo-exit-threshold", "0.5"],
-        "--dynmo-exit-threshold: got 0.5; early exit runs in `megatron-slim train` only",
+        ["--dynmo-exit-threshold", "0.5", "--dynmo-mod-capacity", "0.5"],
+        "--dynmo-exit-threshold: got 0.5 with --dynmo-mod-capacity 0.5; allowed: 0 (off) beside it",
+    ),
+    "dynmo-mixture-of-depths-under-tp": (
+        2,
+        ["--dynmo-mod-capacity", "0.5", "--tensor-model-parallel-size", "2"],
+        "--dynmo-mod-capacity: got 0.5 with --tensor-model-parallel-size 2; allowed: 0 (off) beside it",
     ),
     "dynmo-freeze-past-the-model": (1, ["--dynmo-freeze", "2:3-4"], "layers in [0, --num-layers-1=3]"),
     "dynmo-profile-with-recompute": (

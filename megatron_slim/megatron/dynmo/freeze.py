@@ -1,26 +1,38 @@
-"""Layer freezing (``--dynmo-freeze``) inside Megatron-LM's loop, without touching ``requires_grad``.
+"""Layer freezing (``--dynmo-freeze``) inside Megatron-LM's loop.
 
-``megatron-slim train`` freezes by ``requires_grad = False`` (``train.dynmo.freeze``). Under
-Megatron's DDP that is not safe mid-run: the gradient buffers and buckets were laid out for the
-parameters that required gradients at wrap time, a bucket's reduction starts once every one of its
-parameters reported a gradient (with ``--overlap-grad-reduce`` a frozen parameter would leave it
-waiting forever), and the distributed optimizer's shards map onto those buffers. Rebuilding DDP and
-the optimizer would lose their state. So the frozen layers keep computing weight gradients, which
-DDP reduces as before, and they are dropped where the optimizer takes them:
+From the iteration the schedule names, a frozen layer's parameters get ``requires_grad = False``,
+so autograd no longer reaches their gradient accumulators: the backward computes only the layers'
+input gradients and skips their weight gradients. What that does to megatron-core's DDP (checked
+on 0.16.1, ``distributed/distributed_data_parallel.py`` and ``param_and_grad_buffer.py``):
 
-after Megatron's ``prepare_grads`` has copied the reduced gradients onto the main parameters (and
-unscaled them), each frozen layer's main parameters get ``.grad = None`` (``decoupled_grad`` too).
-Megatron's gradient norm and clipping then leave them out (they skip parameters without a
-gradient, as ``megatron-slim train`` does for frozen layers), and the inner Adam/AdamW skips them
-entirely. Zeroing the gradient would not be enough: Adam would still move the weights by its
-moments and by weight decay. Their main parameters, moments and step count therefore stay as they
-were, and the copy from main to model parameters writes back the same values: the frozen weights
-are bit-identical from the freeze point on, on every data-parallel rank.
+* the gradient buffers, buckets and the distributed optimizer's shards were laid out at wrap time
+  for every parameter that required a gradient then; they stay as they are (nothing is rebuilt, so
+  no state is lost). DDP's backward hook, which adds ``param.grad`` into ``param.main_grad``, sits
+  on the accumulator and so never fires for a frozen parameter: its ``main_grad`` stays at the
+  zeros ``zero_grad_buffer`` writes each iteration and ``param.grad`` stays None;
+* without ``--overlap-grad-reduce`` every bucket is reduced in ``finish_grad_sync`` whether its
+  parameters reported or not: the frozen ranges reduce zeros, exact and cheap;
+* with ``--overlap-grad-reduce`` a bucket is launched only when every one of its parameters has
+  reported a gradient (``register_grad_ready`` against the counts of the first batch) and
+  ``finish_grad_sync`` asserts it was launched; ``--overlap-param-gather`` (which needs it) also
+  asserts ``requires_grad`` on every buffered parameter. A frozen parameter would break both, so
+  there (and under Megatron FSDP, whose hooks differ) the frozen layers keep ``requires_grad`` and
+  compute weight gradients that are dropped below (``skips_weight_grads``).
+
+Either way the optimizer must not see them: a zero gradient still moves a weight by Adam's moments
+and by weight decay. After Megatron's ``prepare_grads`` has copied the reduced gradients onto the
+main parameters, each frozen layer's main parameters get ``.grad = None`` (``decoupled_grad``
+too). Megatron's gradient norm and clipping leave them out (they skip parameters without a
+gradient, as ``megatron-slim train`` does for frozen layers) and the inner Adam/AdamW skips them
+entirely, so their main parameters, moments and step count stay as they were and the copy from
+main to model parameters writes back the same values: the frozen weights are bit-identical from
+the freeze point on, on every data-parallel rank.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, Optional
 
 from megatron_slim.megatron.dynmo.main_params import MainParams, sub_optimizers
 
@@ -33,12 +45,23 @@ def decoder_layers_of(model) -> list:
     return [m for chunk in model for m in chunk.modules() if isinstance(m, TransformerLayer)]
 
 
-class FrozenLayers:
-    """Drops the frozen layers' gradients at every step of ``optimizer``."""
+def weight_grads_kept_by(args: Any) -> Optional[str]:
+    """The flag under which frozen layers must keep computing weight gradients (see the module's
+    docstring), or None when they can skip them."""
+    for name in ("overlap_grad_reduce", "use_megatron_fsdp", "use_torch_fsdp2"):
+        if getattr(args, name, False):
+            return "--" + name.replace("_", "-")
+    return None
 
-    def __init__(self, model, optimizer, main_params: MainParams) -> None:
+
+class FrozenLayers:
+    """Freezes layers on ``model`` (``requires_grad``, when ``skips_weight_grads``) and drops their
+    gradients at every step of ``optimizer``."""
+
+    def __init__(self, model, optimizer, main_params: MainParams, *, skips_weight_grads: bool) -> None:
         self.layers = decoder_layers_of(model)
         self.main_params = main_params
+        self.skips_weight_grads = skips_weight_grads
         self.frozen: frozenset[int] = frozenset()
         self._mains: list = []
         for sub in sub_optimizers(optimizer):
@@ -51,6 +74,13 @@ class FrozenLayers:
         self.frozen = frozen
         layers = [layer for layer in self.layers if layer.layer_number - 1 in frozen]
         self._mains = [main for layer in layers for p in layer.parameters() for main in self.main_params.of(p)]
+        if self.skips_weight_grads:
+            for layer in self.layers:
+                trains = layer.layer_number - 1 not in frozen
+                for p in layer.parameters():
+                    p.requires_grad_(trains)
+                    if not trains:
+                        p.grad = None
 
     def _dropping_frozen(self, prepare_grads):
         @functools.wraps(prepare_grads)

@@ -48,12 +48,32 @@ class MainParams:
 
     def __init__(self, optimizer) -> None:
         self._by_model: dict[int, list[tuple[object, torch.Tensor]]] = defaultdict(list)
+        self._subs: dict[int, list[object]] = defaultdict(list)  # the Megatron optimizer of each entry
         for sub in sub_optimizers(optimizer):
             seen: set[int] = set()
             for model_param, main_param in _pairs(sub):
                 if id(main_param) not in seen:
                     seen.add(id(main_param))
                     self._by_model[id(model_param)].append((getattr(sub, "optimizer", None), main_param))
+                    self._subs[id(model_param)].append(sub)
+
+    def masked(self, model_param: torch.Tensor, mask: torch.Tensor) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """For each main parameter of ``model_param``: ``(mask restricted to it, [the main parameter and
+        the inner optimizer's state tensors of its shape])``, where ``mask`` has the model parameter's
+        shape. A distributed-optimizer shard is a range of the flattened parameter
+        (``_get_model_param_range_map``); the other classes' main parameters have its full shape."""
+        out = []
+        entries = zip(self._subs.get(id(model_param), []), self._by_model.get(id(model_param), []))
+        for sub, (inner, main) in entries:
+            if main.shape == model_param.shape:
+                part = mask
+            else:
+                span = sub._get_model_param_range_map(model_param)["param"]
+                part = mask.reshape(-1)[span.start : span.end].view(main.shape)
+            state = getattr(inner, "state", {}).get(main, {}).values()
+            tensors = [main, *(v for v in state if isinstance(v, torch.Tensor) and v.shape == main.shape)]
+            out.append((part, tensors))
+        return out
 
     def of(self, model_param: torch.Tensor) -> list[torch.Tensor]:
         return [main for _, main in self._by_model.get(id(model_param), [])]

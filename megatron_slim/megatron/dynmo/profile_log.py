@@ -27,7 +27,7 @@ class ProfileLog:
 
         self.args = args
         self._num_microbatches = get_num_microbatches
-        chunks = [_unwrapped(chunk) for chunk in model]
+        chunks = [unwrapped(chunk) for chunk in model]
         self.profiler = LayerProfiler(
             chunks,
             OptimizerStateView(main_params),
@@ -62,7 +62,7 @@ class ProfileLog:
             os.replace(path + ".tmp", path)
 
 
-def _unwrapped(chunk):
+def unwrapped(chunk):
     """The ``GPTModel`` inside DDP / Float16Module wrappers (each keeps it as ``.module``)."""
     while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
         chunk = chunk.module

@@ -19,11 +19,13 @@ a select), for tests.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
 
 from megatron_slim.megatron import compat
 
@@ -50,7 +52,7 @@ def token_confidence(hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 class EarlyExitTransformerLayer(TransformerLayer):
-    exit_rule: Optional[ExitRule] = None  # set per layer by ``attach_exit_rule``; None: the stock layer
+    exit_rule: Optional[ExitRule] = None  # per layer: ``attach_exit_rule``, per class: ``early_exit_layer``
     exit_counts: Optional[list] = None  # when a list: (layer index, active tokens, tokens) per forward
 
     def forward(self, *args: Any, **kwargs: Any):
@@ -75,7 +77,8 @@ class EarlyExitTransformerLayer(TransformerLayer):
             raise ValueError("early exit: allowed padding_mask / packed_seq_params: None (tokens are regrouped)")
         mlp_out = compat.forward_mlp(self, mlp_in, inference_context=kwargs.get("inference_context"))
         output = flat.index_copy(0, rows, mlp_out.squeeze(1)).view(s, b, h)
-        return output, context
+        # a stage's output must own its storage: Megatron's pipeline frees it after sending it
+        return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True), context
 
 
 def attach_exit_rule(chunks, rule: Optional[ExitRule], counts: Optional[list] = None) -> int:
@@ -87,6 +90,14 @@ def attach_exit_rule(chunks, rule: Optional[ExitRule], counts: Optional[list] = 
                 module.exit_rule, module.exit_counts = rule, counts
                 n += 1
     return n
+
+
+@functools.cache
+def early_exit_layer(threshold: float, from_layer: int) -> type:
+    """The layer class that carries ``ExitRule(threshold, from_layer)`` from construction on (for
+    model builders that take a class, not instances: Megatron-LM's, through the launcher)."""
+    rule = ExitRule(threshold, from_layer)
+    return type("EarlyExitTransformerLayer", (EarlyExitTransformerLayer,), {"exit_rule": rule, "__module__": __name__})
 
 
 def reference_exit_forward(layer: TransformerLayer, rule: ExitRule, hidden_states: torch.Tensor, **kwargs):

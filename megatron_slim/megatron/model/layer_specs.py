@@ -32,13 +32,27 @@ def with_core_attention(spec: Any, core_attention: type, *, flag: str, swap: Opt
                 f"{core_attention.__name__} in ({type(layer).__name__})"
             )
         attention_sub.core_attention = core_attention
-        if swap is not None and hasattr(layer, "module") and hasattr(layer, "submodules"):
-            if layer.module not in swap.replaces + (swap.module,):
-                built = getattr(layer.module, "__name__", layer.module)
-                allowed = " or ".join(f"megatron-core's {m.__name__}" for m in swap.replaces)
-                raise ValueError(
-                    f"{swap.flag}: the layer spec builds {built}; allowed: {allowed} (the "
-                    f"{swap.module.__name__} subclasses it)"
-                )
-            layer.module = swap.module
+        if swap is not None:
+            _swap_module(layer, swap)
     return spec
+
+
+def with_layer_module(spec: Any, swap: LayerSwap) -> Any:
+    """A copy of a layer spec / block spec with each layer built as ``swap.module``; a bare
+    submodules object (no module named) comes back as it was."""
+    spec = copy.deepcopy(spec)
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        _swap_module(layer, swap)
+    return spec
+
+
+def _swap_module(layer: Any, swap: LayerSwap) -> None:
+    if not (hasattr(layer, "module") and hasattr(layer, "submodules")):
+        return
+    if layer.module not in swap.replaces + (swap.module,):
+        built = getattr(layer.module, "__name__", layer.module)
+        allowed = " or ".join(f"megatron-core's {m.__name__}" for m in swap.replaces)
+        raise ValueError(
+            f"{swap.flag}: the layer spec builds {built}; allowed: {allowed} (the {swap.module.__name__} subclasses it)"
+        )
+    layer.module = swap.module

@@ -54,6 +54,8 @@ class MixtureOfDepthsLayer(TransformerLayer):
         rotary = kwargs.get("rotary_pos_emb")
         if rotary is not None:
             kwargs["rotary_pos_emb"] = routed_rotary(rotary, chosen)
+        if kwargs.get("attention_mask") is not None:
+            kwargs["attention_mask"] = routed_mask(kwargs["attention_mask"], chosen)
         output, context = super().forward(picked, *args, **kwargs)
         routed = picked + scores.gather(0, chosen).unsqueeze(-1) * (output - picked)
         return hidden_states.scatter(0, rows, routed), context
@@ -64,6 +66,19 @@ def routed_rotary(rotary: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     if isinstance(rotary, tuple) or rotary.dim() != 4 or rotary.shape[1] != 1:
         raise ValueError("mixture of depths: allowed rotary_pos_emb: one [s, 1, 1, d] tensor")
     return rotary[:, 0][chosen]
+
+
+def routed_mask(mask: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """``[b or 1, heads or 1, s, s]`` attention mask (Megatron-LM's data loader makes one) ->
+    ``[b, heads or 1, k, k]``: the entries between each sequence's routed tokens."""
+    k, b = chosen.shape
+    if mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
+        raise ValueError("mixture of depths: allowed attention_mask: None or one [b, 1, s, s] tensor")
+    mask = mask.expand(b, -1, -1, -1)
+    heads, s = mask.shape[1], mask.shape[-1]
+    index = chosen.t()  # [b, k]
+    rows = mask.gather(2, index[:, None, :, None].expand(b, heads, k, s))
+    return rows.gather(3, index[:, None, None, :].expand(b, heads, k, k))
 
 
 @functools.cache

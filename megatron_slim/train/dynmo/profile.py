@@ -135,13 +135,21 @@ class LayerProfiler:
 def _static_bytes(layer, optimizer) -> tuple[int, int, int]:
     params = list(layer.parameters())
     nbytes = [p.numel() * p.element_size() for p in params]
-    grads = sum(b for p, b in zip(params, nbytes) if p.requires_grad)
+    # Megatron's DDP keeps a frozen parameter's slot in its gradient buffer (``main_grad``) allocated
+    grads = sum(_gradient_bytes(p, b) for p, b in zip(params, nbytes))
     state = 0
     for p in params:
         for value in optimizer.state.get(p, {}).values():
             if isinstance(value, torch.Tensor):
                 state += value.numel() * value.element_size()
     return sum(nbytes), grads, state
+
+
+def _gradient_bytes(param: torch.Tensor, nbytes: int) -> int:
+    main_grad = getattr(param, "main_grad", None)
+    if isinstance(main_grad, torch.Tensor):
+        return main_grad.numel() * main_grad.element_size()
+    return nbytes if param.requires_grad else 0
 
 
 def _counting_hooks(static: set, count: Callable[[int], None]):
