@@ -50,7 +50,7 @@ from megatron_slim.megatron.slimpipe.stage import (
 )
 from megatron_slim.plan.schedule.executable import executable, executable_forward_only
 from megatron_slim.plan.schedule.ir import Schedule
-from megatron_slim.plan.schedule.vocab import embedding_exchange_steps
+from megatron_slim.plan.schedule.vocab import vocab_joins
 from megatron_slim.runtime.agreement import check_agreement
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter
 from megatron_slim.runtime.pipeline.loss import SlicedLoss
@@ -247,7 +247,7 @@ class _Run:
         s, rank, lengths, config = self.schedule, self.group.rank(), self.settings.slice_lengths, self.chunks.config
         tag_base = 2 * s.num_stages * s.num_microbatches * s.num_slices  # above the schedule's own tags
         embedding = EmbeddingExchange(
-            self.vocab_head.lookup_head, rank, *embedding_exchange_steps(executed, rank), lengths, micro_batch_size,
+            self.vocab_head.lookup_head, rank, vocab_joins(executed, rank)[1], lengths, micro_batch_size,
             config.hidden_size, s.num_microbatches, tag_base + 4 * s.num_microbatches * s.num_slices, self.forward_only,
         )  # fmt: skip
         return VocabExchange(

@@ -5,8 +5,9 @@ weight's copy when input and output are tied, else the first stage's word embedd
 Stage 0's word embedding module hands each slice's input ids to ``EmbeddingExchange.lookup``: the
 ids are cut into ``pp`` parts along the sequence, part ``r`` goes to pipeline rank ``r``, which looks
 it up with its copy and sends the rows back; stage 0 looks up part 0 itself and joins the parts
-along the sequence. Every other rank serves a slice right before it receives the slice's forward
-input (``plan/schedule/vocab.py``: where, and why no rank waits forever).
+along the sequence. Every other rank serves a slice where ``plan/schedule/vocab.py`` places its
+``EmbeddingJoin`` (at the latest right before it receives the slice's forward input on its first
+chunk; ``plan/schedule/vocab_cuts.py``: where, and why no rank waits forever).
 
 Backward: stage 0's backward of a slice keeps the gradient of each remote part; its next lookup
 hands them to their ranks before its ids (the rest go after the row ends), and each rank
@@ -54,7 +55,6 @@ class EmbeddingExchange:
 
     head: VocabHead  # this rank's copy of the word embedding
     rank: int  # pipeline rank
-    joins: dict[int, EmbeddingJoin]  # step of this rank's row -> join (plan/schedule/vocab.py)
     tail: tuple[Key, ...]  # gradients handed over after the row
     slice_lengths: Sequence[int]
     micro_batch: int
@@ -77,11 +77,8 @@ class EmbeddingExchange:
     def is_drained(self) -> bool:
         return not self.ids and not self.outgoing
 
-    def before(self, step: int) -> None:
-        """Called before this rank runs ``step`` of its row."""
-        join = self.joins.get(step)
-        if join is None:
-            return
+    def meet(self, join: EmbeddingJoin) -> None:
+        """Where this rank's row meets ``join`` (``plan/schedule/vocab.py``'s ``vocab_joins``)."""
         if self.rank == 0:
             self._join = join  # met inside the forward, by ``lookup``
         else:
