@@ -2,7 +2,8 @@
 pipeline rank (each a sequence part of every slice, ``runtime/pipeline/vocab.py`` and
 ``vocab_embedding.py``), and the loss and every
 parameter gradient still equal the single-process, unpipelined, unsliced reference within fp32
-round-off (|a - b| <= 2e-5 + 1e-4 |b|), untied and tied embeddings."""
+round-off (|a - b| <= 2e-5 + 1e-4 |b|), untied and tied embeddings, one model chunk per rank and
+two (interleaved)."""
 
 import pytest
 import torch
@@ -29,6 +30,11 @@ CONFIGS = {
         (True, "1f1b", 4, (SEQ,)),
     ],
 }
+
+
+# two model chunks per rank: the embedding on rank 0's first chunk, the output layer after rank 1's
+# second (the exchanges placed by plan/schedule/vocab_cuts.py)
+INTERLEAVED = [(True, "slimpipe", 3, (12, 20), 2), (False, "interleaved", 4, (SEQ,), 2)]
 
 
 def _check(results, configs):
@@ -65,3 +71,7 @@ def _check_shards(tied, heads):
 @pytest.mark.parametrize("pp", sorted(CONFIGS), ids=lambda pp: f"pp{pp}")
 def test_vocab_parallel_matches_unpipelined_unsliced_reference(pp):
     _check(run_ranks(_vocab_workers.run_vocab_parallel, pp, CONFIGS[pp], timeout_s=900), CONFIGS[pp])
+
+
+def test_vocab_parallel_interleaved_matches_unpipelined_unsliced_reference():
+    _check(run_ranks(_vocab_workers.run_vocab_parallel, 2, INTERLEAVED, timeout_s=900), INTERLEAVED)
