@@ -37,7 +37,17 @@ def build_vocab_head(chunks: list, groups) -> VocabHead:
             embedding = VocabHead(first.embedding.word_embeddings.weight, True, groups.pp, ranks, source=0)
         else:
             embedding = VocabHead(_replica(last, last.vocab_size), False, groups.pp, ranks, source=0)
-    head = VocabHead(weight, owned, groups.pp, ranks, embedding=embedding, vocab_size=last.vocab_size, sharded=not tied)
+    cp_group = groups.cp if groups.cp_size > 1 else None
+    head = VocabHead(
+        weight,
+        owned,
+        groups.pp,
+        ranks,
+        embedding=embedding,
+        vocab_size=last.vocab_size,
+        sharded=not tied,
+        cp_group=cp_group,
+    )
     head.refresh()
     return head
 

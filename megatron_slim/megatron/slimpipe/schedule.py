@@ -249,10 +249,11 @@ class _Run:
         embedding = EmbeddingExchange(
             self.vocab_head.lookup_head, rank, vocab_joins(executed, rank)[1], lengths, micro_batch_size,
             config.hidden_size, s.num_microbatches, tag_base + 4 * s.num_microbatches * s.num_slices, self.forward_only,
+            self.stage_rows,
         )  # fmt: skip
         return VocabExchange(
             self.vocab_head, rank, lengths, micro_batch_size, config.hidden_size, s.num_microbatches, tag_base,
-            self.forward_only, embedding,
+            self.forward_only, embedding, self.stage_rows,
         )  # fmt: skip
 
     def _p2p(self, device: torch.device) -> Optional[P2P]:

@@ -21,7 +21,7 @@ joined, never summed; only the order in which a row's gradient contributions add
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,7 @@ class EmbeddingExchange:
     num_microbatches: int
     tag_base: int  # above every tag the schedule and the output exchange use
     forward_only: bool = False
+    rows: Optional[Callable[[int, int], int]] = None  # (microbatch, slice) -> rows, if not the slice length
     ids: dict = field(default_factory=dict)  # key -> this rank's ids part, until its gradient comes (rank > 0)
     outgoing: dict = field(default_factory=dict)  # key -> remote parts' gradients, until handed over (stage 0)
     _join: Optional[EmbeddingJoin] = None  # the join of stage 0's forward now running
@@ -126,7 +127,8 @@ class EmbeddingExchange:
         return works
 
     def _part_length(self, key: Key) -> int:
-        lo, hi = bounds_of(self.slice_lengths[key[1]], self.head.size, self.rank)
+        length = self.rows(*key) if self.rows is not None else self.slice_lengths[key[1]]
+        lo, hi = bounds_of(length, self.head.size, self.rank)
         return hi - lo
 
     def _serve(self, join: EmbeddingJoin) -> None:

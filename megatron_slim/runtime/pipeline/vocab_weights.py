@@ -32,6 +32,7 @@ class VocabHead:
     embedding: Optional["VocabHead"] = None  # untied: the word embedding's copies (tied: this weight)
     vocab_size: int = 0  # rows of the whole weight; with ``sharded``, required
     sharded: bool = False  # replicas hold only their shard's rows (owned copies stay whole)
+    cp_group: Optional[dist.ProcessGroup] = None  # context parallelism: the loss tokens are counted over it
 
     @property
     def size(self) -> int:
