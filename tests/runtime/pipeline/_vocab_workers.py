@@ -50,5 +50,7 @@ def run_vocab_parallel(rank, world_size, configs, seed=1234):
         assert len(evaluated) == len(reports)
         for got, want in zip(evaluated, reports):  # the forward-only call reports the step's losses
             torch.testing.assert_close(got["lm loss"], want)
-        results.append((reports, grads, ref, (head.owned, tuple(head.weight.shape))))
+        lookup = head.lookup_head
+        shapes = (head.owned, tuple(head.weight.shape), lookup.owned, tuple(lookup.weight.shape))
+        results.append((reports, grads, ref, shapes))
     return results
