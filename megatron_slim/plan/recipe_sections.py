@@ -197,7 +197,8 @@ class ScheduleConfig:
     kind: ScheduleKind = "1f1b"
     num_slices: int = 1
     slice_policy: SlicePolicy = "uniform"
-    # The embedding and output layer spread over all pipeline ranks (plan/cost/vocab.py); simulated only.
+    # The embedding and output layer spread over all pipeline ranks: simulated (plan/cost/vocab.py) and
+    # run by megatron-slim train (docs/vocab-parallel.md); refused by the Megatron-LM launcher.
     vocab_parallel: bool = False
 
     def __post_init__(self) -> None:

@@ -130,6 +130,21 @@ class CPTrainStep:
         output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
         return output, functools.partial(cp_loss_func, local["loss_mask"], cp_group=self.cp_group)
 
+    def vocab_forward_step(self, data_iterator, model):
+        """``forward_step`` under ``schedule.vocab_parallel``: the last stage's final hidden states and
+        this CP rank's ``(labels, loss_mask)``, cut in the same layout (``runtime/pipeline/vocab.py``)."""
+        from megatron_slim.megatron.cp.data import cp_batch
+        from megatron_slim.megatron.model.vocab_head import final_hidden_states
+        from megatron_slim.train.microbatch import vocab_targets
+
+        batch = dict(next(data_iterator))
+        plan, routing, remap = self.plans[batch.pop(MICROBATCH_KEY)]
+        self.context.set_plan(plan, routing=routing, remap=remap)
+        local = cp_batch(batch, plan, self.cp_rank)
+        with final_hidden_states(model):
+            output = model(local["tokens"], local["position_ids"], None)
+        return output, functools.partial(vocab_targets, local["labels"], local["loss_mask"])
+
     def summary(self) -> dict[str, int]:
         """This iteration's plans in counts: packs, sequences by scope, packs that leave a CP rank
         without tokens (``padded``: it runs a masked padding row), tokens per rank."""

@@ -222,7 +222,9 @@ class _RankTraining:
             self.vocab_head.refresh()
             step_func = vocab_forward_step
         if self.cp_step:
-            batches, step_func = self.cp_step.plan_iteration(batches), self.cp_step.forward_step
+            cp_step = self.cp_step
+            step_func = cp_step.vocab_forward_step if self.vocab_head is not None else cp_step.forward_step
+            batches = cp_step.plan_iteration(batches)
         return self.forward_backward(
             forward_step_func=step_func,
             data_iterator=[iter(batches) for _ in self.chunks],

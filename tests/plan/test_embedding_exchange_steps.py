@@ -1,60 +1,22 @@
-"""Where stage 0 meets every rank over the input embedding (``embedding_exchange_steps``), which
-embedding gradients each meeting hands over, and that no rank waits forever: the schedule walked
-with blocking receives, the output exchange's rendezvous of all ranks per microbatch, and the
-embedding joins (stage 0 waits for every rank to reach its join; a rank waits for stage 0's)."""
+"""Where stage 0 meets every rank over the input embedding (``vocab_joins``' ``EmbeddingJoin``),
+which embedding gradients each meeting hands over, and that no rank waits forever: the schedule
+walked with blocking receives, the output exchange's rendezvous of all ranks per microbatch, and
+the embedding joins (stage 0 waits for every rank to reach its join; a rank waits for stage 0's)."""
 
 import pytest
 
 from megatron_slim.plan.schedule.executable import executable, executable_forward_only
-from megatron_slim.plan.schedule.ir import Kind
-from megatron_slim.plan.schedule.vocab import EmbeddingJoin, embedding_exchange_steps, vocab_exchange_steps
-from megatron_slim.plan.schedule.walk import produced, required
+from megatron_slim.plan.schedule.ir import Action, Kind
+from megatron_slim.plan.schedule.vocab import EmbeddingJoin, OutputJoin, vocab_joins
+from tests.plan._vocab_walk import walk as _walk
 
 
-def _events(schedule, rank, joins_of=embedding_exchange_steps) -> list:
-    embedding, _ = joins_of(schedule, rank)
-    output = vocab_exchange_steps(schedule, rank)
-    out: list = []
-    for step, a in enumerate(schedule.ranks[rank]):
-        if step in embedding:
-            out.append(("emb", embedding[step].lookup))
-        out.append(a)
-        if step in output:
-            out.append(("out", output[step]))
-    return out
-
-
-def _may_pass(event, r: int, heads: list, passed: list) -> bool:
-    reached = [h == event or event in passed[q] for q, h in enumerate(heads)]
-    if event[0] == "out":  # a collective: every rank has come to it
-        return all(reached)
-    return all(reached[1:]) if r == 0 else reached[0]  # stage 0 waits for every rank, the others for it
-
-
-def _walk(schedule, joins_of=embedding_exchange_steps) -> list[int]:
-    rows = [_events(schedule, r, joins_of) for r in range(schedule.pp)]
-    pos, done, passed = [0] * len(rows), set(), [set() for _ in rows]
-    moved = True
-    while moved:
-        moved = False
-        heads = [row[p] if p < len(row) else None for row, p in zip(rows, pos)]
-        for r, row in enumerate(rows):
-            if pos[r] >= len(row):
-                continue
-            e = row[pos[r]]
-            if isinstance(e, tuple):
-                ok = _may_pass(e, r, heads, passed)
-            else:
-                ok = all(f in done for f in required(schedule, r, e))
-            if ok:
-                if isinstance(e, tuple):
-                    passed[r].add(e)
-                else:
-                    done.add(produced(schedule, r, e))
-                pos[r] += 1
-                moved = True
-                break  # heads changed
-    return [p - len(row) for p, row in zip(pos, rows)]
+def embedding_exchange_steps(schedule, rank):
+    """``({position: join}, tail)``: the embedding joins alone (one per position here)."""
+    joins, tail = vocab_joins(schedule, rank)
+    found = {p: [j for j in js if isinstance(j, EmbeddingJoin)] for p, js in joins.items()}
+    assert all(len(js) <= 1 for js in found.values())
+    return {p: js[0] for p, js in found.items() if js}, tail
 
 
 SHAPES = [("slimpipe", m, n) for m, n in [(1, 1), (2, 2), (3, 4), (5, 3)]] + [("1f1b", m, 1) for m in (1, 3, 6)]
@@ -70,8 +32,9 @@ def test_every_rank_reaches_the_end_with_the_embedding_and_output_exchanges(kind
 
 def test_the_walk_finds_a_rank_serving_after_it_waits_for_the_forward_input():
     def too_late(schedule, rank):  # serve right after RECV_F instead of before it
-        joins, tail = embedding_exchange_steps(schedule, rank)
-        return ({s + 1: j for s, j in joins.items()} if rank else joins), tail
+        joins, tail = vocab_joins(schedule, rank)
+        moved = {p + (rank > 0 and isinstance(js[0], EmbeddingJoin)): js for p, js in joins.items()}
+        return moved, tail
 
     assert _walk(executable("1f1b", 2, 1, 3, 1), too_late)[0] < 0
 
@@ -106,3 +69,33 @@ def test_every_gradient_is_handed_over_once_after_stage_0_computed_it(kind, micr
 def test_forward_only_hands_over_no_gradients():
     joins, tail = embedding_exchange_steps(executable_forward_only(executable("slimpipe", 2, 1, 3, 2)), 1)
     assert tail == () and all(j.grads == () for j in joins.values())
+
+
+def test_interleaved_a_rank_serves_before_waiting_for_a_gradient_stage_0_sends_after_the_lookup():
+    # interleaved pp3 vpp2, 6 microbatches: rank 2 waits for the chunk-1 backward of microbatch 0
+    # (stage 3, on rank 0) before it receives microbatch 4's forward, and rank 0 runs that backward
+    # only after its forward (lookup) of microbatch 4: rank 2 serves microbatch 4 before that wait
+    schedule = executable("interleaved", 3, 2, 6, 1)
+    row = schedule.ranks[2]
+    serves = {j.lookup: p for p, j in embedding_exchange_steps(schedule, 2)[0].items()}
+    assert row[serves[(4, 0)]] == Action(Kind.RECV_B, 0, 0, 0)
+    assert row.index(Action(Kind.RECV_F, 0, 4, 0)) > serves[(4, 0)]
+    assert row[serves[(3, 0)]] == Action(Kind.RECV_F, 0, 3, 0)  # where it would wait for stage 0 anyway
+    assert _walk(schedule) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("kind,pp,vpp,microbatches,slices", [("interleaved", 2, 2, 4, 1), ("slimpipe", 3, 2, 3, 3)])
+def test_interleaved_lookups_and_gradients_are_those_of_stage_0_on_the_first_chunk(kind, pp, vpp, microbatches, slices):
+    schedule = executable(kind, pp, vpp, microbatches, slices)
+    every = [(m, j) for m in range(microbatches) for j in range(slices)]
+    for rank in range(pp):
+        joins, tail = embedding_exchange_steps(schedule, rank)
+        assert sorted(j.lookup for j in joins.values()) == every
+        assert sorted([k for j in joins.values() for k in j.grads] + list(tail)) == every
+        outputs = [
+            j.microbatch for js in vocab_joins(schedule, rank)[0].values() for j in js if isinstance(j, OutputJoin)
+        ]
+        assert outputs == list(range(microbatches))
+    stage0 = schedule.ranks[0]
+    for position, join in embedding_exchange_steps(schedule, 0)[0].items():
+        assert stage0[position] == Action(Kind.F, 0, *join.lookup)

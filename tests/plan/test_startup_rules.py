@@ -142,16 +142,20 @@ def test_vocab_parallel_runs_in_train_and_is_refused_by_the_megatron_launcher():
     assert "--slimpipe-vocab-parallel" not in flags
 
 
-@pytest.mark.parametrize("bad", ["parallel.tp=2", "parallel.vpp=2"])
-def test_train_refuses_vocab_parallel_where_the_exchange_does_not_run(bad):
-    recipe = load_recipe("tiny-cpu", ["parallel.pp=2", "schedule.num_slices=2", "schedule.vocab_parallel=true", bad])
-    refused = _refusal(check_trainable, recipe)
-    assert refused.startswith("schedule.vocab_parallel=true with parallel.tp=")
-    assert bad in refused and refused.endswith(
-        "allowed: parallel.tp=1, parallel.cp=1 and parallel.vpp=1, or schedule.vocab_parallel=false"
+def test_train_refuses_vocab_parallel_where_the_exchange_does_not_run():
+    vocab = ["parallel.pp=2", "schedule.vocab_parallel=true"]
+    refused = _refusal(check_trainable, load_recipe("tiny-cpu", [*vocab, "schedule.num_slices=2", "parallel.tp=2"]))
+    assert refused == (
+        "schedule.vocab_parallel=true with parallel.tp=2, parallel.cp=1, parallel.vpp=1: the pipeline's "
+        "vocabulary exchange runs without tensor parallelism, and with context parallelism under a CP engine "
+        "with one model chunk per rank; allowed: parallel.tp=1, and parallel.cp=1 or parallel.vpp=1, or "
+        "schedule.vocab_parallel=false"
     )
-    # context parallelism: other rules refuse a SlimPipe x CP train run first; this one still covers it
-    rule = broken_rule(Settings(pp=2, cp=2, vocab_parallel=True), TRAIN)
+    check_trainable(load_recipe("tiny-cpu", [*vocab, "schedule.num_slices=2", "parallel.vpp=2"]))  # interleaved
+    check_trainable(load_recipe("tiny-cpu", [*CP_RECIPE, *vocab]))  # under a CP engine
+    recipe = load_recipe("tiny-cpu", [*CP_RECIPE, *vocab, "schedule.kind=interleaved", "parallel.vpp=2"])
+    assert "vocab_parallel=true with parallel.tp=1, parallel.cp=2, parallel.vpp=2" in _refusal(check_trainable, recipe)
+    rule = broken_rule(Settings(pp=2, cp=2, vocab_parallel=True), TRAIN)  # context parallelism without an engine
     assert rule is not None and rule.name == "vocab-parallel-train"
 
 

@@ -1,7 +1,9 @@
 """``schedule.vocab_parallel`` in ``megatron-slim train``: the output layer and loss on every
 pipeline rank (the last stage's hidden states cut along the sequence, copies of the output weight
 whose gradients are summed over the pipeline group) train exactly the model an unpipelined,
-unsliced run trains, with untied and with tied embeddings."""
+unsliced run trains, with untied and with tied embeddings, and with two model chunks per rank
+(interleaved SlimPipe; slow: tests/runtime/pipeline/test_vocab_parallel_exactness.py covers the
+exchange with two chunks per rank)."""
 
 import pytest
 
@@ -14,11 +16,15 @@ COMMON = ["train.iters=3", "train.global_batch_size=4", "model.seq_length=128", 
 VOCAB_PP2 = ["parallel.pp=2", "schedule.kind=slimpipe", "schedule.num_slices=2", "schedule.vocab_parallel=true"]
 
 
-@pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.slow), True], ids=["untied", "tied"])
-def test_vocab_parallel_trains_the_unpipelined_model(tmp_path, data_cache, tied):
+@pytest.mark.parametrize(
+    "tied,vpp",
+    [pytest.param(False, 1, marks=pytest.mark.slow), (True, 1), pytest.param(False, 2, marks=pytest.mark.slow)],
+    ids=["untied", "tied", "untied-vpp2"],
+)
+def test_vocab_parallel_trains_the_unpipelined_model(tmp_path, data_cache, tied, vpp):
     embeddings = [f"model.untie_embeddings_and_output_weights={str(not tied).lower()}"]
     reference = _train(tmp_path, "reference", data_cache, *COMMON, *embeddings, *UNPIPELINED_UNSLICED)
-    run = _train(tmp_path, "vocab", data_cache, *COMMON, *embeddings, *VOCAB_PP2)
+    run = _train(tmp_path, "vocab", data_cache, *COMMON, *embeddings, *VOCAB_PP2, f"parallel.vpp={vpp}")
     assert run["loss_iterations"] == reference["loss_iterations"] == [1, 2, 3]
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-6, abs=0)
     assert (

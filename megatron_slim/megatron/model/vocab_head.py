@@ -20,7 +20,9 @@ def build_vocab_head(chunks: list, groups) -> VocabHead:
     stage, the word embedding on the first stage of a tied model, else a replica (not an optimizer
     parameter: ``VocabHead.refresh`` copies the last stage's weight into it before every step).
     Untied, the replicas hold only this rank's vocabulary shard, and ``embedding`` holds the word
-    embedding's copies (the first stage's own, whole replicas elsewhere: lookups read any row)."""
+    embedding's copies (the first stage's own, replicas of this rank's shard elsewhere: each rank
+    looks up only its shard's ids, ``runtime/pipeline/vocab_embedding.py``). Tied, the replicas stay
+    whole (the first and last stages' owned copies are both whole, and ``refresh`` broadcasts)."""
     first, last = chunks[0], chunks[-1]
     tied = first.slim_chunk_info.tied_embeddings
     ranks = dist.get_process_group_ranks(groups.pp) if groups.pp_size > 1 else [dist.get_rank()]
@@ -32,12 +34,23 @@ def build_vocab_head(chunks: list, groups) -> VocabHead:
     else:
         weight, owned = _replica(last, last.vocab_size if tied else rows[1] - rows[0]), False
     embedding = None
-    if not tied:  # the word embedding's own copies: the first stage's, replicas elsewhere
+    if not tied:  # the word embedding's own copies: the first stage's, shard replicas elsewhere
         if first.slim_chunk_info.pre_process:
-            embedding = VocabHead(first.embedding.word_embeddings.weight, True, groups.pp, ranks, source=0)
+            weight_e, owned_e = first.embedding.word_embeddings.weight, True
         else:
-            embedding = VocabHead(_replica(last, last.vocab_size), False, groups.pp, ranks, source=0)
-    head = VocabHead(weight, owned, groups.pp, ranks, embedding=embedding, vocab_size=last.vocab_size, sharded=not tied)
+            weight_e, owned_e = _replica(last, rows[1] - rows[0]), False
+        embedding = VocabHead(weight_e, owned_e, groups.pp, ranks, source=0, vocab_size=last.vocab_size, sharded=True)
+    cp_group = groups.cp if groups.cp_size > 1 else None
+    head = VocabHead(
+        weight,
+        owned,
+        groups.pp,
+        ranks,
+        embedding=embedding,
+        vocab_size=last.vocab_size,
+        sharded=not tied,
+        cp_group=cp_group,
+    )
     head.refresh()
     return head
 

@@ -61,7 +61,7 @@ from megatron_slim.megatron.slimpipe.stage import (
 from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
 from megatron_slim.plan.schedule.executable import executable_forward_only
 from megatron_slim.plan.schedule.ir import Schedule
-from megatron_slim.plan.schedule.vocab import embedding_exchange_steps
+from megatron_slim.plan.schedule.vocab import vocab_joins
 from megatron_slim.runtime.pipeline.context_exchange import ContextExchange
 from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter
 from megatron_slim.runtime.pipeline.loss import SlicedLoss
@@ -214,12 +214,13 @@ class _Run:
         s, rank, lengths, config = self.schedule, self.group.rank(), self.settings.slice_lengths, self.chunks.config
         tag_base = 2 * s.num_stages * s.num_microbatches * s.num_slices  # above the schedule's own tags
         embedding = EmbeddingExchange(
-            self.vocab_head.lookup_head, rank, *embedding_exchange_steps(executed, rank), lengths, micro_batch_size,
+            self.vocab_head.lookup_head, rank, vocab_joins(executed, rank)[1], lengths, micro_batch_size,
             config.hidden_size, s.num_microbatches, tag_base + 4 * s.num_microbatches * s.num_slices, self.forward_only,
+            self.stage_rows,
         )  # fmt: skip
         return VocabExchange(
             self.vocab_head, rank, lengths, micro_batch_size, config.hidden_size, s.num_microbatches, tag_base,
-            self.forward_only, embedding,
+            self.forward_only, embedding, self.stage_rows,
         )  # fmt: skip
 
     def _exchange(self, chunks: Chunks) -> Optional[ContextExchange]:

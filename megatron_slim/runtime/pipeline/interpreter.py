@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.recv_posts import receive_posts
 from megatron_slim.plan.schedule.validate import format_grid
-from megatron_slim.plan.schedule.vocab import vocab_exchange_steps
+from megatron_slim.plan.schedule.vocab import EmbeddingJoin, Join, vocab_joins
 from megatron_slim.plan.schedule.walk import bounded_sends
 from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
@@ -73,7 +73,7 @@ class PipelineInterpreter:
         self.grad_sync, self.param_sync, self.forward_only = grad_sync, param_sync, schedule.forward_only
         self.row = list(schedule.ranks[rank])
         self.vocab = vocab
-        self._vocab_steps = vocab_exchange_steps(schedule, rank) if vocab is not None else {}
+        self._vocab_joins: dict[int, tuple[Join, ...]] = vocab_joins(schedule, rank)[0] if vocab is not None else {}
         self.state = RunState()
         self._bounded = {a for r, a in bounded_sends(schedule) if r == rank} if p2p is not None else set()
         self._in_flight = meter.p2p if meter is not None else None
@@ -251,16 +251,13 @@ class PipelineInterpreter:
             for recv in self._posts.get(step, ()):
                 if recv != a:
                     self._post(recv)
-            if self.vocab is not None and self.vocab.embedding is not None:
-                self.vocab.embedding.before(step)  # stage 0: the lookup its F makes; else serve it
+            self._meet_vocab(step)
             label = record_function(str(a)) if torch.autograd._profiler_enabled() else nullcontext()
             with label, self.ctx.exchanging(a):  # a paired compute meets its context-exchange partner
                 self._handlers[a.kind](a)
             if self.p2p is not None:
                 self.p2p.poll()
-            if step in self._vocab_steps:
-                assert self.vocab is not None  # steps are planned only with a vocabulary exchange
-                self.vocab.join(self._vocab_steps[step])
+        self._meet_vocab(len(self.row))
         if self.vocab is not None and self.vocab.embedding is not None:
             self.vocab.embedding.finish()
         if self.p2p is not None:
@@ -268,6 +265,15 @@ class PipelineInterpreter:
         if self.grad_sync is not None and not self.forward_only:
             self.grad_sync.finish()
         self._check_drained()
+
+    def _meet_vocab(self, position: int) -> None:
+        """The vocabulary exchanges planned after the row's first ``position`` steps, in order."""
+        for join in self._vocab_joins.get(position, ()):
+            assert self.vocab is not None  # joins are planned only with a vocabulary exchange
+            if not isinstance(join, EmbeddingJoin):
+                self.vocab.join(join.microbatch)
+            elif self.vocab.embedding is not None:
+                self.vocab.embedding.meet(join)  # stage 0: the lookup its F makes; else serve it
 
     def _check_drained(self) -> None:
         left = {

@@ -9,7 +9,11 @@ joins ``VocabExchange.join``:
 
 1. the last rank sends each slice's hidden states, labels and loss mask to every rank;
 2. every rank counts the microbatch's loss tokens (Megatron divides a microbatch's loss sum by
-   them and by the number of microbatches);
+   them and by the number of microbatches); under context parallelism each CP rank runs its own
+   exchanges within its pipeline group on its share of the sequence (rows as the CP plan lays
+   them out, ``rows``; its labels are cut alike), counts the tokens over the CP group and scales
+   its loss by the CP size, as ``megatron.cp.data.cp_loss_func`` does (gradients are then
+   averaged over the CP ranks);
 3. slice by slice, each rank computes its shard's logits (fp32) and the vocabulary-parallel cross
    entropy (``vocab_parallel_cross_entropy``: the max, the sum of exponentials and the target
    logit all-reduced over the pipeline group), and back-propagates its shard's part of the scaled
@@ -25,7 +29,7 @@ the step ``VocabHead.reduce_grads`` gives the optimizer-owned copies the whole g
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +53,7 @@ class VocabExchange:
     tag_base: int  # above every tag the schedule's own messages use
     forward_only: bool = False
     embedding: Optional[Any] = None  # the call's EmbeddingExchange (runtime/pipeline/vocab_embedding.py)
+    rows: Optional[Callable[[int, int], int]] = None  # (microbatch, slice) -> rows, if not the slice length
     kept: dict = field(default_factory=dict)  # (mb, slice) -> (hidden, labels, loss_mask), last rank
     grads: dict = field(default_factory=dict)  # (mb, slice) -> hidden-state gradient, last rank
     reports: list = field(default_factory=list)  # per microbatch, on the last rank
@@ -77,6 +82,7 @@ class VocabExchange:
         group, ranks = self.head.group, self.head.pp_ranks
         slices = []
         for j, length in enumerate(self.slice_lengths):
+            length = self.rows(microbatch, j) if self.rows is not None else length
             if self.last:
                 kept = self.kept.pop((microbatch, j))
                 for r in range(self.head.size - 1):
@@ -100,7 +106,11 @@ class VocabExchange:
         pending: list = []
         slices = self._hand_out(microbatch, pending)
         count = sum((m.float().sum() for _, _, m in slices), torch.zeros(()))
-        scale = 1.0 / (torch.clamp(count, min=1) * self.num_microbatches)
+        total, cp = count.clone(), 1
+        if self.head.cp_group is not None:
+            cp = dist.get_world_size(self.head.cp_group)
+            dist.all_reduce(total, group=self.head.cp_group)
+        scale = cp / (torch.clamp(total, min=1) * self.num_microbatches)
         lo, _ = self.head.rows_of(self.head.index)
         loss_sum = torch.zeros(())
         my_grads = []

@@ -4,7 +4,8 @@ A weight has one or two optimizer-owned copies (the last stage's output layer, t
 word embedding; both when they are tied), which hold the whole weight so that the optimizer and
 checkpoints see the usual parameters. Other ranks hold replicas outside the optimizer: the whole
 weight, or (``sharded``) only the rows of this rank's vocabulary shard, which is all the
-vocabulary-parallel cross entropy (``runtime/pipeline/vocab.py``) reads. Replicas take the owners'
+vocabulary-parallel cross entropy (``runtime/pipeline/vocab.py``) and the sharded lookup
+(``runtime/pipeline/vocab_embedding.py``) read. Replicas take the owners'
 values before every step (``refresh``); after it, the owners get the sum of every copy's gradient
 (``reduce_grads``).
 """
@@ -32,6 +33,7 @@ class VocabHead:
     embedding: Optional["VocabHead"] = None  # untied: the word embedding's copies (tied: this weight)
     vocab_size: int = 0  # rows of the whole weight; with ``sharded``, required
     sharded: bool = False  # replicas hold only their shard's rows (owned copies stay whole)
+    cp_group: Optional[dist.ProcessGroup] = None  # context parallelism: the loss tokens are counted over it
 
     @property
     def size(self) -> int:

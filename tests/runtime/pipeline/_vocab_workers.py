@@ -13,7 +13,7 @@ from tests.runtime.pipeline._workers import make_batches
 
 
 def run_vocab_parallel(rank, world_size, configs, seed=1234):
-    """Each config: (tied, kind, num_microbatches, slice_lengths). Returns per config
+    """Each config: (tied, kind, num_microbatches, slice_lengths[, vpp]). Returns per config
     (reports, grads of every parameter this rank's optimizer steps, reference on rank 0); a
     forward-only call after the step must report the same losses."""
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
@@ -24,10 +24,11 @@ def run_vocab_parallel(rank, world_size, configs, seed=1234):
 
     groups = init_model_parallel(pp=world_size)
     results = []
-    for tied, kind, m, lengths in configs:
+    for tied, kind, m, lengths, *vpp in configs:
         model = ModelConfig(**{**TINY_GQA_4L, "untie_embeddings_and_output_weights": not tied})
         batches = make_batches(model, m, micro_batch=2, seed=seed + m)
-        chunks = build_rank_chunks(model, groups, core_attention=SliceCoreAttention, seed=seed)
+        chunk_groups = dataclasses.replace(groups, vpp=vpp[0] if vpp else 1)
+        chunks = build_rank_chunks(model, chunk_groups, core_attention=SliceCoreAttention, seed=seed)
         head = build_vocab_head(chunks, groups)
         fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths), kind=kind), vocab_head=head)
         step = functools.partial(
@@ -49,5 +50,7 @@ def run_vocab_parallel(rank, world_size, configs, seed=1234):
         assert len(evaluated) == len(reports)
         for got, want in zip(evaluated, reports):  # the forward-only call reports the step's losses
             torch.testing.assert_close(got["lm loss"], want)
-        results.append((reports, grads, ref, (head.owned, tuple(head.weight.shape))))
+        lookup = head.lookup_head
+        shapes = (head.owned, tuple(head.weight.shape), lookup.owned, tuple(lookup.weight.shape))
+        results.append((reports, grads, ref, shapes))
     return results

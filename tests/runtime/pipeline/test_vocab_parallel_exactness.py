@@ -1,8 +1,10 @@
 """``schedule.vocab_parallel`` over gloo: the word embedding, output layer and loss run on every
-pipeline rank (each a sequence part of every slice, ``runtime/pipeline/vocab.py`` and
-``vocab_embedding.py``), and the loss and every
+pipeline rank (the output layer and loss on a sequence part of every slice,
+``runtime/pipeline/vocab.py``; the lookups of each rank's vocabulary shard, ``vocab_embedding.py``,
+untied replicas holding only that shard), and the loss and every
 parameter gradient still equal the single-process, unpipelined, unsliced reference within fp32
-round-off (|a - b| <= 2e-5 + 1e-4 |b|), untied and tied embeddings."""
+round-off (|a - b| <= 2e-5 + 1e-4 |b|), untied and tied embeddings, one model chunk per rank and
+two (interleaved)."""
 
 import pytest
 import torch
@@ -31,6 +33,11 @@ CONFIGS = {
 }
 
 
+# two model chunks per rank: the embedding on rank 0's first chunk, the output layer after rank 1's
+# second (the exchanges placed by plan/schedule/vocab_cuts.py)
+INTERLEAVED = [(True, "slimpipe", 3, (12, 20), 2), (False, "interleaved", 4, (SEQ,), 2)]
+
+
 def _check(results, configs):
     for index, (_, _, (ref_reports, ref_grads), _) in enumerate(results[0]):
         merged: dict = {}
@@ -54,14 +61,20 @@ def _check(results, configs):
 
 def _check_shards(tied, heads):
     """Each rank's output-weight copy: the last stage's whole; untied, every replica only its
-    vocabulary shard's rows (as ``torch.tensor_split`` cuts the vocabulary)."""
+    vocabulary shard's rows (as ``torch.tensor_split`` cuts the vocabulary). Its word-embedding copy
+    (tied: the same): stage 0's whole; untied, every other rank's only its shard's rows."""
     vocab = heads[-1][1][0]
-    assert heads[-1][0]
+    assert heads[-1][0] and heads[0][2]
     shards = [len(rows) for rows in torch.tensor_split(torch.arange(vocab), len(heads))]
-    for (owned, shape), rows in zip(heads, shards):
+    for (owned, shape, lookup_owned, lookup_shape), rows in zip(heads, shards):
         assert shape[0] == (vocab if owned or tied else rows)
+        assert lookup_shape[0] == (vocab if lookup_owned or tied else rows)
 
 
 @pytest.mark.parametrize("pp", sorted(CONFIGS), ids=lambda pp: f"pp{pp}")
 def test_vocab_parallel_matches_unpipelined_unsliced_reference(pp):
     _check(run_ranks(_vocab_workers.run_vocab_parallel, pp, CONFIGS[pp], timeout_s=900), CONFIGS[pp])
+
+
+def test_vocab_parallel_interleaved_matches_unpipelined_unsliced_reference():
+    _check(run_ranks(_vocab_workers.run_vocab_parallel, 2, INTERLEAVED, timeout_s=900), INTERLEAVED)
