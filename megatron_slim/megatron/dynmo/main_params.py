@@ -68,7 +68,7 @@ class MainParams:
             if main.shape == model_param.shape:
                 part = mask
             else:
-                span = sub._get_model_param_range_map(model_param)["param"]
+                span = sub._get_model_param_range_map(model_param)["param"]  # type: ignore[attr-defined]
                 part = mask.reshape(-1)[span.start : span.end].view(main.shape)
             state = getattr(inner, "state", {}).get(main, {}).values()
             tensors = [main, *(v for v in state if isinstance(v, torch.Tensor) and v.shape == main.shape)]

@@ -18,7 +18,7 @@ from megatron_slim.megatron.dynmo.freeze import decoder_layers_of
 
 
 def _rows(args: tuple, kwargs: dict) -> int:
-    hidden = args[0] if args else kwargs.get("hidden_states")
+    hidden = args[0] if args else kwargs["hidden_states"]
     return hidden.numel() // hidden.shape[-1]
 
 

@@ -7,15 +7,16 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from megatron_slim.megatron import compat
 from megatron_slim.megatron.slimpipe.slicing import attach_slicing
 from megatron_slim.plan.cost.slicing import is_aligned, slice_alignment
+from megatron_slim.plan.schedule.ir import Action, Kind
 from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
-from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter, StageOps, last_backward_steps
+from megatron_slim.runtime.pipeline.interpreter import PipelineInterpreter, StageOps
 from megatron_slim.runtime.pipeline.kv_cache import ByteLedger, KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceContext
 
@@ -216,3 +217,12 @@ def _check_slice_alignment(lengths, cp: int, sp_tp: int) -> None:
             f"(context parallel size {cp}, sequence-parallel tp {sp_tp}); allowed: slice lengths "
             f"that are multiples of {unit} (recipes: slice_alignment)"
         )
+
+
+def last_backward_steps(row: Sequence[Action], vpp: int) -> dict[int, int]:
+    """Per model chunk, the position of its last backward in this rank's row (-1: none)."""
+    last = {c: -1 for c in range(vpp)}
+    for step, a in enumerate(row):
+        if a.kind is Kind.B:
+            last[a.chunk] = step
+    return last

@@ -289,16 +289,5 @@ class PipelineInterpreter:
         if left or stores or not self.loss.is_drained() or vocab_left:
             raise PipelineStateError(f"rank {self.rank}: state left after the schedule: {left} {stores}")
 
-    def last_backward_steps(self) -> dict[int, int]:
-        return last_backward_steps(self.row, self.schedule.vpp)
 
-
-__all__ = ["PipelineInterpreter", "PipelineStateError", "RunState", "StageOps", "last_backward_steps"]
-
-
-def last_backward_steps(row: Sequence[Action], vpp: int) -> dict[int, int]:
-    last = {c: -1 for c in range(vpp)}
-    for step, a in enumerate(row):
-        if a.kind is Kind.B:
-            last[a.chunk] = step
-    return last
+__all__ = ["PipelineInterpreter", "PipelineStateError", "RunState", "StageOps"]
