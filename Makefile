@@ -15,7 +15,7 @@ STAMP312 := $(VENV312)/.installed-stamp
 # parsing only; each is installed beside the venv's 0.19 and put first on PYTHONPATH by the tests.
 EXTRA_MCORE := core_v0.17.1=$(VENV312)/mcore-0.17.1,core_v0.18.2=$(VENV312)/mcore-0.18.2
 
-.PHONY: install demo train-demo simulate-demo test test-plan test-slow test-all test-megatron-py312 lint check-wheel clean
+.PHONY: install demo train-demo simulate-demo test test-plan test-slow test-all test-megatron test-megatron-py312 lint check-wheel clean
 
 # torch is pinned: the local CPU wheel; any other spec pulls several GB of CUDA packages.
 $(STAMP): pyproject.toml
@@ -39,8 +39,13 @@ simulate-demo: $(STAMP)
 	$(BIN)/megatron-slim simulate --recipe llama2-70b-512k --compare 1f1b,interleaved,slimpipe \
 		--json $(OUT)/simulate.json --trace $(OUT)/simulate.trace.json --plot $(OUT)/simulate.png
 
+# The default suite keeps the real Megatron-LM tier's smoke cases; `make test-megatron` runs the whole tier.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and (not real_megatron or smoke)"
+
+# The contract tier against Megatron-LM core_v0.16.1 (megatron-core 0.16.1, Python 3.11), every case.
+test-megatron: $(STAMP)
+	$(BIN)/python -m pytest -q -m "real_megatron and not gpu"
 
 # The pure planning tier (tests/conftest.py assigns the plan / single / multi markers): no torch, no
 # ranks. Collected from tests/plan only, where the tier lives: collecting the other folders imports torch.

@@ -97,6 +97,7 @@ def _sbatch_flags(recipe: str, recipe_set: str = "") -> list[str]:
     return words[words.index("/opt/Megatron-LM/pretrain_gpt.py") + 1 :]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
 def test_every_shipped_recipe_command_passes_megatrons_parser_and_validation(tag, tmp_path):
     from megatron_slim.plan.recipe import available_recipes, load_recipe
@@ -256,6 +257,7 @@ REJECTED = {
 }
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
 def test_start_up_checks_run_after_megatrons_validation(tag, tmp_path):
     cases = {**{k: (w, f, None) for k, (w, f) in ACCEPTED.items()}, **REJECTED}

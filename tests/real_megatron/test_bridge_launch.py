@@ -11,7 +11,7 @@ import pytest
 
 from tests.real_megatron.harness import REPO, installed_tag
 
-pytestmark = pytest.mark.real_megatron
+pytestmark = [pytest.mark.real_megatron, pytest.mark.smoke]
 
 SCRIPT = """\
 from megatron.core.models.gpt import gpt_layer_specs

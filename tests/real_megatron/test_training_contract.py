@@ -115,7 +115,12 @@ def _flags(case: Case) -> tuple[list[str], list[str]]:
     return ours, reference
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+SMOKE = {"pp2-tied-embeddings"}  # the case `make test` keeps: SlimPipe slices over Megatron's pp2, both stages' weights
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.smoke) if c.name in SMOKE else c for c in CASES], ids=lambda c: c.name
+)
 def test_megatron_slim_matches_megatrons_own_schedule(case, corpus, tmp_path, report_measurement):
     ours_flags, reference_flags = _flags(case)
     ours = run_pretrain(case.nproc, ours_flags, tmp_path / "ours", launcher=True, data_prefix=corpus)
