@@ -89,7 +89,15 @@ def test_balanced_lengths_are_uneven():
     assert len(set(_balanced(4))) > 1 and sum(_balanced(8)) == SEQ
 
 
-@pytest.mark.parametrize("pp,configs", [(2, CONFIGS_PP2), (4, CONFIGS_PP4)], ids=["pp2", "pp4"])
+# the default tier runs three of the pp4 shapes (one slice count per policy, and vpp2); the slow tier all
+PP4_DEFAULT = [CONFIGS_PP4[2], CONFIGS_PP4[5], CONFIGS_PP4[6]]
+
+
+@pytest.mark.parametrize(
+    "pp,configs",
+    [(2, CONFIGS_PP2), (4, PP4_DEFAULT), pytest.param(4, CONFIGS_PP4, marks=pytest.mark.slow)],
+    ids=["pp2", "pp4", "pp4-all"],
+)
 def test_slimpipe_matches_unpipelined_unsliced_reference(pp, configs):
     results = run_ranks(_workers.run_slimpipe, pp, configs, timeout_s=900)
     _check(results)
