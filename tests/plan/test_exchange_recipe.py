@@ -50,10 +50,10 @@ def test_exchange_lowers_the_uniform_bubble_and_keeps_uniform_stage0_activations
 
 def test_the_timed_pairing_train_runs_is_the_one_simulate_prices():
     recipe = load_recipe("llama2-7b-64k", [*SMALL, "schedule.slice_policy=exchange"])
-    timed = timed_exchange_schedule(recipe, recipe.num_microbatches)
+    timed = timed_exchange_schedule(recipe, recipe.num_microbatches, (16384,) * 8)
     simulated = run_one(recipe).result.schedule
     assert timed.exchange and timed.digest() == simulated.digest()
     p = recipe.parallel
     unit = executable_with_exchange("slimpipe", p.pp, p.vpp, recipe.num_microbatches, (16384,) * 8)
     assert unit.exchange != timed.exchange  # the unit-time pairing is another one
-    assert timed_exchange_schedule(recipe, recipe.num_microbatches) is timed  # planned once per shape
+    assert timed_exchange_schedule(recipe, recipe.num_microbatches, (16384,) * 8) is timed  # planned once per shape

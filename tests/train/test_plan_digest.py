@@ -10,6 +10,7 @@ from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.variants import schedule_variant
 from megatron_slim.train.loop import pipeline_settings
 
+EXCHANGE = "schedule.slice_policy=exchange"
 CASES = [
     ("tiny-cpu", [], None),
     ("tiny-cpu", [], "1f1b"),
@@ -19,7 +20,7 @@ CASES = [
     ("tiny-cpu", ["schedule.slice_policy=uniform"], None),
     ("tiny-cpu", ["parallel.pp=4", "schedule.slice_policy=exchange"], None),
     ("tiny-cpu", ["parallel.pp=2", "schedule.slice_policy=exchange"], None),
-    ("llama2-7b-64k", ["parallel.dp=1", "train.global_batch_size=4", "schedule.num_slices=8", "schedule.slice_policy=exchange"], None),
+    ("llama2-7b-64k", ["parallel.dp=1", "train.global_batch_size=4", "schedule.num_slices=8", EXCHANGE], None),
     ("llama2-7b-64k", [], None),
     ("llama3-8b-256k", [], None),
     ("zeppelin-7b-h800", [], None),

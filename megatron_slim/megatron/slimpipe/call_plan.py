@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from megatron_slim.megatron.slimpipe.settings import RunStats, SlimPipeSettings
-from megatron_slim.plan.schedule.executable import executable, executable_with_exchange
 from megatron_slim.plan.recipe import Recipe
+from megatron_slim.plan.schedule.executable import executable, executable_with_exchange
 from megatron_slim.plan.schedule.ir import Schedule
 from megatron_slim.plan.sim.exchange_timing import timed_exchange_schedule
 from megatron_slim.runtime.agreement import check_agreement
@@ -64,7 +64,7 @@ def planned_schedule(
         if recipe is None:
             return executable_with_exchange(settings.kind, pp, vpp, num_microbatches, settings.slice_lengths)
         _check_recipe_shape(recipe, settings, pp, vpp)
-        return timed_exchange_schedule(recipe, num_microbatches)
+        return timed_exchange_schedule(recipe, num_microbatches, settings.slice_lengths)
     return executable(settings.kind, pp, vpp, num_microbatches, settings.num_slices)
 
 

@@ -10,7 +10,7 @@ the previous round's simulated timeline (exchange shortens senders and lengthens
 moves the steps). The best of ``rounds`` rounds (lowest bubble) is kept.
 
 The pairing is a pure function of the cost model, the schedule shape and the slice lengths
-(``timed_exchange_schedule``: a recipe and a microbatch count), carried by the schedule
+(``timed_exchange_schedule``: a recipe, a microbatch count and slice lengths), carried by the schedule
 (``Schedule.exchange``, in its digest), so the simulator and every training rank read the same
 pairs. Every round's pairing has passed ``drop_deadlocks``, so it runs under the runtime's
 per-layer rendezvous.
@@ -57,12 +57,12 @@ def simulate_with_exchange(
 
 
 @functools.lru_cache(maxsize=PLANS_KEPT)
-def timed_exchange_schedule(recipe: Recipe, num_microbatches: int) -> Schedule:
-    """The executable schedule of ``recipe``'s shape with ``num_microbatches``, carrying the pairing
-    ``megatron-slim simulate`` prices for the recipe (its cost model, no calibration): what
-    ``megatron-slim train`` runs. Planned once per (recipe, microbatch count) and process."""
+def timed_exchange_schedule(recipe: Recipe, num_microbatches: int, lengths: tuple[int, ...]) -> Schedule:
+    """The executable schedule of ``recipe``'s pipeline with ``num_microbatches`` and slices of
+    ``lengths``, carrying the pairing ``megatron-slim simulate`` prices for them (the recipe's cost
+    model, no calibration): what ``megatron-slim train`` runs. Planned once per argument set and process."""
     s, p = recipe.schedule, recipe.parallel
-    costs = RecipeCosts(recipe)
-    schedule = executable(s.kind, p.pp, p.vpp, num_microbatches, len(costs.lengths))
-    timed = simulate_with_exchange(schedule, costs, costs.lengths).schedule
+    costs = RecipeCosts(recipe, lengths=lengths)
+    schedule = executable(s.kind, p.pp, p.vpp, num_microbatches, len(lengths))
+    timed = simulate_with_exchange(schedule, costs, lengths).schedule
     return check_link_order(validate(timed))
