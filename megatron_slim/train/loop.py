@@ -45,16 +45,19 @@ def pipeline_settings(recipe: Recipe, measure_memory: bool = True):
     """The schedule settings every rank of ``megatron-slim train`` runs under: the recipe's kind and
     the slice plan the simulator is given (``plan.sim.costs.slice_lengths``), and the share of each
     slice's layer activations that waits in host memory for its backward (``train.offload_ratio``), and
-    whether training calls run context exchange (``schedule.slice_policy: exchange``)."""
+    whether training calls run context exchange (``schedule.slice_policy: exchange``), paired as
+    ``megatron-slim simulate`` pairs it: timed with the recipe's cost model."""
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings
 
     lengths = slice_lengths(recipe, CostModel(recipe))
+    exchange = recipe.schedule.kind == "slimpipe" and recipe.schedule.slice_policy == "exchange"
     return SlimPipeSettings(
         lengths,
         measure_memory=measure_memory,
         kind=recipe.schedule.kind,
         offload_ratio=recipe.train.offload_ratio,
-        exchange=recipe.schedule.kind == "slimpipe" and recipe.schedule.slice_policy == "exchange",
+        exchange=exchange,
+        exchange_recipe=recipe if exchange else None,
     )
 
 

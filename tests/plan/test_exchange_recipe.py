@@ -5,7 +5,9 @@ import pytest
 from megatron_slim.commands.simulate import run_one
 from megatron_slim.plan.cost.exchange import exchange_work
 from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.plan.schedule.executable import executable_with_exchange
 from megatron_slim.plan.sim.costs import RecipeCosts, slice_lengths
+from megatron_slim.plan.sim.exchange_timing import timed_exchange_schedule
 
 SMALL = ["parallel.dp=1", "train.global_batch_size=4", "model.seq_length=131072", "schedule.num_slices=8"]
 
@@ -44,3 +46,14 @@ def test_exchange_lowers_the_uniform_bubble_and_keeps_uniform_stage0_activations
     assert exchange.bubble_ratio < uniform.bubble_ratio
     assert exchange.ranks[0].peak_activation_bytes == uniform.ranks[0].peak_activation_bytes
     assert exchange.to_json()["schedule_digest"] != uniform.to_json()["schedule_digest"]
+
+
+def test_the_timed_pairing_train_runs_is_the_one_simulate_prices():
+    recipe = load_recipe("llama2-7b-64k", [*SMALL, "schedule.slice_policy=exchange"])
+    timed = timed_exchange_schedule(recipe, recipe.num_microbatches, (16384,) * 8)
+    simulated = run_one(recipe).result.schedule
+    assert timed.exchange and timed.digest() == simulated.digest()
+    p = recipe.parallel
+    unit = executable_with_exchange("slimpipe", p.pp, p.vpp, recipe.num_microbatches, (16384,) * 8)
+    assert unit.exchange != timed.exchange  # the unit-time pairing is another one
+    assert timed_exchange_schedule(recipe, recipe.num_microbatches, (16384,) * 8) is timed  # planned once per shape

@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 from megatron_slim.megatron.slimpipe.settings import RunStats, SlimPipeSettings
+from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schedule.executable import executable, executable_with_exchange
 from megatron_slim.plan.schedule.ir import Schedule
+from megatron_slim.plan.sim.exchange_timing import timed_exchange_schedule
 from megatron_slim.runtime.agreement import check_agreement
 
 
@@ -55,10 +57,26 @@ def planned_schedule(
     settings: SlimPipeSettings, pp: int, vpp: int, num_microbatches: int, forward_only: bool = False
 ) -> Schedule:
     """The schedule every pipeline rank runs for one call (the simulator times the same one); with
-    ``settings.exchange`` a training call's carries its context-exchange pairs (an evaluation has none)."""
+    ``settings.exchange`` a training call's carries its context-exchange pairs (an evaluation has none):
+    timed with ``settings.exchange_recipe``'s cost model where given, as ``megatron-slim simulate`` does."""
     if settings.exchange and not forward_only and pp > 1:
-        return executable_with_exchange(settings.kind, pp, vpp, num_microbatches, settings.slice_lengths)
+        recipe = settings.exchange_recipe
+        if recipe is None:
+            return executable_with_exchange(settings.kind, pp, vpp, num_microbatches, settings.slice_lengths)
+        _check_recipe_shape(recipe, settings, pp, vpp)
+        return timed_exchange_schedule(recipe, num_microbatches, settings.slice_lengths)
     return executable(settings.kind, pp, vpp, num_microbatches, settings.num_slices)
+
+
+def _check_recipe_shape(recipe: Recipe, settings: SlimPipeSettings, pp: int, vpp: int) -> None:
+    """The timed pairing is planned for the recipe's pipeline; a call on another one cannot run it."""
+    p = recipe.parallel
+    if (p.pp, p.vpp, recipe.schedule.kind) != (pp, vpp, settings.kind):
+        raise ValueError(
+            f"schedule.slice_policy=exchange: the pairing is timed for parallel.pp={p.pp}, parallel.vpp={p.vpp}, "
+            f"schedule.kind={recipe.schedule.kind}, but this call runs pp={pp}, vpp={vpp}, kind={settings.kind}; "
+            "allowed: the recipe's own pipeline"
+        )
 
 
 def refuse_unsupported_call(settings: SlimPipeSettings, seq_length: int, adjust_tensor_shapes_fn) -> None:

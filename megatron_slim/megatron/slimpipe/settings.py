@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
+from megatron_slim.plan.recipe import Recipe
+
 
 @dataclass(frozen=True)
 class SlimPipeSettings:
@@ -18,6 +20,9 @@ class SlimPipeSettings:
     # (--slimpipe-packing under pretrain_gpt.py with pp > 2: ``runtime/pipeline/stage_lengths``)
     share_documents: bool = False
     exchange: bool = False  # context exchange (schedule.slice_policy: exchange) in training calls
+    # the recipe whose cost model times the exchange pairing (``plan.sim.exchange_timing``: the one
+    # ``megatron-slim simulate`` prices); None: the unit-time pairing, which needs no costs
+    exchange_recipe: Optional[Recipe] = None
 
     @property
     def num_slices(self) -> int:

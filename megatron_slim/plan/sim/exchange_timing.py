@@ -1,4 +1,5 @@
-"""Context-exchange pairing read off simulated time, the one ``megatron-slim simulate`` prices.
+"""Context-exchange pairing read off simulated time: the one ``megatron-slim simulate`` prices and
+``megatron-slim train`` runs.
 
 ``plan/schedule/exchange.py`` groups actions into steps from a timeline. Its default, the
 unit-time timeline, needs no costs, but with uniform slices real actions last from 1x to 6x each
@@ -6,20 +7,28 @@ other (causal attention), so actions in one unit slot start far apart in real ti
 coupling (the sender waits for its peer's block) costs more than the moved work saves. Here the
 timeline is the simulated one: the schedule without exchange first, then each round re-pairs on
 the previous round's simulated timeline (exchange shortens senders and lengthens peers, which
-moves the steps). The best of ``rounds`` rounds (lowest bubble) is kept. The pairing depends on
-the recipe's cost model; it is carried by the schedule (``Schedule.exchange``, in its digest), so
-whatever runs it reads the same pairs.
+moves the steps). The best of ``rounds`` rounds (lowest bubble) is kept.
+
+The pairing is a pure function of the cost model, the schedule shape and the slice lengths
+(``timed_exchange_schedule``: a recipe, a microbatch count and slice lengths), carried by the schedule
+(``Schedule.exchange``, in its digest), so the simulator and every training rank read the same
+pairs. Every round's pairing has passed ``drop_deadlocks``, so it runs under the runtime's
+per-layer rendezvous.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from megatron_slim.plan.progress import Progress
+from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schedule.exchange import with_exchange
 from megatron_slim.plan.schedule.exchange_pairs import RankAction
+from megatron_slim.plan.schedule.executable import PLANS_KEPT, executable
 from megatron_slim.plan.schedule.ir import Action, Schedule
-from megatron_slim.plan.sim.costs import PipelineCosts
+from megatron_slim.plan.schedule.validate import check_link_order, validate
+from megatron_slim.plan.sim.costs import PipelineCosts, RecipeCosts
 from megatron_slim.plan.sim.engine import SimResult, simulate
 
 ROUNDS = 6  # the bubble stops improving after about six rounds (13B 256K p8 v5 n16: 12.9% -> 10.5%)
@@ -45,3 +54,15 @@ def simulate_with_exchange(
             best = result
     assert best is not None, "rounds must be >= 1"
     return best
+
+
+@functools.lru_cache(maxsize=PLANS_KEPT)
+def timed_exchange_schedule(recipe: Recipe, num_microbatches: int, lengths: tuple[int, ...]) -> Schedule:
+    """The executable schedule of ``recipe``'s pipeline with ``num_microbatches`` and slices of
+    ``lengths``, carrying the pairing ``megatron-slim simulate`` prices for them (the recipe's cost
+    model, no calibration): what ``megatron-slim train`` runs. Planned once per argument set and process."""
+    s, p = recipe.schedule, recipe.parallel
+    costs = RecipeCosts(recipe, lengths=lengths)
+    schedule = executable(s.kind, p.pp, p.vpp, num_microbatches, len(lengths))
+    timed = simulate_with_exchange(schedule, costs, lengths).schedule
+    return check_link_order(validate(timed))

@@ -2,14 +2,15 @@
 
 import dataclasses
 
-from megatron_slim.plan.recipe import ModelConfig
+from megatron_slim.plan.recipe import ModelConfig, load_recipe
 from tests.oracle import reference
 from tests.oracle.models import TINY_GQA_8L
 from tests.runtime.pipeline._workers import _call, make_batches
 
 
 def run_exchange(rank, world_size, configs, seed=1234):
-    """Each config: (num_microbatches, slice_lengths). Returns per config (loss reports, grads,
+    """Each config: (num_microbatches, slice_lengths, timing recipe overrides of tiny-cpu or None for the
+    unit-time pairing). Returns per config (loss reports, grads,
     reference on rank 0, K/V tokens this rank sent to exchange peers, the schedule's pairing text)."""
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
     from megatron_slim.megatron.model.parallel import init_model_parallel
@@ -20,12 +21,13 @@ def run_exchange(rank, world_size, configs, seed=1234):
     groups = init_model_parallel(pp=world_size)
     model = ModelConfig(**TINY_GQA_8L)
     results = []
-    for m, lengths in configs:
+    for m, lengths, timing in configs:
         batches = make_batches(model, m, micro_batch=2, seed=seed + m)
         chunks = build_rank_chunks(
             model, dataclasses.replace(groups, vpp=1), core_attention=SliceCoreAttention, seed=seed
         )
-        settings = SlimPipeSettings(tuple(lengths), exchange=True)
+        recipe = None if timing is None else load_recipe("tiny-cpu", timing)
+        settings = SlimPipeSettings(tuple(lengths), exchange=True, exchange_recipe=recipe)
         fb = make_forward_backward_func(settings)
         reports = _call(fb, chunks, batches, model)
         grads = {}

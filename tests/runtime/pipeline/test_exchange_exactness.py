@@ -6,20 +6,26 @@ log-sum-exp into one more partial).
 
 Not vacuous: every rank reports the K/V tokens it shipped to peers, which must equal the pairing's
 own sum (moved tokens x layers per stage over the rank's sender ends) and be positive; pp4 has
-backward pairs as well as forward ones."""
+backward pairs as well as forward ones. One pp4 config runs the pairing timed with a recipe's cost
+model (``SlimPipeSettings.exchange_recipe``, as ``megatron-slim train`` sets it) and checks it is the
+one ``plan.sim.exchange_timing`` gives ``megatron-slim simulate``."""
 
 import pytest
 
 from megatron_slim.plan.cost.slicing import uniform_slices
+from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.sim.exchange_timing import timed_exchange_schedule
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.models import TINY_GQA_8L
 from tests.runtime.pipeline import _exchange_workers
 from tests.runtime.pipeline.test_slimpipe_exactness import SEQ, _check
 
+# the third pp4 config runs the pairing timed with tiny-cpu's cost model, as megatron-slim train does
+TIMED = ["schedule.slice_policy=exchange"]
 CONFIGS = {
-    2: [(3, uniform_slices(SEQ, 4)), (4, uniform_slices(SEQ, 8))],
-    4: [(4, uniform_slices(SEQ, 4)), (3, uniform_slices(SEQ, 8))],
+    2: [(3, uniform_slices(SEQ, 4), None), (4, uniform_slices(SEQ, 8), None)],
+    4: [(4, uniform_slices(SEQ, 4), None), (3, uniform_slices(SEQ, 8), None), (4, uniform_slices(SEQ, 4), TIMED)],
 }
 
 
@@ -33,6 +39,10 @@ def _check_moved(results, pp):
         assert sent == expected and sum(sent) > 0, (sent, expected)
         if pp == 4:
             assert any(p.sender_action.kind.is_backward for p in plan.pairs), "no backward pair exercised"
+        m, lengths, timing = CONFIGS[pp][cfg_index]
+        if timing is not None:  # what ran is the pairing megatron-slim simulate prices
+            timed = timed_exchange_schedule(load_recipe("tiny-cpu", timing), m, tuple(lengths))
+            assert results[0][cfg_index][4] == timed.exchange
 
 
 @pytest.mark.parametrize("pp", [2, 4], ids=["pp2", "pp4"])
