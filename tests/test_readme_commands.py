@@ -87,8 +87,13 @@ def test_readme_command_runs_as_written(command, tmp_path, monkeypatch, capsys):
                 assert (tmp_path / argv[argv.index(flag) + 1]).stat().st_size > 0, flag
 
 
+# the default tier skips a train line another one extends (bare `train` runs the default recipe,
+# which `train --recipe tiny-cpu ...` names); the slow tier runs every line as written
+FAST_TRAIN_LINES = [c for c in TRAIN if not any(o != c and o.startswith(c + " ") for o in TRAIN)]
+
+
 @pytest.mark.multi
-@pytest.mark.parametrize("command", TRAIN, ids=_id)
+@pytest.mark.parametrize("command", FAST_TRAIN_LINES, ids=_id)
 def test_readme_train_command_runs_for_one_iteration(command, tmp_path, monkeypatch, capsys):
     """Default tier: the README's train line with ``--set train.iters=1`` appended."""
     _run(_argv(command) + FAST_TRAIN, tmp_path, monkeypatch, capsys, command)

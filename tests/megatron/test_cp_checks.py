@@ -8,7 +8,10 @@ from tests.oracle.models import TINY_CP_MEGATRON_ARGS
 GOOD = {**TINY_CP_MEGATRON_ARGS, "cp_comm_type": ["p2p"]}
 REJECTED = [
     (dict(micro_batch_size=2), "--micro-batch-size 1"),
-    (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 1"),
+    (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        "--virtual-pipeline-model-parallel-size 1",
+    ),
     (dict(tensor_model_parallel_size=2, sequence_parallel=True), "drop --sequence-parallel"),
     (dict(cuda_graph_impl="local"), "--cuda-graph-impl none"),
     (dict(hybrid_context_parallel=True), "drop --hybrid-context-parallel"),

@@ -41,6 +41,9 @@ def _check(data_cache, pp: int, first_stages: int):
     assert _losses(moved) == pytest.approx(_losses(static), rel=1e-6, abs=0)
 
 
+# slow tier: the trigger's decision is tested in tests/plan (plan/dynmo/trigger.py, pure) and a move's
+# losses and state in tests/train/test_train_migrate.py
+@pytest.mark.slow
 def test_the_trigger_moves_layers_to_the_frozen_stage_and_keeps_the_losses(data_cache):
     _check(data_cache, 2, 1)
 

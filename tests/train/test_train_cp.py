@@ -185,6 +185,9 @@ def _train(tmp_path, name, data_cache, corpus, *sets):
     return json.loads(out.read_text())
 
 
+# slow tier: the README's cp2 zeppelin train line (tests/test_readme_commands.py) and the pp2 x cp2
+# CLI runs (test_train_cp_pipeline.py, test_train_cp_slices.py) run train's CP engines by default
+@pytest.mark.slow
 @pytest.mark.multi
 def test_cli_trains_with_zeppelin_and_ring_with_falling_equal_losses(
     tmp_path, data_cache, short_documents, hardware, capfd

@@ -67,6 +67,9 @@ def test_pp2_cp2_vocab_parallel_step_matches_the_per_document_reference(hardware
     _check_against_reference(results, cases)
 
 
+# slow tier: the gloo step above checks the same pp2 x cp2 exchange against the reference, and
+# tests/train/test_train_cp_pipeline.py runs train's CP-engine pipeline from the CLI
+@pytest.mark.slow
 @pytest.mark.multi
 def test_cli_trains_pp2_cp2_vocab_parallel_to_the_losses_without_it(tmp_path, data_cache, short_documents, hardware):
     sets = ["parallel.cp=2", "parallel.pp=2", "cp.engine=zeppelin", "cp.remap=true", f"hardware={hardware}"]

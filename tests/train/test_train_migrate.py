@@ -115,6 +115,9 @@ def test_each_data_parallel_replica_moves_its_own_layers(data_cache):
     assert _losses(reports) == pytest.approx(_losses(static), rel=1e-6, abs=0)
 
 
+# slow tier: tests/train/test_train_reshard.py resumes a checkpoint at another split (pp4 to pp2) in
+# the default tier, and the uneven split itself trains there (test_an_uneven_split_trains_like_one_process)
+@pytest.mark.slow
 def test_a_checkpoint_resumes_at_another_uneven_split(tmp_path, data_cache, pp2_even):
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
     first = _train(

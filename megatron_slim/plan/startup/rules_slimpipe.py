@@ -157,14 +157,12 @@ SLIMPIPE_RULES = [
         (LAUNCHER, MEGATRON_ARGS),
         lambda s: s.slimpipe and s.cp > 1 and s.cp_engine != NO_CP_ENGINE,
         lambda s, i: (
-            f"{engine_input(s, i)}: SlimPipe under Megatron-LM's launcher brings its own context-parallel "
-            "attention (query-out over the K/V-cached slices)"
-            + (
-                ": drop --cp-engine and --cp-remap"
-                if i.flags
-                else "; allowed: cp.engine=ring (which stands for it there); megatron-slim train runs slices under "
-                "cp.engine zeppelin or ulysses"
-            )
+            f"{engine_input(s, i)}: --use-slimpipe brings its own context-parallel attention (query-out over "
+            "the K/V-cached slices): drop --cp-engine and --cp-remap"
+            if i.flags
+            else f"{engine_input(s, i)}: SlimPipe under Megatron-LM's launcher brings its own context-parallel "
+            "attention (query-out over the K/V-cached slices); allowed: cp.engine=ring (which stands for it there); "
+            "megatron-slim train runs slices under cp.engine zeppelin or ulysses"
         ),
     ),
     Rule(

@@ -71,7 +71,13 @@ def _check_shards(tied, heads):
         assert lookup_shape[0] == (vocab if lookup_owned or tied else rows)
 
 
-@pytest.mark.parametrize("pp", sorted(CONFIGS), ids=lambda pp: f"pp{pp}")
+# slow tier for pp4: pp2 and the interleaved pp2 x vpp2 case run the exchange by default, and the
+# context-exchange and SlimPipe exactness tests run pp4's middle stages
+@pytest.mark.parametrize(
+    "pp",
+    [pytest.param(pp, marks=[pytest.mark.slow] if pp > 2 else []) for pp in sorted(CONFIGS)],
+    ids=lambda pp: f"pp{pp}",
+)
 def test_vocab_parallel_matches_unpipelined_unsliced_reference(pp):
     _check(run_ranks(_vocab_workers.run_vocab_parallel, pp, CONFIGS[pp], timeout_s=900), CONFIGS[pp])
 
