@@ -23,14 +23,40 @@ PIPELINE_WINDOWS = tuple(WINDOWS) + ((30, 30, 68), (128,))
 ONE_TOKEN_WINDOWS = ((1,) * MODEL["seq_length"], (64, 64))
 
 
+def run_cp_step(fb, forward_step, step, chunks, groups, windows, finish_shared) -> dict:
+    """One forward-backward of ``windows`` through ``fb`` with a CP step's plans, gradients finished as
+    the loop does (``finish_shared()``: the tied or vocab-parallel weights, then the data x CP average);
+    returns this rank's gradients by global name and the (loss sum, token count) pair over the CP group."""
+    from megatron_slim.megatron.model.gpt import global_grads
+    from megatron_slim.train.step import average_data_parallel
+
+    reports = fb(
+        forward_step_func=forward_step,
+        data_iterator=[iter(step.plan_iteration(windows))],
+        model=chunks,
+        num_microbatches=len(windows),
+        seq_length=MODEL["seq_length"],
+        micro_batch_size=1,
+    )
+    finish_shared()
+    average_data_parallel([p for c in chunks for p in c.parameters()], groups.dp_cp, 2)
+    grads = {}
+    for c in chunks:
+        grads.update(global_grads(c))
+    pair = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
+    if groups.pp_rank == 1:
+        dist.all_reduce(pair, group=groups.cp)
+    return {"grads": grads, "pair": pair}
+
+
 def pipeline_step(rank, world_size, cases, hardware_path, window_lengths, seed=1234):
     """Per case ``(engine, remap)``: one 1F1B forward-backward of the training job's CP plumbing on
     pp2 x cp2, gradients finished as the loop does; returns this rank's gradients by global name."""
-    from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
+    from megatron_slim.megatron.model.gpt import build_rank_chunks
     from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
     from megatron_slim.train.cp import CPTrainStep, cp_layer_classes
-    from megatron_slim.train.step import average_data_parallel, sum_tied_embedding_grads
+    from megatron_slim.train.step import sum_tied_embedding_grads
     from tests.oracle import reference
 
     groups = init_model_parallel(pp=2, cp=2)
@@ -44,23 +70,9 @@ def pipeline_step(rank, world_size, cases, hardware_path, window_lengths, seed=1
         step.attach(chunks)
         settings = SlimPipeSettings((MODEL["seq_length"],), kind="1f1b", measure_memory=True)
         fb = make_forward_backward_func(settings, stage_rows=step.stage_rows)
-        reports = fb(
-            forward_step_func=step.forward_step,
-            data_iterator=[iter(step.plan_iteration(windows))],
-            model=chunks,
-            num_microbatches=len(windows),
-            seq_length=MODEL["seq_length"],
-            micro_batch_size=1,
-        )
-        sum_tied_embedding_grads(chunks, groups.embd)
-        average_data_parallel([p for c in chunks for p in c.parameters()], groups.dp_cp, 2)
-        grads = {}
-        for c in chunks:
-            grads.update(global_grads(c))
-        pair = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
-        if groups.pp_rank == 1:
-            dist.all_reduce(pair, group=groups.cp)
-        results[engine, remap] = {"grads": grads, "pair": pair, "summary": step.summary()}
+        tied = lambda: sum_tied_embedding_grads(chunks, groups.embd)  # noqa: E731
+        results[engine, remap] = run_cp_step(fb, step.forward_step, step, chunks, groups, windows, tied)
+        results[engine, remap]["summary"] = step.summary()
     if rank == 0:
         results["reference"] = _reference(recipe.model, solo, windows, seed)
     return results

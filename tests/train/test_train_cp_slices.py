@@ -10,12 +10,10 @@ slices and cp.engine=zeppelin to the losses of the pp1 x cp2 run without slices.
 """
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from megatron_slim.runtime.spawn import run_ranks
-from tests.train.test_train_cp import EOD, MODEL, _recipe, _train, _window
-from tests.train.test_train_cp_pipeline import PIPELINE_WINDOWS, _check_against_reference
+from tests.train.test_train_cp import EOD, _recipe, _train, _window
+from tests.train.test_train_cp_pipeline import PIPELINE_WINDOWS, _check_against_reference, run_cp_step
 
 SLICES = ((64, 64), (32, 48, 48))  # slice boundaries at 32, 64 and 80 cut documents of every window
 
@@ -23,12 +21,12 @@ SLICES = ((64, 64), (32, 48, 48))  # slice boundaries at 32, 64 and 80 cut docum
 def sliced_pipeline_step(rank, world_size, cases, hardware_path, window_lengths, seed=1234):
     """Per case ``(engine, slice lengths)``: one SlimPipe forward-backward on pp2 x cp2 through the
     training job's sliced CP plumbing, gradients finished as the loop does."""
-    from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
+    from megatron_slim.megatron.model.gpt import build_rank_chunks
     from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
     from megatron_slim.train.cp_slices import CPSlicedTrainStep
-    from megatron_slim.train.step import average_data_parallel, sum_tied_embedding_grads
+    from megatron_slim.train.step import sum_tied_embedding_grads
     from tests.oracle import reference
     from tests.train.test_train_cp import _reference
 
@@ -42,24 +40,10 @@ def sliced_pipeline_step(rank, world_size, cases, hardware_path, window_lengths,
         step = CPSlicedTrainStep(recipe, groups, EOD, lengths)
         settings = SlimPipeSettings(lengths, kind="slimpipe", measure_memory=True)
         fb = make_forward_backward_func(settings, context=step.slices, stage_rows=step.stage_rows)
-        reports = fb(
-            forward_step_func=step.forward_step,
-            data_iterator=[iter(step.plan_iteration(windows))],
-            model=chunks,
-            num_microbatches=len(windows),
-            seq_length=MODEL["seq_length"],
-            micro_batch_size=1,
-        )
-        sum_tied_embedding_grads(chunks, groups.embd)
-        average_data_parallel([p for c in chunks for p in c.parameters()], groups.dp_cp, 2)
-        grads = {}
-        for c in chunks:
-            grads.update(global_grads(c))
-        pair = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
-        if groups.pp_rank == 1:
-            dist.all_reduce(pair, group=groups.cp)
+        tied = lambda: sum_tied_embedding_grads(chunks, groups.embd)  # noqa: E731
+        results[engine, lengths] = run_cp_step(fb, step.forward_step, step, chunks, groups, windows, tied)
         uneven = [any(s.tokens(0) != s.tokens(1) for s in shares) for shares in step.shares]
-        results[engine, lengths] = {"grads": grads, "pair": pair, "summary": step.summary(), "uneven": uneven}
+        results[engine, lengths].update(summary=step.summary(), uneven=uneven)
     if rank == 0:
         results["reference"] = _reference(recipe.model, solo, windows, seed)
     return results

@@ -6,22 +6,19 @@ equals the single-process per-document reference in the loss and in EVERY parame
 (fp32), with Zeppelin's remap (uneven rows per CP rank) and with ring."""
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from megatron_slim.runtime.spawn import run_ranks
 from tests.train.test_train_cp import EOD, MODEL, _recipe, _reference, _train, _window
-from tests.train.test_train_cp_pipeline import PIPELINE_WINDOWS, _check_against_reference
+from tests.train.test_train_cp_pipeline import PIPELINE_WINDOWS, _check_against_reference, run_cp_step
 
 
 def vocab_pipeline_step(rank, world_size, cases, hardware_path, window_lengths, seed=1234):
     """``test_train_cp_pipeline.pipeline_step`` with the vocabulary on every pipeline rank."""
-    from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
+    from megatron_slim.megatron.model.gpt import build_rank_chunks
     from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.megatron.model.vocab_head import build_vocab_head
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
     from megatron_slim.train.cp import CPTrainStep, cp_layer_classes
-    from megatron_slim.train.step import average_data_parallel
     from tests.oracle import reference
 
     groups = init_model_parallel(pp=2, cp=2)
@@ -36,23 +33,8 @@ def vocab_pipeline_step(rank, world_size, cases, hardware_path, window_lengths, 
         head = build_vocab_head(chunks, groups)
         settings = SlimPipeSettings((MODEL["seq_length"],), kind="1f1b")
         fb = make_forward_backward_func(settings, vocab_head=head, stage_rows=step.stage_rows)
-        reports = fb(
-            forward_step_func=step.vocab_forward_step,
-            data_iterator=[iter(step.plan_iteration(windows))],
-            model=chunks,
-            num_microbatches=len(windows),
-            seq_length=MODEL["seq_length"],
-            micro_batch_size=1,
-        )
-        head.reduce_grads()
-        average_data_parallel([p for c in chunks for p in c.parameters()], groups.dp_cp, 2)
-        grads = {}
-        for c in chunks:
-            grads.update(global_grads(c))
-        pair = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
-        if groups.pp_rank == 1:
-            dist.all_reduce(pair, group=groups.cp)
-        results[engine, remap] = {"grads": grads, "pair": pair, "summary": step.summary()}
+        run = run_cp_step(fb, step.vocab_forward_step, step, chunks, groups, windows, head.reduce_grads)
+        results[engine, remap] = {**run, "summary": step.summary()}
     if rank == 0:
         results["reference"] = _reference(recipe.model, solo, windows, seed)
     return results
