@@ -29,8 +29,8 @@ import torch.distributed as dist
 from megatron_slim.plan.cp.slices import OWN, SliceShare, slice_pieces
 from megatron_slim.runtime.attention import AttentionBackend, merge_
 from megatron_slim.runtime.pipeline.cp_collectives import all_gather, all_to_all, reduce_scatter_sum
-from megatron_slim.runtime.pipeline.cp_document_attention import pieces_backward, pieces_forward
-from megatron_slim.runtime.pipeline.cp_slice_attention import CachedSlice
+from megatron_slim.runtime.pipeline.cp_document_attention import pieces_forward
+from megatron_slim.runtime.pipeline.cp_slice_attention import CachedSlice, backward_over_cache
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceInfo
 
@@ -105,16 +105,8 @@ def _forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, prefix: list) -> tuple[
 def _backward(s: _Setup, dout: Tensor, saved: tuple, cached: CachedSlice) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v, out, lse = saved
     qp, doutp, outp, lsep = _gather_rows(s, [q, dout, out, lse], [1, 1, 1, 2])
-    prefix = cached.prefix()
-    keys = {OWN: (k, v), **dict(enumerate(prefix))}
-    dq, grads = pieces_backward(s.backend, s.scale, qp, doutp, outp, lsep, keys, s.pieces())
-    for i in range(len(prefix)):
-        cached.accumulate(i, *grads[i])
-    dk, dv = grads[OWN]
-    later = cached.take_gradient()
-    if later is not None:
-        dk, dv = dk + later[0], dv + later[1]
-    cached.release()
+    pieces = lambda prefix: s.pieces()  # noqa: E731 (the plan's pieces already name the cached slices)
+    dq, dk, dv = backward_over_cache(s.backend, s.scale, qp, doutp, outp, lsep, k, v, cached, pieces)
     dq_mine = reduce_scatter_sum(_to_ranks(s, dq, 1), s.group).narrow(1, 0, q.shape[1])
     return dq_mine.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

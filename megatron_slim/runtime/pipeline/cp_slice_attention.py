@@ -205,10 +205,13 @@ def _backward(
     return dq_mine.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _document_backward(s: _Setup, qp, doutp, outp, lsep, k: Tensor, v: Tensor, cached: CachedSlice):
+def backward_over_cache(backend: AttentionBackend, scale: float, q, dout, out, lse, k, v, cached, pieces_for):
+    """The pieces' backward over this slice's keys (``OWN``) and the cached slices' (``pieces_for(prefix)``
+    lists the pieces): the cached slices' dK/dV go into their accumulators, this slice's include what
+    later slices accumulated into it. Returns (dq of the gathered queries, dk, dv)."""
     prefix = cached.prefix()
     keys = {OWN: (k, v), **dict(enumerate(prefix))}
-    dq, grads = pieces_backward(s.backend, s.scale, qp, doutp, outp, lsep, keys, s.pieces(prefix))
+    dq, grads = pieces_backward(backend, scale, q, dout, out, lse, keys, pieces_for(prefix))
     for i in range(len(prefix)):
         cached.accumulate(i, *grads[i])
     dk, dv = grads[OWN]
@@ -216,6 +219,11 @@ def _document_backward(s: _Setup, qp, doutp, outp, lsep, k: Tensor, v: Tensor, c
     if later is not None:
         dk, dv = dk + later[0], dv + later[1]
     cached.release()
+    return dq, dk, dv
+
+
+def _document_backward(s: _Setup, qp, doutp, outp, lsep, k: Tensor, v: Tensor, cached: CachedSlice):
+    dq, dk, dv = backward_over_cache(s.backend, s.scale, qp, doutp, outp, lsep, k, v, cached, s.pieces)
     dq_mine = reduce_scatter_sum(_to_ranks(dq, s.layout, 1), s.group)
     return dq_mine.to(qp.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
