@@ -65,46 +65,26 @@ class SliceCoreAttention(SlimCoreAttention):
             )
         documents = self._documents(info, q)
         shares = self.context.cp_shares.get(info.microbatch) if self.context is not None else None
-        if under_cp and shares is not None:
-            if documents is None:
-                raise RuntimeError(f"microbatch {info.microbatch}: a CP-planned window needs its document lengths")
-            return planned_slice_attention(
-                q,
-                k,
-                v,
-                backend=self.attention_backend(q),
-                softmax_scale=self.softmax_scale,
-                group=cp_group,
-                store=self.store,
-                info=info,
-                layer=self.layer_number,
-                documents=documents,
-                shares=shares,
-            )
-        if under_cp:
-            return cp_sliced_attention(
-                q,
-                k,
-                v,
-                backend=self.attention_backend(q),
-                softmax_scale=self.softmax_scale,
-                group=cp_group,
-                store=self.store,
-                info=info,
-                layer=self.layer_number,
-                documents=documents,
-            )
-        return sliced_attention(
-            q,
-            k,
-            v,
+        common = dict(
             backend=self.attention_backend(q),
             softmax_scale=self.softmax_scale,
             store=self.store,
             info=info,
             layer=self.layer_number,
+        )
+        if under_cp and shares is not None:
+            if documents is None:
+                raise RuntimeError(f"microbatch {info.microbatch}: a CP-planned window needs its document lengths")
+            return planned_slice_attention(q, k, v, group=cp_group, documents=documents, shares=shares, **common)
+        if under_cp:
+            return cp_sliced_attention(q, k, v, group=cp_group, documents=documents, **common)
+        return sliced_attention(
+            q,
+            k,
+            v,
             documents=slice_documents(documents, info.start, info.length) if documents is not None else None,
             exchange=self.context.exchange if self.context is not None else None,
+            **common,
         )
 
     def attend_documents(
