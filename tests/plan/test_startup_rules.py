@@ -3,6 +3,7 @@ fires from each caller's own entry point -- the launcher on Megatron-LM's flags,
 ``megatron-args`` on a recipe -- with the same wording, each in its own input names."""
 
 import argparse
+from dataclasses import replace
 
 import pytest
 
@@ -270,3 +271,23 @@ def test_the_launcher_and_recipes_accept_the_same_slice_counts(policy):
         except ConfigError:
             recipe_accepts = False
         assert launcher_accepts == recipe_accepts, (seq, n, cp, policy)
+
+
+@pytest.mark.parametrize(
+    "settings,rule",
+    [
+        (Settings(cp=2, pp=2, cp_engine="zeppelin", megatron_core=(0, 19)), "cp-engine-pipeline-megatron-core"),
+        (
+            Settings(pp=4, slimpipe=True, num_slices=2, packing="slimpack", per_token_loss=True, megatron_core=(0, 17)),
+            "packing-middle-stages-megatron-core",
+        ),
+    ],
+)
+def test_launcher_pipelines_checked_on_megatron_core_016_only_are_refused_beyond_it(settings, rule):
+    refused = broken_rule(settings, LAUNCHER)
+    assert refused is not None and refused.name == rule
+    message = refused.message(settings, INPUTS[LAUNCHER])
+    assert "megatron-core 0.16 only" in message and "allowed:" in message
+    for ok in ((0, 16), None):  # the checked version, and a caller that does not know it
+        other = broken_rule(replace(settings, megatron_core=ok), LAUNCHER)
+        assert other is None or other.name != rule

@@ -8,7 +8,7 @@ imports neither, so neither imports the other through it. Imports no megatron an
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Optional
 
 from megatron_slim.megatron.launch.recompute_flags import recompute_from_megatron_args
 from megatron_slim.plan.recipe import Recipe, recipe_from_dict
@@ -98,7 +98,20 @@ def settings_from_megatron_args(args: argparse.Namespace) -> Settings:
         sequence_packing=bool(flag("sequence_packing")),
         position_embedding=flag("position_embedding_type"),
         attention_dropout=float(flag("attention_dropout", 0.0)),
+        megatron_core=_installed_megatron_core(),
         packing=flag("slimpipe_packing", "none"),
         per_token_loss=bool(flag("calculate_per_token_loss")),
         dataloader_type=flag("dataloader_type"),
     )
+
+
+def _installed_megatron_core() -> Optional[tuple[int, int]]:
+    """(major, minor) of the installed megatron-core, read from its package metadata (no import of
+    megatron or torch); None where it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = version("megatron-core").split(".")[:2]
+    except (PackageNotFoundError, ValueError):
+        return None
+    return int(major), int(minor.split("rc")[0])

@@ -55,6 +55,16 @@ CP_ENGINE_RULES = [
         ),
     ),
     _on_engine(
+        "cp-engine-pipeline-megatron-core",
+        lambda s: s.pp > 1 and s.megatron_core_unchecked,
+        lambda s, i: (
+            f"{engine_input(s, i)} with {i.name('pp')} {s.pp} on megatron-core "
+            f"{'.'.join(map(str, s.megatron_core or ()))}: checked end to end on megatron-core 0.16 only (0.19's "
+            "pretrain_gpt.py hands the last stage neither tokens nor position ids, so it cannot plan each "
+            f"microbatch); allowed: {i.setting('pp', 1)}, or megatron-core 0.16"
+        ),
+    ),
+    _on_engine(
         "cp-engine-pipeline-tp",
         lambda s: s.pp > 2 and s.tp > 1,
         lambda s, i: (

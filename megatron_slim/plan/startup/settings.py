@@ -15,6 +15,9 @@ from typing import Any, Optional
 NO_CP_ENGINE = "te"  # Megatron's own context parallelism: no megatron-slim engine runs
 
 
+CHECKED_PIPELINE_MEGATRON_CORE = (0, 16)  # where the launcher's CP-engine and packing pipelines are tested
+
+
 @dataclass(frozen=True)
 class Settings:
     """The settings the start-up rules read; what a caller cannot express keeps its default."""
@@ -57,6 +60,13 @@ class Settings:
     packing: str = "none"
     per_token_loss: bool = False
     dataloader_type: Optional[str] = None
+    # the installed megatron-core (major, minor) under the launcher; None: not known (train, megatron-args)
+    megatron_core: Optional[tuple[int, int]] = None
+
+    @property
+    def megatron_core_unchecked(self) -> bool:
+        """A megatron-core newer than 0.16, where pipelines with middle-stage plans are not checked end to end."""
+        return self.megatron_core is not None and self.megatron_core > CHECKED_PIPELINE_MEGATRON_CORE
 
     @property
     def cp_engine_runs(self) -> bool:
