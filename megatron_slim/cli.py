@@ -124,6 +124,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "--gpus", type=_positive_int, metavar="N", help="GPUs to plan for (default: the recipe's tp*pp*cp*dp)"
     )
     plan.add_argument("--json", metavar="PATH", help="write both choices and the speedup as JSON ('-' for stdout)")
+    plan.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="measured kernel rates pricing both families, replacing the hardware profile's efficiencies "
+        "(format: docs/calibration.md)",
+    )
     from megatron_slim.plan.tune.search import DEFAULT_MAX_SIMULATIONS
 
     plan.add_argument(

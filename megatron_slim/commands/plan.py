@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from megatron_slim.commands.output import emit_json, format_table, prepare_outputs
+from megatron_slim.plan.cost.calibration import load_calibration
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.tune import tune
 from megatron_slim.plan.tune.report import payload, table_rows
@@ -17,17 +18,20 @@ _GIB = 2**30
 def main(args) -> int:
     recipe = load_recipe(args.recipe, args.set)
     gpus = args.gpus if args.gpus is not None else recipe.parallel.world_size
+    calibration = load_calibration(args.calibration) if args.calibration else None
     prepare_outputs(("--json", args.json))
     start = time.perf_counter()
-    result = tune(recipe, gpus, max_simulations=args.max_simulations)
+    result = tune(recipe, gpus, max_simulations=args.max_simulations, calibration=calibration)
     seconds = time.perf_counter() - start
-    out = emit_json(payload(result, seconds), args.json)
+    out = emit_json(payload(result, seconds, calibration.source if calibration else None), args.json)
     cap = next(iter(result.families.values())).cap_bytes
     print(
         f"recipe {recipe.name} on {gpus} x {recipe.hardware} ({cap / _GIB:.1f} GiB usable each): "
         f"{recipe.train.global_batch_size} sequences of {recipe.model.seq_length} tokens per step",
         file=out,
     )
+    if calibration is not None:
+        print(f"kernel rates: {args.calibration} ({calibration.source})", file=out)
     print(format_table(*table_rows(result)), file=out)
     for name, family in result.families.items():
         if family.best is None:

@@ -72,3 +72,24 @@ def test_calibration_interpolates_in_log_work_and_overrides_the_profile(tmp_path
     path.write_text("hardware: h100\nmeasurements:\n  - {op: conv, work: 1.0, seconds: 1.0}\n")
     with pytest.raises(ConfigError, match="op: invalid value .*'gemm'"):
         load_calibration(path)
+
+
+def test_shipped_hopper_calibrations_load_by_name_and_hold_measured_rates():
+    """The measured H200 files (benchmarks/results/gpu_calibration_h200.md): GEMMs at 65-90% of the
+    989 TFLOP/s bf16 peak at large sizes, cuDNN attention faster than torch's flash kernel, and no
+    memory-bound points (the H200's HBM is not the H100's)."""
+    from megatron_slim.plan.cost.calibration import shipped_calibrations
+
+    assert {"hopper-cudnn", "hopper-sdpa"} <= set(shipped_calibrations())
+    cudnn, sdpa = load_calibration("hopper-cudnn"), load_calibration("hopper-sdpa")
+    for cal in (cudnn, sdpa):
+        assert 0.65 < cal.rate("gemm", 1e13) / 989.4e12 < 0.9
+        assert cal.rate("memory_bound", 1e9) is None
+    for op in ("attention_forward", "attention_backward"):
+        assert cudnn.rate(op, 1e13) > 1.3 * sdpa.rate(op, 1e13)
+        assert cudnn.rate(op, 1e8) < 0.1 * cudnn.rate(op, 1e13)  # small blocks: launch-bound
+
+
+def test_an_unknown_calibration_name_lists_the_shipped_ones():
+    with pytest.raises(ConfigError, match=r"--calibration hopper-nope: no shipped calibration.*hopper-cudnn"):
+        load_calibration("hopper-nope")

@@ -163,3 +163,22 @@ def test_nothing_fits_says_the_smallest_peak_and_the_cap(tmp_path):
     cap = f"{recipe.hardware_profile.usable_hbm_bytes / GIB:.1f} GiB"
     assert f"slimpipe: nothing fits in {cap}" in text and f"megatron: nothing fits in {cap}" in text
     assert text.count("smallest peak found") == 2
+
+
+def test_plan_prices_both_families_with_a_calibration(tmp_path):
+    """A calibration ten times slower than the profile's efficiencies slows both choices down, and
+    the JSON says which rates priced them."""
+    recipe = small_recipe(tmp_path)
+    slow = tmp_path / "slow.yaml"
+    peak = recipe.hardware_profile.peak_bf16_flops
+    points = [{"op": op, "work": 1e12, "seconds": 1e12 / (0.05 * peak)} for op in ("gemm", "attention_forward")]
+    points.append({"op": "attention_backward", "work": 1e12, "seconds": 1e12 / (0.05 * peak)})
+    slow.write_text(yaml.safe_dump({"hardware": "small-h800", "source": "test: 5% of peak", "measurements": points}))
+    from megatron_slim.plan.cost.calibration import load_calibration
+
+    calibrated = tune(recipe, 4, calibration=load_calibration(slow))
+    plain = tune(recipe, 4)
+    for name in plain.families:
+        assert calibrated.families[name].best.iteration_time_s > 5 * plain.families[name].best.iteration_time_s
+    assert payload(calibrated, calibration_source="test: 5% of peak")["kernel_rates"] == "test: 5% of peak"
+    assert payload(plain)["kernel_rates"].startswith("hardware profile efficiencies")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from megatron_slim.plan.files import parse_yaml, read_text
+from megatron_slim.plan.paths import config_dir
 from megatron_slim.plan.schema import ConfigError, build, fail
 
 OpClass = Literal["gemm", "attention_forward", "attention_backward", "memory_bound"]
@@ -72,10 +73,23 @@ class Calibration:
         return r0 + t * (r1 - r0)
 
 
+def shipped_calibrations() -> list[str]:
+    """Names of the measured calibrations that ship in ``megatron_slim/configs/calibration/``."""
+    return sorted(p.stem for p in (config_dir() / "calibration").glob("*.yaml"))
+
+
 def load_calibration(path: str | Path, flag: str = "--calibration") -> Calibration:
-    """Read and validate a calibration file; every problem is a ``ConfigError`` naming ``flag`` and
-    the file."""
+    """Read and validate a calibration file, or a shipped one by name (``hopper-cudnn``); every
+    problem is a ``ConfigError`` naming ``flag`` and the file."""
     path = Path(path)
+    if not path.suffix and not path.exists() and path.name == str(path):
+        shipped = config_dir() / "calibration" / f"{path}.yaml"
+        if not shipped.is_file():
+            raise ConfigError(
+                f"{flag} {path}: no shipped calibration of that name (allowed: {', '.join(shipped_calibrations())}, "
+                "or a path to a YAML or JSON file, format in docs/calibration.md)"
+            )
+        path = shipped
     where = f"{flag} {path}"
     if not path.exists():
         raise ConfigError(f"{where}: file does not exist (allowed: a YAML or JSON file, format in docs/calibration.md)")

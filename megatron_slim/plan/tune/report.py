@@ -40,7 +40,9 @@ def search_counts(family: FamilyResult) -> dict[str, int]:
     return {"candidates": family.candidates, "simulated": family.simulated, "memory_pruned": family.memory_pruned}
 
 
-def payload(result: TuneResult, seconds: Optional[float] = None) -> dict[str, Any]:
+def payload(
+    result: TuneResult, seconds: Optional[float] = None, calibration_source: Optional[str] = None
+) -> dict[str, Any]:
     r = result.recipe
     out: dict[str, Any] = {
         "recipe": r.name,
@@ -49,6 +51,7 @@ def payload(result: TuneResult, seconds: Optional[float] = None) -> dict[str, An
         "seq_length": r.model.seq_length,
         "global_batch_size": r.train.global_batch_size,
         "hbm_cap_bytes": int(next(iter(result.families.values())).cap_bytes),
+        "kernel_rates": calibration_source or "hardware profile efficiencies (no calibration file)",
     }
     errors = {}
     for name, family in result.families.items():

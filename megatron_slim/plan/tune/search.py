@@ -17,6 +17,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_slim.plan.cost.calibration import Calibration
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.hardware import HardwareProfile
 from megatron_slim.plan.recipe import Recipe
@@ -67,8 +68,8 @@ class FamilyResult:
     smallest: Optional[Smallest]
 
 
-def costs_of(recipe: Recipe, hardware: HardwareProfile) -> RecipeCosts:
-    return RecipeCosts(recipe, CostModel(recipe, hardware=hardware))
+def costs_of(recipe: Recipe, hardware: HardwareProfile, calibration: Optional[Calibration] = None) -> RecipeCosts:
+    return RecipeCosts(recipe, CostModel(recipe, hardware=hardware, calibration=calibration))
 
 
 def evaluate(candidate: Candidate, costs: RecipeCosts, schedule: Schedule) -> Evaluated:
@@ -86,7 +87,9 @@ def schedule_of(recipe: Recipe, shapes: dict[tuple[str, int, int, int, int], Sch
     return shapes[key]
 
 
-def ranked(base: Recipe, cands: list[Candidate], cap: float) -> tuple[list[Ranked], list[tuple[float, Candidate]]]:
+def ranked(
+    base: Recipe, cands: list[Candidate], cap: float, calibration: Optional[Calibration] = None
+) -> tuple[list[Ranked], list[tuple[float, Candidate]]]:
     """Candidates that may fit, with their cheap time bounds; and the (memory lower bound,
     candidate) of those that cannot fit."""
     hardware = base.hardware_profile
@@ -96,7 +99,7 @@ def ranked(base: Recipe, cands: list[Candidate], cap: float) -> tuple[list[Ranke
             recipe = candidate_recipe(base, c)
         except ConfigError:  # a choice a recipe rule refuses (the space only enumerates valid ones today)
             continue
-        costs = costs_of(recipe, hardware)
+        costs = costs_of(recipe, hardware, calibration)
         floor = first_backward_memory(costs)
         if floor > cap:
             too_big.append((floor, c))
@@ -150,12 +153,15 @@ class _Best:
 
 
 def search(
-    base: Recipe, cands: list[Candidate], max_simulations: Optional[int] = DEFAULT_MAX_SIMULATIONS
+    base: Recipe,
+    cands: list[Candidate],
+    max_simulations: Optional[int] = DEFAULT_MAX_SIMULATIONS,
+    calibration: Optional[Calibration] = None,
 ) -> FamilyResult:
     cap = float(base.hardware_profile.usable_hbm_bytes)
     shapes: dict[tuple[str, int, int, int, int], Schedule] = {}
     best = _Best()
-    candidates, too_big = ranked(base, cands, cap)
+    candidates, too_big = ranked(base, cands, cap, calibration)
     for floor, c in too_big:
         best.too_big(floor, c, simulated=False)
     simulated, pruned = 0, len(too_big)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_slim.plan.cost.calibration import Calibration
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.tune.search import DEFAULT_MAX_SIMULATIONS, FamilyResult, search
@@ -61,11 +62,18 @@ def nothing_fits(name: str, result: FamilyResult) -> str:
     )
 
 
-def tune(recipe: Recipe, gpus: int, max_simulations: Optional[int] = DEFAULT_MAX_SIMULATIONS) -> TuneResult:
-    """Search both families; raises ``ConfigError`` for a GPU count no layout uses, or when neither fits."""
+def tune(
+    recipe: Recipe,
+    gpus: int,
+    max_simulations: Optional[int] = DEFAULT_MAX_SIMULATIONS,
+    calibration: Optional[Calibration] = None,
+) -> TuneResult:
+    """Search both families; raises ``ConfigError`` for a GPU count no layout uses, or when neither fits.
+    ``calibration``: measured kernel rates both families are priced with."""
     check_gpus(recipe, gpus)
     families = {
-        name: search(recipe, candidates(recipe, gpus, kinds), max_simulations) for name, kinds in FAMILIES.items()
+        name: search(recipe, candidates(recipe, gpus, kinds), max_simulations, calibration)
+        for name, kinds in FAMILIES.items()
     }
     if all(r.best is None for r in families.values()):
         raise ConfigError("; ".join(nothing_fits(name, r) for name, r in families.items()))
