@@ -169,6 +169,9 @@ class Recipe:
             raise fail("parallel.cp", p.cp, f"1 with data.packing={packing} and schedule.kind={s.kind} (or {why})")
         if len(self.data.path) > 1:
             raise fail("data.path", list(self.data.path), f"one prefix with data.packing={packing} (no blend)")
+        for name, value, allowed in (("cp.remap", self.cp.remap, False), ("parallel.tp", p.tp, 1)):
+            if self.cp_routes and value != allowed:  # the routed windows' slices run no remap layer, TP unchecked
+                raise fail(name, value, f"{str(allowed).lower()} with data.packing=slimpack and cp.engine=zeppelin")
 
     def _check_recompute_depth(self) -> None:
         """Megatron checkpoints within a chunk's layers: ``block`` N of them, ``uniform`` groups of N
@@ -203,6 +206,11 @@ class Recipe:
     def query_out_cp(self) -> bool:
         """Packed windows under ``parallel.cp > 1`` (slimpipe only): train runs SlimPipe's query-out CP."""
         return self.parallel.cp > 1 and self.data.packing != "none"
+
+    @property
+    def cp_routes(self) -> bool:
+        """SlimPack CP-routes outliers and train runs them under Zeppelin's placement (docs/packing.md)."""
+        return self.query_out_cp and self.data.packing == "slimpack" and self.cp.engine == "zeppelin"
 
     @property
     def num_microbatches(self) -> int:
