@@ -31,8 +31,8 @@ import torch
 
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.cp.estimate import ZeppelinLayers
-from megatron_slim.plan.pack.cp_route import CPRoute
 from megatron_slim.plan.pack.costs import fit_slice_costs
+from megatron_slim.plan.pack.cp_route import CPRoute
 from megatron_slim.plan.pack.plan import Piece
 from megatron_slim.plan.pack.training import (
     IterationPacking,
