@@ -19,7 +19,6 @@ slice's loss tokens; the window's ``loss_weight`` times ``cp`` makes the average
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 
@@ -60,9 +59,11 @@ class RoutedWindows:
 
     def forward_step(self, data_iterator, model):
         batch, info = next(data_iterator), self.context.current
-        shares: Optional[tuple[SliceShare, ...]] = self.shares.get(info.microbatch) if info is not None else None
+        if info is None:
+            raise RuntimeError("a packed window was read outside a SlimPipe slice (allowed: schedule.kind=slimpipe)")
+        shares = self.shares.get(info.microbatch)
         if shares is None:
-            self.ran.append((info.microbatch if info else -1, info.slice if info else -1, "zigzag"))
+            self.ran.append((info.microbatch, info.slice, "zigzag"))
             return packed_cp_batch_step(self.cp_group, batch, model)
         rank, share = self.cp_group.rank(), shares[info.slice]
         self.ran.append((info.microbatch, info.slice, self.placements[info.microbatch]))
