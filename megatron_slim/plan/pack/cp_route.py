@@ -16,6 +16,10 @@ as ``slimpack`` prices its slices (their work at their prefix plus the prefix K/
 and goes CP when that is cheaper and not on its own longer than a replica's share of the batch: a
 CP-routed sample cannot be spread over DP ranks, so a replica holding more than its share would set
 the iteration time.
+
+``cp_plan`` gives the runtime (``megatron-slim train``, ``train/packed_routes.py``) the CP plan of
+that very placement; ``layers_used`` names the Zeppelin layers it runs (there: no remap layer), so
+the price is that of what runs.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ a packing plan -> per DP rank, windows of exactly ``seq_length`` tokens.
   Megatron's ``GPTDataset`` cuts its stream): the runtime keeps a document's K/V only inside one
   microbatch, so no sample may be cut across MicroPacks or DP ranks. SlimPack is asked for whole
   samples (phase 1 only: phase 2's time budget would make the plan depend on each rank's timing);
-  a plan that still cuts one is refused.
+  a plan that still cuts one is refused. Given a ``CPRoute`` (``cp.engine: zeppelin``), SlimPack
+  CP-routes the outliers that fill a window (DP-merge being unavailable); ``cp_routed_windows`` names
+  each replica's routed windows for the runtime (``train/packed_routes.py``).
 * Iteration ``i`` takes the next samples of the corpus order, as many as fit in
   ``global_batch_size * seq_length`` tokens (so between that less ``seq_length`` and that), the
   same ones whatever the method, so runs are comparable; the corpus wraps around when it runs out.
