@@ -16,7 +16,9 @@ pack of the documents between ``eod`` tokens, attention inside each document onl
 inter-node, packs that left a CP rank without tokens, tokens per rank). Packed windows
 (``data.packing``) run no engine: SlimPipe's query-out CP attention splits every slice over the CP
 ranks (``megatron_slim.train.packed``); their ``cp`` section is ``engine: null, attention:
-slimpipe-query-out``.
+slimpipe-query-out``. With ``data.packing: slimpack`` and ``cp.engine: zeppelin`` the outliers SlimPack
+CP-routes run under Zeppelin's placement instead (``megatron_slim.train.packed_routes``): ``engine:
+zeppelin, cp_routes: true``, and each iteration's ``packing`` record lists them (``cp_routed``).
 """
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ def _cp_entry(recipe, reporter) -> dict:
     from megatron_slim.train.checks import cp_topology
 
     if recipe.query_out_cp:
-        attention = "slimpipe-query-out"
-        return {"size": recipe.parallel.cp, "engine": None, "attention": attention, "document_masking": True}
+        attention, engine = "slimpipe-query-out", "zeppelin" if recipe.cp_routes else None  # its CP-routed windows
+        entry = {"size": recipe.parallel.cp, "engine": engine, "attention": attention, "document_masking": True}
+        return {**entry, "cp_routes": True} if recipe.cp_routes else entry
     topo, _ = cp_topology(recipe)
     return {
         "size": recipe.parallel.cp,

@@ -169,6 +169,8 @@ class Recipe:
             raise fail("parallel.cp", p.cp, f"1 with data.packing={packing} and schedule.kind={s.kind} (or {why})")
         if len(self.data.path) > 1:
             raise fail("data.path", list(self.data.path), f"one prefix with data.packing={packing} (no blend)")
+        if self.cp_routes and p.tp > 1:  # CP-routed windows under TP are not checked end to end
+            raise fail("parallel.tp", p.tp, "1 with data.packing=slimpack and cp.engine=zeppelin (or cp.engine=ring)")
 
     def _check_recompute_depth(self) -> None:
         """Megatron checkpoints within a chunk's layers: ``block`` N of them, ``uniform`` groups of N
@@ -203,6 +205,11 @@ class Recipe:
     def query_out_cp(self) -> bool:
         """Packed windows under ``parallel.cp > 1`` (slimpipe only): train runs SlimPipe's query-out CP."""
         return self.parallel.cp > 1 and self.data.packing != "none"
+
+    @property
+    def cp_routes(self) -> bool:
+        """SlimPack CP-routes outliers and train runs them under Zeppelin's placement (docs/packing.md)."""
+        return self.query_out_cp and self.data.packing == "slimpack" and self.cp.engine == "zeppelin"
 
     @property
     def num_microbatches(self) -> int:

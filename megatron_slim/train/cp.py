@@ -207,6 +207,11 @@ def describe(recipe: Recipe) -> str:
             f"context parallel: cp{recipe.parallel.cp} by SlimPipe's query-out slice attention (no cp.engine): "
             f"each slice of a packed window ({recipe.data.packing}) is split zigzag-wise over the CP ranks, "
             "attention stays inside each of the window's documents"
+            + (
+                "; SlimPack's CP-routed outliers run alone in a window under Zeppelin's placement"
+                if recipe.cp_routes
+                else ""
+            )
         )
     topo, _ = cp_topology(recipe)
     remap = " with remap" if recipe.cp.remap else ""

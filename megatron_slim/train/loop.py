@@ -4,7 +4,8 @@ Each iteration reads its microbatches in an order that depends only on the itera
 (``megatron_slim.train.microbatch``), so a resumed run reads what the uninterrupted run would have.
 With ``parallel.cp > 1`` every microbatch is a pack of documents run by the recipe's CP engine
 (``megatron_slim.train.cp``), or, for packed windows (``data.packing``, ``Recipe.query_out_cp``), a
-window whose slices SlimPipe's query-out CP attention runs (``train.packed``); gradients are then
+window whose slices SlimPipe's query-out CP attention runs (``train.packed``; SlimPack's CP-routed
+outliers under Zeppelin's placement, ``train.packed_routes``); gradients are then
 averaged over data x context parallel ranks.
 The ``dynmo:`` section (freezing, early exit, per-layer profiling) runs in ``train.dynmo.run``.
 """
@@ -73,6 +74,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     from megatron_slim.runtime.pipeline.slice_context import SliceContext
     from megatron_slim.train.cp import cp_layer_classes
     from megatron_slim.train.cp_slices import CPSlicedTrainStep
+    from megatron_slim.train.packed_routes import RoutedWindows
 
     recipe = recipe_from_dict(recipe_data)
     p, t = recipe.parallel, recipe.train
@@ -90,16 +92,17 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
         cp_step.attach(chunks)
     optimizer, scheduler = build_optimizer(chunks, t)
     vocab_head = build_vocab_head(chunks, groups) if recipe.schedule.vocab_parallel else None
-    rows = cp_step.stage_rows if cp_step else None
     context = cp_step.slices if isinstance(cp_step, CPSlicedTrainStep) else SliceContext()
     context.documents_on_every_tp_rank = True  # no TP batch broadcast: every rank reads its own
-    forward_backward = make_forward_backward_func(settings, context=context, vocab_head=vocab_head, stage_rows=rows)
     dataset = training_data(recipe, prepared)
+    routed = RoutedWindows(dataset.cp_route, context, groups.cp, settings.slice_lengths) if recipe.cp_routes else None
+    rows = cp_step.stage_rows if cp_step else (routed.stage_rows if routed else None)
+    forward_backward = make_forward_backward_func(settings, context=context, vocab_head=vocab_head, stage_rows=rows)
     backend = choose_backend(None, torch.device("cpu"), torch.float32).label
     report = RankReport(rank, groups.pp_rank, groups.dp_rank, groups.tp_rank, groups.cp_rank, attention_backend=backend)
     parts = (chunks, optimizer, scheduler, forward_backward, dataset, cp_step, report, vocab_head)
     training = _RankTraining(recipe, recipe_data, options, rank, groups, *parts)
-    training.rebalancer = Rebalancer.for_recipe(recipe)
+    training.rebalancer, training.routed = Rebalancer.for_recipe(recipe), routed
     start = training.resume()
     training.metrics = open_metrics(options.metrics, recipe, training.reporter)
     training.profiler = IterationProfiler(options.profile, rank, recipe, groups)
@@ -141,6 +144,7 @@ class _RankTraining:
     metrics: Any = None
     profiler: Any = None
     rebalancer: Any = None  # dynmo.rebalance: the trigger's state, kept across migrations
+    routed: Any = None  # packed_routes.RoutedWindows when SlimPack's CP routes run (Recipe.cp_routes)
 
     def __post_init__(self) -> None:
         p, groups = self.recipe.parallel, self.groups
@@ -219,7 +223,8 @@ class _RankTraining:
         self.optimizer.zero_grad(set_to_none=True)
         groups = self.groups
         cp_group = groups.cp if self.recipe.query_out_cp else None
-        packing, batches, step_func = iteration_batches(self.dataset, self.recipe, number, groups.dp_rank, cp_group)
+        got = iteration_batches(self.dataset, self.recipe, number, groups.dp_rank, cp_group, self.routed)
+        packing, batches, step_func = got
         self.report.packing += [packing.record()] if packing else []
         if self.vocab_head is not None:
             self.vocab_head.refresh()

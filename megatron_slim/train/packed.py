@@ -30,7 +30,9 @@ import numpy
 import torch
 
 from megatron_slim.plan.cost.model import CostModel
+from megatron_slim.plan.cp.estimate import ZeppelinLayers
 from megatron_slim.plan.pack.costs import fit_slice_costs
+from megatron_slim.plan.pack.cp_route import CPRoute
 from megatron_slim.plan.pack.plan import Piece
 from megatron_slim.plan.pack.training import (
     IterationPacking,
@@ -99,9 +101,14 @@ def packed_cp_forward_step(cp_group, data_iterator, model):
     this CP rank's tokens (Megatron's ``get_batch_on_this_cp_rank`` split, which ``SliceRotary`` and the
     CP slice attention assume). The schedule divides by the whole slice's loss tokens (no collective)
     and the loss is ``cp`` times this rank's share, so averaging gradients over the CP ranks sums them."""
+    return packed_cp_batch_step(cp_group, next(data_iterator), model)
+
+
+def packed_cp_batch_step(cp_group, batch: dict, model):
+    """``packed_cp_forward_step`` of a batch already read."""
     from megatron_slim.megatron.model.rotary import zigzag_positions
 
-    batch, cp = next(data_iterator), cp_group.size()
+    cp = cp_group.size()
     rows = zigzag_positions(batch["tokens"].shape[1], cp_group.rank(), cp)
     local = {name: batch[name][:, rows] for name in ("tokens", "labels", "loss_mask", "position_ids")}
     output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
@@ -119,7 +126,10 @@ class PackedData:
         seq = recipe.model.seq_length
         self.samples = cut_samples(range(len(self.documents)), [len(d) for d in self.documents], seq)
         self.sample_lengths = [s.length for s in self.samples]
-        self.costs = fit_slice_costs(CostModel(recipe), seq, seq)
+        cost = CostModel(recipe)
+        self.costs = fit_slice_costs(cost, seq, seq)
+        # the route is priced as train runs it: Zeppelin's placement without its remap layer
+        self.cp_route = CPRoute.from_cost_model(cost, seq, ZeppelinLayers(remap=False)) if recipe.cp_routes else None
 
     def iteration(self, iteration: int) -> IterationPacking:
         """0-based ``iteration``'s packing (identical on every rank)."""
@@ -127,7 +137,7 @@ class PackedData:
         budget = r.train.global_batch_size * r.model.seq_length
         taken = iteration_samples(self.sample_lengths, budget, iteration)
         samples = [self.samples[i] for i in taken]
-        return pack_iteration(r.data.packing, samples, self.costs, self.dp, r.model.seq_length)
+        return pack_iteration(r.data.packing, samples, self.costs, self.dp, r.model.seq_length, self.cp_route)
 
     def step(self, iteration: int, dp_rank: int) -> tuple[IterationPacking, list[dict]]:
         """0-based ``iteration``'s packing and DP rank ``dp_rank``'s microbatches."""
@@ -146,9 +156,10 @@ class PackedData:
         return out
 
 
-def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int, cp_group=None):
+def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int, cp_group=None, routed=None):
     """Iteration ``number`` (from 1) on DP rank ``dp_rank``: (its packing or None, its microbatches, the
-    forward step that reads them). ``cp_group``: packed windows run SlimPipe's query-out CP over it."""
+    forward step that reads them). ``cp_group``: packed windows run SlimPipe's query-out CP over it;
+    ``routed`` (``packed_routes.RoutedWindows``): CP-routed windows run Zeppelin's placement instead."""
     from megatron_slim.train.microbatch import forward_step, microbatches
 
     if isinstance(data, PackedData):
@@ -157,6 +168,9 @@ def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int, cp_group=
             what, remedy = "packing plan", "every rank plans the same samples with the same deterministic planner"
             check_agreement(packing.plan.digest(), None, ranks="ranks", what=what, remedy=remedy)
         step = functools.partial(packed_cp_forward_step, cp_group) if cp_group is not None else packed_forward_step
+        if routed is not None:
+            routed.prepare(packing, dp_rank)
+            step = routed.forward_step
         return packing, batches, step
     return None, list(microbatches(data, recipe, number - 1, dp_rank)), forward_step
 

@@ -152,3 +152,17 @@ def test_slimpack_trains_tp2_to_the_losses_of_tp1(tmp_path, data_cache, short_do
     assert [r["document_tokens"] for r in split["packing"]] == [r["document_tokens"] for r in flat["packing"]]
     assert len(split["losses"]) == 3
     assert split["losses"] == pytest.approx(flat["losses"], rel=1e-5, abs=0)
+
+
+@pytest.mark.slow
+@pytest.mark.multi
+def test_slimpack_cp_routes_train_to_the_losses_of_cp1(tmp_path, data_cache, short_documents):
+    """``cp.engine: zeppelin``: the outliers SlimPack CP-routes run under Zeppelin's placement in the
+    training loop itself (``train/packed_routes.py``); the losses equal the cp=1 run's."""
+    sets = [*FAST, f"data.corpus={short_documents}", "data.packing=slimpack", "parallel.pp=1", "parallel.dp=2"]
+    routed = _train(tmp_path, "routes", data_cache, *sets, "parallel.cp=2", "cp.engine=zeppelin")
+    flat = _train(tmp_path, "cp1", data_cache, *sets)
+    assert routed["cp"]["engine"] == "zeppelin" and routed["cp"]["cp_routes"]
+    assert any(r["cp_routed"] for r in routed["packing"]) and "cp_routed" not in flat["packing"][0]
+    assert [r["document_tokens"] for r in routed["packing"]] == [r["document_tokens"] for r in flat["packing"]]
+    assert routed["losses"] == pytest.approx(flat["losses"], rel=1e-5, abs=0)

@@ -16,6 +16,10 @@ as ``slimpack`` prices its slices (their work at their prefix plus the prefix K/
 and goes CP when that is cheaper and not on its own longer than a replica's share of the batch: a
 CP-routed sample cannot be spread over DP ranks, so a replica holding more than its share would set
 the iteration time.
+
+``cp_plan`` gives the runtime (``megatron-slim train``, ``train/packed_routes.py``) the CP plan of
+that very placement; ``layers_used`` names the Zeppelin layers it runs (there: no remap layer), so
+the price is that of what runs.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from functools import lru_cache
 from typing import Mapping, Sequence
 
 from megatron_slim.plan.cost.model import CostModel
-from megatron_slim.plan.cp.choose import choose_placement
+from megatron_slim.plan.cp.assemble import assemble
+from megatron_slim.plan.cp.choose import Choice, choose_placement
 from megatron_slim.plan.cp.costs import CPCosts
+from megatron_slim.plan.cp.estimate import ALL_LAYERS, ZeppelinLayers
+from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.topology import CPTopology
 from megatron_slim.plan.pack.plan import Route
 
@@ -42,9 +49,10 @@ class CPRoute:
     recompute: float = 0.0  # share of a layer's forward that its backward repeats
     other_fwd_per_token: float = 0.0  # the stage's embedding / output-layer seconds per token
     other_bwd_per_token: float = 0.0
+    layers_used: ZeppelinLayers = ALL_LAYERS  # Zeppelin's layers the runtime runs (train: no remap)
 
     @classmethod
-    def from_cost_model(cls, cost: CostModel, tokens: int) -> "CPRoute":
+    def from_cost_model(cls, cost: CostModel, tokens: int, layers_used: ZeppelinLayers = ALL_LAYERS) -> "CPRoute":
         """The route of ``cost``'s recipe on the stage ``fit_slice_costs`` prices (a middle one);
         the per-token and recompute shares are read at ``tokens`` (the MicroPack cap)."""
         stage = min(1, cost.num_stages - 1)
@@ -58,15 +66,22 @@ class CPRoute:
             cost.recompute_time(tokens, 0.0) / layer_fwd if layer_fwd > 0 else 0.0,
             cost.vocab.forward_time(stage, tokens) / tokens,
             cost.vocab.backward_time(stage, tokens) / tokens,
+            layers_used,
         )
 
     def placement(self, length: int) -> str:
         """The placement Zeppelin picks for the sample alone (``CPPlan.picked``'s names)."""
-        return _layer(self.topology, self.costs, length)[0]
+        return _layer(self.topology, self.costs, length, self.layers_used)[0]
+
+    def cp_plan(self, length: int) -> CPPlan:
+        """The CP plan of the sample alone, assembled from the very ``choose_placement`` result that
+        ``sample_work`` priced (one cached call), as ``cp.choose.plan_zeppelin`` assembles its pick."""
+        choice = _choice(self.topology, self.costs, length, self.layers_used)
+        return assemble("zeppelin", (length,), self.topology, choice.specs, choice.picked)
 
     def sample_work(self, length: int) -> tuple[float, float]:
         """(forward, backward) seconds of the whole sample on one stage, as ``SliceCosts.sample_work``."""
-        _, fwd, bwd = _layer(self.topology, self.costs, length)
+        _, fwd, bwd = _layer(self.topology, self.costs, length, self.layers_used)
         return (
             self.layers * fwd + self.other_fwd_per_token * length,
             self.layers * (bwd + self.recompute * fwd) + self.other_bwd_per_token * length,
@@ -74,9 +89,13 @@ class CPRoute:
 
 
 @lru_cache(maxsize=4096)
-def _layer(topo: CPTopology, costs: CPCosts, length: int) -> tuple[str, float, float]:
+def _choice(topo: CPTopology, costs: CPCosts, length: int, layers: ZeppelinLayers) -> Choice:
+    return choose_placement((length,), topo, costs, layers)
+
+
+def _layer(topo: CPTopology, costs: CPCosts, length: int, layers: ZeppelinLayers) -> tuple[str, float, float]:
     """Zeppelin's pick for ``(length,)`` and one layer's (forward, backward) seconds of it."""
-    choice = choose_placement((length,), topo, costs)
+    choice = _choice(topo, costs, length, layers)
     total = choice.priced[choice.picked].time_s
     pairs = length * (length + 1) / 2
     fwd = pairs * costs.pair_fwd_s + length * (costs.pre_fwd_s + costs.post_fwd_s + costs.mlp_fwd_s)

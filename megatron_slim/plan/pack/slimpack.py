@@ -171,9 +171,14 @@ def _phase1(
     large: set[int],
     dp: int,
     cp_route: Optional[CPRoute],
+    whole: bool = False,
 ) -> tuple[list[Unit], list[int], set[int], Extras]:
     """Phase 1's units and assignment, the DP-merged documents and what the plan prices apart."""
     every_sliced = {s for s, c in enumerate(slices) if len(c) > 1}
+    if cp_route is not None and whole:
+        routed = {s: cp_route.sample_work(lengths[s]) for s in large}  # DP-merge is not available
+        units, assign, _ = _best_candidate(lengths, costs, slices, [set()], dp, routed)
+        return units, assign, set(), Extras(routed=routed, routes=tuple((s, "cp") for s in sorted(large)))
     if cp_route is None:
         units, assign, merged = _best_candidate(lengths, costs, slices, [large, large | every_sliced], dp)
         return units, assign, merged, Extras()
@@ -201,7 +206,10 @@ def solve(
 
     ``whole_samples``: every sample stays one piece in one MicroPack (no slicing, no DP-merge), for a
     runtime that cannot carry a document's K/V from one microbatch to the next; samples must then
-    fit the cap. ``cp_route``: the replicas' CP groups (cp > 1), so outliers may take the CP route."""
+    fit the cap. ``cp_route``: the replicas' CP groups (cp > 1), so outliers may take the CP route.
+    Both: DP-merge is unavailable, so every outlier that fills a MicroPack (``length == cap``: the pack
+    Zeppelin's placement was priced for, no other sample, no padding) is CP-routed; other samples stay
+    plain units."""
     began, began_cpu = time.perf_counter(), time.process_time()
     if dp < 1:
         raise fail("packing dp", dp, "an integer >= 1")
@@ -217,8 +225,10 @@ def solve(
         slices = [[Piece(s, 0, n)] for s, n in enumerate(lengths)]
     else:
         slices = [cut_balanced(s, n, size, costs) for s, n in enumerate(lengths)]
-    large = set() if whole_samples else outliers(lengths, costs, dp, outlier_tokens)
-    units, assign, merged, extras = _phase1(lengths, costs, slices, large, dp, cp_route)
+    large = outliers(lengths, costs, dp, outlier_tokens)
+    if whole_samples:  # only a sample that fills a MicroPack alone is the pack its CP route prices
+        large = {s for s in large if lengths[s] == caps.cap} if cp_route is not None else set()
+    units, assign, merged, extras = _phase1(lengths, costs, slices, large, dp, cp_route, whole_samples)
     first = build(lengths, units, assign, costs, caps, extras)
     phase1_s, phase1_cpu_s = time.perf_counter() - began, time.process_time() - began_cpu
     f, b = normalised(units, dp)

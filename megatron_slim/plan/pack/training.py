@@ -5,7 +5,9 @@ a packing plan -> per DP rank, windows of exactly ``seq_length`` tokens.
   Megatron's ``GPTDataset`` cuts its stream): the runtime keeps a document's K/V only inside one
   microbatch, so no sample may be cut across MicroPacks or DP ranks. SlimPack is asked for whole
   samples (phase 1 only: phase 2's time budget would make the plan depend on each rank's timing);
-  a plan that still cuts one is refused.
+  a plan that still cuts one is refused. Given a ``CPRoute`` (``cp.engine: zeppelin``), SlimPack
+  CP-routes the outliers that fill a window (DP-merge being unavailable); ``cp_routed_windows`` names
+  each replica's routed windows for the runtime (``train/packed_routes.py``).
 * Iteration ``i`` takes the next samples of the corpus order, as many as fit in
   ``global_batch_size * seq_length`` tokens (so between that less ``seq_length`` and that), the
   same ones whatever the method, so runs are comparable; the corpus wraps around when it runs out.
@@ -18,10 +20,11 @@ a packing plan -> per DP rank, windows of exactly ``seq_length`` tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_slim.plan.pack.baselines import plan_baseline
 from megatron_slim.plan.pack.costs import SliceCosts
+from megatron_slim.plan.pack.cp_route import CPRoute
 from megatron_slim.plan.pack.plan import PackingPlan, Piece
 from megatron_slim.plan.pack.slimpack import solve
 from megatron_slim.plan.schema import ConfigError, fail
@@ -72,12 +75,20 @@ def cut_samples(documents: Sequence[int], document_lengths: Sequence[int], seq_l
     return tuple(samples)
 
 
-def plan_samples(method: str, samples: Sequence[Sample], costs: SliceCosts, dp: int, seq_length: int) -> PackingPlan:
+def plan_samples(
+    method: str,
+    samples: Sequence[Sample],
+    costs: SliceCosts,
+    dp: int,
+    seq_length: int,
+    cp_route: Optional[CPRoute] = None,
+) -> PackingPlan:
     """The plan of ``method`` (one of ``TRAIN_PACKING`` but none) for ``samples`` over ``dp`` ranks,
-    MicroPack cap ``seq_length``; refused if it cuts a sample across MicroPacks."""
+    MicroPack cap ``seq_length``; refused if it cuts a sample across MicroPacks. ``cp_route``
+    (slimpack only): outliers that fill a window are CP-routed (``solve``'s ``whole_samples``)."""
     lengths = [s.length for s in samples]
     if method == "slimpack":
-        plan = solve(lengths, costs, dp, seq_length, budget_s=0.0, whole_samples=True).plan
+        plan = solve(lengths, costs, dp, seq_length, budget_s=0.0, whole_samples=True, cp_route=cp_route).plan
     elif method in TRAIN_PACKING[2:]:
         plan = plan_baseline(method, lengths, costs, dp, seq_length)
     else:
@@ -166,17 +177,41 @@ class IterationPacking:
             "document_tokens": self.document_tokens,
             "loss_tokens": self.loss_tokens,
             "summary": self.summary(),
+            **({"cp_routed": sorted(self.plan.cp_routed())} if self.plan.routes else {}),
         }
 
     def summary(self) -> str:
         counts = "/".join(str(len(ws)) for ws in self.windows)
-        return f"packing {self.method}: {counts} microbatches per DP rank, padding {100 * self.padding_share():.1f}%"
+        text = f"packing {self.method}: {counts} microbatches per DP rank, padding {100 * self.padding_share():.1f}%"
+        routed = len(self.plan.cp_routed())
+        return text + (f", {routed} CP-routed" if self.plan.routes else "")
+
+    def cp_routed_windows(self, rank: int) -> dict[int, int]:
+        """DP rank ``rank``'s windows that run a CP-routed sample: microbatch index -> the sample.
+        Such a window holds that sample alone, without padding (refused otherwise)."""
+        routed, out = self.plan.cp_routed(), {}
+        for m, w in enumerate(self.windows[rank]):
+            held = {p.sample for p in w.pieces}
+            if held & routed:
+                if len(held) > 1 or w.padding:
+                    raise ConfigError(
+                        f"data.packing={self.method}: CP-routed sample(s) {sorted(held & routed)} share window {m} "
+                        f"of DP rank {rank} with samples {sorted(held - routed)} and {w.padding} padding tokens "
+                        "(allowed: a CP-routed sample alone in a window it fills)"
+                    )
+                out[m] = held.pop()
+        return out
 
 
 def pack_iteration(
-    method: str, samples: Sequence[Sample], costs: SliceCosts, dp: int, seq_length: int
+    method: str,
+    samples: Sequence[Sample],
+    costs: SliceCosts,
+    dp: int,
+    seq_length: int,
+    cp_route: Optional[CPRoute] = None,
 ) -> IterationPacking:
     samples = tuple(samples)
-    plan = plan_samples(method, samples, costs, dp, seq_length)
+    plan = plan_samples(method, samples, costs, dp, seq_length, cp_route)
     windows = tuple(rank_windows(plan, r, seq_length) for r in range(dp))
     return IterationPacking(method, samples, plan, windows)
