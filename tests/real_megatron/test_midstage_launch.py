@@ -5,12 +5,14 @@ hands them each microbatch's lengths (``runtime/pipeline/stage_lengths``).
 batch themselves. Megatron seeds each pipeline rank differently, so the shim's ``init_by_name``
 draws every weight from its global name: both splits start from the same model and see the same
 windows (the packing plan does not depend on pp). A middle stage that attended across documents, or
-restarted no RoPE position, would change every loss from iteration 1.
+restarted no RoPE position, would change every loss from iteration 1. (From core_v0.19 the model is
+built through ``GPTModelBuilder``, which the shim wraps as well.)
 
 (b) a CP engine (Zeppelin with its remap layer) at pp2 x cp2 through Megatron's own 1F1B, whose
 stage-to-stage tensors then change shape per microbatch (each plan gives a CP rank its own token
 count), against Megatron's own pp2 run without context parallelism that attends within each
-document (``--reset-position-ids --reset-attention-mask``) on the same data.
+document (``--reset-position-ids --reset-attention-mask``) on the same data. From megatron-core
+0.18 the last stage gets no tokens from ``get_batch``, so it plans from the first stage's lengths too.
 """
 
 from __future__ import annotations
