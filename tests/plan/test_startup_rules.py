@@ -191,7 +191,8 @@ def test_train_runs_slimpipe_slices_under_cp_with_the_sliced_engines(engine):
         (
             dict(pipeline_model_parallel_size=3, tensor_model_parallel_size=2, num_layers=3),
             "cp-engine-pipeline-tp",
-            "allowed: --tensor-model-parallel-size 1, or --pipeline-model-parallel-size 1 or 2",
+            "allowed: --tensor-model-parallel-size 1, or --pipeline-model-parallel-size 1, or "
+            "--pipeline-model-parallel-size 2 on megatron-core below 0.18",
         ),
         (
             dict(pipeline_model_parallel_size=2, recompute_granularity="full"),
@@ -205,10 +206,12 @@ def test_what_a_cp_engine_cannot_run_under_the_launchers_pipeline_is_refused(cha
     assert broken_rule(settings_from_megatron_args(args), LAUNCHER).name == rule
     refused = _refusal(check_megatron_args, args)
     assert refused.startswith("--cp-engine zeppelin") and words in refused, refused
-    # pp=2 with tp=2 keeps working: both stages read their batches
+    # pp=2 with tp=2 keeps working where both stages read their tokens (megatron-core below 0.18)
     if rule == "cp-engine-pipeline-tp":
-        ok = settings_from_megatron_args(argparse.Namespace(**{**args.__dict__, "pipeline_model_parallel_size": 2}))
-        assert broken_rule(ok, LAUNCHER) is None or broken_rule(ok, LAUNCHER).name != rule
+        two = settings_from_megatron_args(argparse.Namespace(**{**args.__dict__, "pipeline_model_parallel_size": 2}))
+        for version, refused_there in (((0, 16), False), ((0, 17), False), ((0, 18), True), ((0, 19), True)):
+            found = broken_rule(replace(two, megatron_core=version), LAUNCHER)
+            assert (found is not None and found.name == rule) == refused_there, (version, found)
 
 
 def test_train_refuses_slimpipe_slices_under_the_other_engines_naming_what_runs():
@@ -273,21 +276,24 @@ def test_the_launcher_and_recipes_accept_the_same_slice_counts(policy):
         assert launcher_accepts == recipe_accepts, (seq, n, cp, policy)
 
 
-@pytest.mark.parametrize(
-    "settings,rule",
-    [
-        (Settings(cp=2, pp=2, cp_engine="zeppelin", megatron_core=(0, 19)), "cp-engine-pipeline-megatron-core"),
-        (
-            Settings(pp=4, slimpipe=True, num_slices=2, packing="slimpack", per_token_loss=True, megatron_core=(0, 17)),
-            "packing-middle-stages-megatron-core",
-        ),
-    ],
-)
-def test_launcher_pipelines_checked_on_megatron_core_016_only_are_refused_beyond_it(settings, rule):
-    refused = broken_rule(settings, LAUNCHER)
-    assert refused is not None and refused.name == rule
-    message = refused.message(settings, INPUTS[LAUNCHER])
-    assert "megatron-core 0.16 only" in message and "allowed:" in message
-    for ok in ((0, 16), None):  # the checked version, and a caller that does not know it
-        other = broken_rule(replace(settings, megatron_core=ok), LAUNCHER)
-        assert other is None or other.name != rule
+def test_cp_engine_and_packing_pipelines_are_not_refused_on_any_megatron_core():
+    """pp2 x cp2 with a CP engine and pp4 packing run on every megatron-core (the last stage plans from
+    the first stage's lengths where Megatron hands it no tokens)."""
+    engine = Settings(cp=2, pp=2, cp_engine="zeppelin")
+    packing = Settings(pp=4, slimpipe=True, num_slices=2, seq_length=64, packing="slimpack", per_token_loss=True)
+    for version in ((0, 16), (0, 17), (0, 18), (0, 19), None):
+        assert broken_rule(replace(engine, megatron_core=version), LAUNCHER) is None, version
+        assert broken_rule(replace(packing, megatron_core=version), LAUNCHER) is None, version
+
+
+def test_the_last_stage_reads_tokens_below_megatron_core_018_only():
+    from megatron_slim.plan.startup.settings import last_stage_reads_tokens
+
+    assert [last_stage_reads_tokens(v) for v in ((0, 16), (0, 17), (0, 18), (0, 19), (1, 0), None)] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        True,
+    ]

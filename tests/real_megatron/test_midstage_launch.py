@@ -5,19 +5,20 @@ hands them each microbatch's lengths (``runtime/pipeline/stage_lengths``).
 batch themselves. Megatron seeds each pipeline rank differently, so the shim's ``init_by_name``
 draws every weight from its global name: both splits start from the same model and see the same
 windows (the packing plan does not depend on pp). A middle stage that attended across documents, or
-restarted no RoPE position, would change every loss from iteration 1.
+restarted no RoPE position, would change every loss from iteration 1. (From core_v0.19 the model is
+built through ``GPTModelBuilder``, which the shim wraps as well.)
 
 (b) a CP engine (Zeppelin with its remap layer) at pp2 x cp2 through Megatron's own 1F1B, whose
 stage-to-stage tensors then change shape per microbatch (each plan gives a CP rank its own token
 count), against Megatron's own pp2 run without context parallelism that attends within each
-document (``--reset-position-ids --reset-attention-mask``) on the same data.
+document (``--reset-position-ids --reset-attention-mask``) on the same data. From megatron-core
+0.18 the last stage gets no tokens from ``get_batch``, so it plans from the first stage's lengths too.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_slim.megatron.compat import mcore_version
 from tests.real_megatron.harness import TINY, megatron_args, relative_difference, run_pretrain, write_corpus
 
 pytestmark = pytest.mark.real_megatron
@@ -31,17 +32,8 @@ def _packing_flags(pp: int) -> list[str]:
     return megatron_args([*TINY, *layout, "train.iters=4"]) + packing
 
 
-def _unchecked_megatron_core() -> bool:
-    """Beyond megatron-core 0.16 the launcher refuses these pipelines at start-up (not checked there yet)."""
-    return mcore_version()[:2] > (0, 16)
-
-
 def test_packed_windows_at_pp4_train_as_at_pp2(tmp_path):
     corpus = write_corpus(tmp_path / "docs")
-    if _unchecked_megatron_core():
-        with pytest.raises(AssertionError, match="middle stages are checked end to end on megatron-core 0.16 only"):
-            run_pretrain(4, _packing_flags(4), tmp_path / "pp4", launcher=True, data_prefix=corpus)
-        return
     runs = {
         pp: run_pretrain(pp, _packing_flags(pp), tmp_path / f"pp{pp}", launcher=True, data_prefix=corpus, env=BY_NAME)
         for pp in (2, 4)
@@ -59,10 +51,6 @@ def test_a_cp_engine_at_pp2_x_cp2_trains_as_megatrons_own_pp2_run(tmp_path):
     ours = megatron_args([*common, "parallel.cp=2", "cp.engine=zeppelin", "cp.remap=true"])
     reference = [f for f in megatron_args(common) if f != "--no-create-attention-mask-in-dataloader"]
     reference += ["--reset-position-ids", "--reset-attention-mask"]
-    if _unchecked_megatron_core():
-        with pytest.raises(AssertionError, match="checked end to end on megatron-core 0.16 only"):
-            run_pretrain(4, ours, tmp_path / "ours", launcher=True, data_prefix=corpus)
-        return
 
     engine = run_pretrain(4, ours, tmp_path / "ours", launcher=True, data_prefix=corpus)
     megatron = run_pretrain(2, reference, tmp_path / "reference", launcher=False, data_prefix=corpus)

@@ -17,10 +17,11 @@
   function (``cp_wide_loss``).
 * **Pipelines** (``PipelinePlans``): with pp > 1 the model config's ``variable_seq_lengths`` is
   set, so Megatron's 1F1B sends each stage-to-stage tensor's shape first (plans give CP ranks
-  different token counts). Middle stages read no batch: with pp > 2 the first stage reads the
-  call's microbatches up front and broadcasts their sequence lengths over the pipeline group
-  (``runtime/pipeline/stage_lengths``); a middle stage plans each microbatch before its forward
-  step, and the stages that read batches check their lengths against the broadcast ones.
+  different token counts). Middle stages read no batch, nor (megatron-core 0.18 on) tokens the last:
+  then the first stage reads the call's microbatches up front and broadcasts their sequence lengths
+  over the pipeline group (``runtime/pipeline/stage_lengths``); a middle stage plans each microbatch
+  before its forward step, a last stage without tokens plans them in ``split``, and the stages that
+  read tokens check their lengths against the broadcast ones.
 
 **Loss normalisation.** megatron-core 0.16.1 ``schedules.forward_step_calc_loss`` takes the
 3-tuple ``(loss, num_tokens, report)`` of ``pretrain_gpt.loss_func`` (``loss`` = sum of masked
@@ -46,6 +47,7 @@ import functools
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from megatron_slim.megatron.cp.pipeline_plans import PipelinePlans
 from megatron_slim.megatron.model.layer_specs import LayerSwap, with_core_attention
 
 if TYPE_CHECKING:  # imported where first used: the hooks load before megatron is set up
@@ -162,6 +164,8 @@ class CPHookState:
                 f"get_batch_on_this_cp_rank(cp_group of {cp_group.size()} ranks): the model's CP "
                 f"group has {context.comm.size}"
             )
+        if batch.get("tokens") is None and self.expected is not None:  # a last stage without tokens
+            return local_batch(batch, self.plan_lengths(args, self.expected, "first stage"), context.rank)
         lengths, source = pack_lengths(batch)
         if self.expected is not None and self.expected != lengths:
             raise ValueError(
@@ -250,20 +254,22 @@ class CPHookState:
 
         return forward_backward_with_cp_engine
 
-    def pipeline_plans(self, kwargs: dict, config: Any) -> "PipelinePlans":
-        """Under pipeline parallelism: stage-to-stage shapes that follow each plan and, with middle
-        stages, the first stage's sequence lengths on every stage (``kwargs['data_iterator']`` is
-        replaced by the first stage's replay of what it read)."""
+    def pipeline_plans(self, kwargs: dict, config: Any) -> PipelinePlans:
+        """Under pipeline parallelism: stage-to-stage shapes that follow each plan and, with stages
+        that read no tokens, the first stage's sequence lengths on every stage (``kwargs['data_iterator']``
+        is replaced by the first stage's replay of what it read)."""
         from megatron.core import parallel_state
 
+        from megatron_slim.megatron.compat import mcore_version
         from megatron_slim.megatron.cp.lengths import pack_lengths
+        from megatron_slim.plan.startup.settings import last_stage_reads_tokens
         from megatron_slim.runtime.pipeline.stage_lengths import share_microbatch_lengths
 
         group = parallel_state.get_pipeline_model_parallel_group()
         if group is None or group.size() == 1:
             return PipelinePlans(self, None, reads_batches=True)
         config.variable_seq_lengths = True  # each microbatch's plan sets this rank's rows between stages
-        if group.size() == 2:
+        if group.size() == 2 and last_stage_reads_tokens(mcore_version()[:2]):
             return PipelinePlans(self, None, reads_batches=True)
         iterator, lengths = share_microbatch_lengths(
             kwargs.get("data_iterator"),
@@ -275,26 +281,3 @@ class CPHookState:
         kwargs["data_iterator"] = iterator
         first_or_last = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
         return PipelinePlans(self, lengths, reads_batches=first_or_last)
-
-
-class PipelinePlans:
-    """One schedule call's microbatch plans on this pipeline stage: a stage that reads batches plans
-    them in ``split`` (checked against the first stage's lengths, when shared); a middle stage plans
-    each microbatch from the shared lengths before its forward step (1F1B runs forwards in order)."""
-
-    def __init__(self, state: CPHookState, lengths: Optional[list], *, reads_batches: bool) -> None:
-        self.state, self.lengths, self.reads_batches, self.next = state, lengths, reads_batches, 0
-
-    def before_forward(self) -> None:
-        if self.lengths is None:
-            return
-        if self.next >= len(self.lengths):
-            raise RuntimeError(
-                f"--cp-engine: forward step {self.next + 1} of a call with {len(self.lengths)} microbatches"
-            )
-        lengths = self.lengths[self.next]
-        self.next += 1
-        if self.reads_batches:
-            self.state.expected = lengths
-        else:
-            self.state.plan_lengths(self.state.args_getter(), lengths, "first stage")

@@ -55,22 +55,13 @@ CP_ENGINE_RULES = [
         ),
     ),
     _on_engine(
-        "cp-engine-pipeline-megatron-core",
-        lambda s: s.pp > 1 and s.megatron_core_unchecked,
-        lambda s, i: (
-            f"{engine_input(s, i)} with {i.name('pp')} {s.pp} on megatron-core "
-            f"{'.'.join(map(str, s.megatron_core or ()))}: checked end to end on megatron-core 0.16 only (0.19's "
-            "pretrain_gpt.py hands the last stage neither tokens nor position ids, so it cannot plan each "
-            f"microbatch); allowed: {i.setting('pp', 1)}, or megatron-core 0.16"
-        ),
-    ),
-    _on_engine(
         "cp-engine-pipeline-tp",
-        lambda s: s.pp > 2 and s.tp > 1,
+        lambda s: s.tp > 1 and (s.pp > 2 or (s.pp == 2 and not s.last_stage_reads_tokens)),
         lambda s, i: (
-            f"{engine_input(s, i)} with {i.name('pp')} {s.pp} and {i.name('tp')} {s.tp}: the middle stages get "
-            "each microbatch's sequence lengths from the first stage, whose TP ranks other than 0 read no "
-            f"batch; allowed: {i.setting('tp', 1)}, or {i.name('pp')} 1 or 2"
+            f"{engine_input(s, i)} with {i.name('pp')} {s.pp} and {i.name('tp')} {s.tp}: the stages that read no "
+            "tokens (middle stages, and from megatron-core 0.18 the last) get each microbatch's sequence lengths "
+            "from the first stage, whose TP ranks other than 0 read no batch; allowed: "
+            f"{i.setting('tp', 1)}, or {i.name('pp')} 1, or {i.name('pp')} 2 on megatron-core below 0.18"
         ),
     ),
     _on_engine(

@@ -59,16 +59,6 @@ PACKING_RULES = [
         ),
     ),
     _packing(
-        "packing-middle-stages-megatron-core",
-        lambda s: s.pp > 2 and s.megatron_core_unchecked,
-        lambda s: (
-            f"{_flag(s)} with --pipeline-model-parallel-size {s.pp} on megatron-core "
-            f"{'.'.join(map(str, s.megatron_core or ()))}: middle stages are checked end to end on megatron-core "
-            "0.16 only (under 0.19 a pp4 run does not yet reproduce the pp2 losses); allowed: "
-            "--pipeline-model-parallel-size 1 or 2, or megatron-core 0.16"
-        ),
-    ),
-    _packing(
         "packing-tp-cp",
         lambda s: s.tp > 1 or s.cp > 1,
         lambda s: (

@@ -15,7 +15,14 @@ from typing import Any, Optional
 NO_CP_ENGINE = "te"  # Megatron's own context parallelism: no megatron-slim engine runs
 
 
-CHECKED_PIPELINE_MEGATRON_CORE = (0, 16)  # where the launcher's CP-engine and packing pipelines are tested
+# from here pretrain_gpt.get_batch hands the last pipeline stage labels and loss mask only (no tokens)
+TOKENLESS_LAST_STAGE_MEGATRON_CORE = (0, 18)
+
+
+def last_stage_reads_tokens(megatron_core: Optional[tuple[int, int]]) -> bool:
+    """Whether ``pretrain_gpt.py``'s last pipeline stage gets the tokens (and position ids) it reads
+    under megatron-core ``megatron_core`` (major, minor); None (not known) counts as yes."""
+    return megatron_core is None or megatron_core < TOKENLESS_LAST_STAGE_MEGATRON_CORE
 
 
 @dataclass(frozen=True)
@@ -64,9 +71,8 @@ class Settings:
     megatron_core: Optional[tuple[int, int]] = None
 
     @property
-    def megatron_core_unchecked(self) -> bool:
-        """A megatron-core newer than 0.16, where pipelines with middle-stage plans are not checked end to end."""
-        return self.megatron_core is not None and self.megatron_core > CHECKED_PIPELINE_MEGATRON_CORE
+    def last_stage_reads_tokens(self) -> bool:
+        return last_stage_reads_tokens(self.megatron_core)
 
     @property
     def cp_engine_runs(self) -> bool:

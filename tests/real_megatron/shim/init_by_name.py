@@ -3,10 +3,12 @@
 Megatron seeds pipeline rank ``r`` with ``seed + 100 * r``, so the same model split over 2 or 4
 pipeline stages starts from different weights and their losses cannot be compared. With
 ``MEGATRON_SLIM_TEST_INIT_BY_NAME=1``, ``install`` wraps ``get_model`` in
-``megatron.training.training``: right after the model is built (before the optimizer copies
-anything) every parameter that is not constant is redrawn from N(0, 0.02) with a generator seeded
-by a CRC of its global name (decoder layers by their global layer number); norms' ones and biases'
-zeros stay. Any pipeline split then starts from the same weights (tensor parallel size 1).
+``megatron.training.training``, and ``install_builder`` the model builder that Megatron-LM's
+``pretrain_gpt.py`` calls instead from core_v0.19 (``megatron.training.models.gpt``): right after
+the model is built (before the optimizer copies anything) every parameter that is not constant
+is redrawn from N(0, 0.02) with a generator seeded by a CRC of its global name (decoder layers by
+their global layer number); norms' ones and biases' zeros stay. Any pipeline split then starts
+from the same weights (tensor parallel size 1).
 """
 
 from __future__ import annotations
@@ -54,3 +56,18 @@ def install(training) -> None:
         return model
 
     training.get_model = get_model_by_name
+
+
+def install_builder(gpt_models) -> None:
+    """Megatron-LM from core_v0.19 builds ``pretrain_gpt.py``'s model from its config container with
+    ``GPTModelBuilder.build_distributed_models``, not ``get_model``: redraw there too."""
+    builder = gpt_models.GPTModelBuilder
+    build = builder.build_distributed_models
+
+    @functools.wraps(build)
+    def build_by_name(self, *args, **kwargs):
+        model = build(self, *args, **kwargs)
+        reinitialise(model)
+        return model
+
+    builder.build_distributed_models = build_by_name

@@ -28,6 +28,7 @@ if os.environ.get("MEGATRON_SLIM_TEST_CPU_SHIM") == "1" or os.environ.get("MEGAT
             import init_by_name
 
             post_import.when_imported("megatron.training.training", init_by_name.install)
+            post_import.when_imported("megatron.training.models.gpt", init_by_name.install_builder)
     if os.environ.get("MEGATRON_SLIM_TEST_RECORD"):
         import metrics_recorder
 
