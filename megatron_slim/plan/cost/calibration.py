@@ -20,6 +20,7 @@ measurements keeps the profile's efficiency.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -58,16 +59,26 @@ class Calibration:
         if not self.measurements:
             raise fail("measurements", [], "at least one measurement")
 
+    @functools.cached_property
+    def _points(self) -> dict[str, tuple[list[float], list[tuple[float, float]]]]:
+        """Per op class: the sorted works, and (work, rate) in that order (the autotuner asks ``rate``
+        millions of times)."""
+        out = {}
+        for op in OP_CLASSES:
+            points = sorted((m.work, m.work / m.seconds) for m in self.measurements if m.op == op)
+            out[op] = ([w for w, _ in points], points)
+        return out
+
     def rate(self, op: str, work: float) -> Optional[float]:
         """Achieved work per second for a kernel of ``work``; None if ``op`` was not measured."""
-        points = sorted((m.work, m.work / m.seconds) for m in self.measurements if m.op == op)
+        works, points = self._points.get(op, ([], []))
         if not points:
             return None
         if work <= points[0][0]:
             return points[0][1]
         if work >= points[-1][0]:
             return points[-1][1]
-        i = bisect.bisect_left([w for w, _ in points], work)
+        i = bisect.bisect_left(works, work)
         (w0, r0), (w1, r1) = points[i - 1], points[i]
         t = (math.log(work) - math.log(w0)) / (math.log(w1) - math.log(w0))
         return r0 + t * (r1 - r0)
