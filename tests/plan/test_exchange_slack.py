@@ -7,12 +7,13 @@ import dataclasses
 import pytest
 
 from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.plan.schedule.exchange import with_exchange
 from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
 from megatron_slim.plan.schedule.executable import executable
 from megatron_slim.plan.schedule.ir import Action
 from megatron_slim.plan.sim.costs import RecipeCosts
 from megatron_slim.plan.sim.engine import simulate
-from megatron_slim.plan.sim.exchange_slack import slack_pairs, timed_actions
+from megatron_slim.plan.sim.exchange_slack import losing_pairs, slack_pairs, timed_actions
 from megatron_slim.plan.sim.exchange_timing import simulate_with_exchange
 
 
@@ -64,5 +65,14 @@ def test_idle_time_pairs_lower_the_bubble(tiny_pp4):
     mirrored = simulate_with_exchange(schedule, costs, costs.lengths, slack_rounds=0)
     both = simulate_with_exchange(schedule, costs, costs.lengths)
     assert both.bubble_ratio < mirrored.bubble_ratio - 0.01
-    kept = ExchangePlan.from_text(mirrored.schedule.exchange).pairs
-    assert set(kept) <= set(ExchangePlan.from_text(both.schedule.exchange).pairs)
+
+
+def test_losing_pairs_are_those_whose_sender_took_no_less_than_unpaired(tiny_pp4):
+    schedule, costs = tiny_pp4
+    unpaired = {ra: e - s for ra, (s, e) in _compute(simulate(schedule, costs)).items()}
+    unit = simulate(with_exchange(schedule, costs.lengths), costs)  # pairs on unit time: some senders wait
+    paired = {ra: e - s for ra, (s, e) in _compute(unit).items()}
+    pairs = ExchangePlan.from_text(unit.schedule.exchange).pairs
+    expected = {p for p in pairs if paired[(p.sender, p.sender_action)] >= unpaired[(p.sender, p.sender_action)]}
+    assert expected and expected != set(pairs)
+    assert losing_pairs(unit, costs) == expected

@@ -23,7 +23,7 @@ from typing import Sequence, cast
 from megatron_slim.plan.schedule.exchange_pairs import ExchangePair, ExchangePlan, RankAction
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.sim.costs import ExchangeCosts, PipelineCosts
-from megatron_slim.plan.sim.engine import SimResult
+from megatron_slim.plan.sim.engine import SimResult, compute_time
 
 MIN_GAIN_S = 1e-5  # a pair saving less than this is not worth its messages
 
@@ -152,3 +152,16 @@ def slack_pairs(
         used |= {sender, peer}
         pairs.append(ExchangePair(step, sender[0], sender[1], peer[0], peer[1], moved))
     return pairs
+
+
+def losing_pairs(result: SimResult, costs: PipelineCosts) -> set[ExchangePair]:
+    """The pairs of ``result`` whose sender took at least as long as it would have unpaired: they
+    only lengthen their peer."""
+    schedule = result.schedule
+    spans = {(e.rank, e.name): e.end - e.start for e in result.events if e.stream == "compute"}
+    return {
+        p
+        for p in ExchangePlan.from_text(schedule.exchange).pairs
+        if spans[(p.sender, str(p.sender_action))]
+        >= compute_time(costs, schedule.stage(p.sender, p.sender_action.chunk), p.sender_action)
+    }
