@@ -10,7 +10,9 @@ the same pass (forward with forward, backward with backward) on another rank tha
 room is a candidate sender, with every whole-slice moved volume its prefix allows. A candidate
 counts what it takes off the sender's end (priced by the engine's formula, transfers included)
 where nothing already waits later for the sender, and only if the peer still ends by its deadline.
-The best candidates are taken greedily, each action in at most one pair.
+The best candidates are taken greedily, each action in at most one pair. ``losing_pairs`` names
+the pairs of a timeline whose sender gained nothing (it waited for its peer or the transfers at
+least as long as the block it moved), which only lengthen their peer.
 """
 
 from __future__ import annotations
