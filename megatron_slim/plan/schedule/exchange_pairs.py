@@ -5,7 +5,8 @@ with one of a *peer* on another rank, both forwards or both backwards. During th
 ships its slice's Q and the first ``moved_tokens`` tokens of its K/V prefix (whole slices, the
 oldest ones) to the peer; the peer computes that non-causal attention block and returns
 ``(out, lse)``; the backward ships ``(q, out, lse, dout)`` and that K/V and gets ``(dQ, dK, dV)``
-back. ``step`` is the unit-time slot both actions start in (``exchange.unit_start_slots``).
+back. ``step`` labels the group that formed the pair (a step of the timeline the pairing read, or
+a later idle-time round, ``plan/sim/exchange_slack.py``); it orders the plan and nothing else.
 
 Text form, one pair a line: ``step sender sender_action peer peer_action moved_tokens``, e.g.
 ``41 5 1F2.9 2 3F1.1 24576``. It rides in ``Schedule.exchange`` and so in its digest.

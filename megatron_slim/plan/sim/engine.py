@@ -123,6 +123,18 @@ class SimResult:
         }
 
 
+def compute_time(costs: PipelineCosts, stage: int, a: Action) -> float:
+    """How long compute action ``a`` of ``stage`` takes, unpaired."""
+    mb, j = a.microbatch, a.slice
+    if a.kind is Kind.F:
+        return costs.forward(stage, mb, j)
+    if a.kind is Kind.B:
+        return costs.backward(stage, mb, j)
+    if a.kind is Kind.W:
+        return costs.weight_grad(stage, mb, j)
+    return costs.backward(stage, mb, j) - costs.weight_grad(stage, mb, j)
+
+
 class _Run:
     def __init__(self, schedule: Schedule, costs: PipelineCosts) -> None:
         self.schedule = schedule
@@ -146,14 +158,7 @@ class _Run:
         return self._recv(rank, a, ready)
 
     def _duration(self, stage: int, a: Action) -> float:
-        mb, j, costs = a.microbatch, a.slice, self.costs
-        if a.kind is Kind.F:
-            return costs.forward(stage, mb, j)
-        if a.kind is Kind.B:
-            return costs.backward(stage, mb, j)
-        if a.kind is Kind.W:
-            return costs.weight_grad(stage, mb, j)
-        return costs.backward(stage, mb, j) - costs.weight_grad(stage, mb, j)
+        return compute_time(self.costs, stage, a)
 
     def _compute(self, rank: int, a: Action, ready: float) -> float:
         stage = self.schedule.stage(rank, a.chunk)
