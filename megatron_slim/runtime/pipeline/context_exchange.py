@@ -17,7 +17,11 @@ serves before its own, so one layer's meeting needs no third party; the readines
 pair as one rendezvous (``drop_deadlocks``), so neither end waits for the other behind a message
 it has not sent yet. Messages are tagged in their own range, above the schedule's and the
 vocabulary exchange's tags, by (pair, layer, message): gloo matches them by tag, so they never
-take the place of an activation on the same link. NCCL ignores tags and matches in posting
+take the place of an activation on the same link. With interleaving (vpp > 1) a pair may couple
+two model chunks: attention has no weights, so the peer needs only the sender's Q/K/V, and since an
+action names its chunk and sits in one pair at most, two chunks' meetings never share a tag. Both
+ends run one chunk's layers each, equally many (recipes split layers evenly over pp x vpp chunks).
+NCCL ignores tags and matches in posting
 order, which activation receives posted ahead would break: the runtime refuses it.
 """
 
