@@ -77,7 +77,8 @@ class SliceCoreAttention(SlimCoreAttention):
                 raise RuntimeError(f"microbatch {info.microbatch}: a CP-planned window needs its document lengths")
             return planned_slice_attention(q, k, v, group=cp_group, documents=documents, shares=shares, **common)
         if under_cp:
-            return cp_sliced_attention(q, k, v, group=cp_group, documents=documents, **common)
+            exchange = self.context.exchange if self.context is not None else None
+            return cp_sliced_attention(q, k, v, group=cp_group, documents=documents, exchange=exchange, **common)
         return sliced_attention(
             q,
             k,
