@@ -40,8 +40,9 @@ SLIMPIPE_RULES = [
         lambda s, i: (
             f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)}, "
             f"{i.name('recompute')}={s.recompute or 'none'} and "
-            f"{i.setting('vocab_parallel', s.vocab_parallel)}: context exchange runs without tensor or context "
-            "parallelism, activation recomputation or the vocabulary exchange (any vpp); allowed: "
+            f"{i.setting('vocab_parallel', s.vocab_parallel)}: context exchange runs (with any vpp) without tensor "
+            "parallelism, activation recomputation or the vocabulary exchange, and with context parallelism only "
+            "over zigzag shards, not the CP engine's planned windows train runs; allowed: "
             f"{i.name('tp')}=1, {i.name('cp')}=1, "
             f"{i.name('recompute')}=none and {i.name('vocab_parallel')}=false, or "
             f"{i.name('slice_policy')}=uniform or balanced"

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_slim.runtime.attention import AttentionBackend, merge_
-from megatron_slim.runtime.pipeline.context_exchange import Attend, ContextExchange, Gradients, Pending
+from megatron_slim.runtime.pipeline.context_exchange import Attend, ContextExchange, Gradients, Pending, paired_role
 from megatron_slim.runtime.pipeline.cp_collectives import all_gather, all_to_all, reduce_scatter_sum
 
 Tensor = torch.Tensor
@@ -93,13 +93,13 @@ def moved_count(exchange: ContextExchange, prefix: Sequence[tuple[Tensor, Tensor
     return exchange.moved_chunks([k.shape[1] for k, _ in prefix])
 
 
-def open_forward(exchange: Optional[ContextExchange], setup, q: Tensor, k: Tensor, prefix) -> Opened:
+def open_forward(exchange: Optional[ContextExchange], setup, q: Tensor, k: Tensor, prefix, recompute: bool) -> Opened:
     """A paired forward's first step at one layer: the sender ships its shards (returns how many cached
     slices moved and what comes back); the peer serves the block before its own attention."""
-    role = exchange.role if exchange is not None else None
-    if role is None:
+    if exchange is None or paired_role(exchange, setup.documents is not None, recompute) is None:
         return 0, None
-    if role.sender:
+    assert exchange.role is not None
+    if exchange.role.sender:
         first = moved_count(exchange, prefix)
         return first, exchange.send_forward(q, *moved_kv(prefix, first))
     exchange.serve_forward(q, k, block_attention(setup.backend, setup.scale, setup.group)[0])
@@ -108,10 +108,10 @@ def open_forward(exchange: Optional[ContextExchange], setup, q: Tensor, k: Tenso
 
 def open_backward(exchange: Optional[ContextExchange], setup, dout, q, out, lse, k, prefix) -> Opened:
     """:func:`open_forward` for the backward: the sender ships (dout, q, out, lse) and its moved shards."""
-    role = exchange.role if exchange is not None else None
-    if role is None:
+    if exchange is None or paired_role(exchange, setup.documents is not None, False) is None:
         return 0, None
-    if role.sender:
+    assert exchange.role is not None
+    if exchange.role.sender:
         first = moved_count(exchange, prefix)
         return first, exchange.send_backward(dout, q, out, lse, *moved_kv(prefix, first))
     exchange.serve_backward(q, k, block_attention(setup.backend, setup.scale, setup.group)[1])

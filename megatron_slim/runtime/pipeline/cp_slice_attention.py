@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_slim.runtime.attention import AttentionBackend, merge_
-from megatron_slim.runtime.pipeline.context_exchange import ContextExchange, paired_role
+from megatron_slim.runtime.pipeline.context_exchange import ContextExchange
 from megatron_slim.runtime.pipeline.cp_collectives import all_gather, all_to_all, reduce_scatter_sum
 from megatron_slim.runtime.pipeline.cp_document_attention import (
     OWN,
@@ -158,9 +158,9 @@ def _combine(s: _Setup, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
 
 def _forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, cached: CachedSlice) -> tuple[Tensor, Tensor]:
     prefix = cached.prefix()
-    first, pending = open_forward(s.exchange, s, q, k, prefix)  # a sender's oldest `first` slices go out
+    moved, pending = open_forward(s.exchange, s, q, k, prefix, cached.recompute)  # a sender ships `moved` slices
     q_all = _from_ranks(all_gather([q], s.group)[0], s.layout, 1)
-    out, lse = _partial_forward(s, q_all, k, v, prefix[first:])
+    out, lse = _partial_forward(s, q_all, k, v, prefix[moved:])
     out, lse = _combine(s, out, lse)
     if pending is not None:
         merge_(out, lse, *pending.wait())
@@ -171,7 +171,7 @@ def _backward(
     s: _Setup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cached: CachedSlice
 ) -> tuple[Tensor, Tensor, Tensor]:
     prefix = cached.prefix()
-    first, pending = open_backward(s.exchange, s, dout, q, out, lse, k, prefix)
+    moved, pending = open_backward(s.exchange, s, dout, q, out, lse, k, prefix)
     q_all, dout_all, out_all, lse_all = all_gather([q, dout, out, lse], s.group)
     qp, doutp, outp = (_from_ranks(t, s.layout, 1) for t in (q_all, dout_all, out_all))
     lsep = _from_ranks(lse_all, s.layout, 2)
@@ -179,7 +179,7 @@ def _backward(
         return _document_backward(s, qp, doutp, outp, lsep, k, v, cached)
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(qp.shape, dtype=acc, device=q.device)
-    for i, (k_i, v_i) in list(enumerate(prefix))[first:]:
+    for i, (k_i, v_i) in list(enumerate(prefix))[moved:]:
         dq_i, dk_i, dv_i = s.backend.backward(doutp, qp, k_i, v_i, outp, lsep, causal=False, softmax_scale=s.scale)
         dq += dq_i
         cached.accumulate(i, dk_i, dv_i)
@@ -201,7 +201,7 @@ def _backward(
         _rows(dq, first, n).add_(dq_b)
         _rows(dk, t * c, c).add_(dk_b)
         _rows(dv, t * c, c).add_(dv_b)
-    dq_moved = close_backward(pending, prefix[:first], cached.accumulate) if pending is not None else 0
+    dq_moved = close_backward(pending, prefix[:moved], cached.accumulate) if pending is not None else 0
     later = cached.take_gradient()
     if later is not None:
         dk += later[0]
@@ -284,9 +284,7 @@ def cp_sliced_attention(
     if documents is not None and (info is None or q.shape[0] != 1):
         raise ValueError("documents: allowed only for a cached slice (info) of micro-batch size 1")
     start = info.start if info is not None else 0
-    if info is None or paired_role(exchange, documents is not None, info.recompute) is None:
-        exchange = None
-    layout = ZigzagLayout(cp, length)
+    layout, exchange = ZigzagLayout(cp, length), exchange if info is not None else None
     setup = _Setup(backend, softmax_scale, group, dist.get_rank(group), layout, documents, start, exchange)
     cached = (
         CachedSlice(store) if info is None else CachedSlice(store, info.microbatch, info.slice, layer, info.recompute)
