@@ -21,7 +21,8 @@ take the place of an activation on the same link. With interleaving (vpp > 1) a 
 two model chunks: attention has no weights, so the peer needs only the sender's Q/K/V, and since an
 action names its chunk and sits in one pair at most, two chunks' meetings never share a tag. Both
 ends run one chunk's layers each, equally many (recipes split layers evenly over pp x vpp chunks).
-NCCL ignores tags and matches in posting
+Under query-out context parallelism each CP rank pairs with the same CP rank of the peer stage
+and ships its own shards (``shards``: the CP size; ``runtime/pipeline/cp_exchange.py``). NCCL ignores tags and matches in posting
 order, which activation receives posted ahead would break: the runtime refuses it.
 """
 
