@@ -26,6 +26,7 @@ backward of slice j (slices run in reverse)
 Memory per rank: K/V cache and dK/dV buffers are 1/cp of the unsharded ones; transient buffers are
 one slice's queries, out and lse for all cp ranks (no K/V is ever gathered). Every CP rank of a
 pipeline stage runs the same schedule, so the collectives of (microbatch, slice, layer) line up.
+Context exchange: a paired sender's oldest cached slices are attended on the peer stage (``cp_exchange``).
 """
 
 from __future__ import annotations
