@@ -110,17 +110,16 @@ def test_context_exchange_runs_in_train_and_is_refused_by_the_megatron_launcher(
     assert "Megatron-LM's launcher does not run it yet; allowed: uniform, balanced" in launcher
     sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]
     check_trainable(load_recipe("tiny-cpu", sets))  # megatron-slim train runs it
+    check_trainable(load_recipe("tiny-cpu", [*sets, "parallel.vpp=2"]))  # interleaved too
 
 
-@pytest.mark.parametrize(
-    "bad", ["parallel.tp=2", "parallel.vpp=2", "train.recompute=full", "schedule.vocab_parallel=true"]
-)
+@pytest.mark.parametrize("bad", ["parallel.tp=2", "train.recompute=full", "schedule.vocab_parallel=true"])
 def test_train_refuses_context_exchange_where_it_does_not_run(bad):
     sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", bad]
     refused = _refusal(check_trainable, load_recipe("tiny-cpu", sets))
     assert refused.startswith("schedule.slice_policy=exchange with parallel.tp=")
     assert bad.split("=")[0] in refused and refused.endswith(
-        "allowed: parallel.tp=1, parallel.cp=1, parallel.vpp=1, train.recompute=none and "
+        "allowed: parallel.tp=1, parallel.cp=1, train.recompute=none and "
         "schedule.vocab_parallel=false, or schedule.slice_policy=uniform or balanced"
     )
 

@@ -23,7 +23,7 @@ megatron does on each CP rank (``runtime.pipeline.loss``); DDP averages over dat
 Recomputation is megatron-core's (the chunks' ``TransformerConfig.recompute_*``); the interpreter
 runs each backward in its slice's context so a recomputed layer reads the cached K/V prefix.
 ``SlimPipeSettings.exchange`` runs the schedule's context-exchange pairs in training calls
-(``runtime.pipeline.context_exchange``; cp=1, vpp=1, gloo). ``SlimPipeSettings.offload_ratio``
+(``runtime.pipeline.context_exchange``; gloo, any vpp, CP under zigzag query-out). ``SlimPipeSettings.offload_ratio``
 moves that share of each chunk's layers' saved activations to host memory until backward
 (``offload_layers``).
 """
@@ -228,15 +228,16 @@ class _Run:
         if not self.schedule.exchange:
             return None
         backend = dist.get_backend(self.group)
-        if chunks.cp > 1 or len(chunks.models) > 1 or backend != "gloo":
+        if backend != "gloo":
             raise ValueError(
-                f"schedule.slice_policy=exchange: context exchange runs with cp=1, vpp=1 and gloo point-to-point "
-                f"(its messages are told apart by tag); got cp={chunks.cp}, vpp={len(chunks.models)}, "
-                f"backend {backend}; allowed: those, or schedule.slice_policy=uniform or balanced"
+                f"schedule.slice_policy=exchange: context exchange runs with gloo point-to-point (its messages "
+                f"are told apart by tag); got backend {backend}; allowed: gloo, or schedule.slice_policy=uniform "
+                "or balanced"
             )
         ranks = dist.get_process_group_ranks(self.group)
         plan = ExchangePlan.from_text(self.schedule.exchange)
-        return ContextExchange(plan, self.group.rank(), self.group, ranks, self.settings.slice_lengths)
+        lengths = self.settings.slice_lengths
+        return ContextExchange(plan, self.group.rank(), self.group, ranks, lengths, shards=chunks.cp)
 
     def _p2p(self, device: torch.device) -> Optional[P2P]:
         """The send/receive pairs between pipeline stages; none for a single stage."""

@@ -36,6 +36,7 @@ import torch
 from megatron_slim.megatron.model.core_attention import SlimCoreAttention
 from megatron_slim.megatron.model.rotary import rope_table, zigzag_positions
 from megatron_slim.megatron.model.wrapping import RotaryWrapper, wrap_rotary
+from megatron_slim.runtime.pipeline.context_exchange import paired_role
 from megatron_slim.runtime.pipeline.cp_planned_attention import planned_slice_attention
 from megatron_slim.runtime.pipeline.cp_slice_attention import cp_sliced_attention
 from megatron_slim.runtime.pipeline.documents import DOCUMENT_LENGTHS, slice_documents, slice_positions
@@ -75,9 +76,12 @@ class SliceCoreAttention(SlimCoreAttention):
         if under_cp and shares is not None:
             if documents is None:
                 raise RuntimeError(f"microbatch {info.microbatch}: a CP-planned window needs its document lengths")
+            assert self.context is not None  # a current slice comes from the context
+            paired_role(self.context.exchange, True, info.recompute)  # refuses a paired action: not run here
             return planned_slice_attention(q, k, v, group=cp_group, documents=documents, shares=shares, **common)
         if under_cp:
-            return cp_sliced_attention(q, k, v, group=cp_group, documents=documents, **common)
+            exchange = self.context.exchange if self.context is not None else None
+            return cp_sliced_attention(q, k, v, group=cp_group, documents=documents, exchange=exchange, **common)
         return sliced_attention(
             q,
             k,

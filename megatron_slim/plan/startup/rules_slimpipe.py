@@ -35,14 +35,15 @@ SLIMPIPE_RULES = [
         lambda s: (
             s.slimpipe
             and s.slice_policy == "exchange"
-            and (s.tp > 1 or s.cp > 1 or s.vpp > 1 or s.recompute is not None or s.vocab_parallel)
+            and (s.tp > 1 or s.cp > 1 or s.recompute is not None or s.vocab_parallel)
         ),
         lambda s, i: (
             f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)}, "
-            f"{i.setting('vpp', s.vpp)}, {i.name('recompute')}={s.recompute or 'none'} and "
-            f"{i.setting('vocab_parallel', s.vocab_parallel)}: context exchange runs with one model chunk per "
-            "pipeline rank, without tensor or context parallelism, activation recomputation or the vocabulary "
-            f"exchange; allowed: {i.name('tp')}=1, {i.name('cp')}=1, {i.name('vpp')}=1, "
+            f"{i.name('recompute')}={s.recompute or 'none'} and "
+            f"{i.setting('vocab_parallel', s.vocab_parallel)}: context exchange runs (with any vpp) without tensor "
+            "parallelism, activation recomputation or the vocabulary exchange, and with context parallelism only "
+            "over zigzag shards, not the CP engine's planned windows train runs; allowed: "
+            f"{i.name('tp')}=1, {i.name('cp')}=1, "
             f"{i.name('recompute')}=none and {i.name('vocab_parallel')}=false, or "
             f"{i.name('slice_policy')}=uniform or balanced"
         ),

@@ -17,7 +17,12 @@ serves before its own, so one layer's meeting needs no third party; the readines
 pair as one rendezvous (``drop_deadlocks``), so neither end waits for the other behind a message
 it has not sent yet. Messages are tagged in their own range, above the schedule's and the
 vocabulary exchange's tags, by (pair, layer, message): gloo matches them by tag, so they never
-take the place of an activation on the same link. NCCL ignores tags and matches in posting
+take the place of an activation on the same link. With interleaving (vpp > 1) a pair may couple
+two model chunks: attention has no weights, so the peer needs only the sender's Q/K/V, and since an
+action names its chunk and sits in one pair at most, two chunks' meetings never share a tag. Both
+ends run one chunk's layers each, equally many (recipes split layers evenly over pp x vpp chunks).
+Under query-out context parallelism each CP rank pairs with the same CP rank of the peer stage
+and ships its own shards (``shards``: the CP size; ``runtime/pipeline/cp_exchange.py``). NCCL ignores tags and matches in posting
 order, which activation receives posted ahead would break: the runtime refuses it.
 """
 
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,6 +43,22 @@ _MESSAGES = 16  # message kinds per layer (forward 5, backward 9)
 _TAG_SPAN = 2**30 - _MESSAGES  # every tag stays below 2**31 - 1
 _LAYERS = 4096  # layer slots per pair
 
+Tensor = torch.Tensor
+Attend = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]  # (q, k, v) -> the block's (out, lse)
+Gradients = Callable[..., tuple[Tensor, Tensor, Tensor]]  # (dout, q, out, lse, k, v) -> (dq, dk, dv)
+
+
+def unmasked(backend, scale: float) -> tuple[Attend, Gradients]:
+    """The block's forward and backward without context parallelism: plain unmasked attention."""
+
+    def attend(q, k, v):
+        return backend.forward(q, k, v, causal=False, softmax_scale=scale)
+
+    def gradients(dout, q, out, lse, k, v):
+        return backend.backward(dout, q, k, v, out, lse, causal=False, softmax_scale=scale)
+
+    return attend, gradients
+
 
 @dataclass(frozen=True)
 class ExchangeRole:
@@ -46,8 +67,20 @@ class ExchangeRole:
     sender: bool
     other: int  # pipeline rank of the pair's other end
     pair_index: int  # in the plan's order: the same on both ends
-    query_tokens: int  # rows of the sender's slice
+    query_rows: int  # rows of the sender's slice on this CP rank (the whole slice without CP)
     moved: int  # oldest K/V tokens of the sender's prefix the peer attends to
+    moved_rows: int  # of them, the rows this CP rank holds and ships
+
+
+def paired_role(exchange: Optional["ContextExchange"], packed: bool, recompute: bool) -> Optional[ExchangeRole]:
+    """The current action's role at this layer (None: not paired); refuses what exchange does not run."""
+    role = exchange.role if exchange is not None else None
+    if role is not None and (packed or recompute):
+        raise ValueError(
+            "schedule.slice_policy=exchange: context exchange runs neither packed documents nor activation "
+            "recomputation; allowed: unpacked batches with train.recompute=none, or schedule.slice_policy=uniform"
+        )
+    return role
 
 
 class Pending:
@@ -63,20 +96,23 @@ class Pending:
 
 
 class ContextExchange:
-    def __init__(self, plan: ExchangePlan, rank: int, group, pp_ranks: Sequence[int], lengths: Sequence[int]) -> None:
-        """``pp_ranks[i]``: the global rank of pipeline rank ``i`` in ``group``; ``lengths``: slice lengths."""
-        self.group, self.pp_ranks = group, list(pp_ranks)
+    def __init__(
+        self, plan: ExchangePlan, rank: int, group, pp_ranks: Sequence[int], lengths: Sequence[int], shards: int = 1
+    ) -> None:
+        """``pp_ranks[i]``: the global rank of pipeline rank ``i`` in ``group``; ``lengths``: slice lengths;
+        ``shards``: the CP size (each CP rank ships its shard of the slice's queries and moved K/V)."""
+        self.group, self.pp_ranks, self.shards = group, list(pp_ranks), shards
         self._roles: dict[Action, ExchangeRole] = {}
         for i, p in enumerate(plan.pairs):
-            tokens = lengths[p.sender_action.slice]
+            rows, moved = lengths[p.sender_action.slice] // shards, p.moved_tokens
             if p.sender == rank:
-                self._roles[p.sender_action] = ExchangeRole(True, p.peer, i, tokens, p.moved_tokens)
+                self._roles[p.sender_action] = ExchangeRole(True, p.peer, i, rows, moved, moved // shards)
             elif p.peer == rank:
-                self._roles[p.peer_action] = ExchangeRole(False, p.sender, i, tokens, p.moved_tokens)
+                self._roles[p.peer_action] = ExchangeRole(False, p.sender, i, rows, moved, moved // shards)
         self._current: Optional[ExchangeRole] = None
         self._action: Optional[Action] = None
         self._layer = 0
-        self.sent_tokens = 0  # K/V tokens this rank moved to peers, summed over layers and passes
+        self.sent_tokens = 0  # K/V rows this rank moved to peers (its CP shard), summed over layers and passes
         self.served_blocks = 0  # attention blocks this rank computed for senders
 
     @property
@@ -96,10 +132,10 @@ class ContextExchange:
             self._current, self._action = None, None
 
     def moved_chunks(self, chunk_lengths: Sequence[int]) -> int:
-        """How many of the oldest cached chunks (``chunk_lengths`` tokens each) the pair moves."""
+        """How many of the oldest cached chunks (``chunk_lengths`` local rows each) the pair moves."""
         role, total = self._role(), 0
         for count, length in enumerate(chunk_lengths, start=1):
-            total += length
+            total += length * self.shards
             if total == role.moved:
                 return count
         raise RuntimeError(
@@ -114,7 +150,7 @@ class ContextExchange:
         b, s, hq, _ = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
-        self.sent_tokens += role.moved
+        self.sent_tokens += role.moved_rows
         return self._exchange(role, tag, (q, k, v), (out, lse))
 
     def send_backward(self, dout, q, out, lse, k, v) -> Pending:
@@ -123,7 +159,7 @@ class ContextExchange:
         grads = (torch.empty(q.shape, dtype=torch.float32, device=q.device),) + tuple(
             torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)
         )
-        self.sent_tokens += role.moved
+        self.sent_tokens += role.moved_rows
         return self._exchange(role, tag, (dout, q, out, lse, k, v), grads)
 
     def _exchange(self, role: ExchangeRole, tag: int, payload: tuple, buffers: tuple) -> Pending:
@@ -134,22 +170,22 @@ class ContextExchange:
         return Pending(sends, receives, buffers)
 
     # ---- the peer -----------------------------------------------------------------------------
-    def serve_forward(self, backend, scale: float, q_like: torch.Tensor, kv_like: torch.Tensor) -> None:
-        """Attend the sender's Q to its moved K/V, unmasked, and return (out, lse)."""
+    def serve_forward(self, q_like: Tensor, kv_like: Tensor, attend: Attend) -> None:
+        """Attend the sender's Q to its moved K/V, unmasked (``attend``), and return (out, lse)."""
         role, tag = self._role(), self._next_layer()
         kv_shape = self._kv_shape(role, kv_like)
         q, k, v = self._receive(role, tag, (self._q_shape(role, q_like), kv_shape, kv_shape), q_like)
-        out, lse = backend.forward(q, k, v, causal=False, softmax_scale=scale)
+        out, lse = attend(q, k, v)
         self._reply(role, tag + 3, (out, lse.float()))
 
-    def serve_backward(self, backend, scale: float, q_like: torch.Tensor, kv_like: torch.Tensor) -> None:
-        """The block's backward for the sender: fp32 (dQ, dK, dV) go back."""
+    def serve_backward(self, q_like: Tensor, kv_like: Tensor, gradients: Gradients) -> None:
+        """The block's backward for the sender (``gradients``): fp32 (dQ, dK, dV) go back."""
         role, tag = self._role(), self._next_layer()
         q_shape, kv_shape = self._q_shape(role, q_like), self._kv_shape(role, kv_like)
         b, s, hq, _ = q_shape
         shapes = (q_shape, q_shape, q_shape, (b, hq, s), kv_shape, kv_shape)
         dout, q, out, lse, k, v = self._receive(role, tag, shapes, q_like, lse_at=3)
-        dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal=False, softmax_scale=scale)
+        dq, dk, dv = gradients(dout, q, out, lse, k, v)
         self._reply(role, tag + 6, (dq.float(), dk.float(), dv.float()))
 
     def _receive(self, role, tag: int, shapes, like: torch.Tensor, lse_at: int = -1) -> list[torch.Tensor]:
@@ -172,12 +208,12 @@ class ContextExchange:
     @staticmethod
     def _q_shape(role: ExchangeRole, q_like: torch.Tensor) -> tuple[int, ...]:
         b, _, hq, d = q_like.shape
-        return (b, role.query_tokens, hq, d)
+        return (b, role.query_rows, hq, d)
 
     @staticmethod
     def _kv_shape(role: ExchangeRole, kv_like: torch.Tensor) -> tuple[int, ...]:
         b, _, hkv, d = kv_like.shape
-        return (b, role.moved, hkv, d)
+        return (b, role.moved_rows, hkv, d)
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def _role(self) -> ExchangeRole:

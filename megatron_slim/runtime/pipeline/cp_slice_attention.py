@@ -26,6 +26,7 @@ backward of slice j (slices run in reverse)
 Memory per rank: K/V cache and dK/dV buffers are 1/cp of the unsharded ones; transient buffers are
 one slice's queries, out and lse for all cp ranks (no K/V is ever gathered). Every CP rank of a
 pipeline stage runs the same schedule, so the collectives of (microbatch, slice, layer) line up.
+Context exchange: a paired sender's oldest cached slices are attended on the peer stage (``cp_exchange``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_slim.runtime.attention import AttentionBackend, merge_
+from megatron_slim.runtime.pipeline.context_exchange import ContextExchange
 from megatron_slim.runtime.pipeline.cp_collectives import all_gather, all_to_all, reduce_scatter_sum
 from megatron_slim.runtime.pipeline.cp_document_attention import (
     OWN,
@@ -44,6 +46,7 @@ from megatron_slim.runtime.pipeline.cp_document_attention import (
     pieces_backward,
     pieces_forward,
 )
+from megatron_slim.runtime.pipeline.cp_exchange import close_backward, merge_ranks, open_backward, open_forward
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceInfo
 from megatron_slim.runtime.pipeline.zigzag import ZigzagLayout
@@ -91,6 +94,7 @@ class _Setup:
     layout: ZigzagLayout
     documents: Optional[tuple[int, ...]] = None  # a packed window's documents (cp_document_attention)
     start: int = 0  # the slice's first position in its window
+    exchange: Optional[ContextExchange] = None  # context exchange (``cp_exchange``), unpacked windows only
 
     def pieces(self, prefix: list) -> list:
         lengths = [k_i.shape[1] * self.layout.cp for k_i, _ in prefix]
@@ -150,23 +154,25 @@ def _combine(s: _Setup, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     recv = all_to_all(send, s.group)
     n = out_r[0].numel()
     outs = recv[:, :n].reshape(out_r.shape)
-    lses = recv[:, n:].reshape(lse_r.shape).float()
-    acc_out, acc_lse = outs[0].clone(), lses[0].clone()
-    for i in range(1, cp):
-        merge_(acc_out, acc_lse, outs[i], lses[i])
-    return acc_out, acc_lse
+    return merge_ranks(outs, recv[:, n:].reshape(lse_r.shape).float())
 
 
 def _forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, cached: CachedSlice) -> tuple[Tensor, Tensor]:
+    prefix = cached.prefix()
+    moved, pending = open_forward(s.exchange, s, q, k, prefix, cached.recompute)  # a sender ships `moved` slices
     q_all = _from_ranks(all_gather([q], s.group)[0], s.layout, 1)
-    out, lse = _partial_forward(s, q_all, k, v, cached.prefix())
+    out, lse = _partial_forward(s, q_all, k, v, prefix[moved:])
     out, lse = _combine(s, out, lse)
+    if pending is not None:
+        merge_(out, lse, *pending.wait())
     return out.to(q.dtype), lse
 
 
 def _backward(
     s: _Setup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cached: CachedSlice
 ) -> tuple[Tensor, Tensor, Tensor]:
+    prefix = cached.prefix()
+    moved, pending = open_backward(s.exchange, s, dout, q, out, lse, k, prefix)
     q_all, dout_all, out_all, lse_all = all_gather([q, dout, out, lse], s.group)
     qp, doutp, outp = (_from_ranks(t, s.layout, 1) for t in (q_all, dout_all, out_all))
     lsep = _from_ranks(lse_all, s.layout, 2)
@@ -174,7 +180,7 @@ def _backward(
         return _document_backward(s, qp, doutp, outp, lsep, k, v, cached)
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(qp.shape, dtype=acc, device=q.device)
-    for i, (k_i, v_i) in enumerate(cached.prefix()):
+    for i, (k_i, v_i) in list(enumerate(prefix))[moved:]:
         dq_i, dk_i, dv_i = s.backend.backward(doutp, qp, k_i, v_i, outp, lsep, causal=False, softmax_scale=s.scale)
         dq += dq_i
         cached.accumulate(i, dk_i, dv_i)
@@ -196,12 +202,13 @@ def _backward(
         _rows(dq, first, n).add_(dq_b)
         _rows(dk, t * c, c).add_(dk_b)
         _rows(dv, t * c, c).add_(dv_b)
+    dq_moved = close_backward(pending, prefix[:moved], cached.accumulate) if pending is not None else 0
     later = cached.take_gradient()
     if later is not None:
         dk += later[0]
         dv += later[1]
     cached.release()
-    dq_mine = reduce_scatter_sum(_to_ranks(dq, s.layout, 1), s.group)
+    dq_mine = reduce_scatter_sum(_to_ranks(dq, s.layout, 1), s.group) + dq_moved
     return dq_mine.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -257,12 +264,13 @@ def cp_sliced_attention(
     info: Optional[SliceInfo] = None,
     layer: int = 0,
     documents: Optional[tuple[int, ...]] = None,
+    exchange: Optional[ContextExchange] = None,
 ) -> Tensor:
     """This CP rank's zigzag shard of one slice: ``q [b, s/cp, hq, d]``, ``k``/``v [b, s/cp, hkv, d]``
     -> ``[b, s/cp, hq, d]``, attending causally to the whole slice and to the earlier slices cached in
     ``store`` (this rank's shards). ``store``/``info`` None: the local tokens are the zigzag shard of
     one whole, uncached sequence. ``documents``: the window's document lengths (``b = 1``; attention
-    stays inside each document), with ``info``.
+    stays inside each document), with ``info``. ``exchange``: the run's context exchange (``cp_exchange``).
     """
     cp = dist.get_world_size(group)
     local = q.shape[1]
@@ -277,7 +285,8 @@ def cp_sliced_attention(
     if documents is not None and (info is None or q.shape[0] != 1):
         raise ValueError("documents: allowed only for a cached slice (info) of micro-batch size 1")
     start = info.start if info is not None else 0
-    setup = _Setup(backend, softmax_scale, group, dist.get_rank(group), ZigzagLayout(cp, length), documents, start)
+    layout, exchange = ZigzagLayout(cp, length), exchange if info is not None else None
+    setup = _Setup(backend, softmax_scale, group, dist.get_rank(group), layout, documents, start, exchange)
     cached = (
         CachedSlice(store) if info is None else CachedSlice(store, info.microbatch, info.slice, layer, info.recompute)
     )

@@ -32,7 +32,13 @@ import torch
 
 from megatron_slim.runtime.attention import AttentionBackend
 from megatron_slim.runtime.attention.merge import merge
-from megatron_slim.runtime.pipeline.context_exchange import ContextExchange, ExchangeRole, Pending
+from megatron_slim.runtime.pipeline.context_exchange import (
+    ContextExchange,
+    ExchangeRole,
+    Pending,
+    paired_role,
+    unmasked,
+)
 from megatron_slim.runtime.pipeline.documents import SliceDocuments
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceInfo
@@ -117,13 +123,7 @@ def _with_skipped_rows(d: torch.Tensor, skip: int) -> torch.Tensor:
 
 
 def _role(exchange: Optional[ContextExchange], info: SliceInfo, documents) -> Optional[ExchangeRole]:
-    role = exchange.role if exchange is not None else None
-    if role is not None and (documents is not None or info.recompute):
-        raise ValueError(
-            "schedule.slice_policy=exchange: context exchange runs neither packed documents nor activation "
-            "recomputation; allowed: unpacked batches with train.recompute=none, or schedule.slice_policy=uniform"
-        )
-    return role
+    return paired_role(exchange, documents is not None, info.recompute)
 
 
 def _moved(prefix: list, first: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +143,7 @@ def _attend(backend, q, k, v, scale: float, store: KVCacheStore, info: SliceInfo
         out, lse = backend.forward(q, keys, values, causal=True, softmax_scale=scale)
         return merge(out, lse, *pending.wait())
     if role is not None:
-        exchange.serve_forward(backend, scale, q, k)
+        exchange.serve_forward(q, k, unmasked(backend, scale)[0])
     keys, values = _joined(prefix, k, v, _keys_of(prefix, documents))
     return _forward(backend, q, keys, values, scale, documents)
 
@@ -191,7 +191,7 @@ class _SliceAttention(torch.autograd.Function):
             span = _Keys(exchange.moved_chunks([k_i.shape[1] for k_i, _ in prefix]), 0)
             pending = exchange.send_backward(dout, q, out, lse, *_moved(prefix, span.first))
         elif role is not None:
-            exchange.serve_backward(backend, scale, q, k)
+            exchange.serve_backward(q, k, unmasked(backend, scale)[1])
         keys, values = _joined(prefix, k, v, span)
         dq, dkeys, dvalues = _backward(backend, dout, q, keys, values, out, lse, scale, documents)
         if pending is not None:

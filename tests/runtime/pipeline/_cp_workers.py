@@ -136,12 +136,13 @@ def _batches(model, m, loss_kind, seed):
     return batches
 
 
-def run_slimpipe_cp(rank, world_size, layouts, seed=1234):
+def run_slimpipe_cp(rank, world_size, layouts, seed=1234, exchange=False):
     """``layouts``: ``[(tp, pp, cp, configs)]`` run one after the other on the same ranks; each config
     is (vpp, num_microbatches, slice_lengths, loss kind in {"cp", "stock", "legacy"}). Returns per
     layout and config (reports summed over CP, DDP-averaged grads by global name (this rank's TP
     shards), tp rank, reference (reports, grads cut to this TP rank's shards) on CP rank 0 of the
-    first stage, else None).
+    first stage, else None); with ``exchange`` (context exchange on) each result also holds the K/V
+    rows this rank shipped to exchange peers and the schedule's pairing text.
 
     References run first, under a model-parallel state of size 1 (megatron reads the TP group from
     ``parallel_state`` in places, e.g. the vocab-parallel cross entropy)."""
@@ -159,17 +160,18 @@ def run_slimpipe_cp(rank, world_size, layouts, seed=1234):
     teardown()
     out = []
     for (tp, pp, cp, configs), layout_refs in zip(layouts, refs):
-        out.append(_run_layout(rank, model, tp, pp, cp, configs, layout_refs, seed))
+        out.append(_run_layout(rank, model, tp, pp, cp, configs, layout_refs, seed, exchange))
         teardown()
     return out
 
 
-def _run_layout(rank, model, tp, pp, cp, configs, refs, seed):
+def _run_layout(rank, model, tp, pp, cp, configs, refs, seed, exchange=False):
     import dataclasses
 
     from megatron_slim.megatron.model.gpt import build_chunk, build_rank_chunks, global_grads, global_named_parameters
     from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.megatron.model.weights import tp_shard
+    from megatron_slim.megatron.slimpipe.call_plan import planned_schedule
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
 
@@ -194,7 +196,8 @@ def _run_layout(rank, model, tp, pp, cp, configs, refs, seed):
         chunks = build_rank_chunks(
             model, dataclasses.replace(groups, vpp=vpp), core_attention=SliceCoreAttention, seed=seed
         )
-        fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths)))
+        settings = SlimPipeSettings(tuple(lengths), exchange=exchange)
+        fb = make_forward_backward_func(settings)
         step = functools.partial(_forward_step, loss_kind, groups.cp)
         reports = fb(
             forward_step_func=step,
@@ -213,5 +216,8 @@ def _run_layout(rank, model, tp, pp, cp, configs, refs, seed):
             dist.all_reduce(r, group=groups.cp)
         if ref is not None and params:
             ref = (ref[0], {n: tp_shard(g, params[n], groups.tp_rank, tp) for n, g in ref[1].items()})
-        results.append((reports, grads, groups.tp_rank, ref))
+        result = (reports, grads, groups.tp_rank, ref)
+        if exchange:
+            result += (fb.stats.exchanged_tokens, planned_schedule(settings, pp, vpp, m).exchange)
+        results.append(result)
     return results

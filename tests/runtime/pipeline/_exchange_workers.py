@@ -9,8 +9,8 @@ from tests.runtime.pipeline._workers import _call, make_batches
 
 
 def run_exchange(rank, world_size, configs, seed=1234):
-    """Each config: (num_microbatches, slice_lengths, timing recipe overrides of tiny-cpu or None for the
-    unit-time pairing). Returns per config (loss reports, grads,
+    """Each config: (vpp, num_microbatches, slice_lengths, timing recipe overrides of tiny-cpu or None for
+    the unit-time pairing). Returns per config (loss reports, grads,
     reference on rank 0, K/V tokens this rank sent to exchange peers, the schedule's pairing text)."""
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
     from megatron_slim.megatron.model.parallel import init_model_parallel
@@ -21,10 +21,10 @@ def run_exchange(rank, world_size, configs, seed=1234):
     groups = init_model_parallel(pp=world_size)
     model = ModelConfig(**TINY_GQA_8L)
     results = []
-    for m, lengths, timing in configs:
+    for vpp, m, lengths, timing in configs:
         batches = make_batches(model, m, micro_batch=2, seed=seed + m)
         chunks = build_rank_chunks(
-            model, dataclasses.replace(groups, vpp=1), core_attention=SliceCoreAttention, seed=seed
+            model, dataclasses.replace(groups, vpp=vpp), core_attention=SliceCoreAttention, seed=seed
         )
         recipe = None if timing is None else load_recipe("tiny-cpu", timing)
         settings = SlimPipeSettings(tuple(lengths), exchange=True, exchange_recipe=recipe)
@@ -34,6 +34,6 @@ def run_exchange(rank, world_size, configs, seed=1234):
         for c in chunks:
             grads.update(global_grads(c))
         ref = reference.unsliced_step(model, groups, batches, seed) if rank == 0 else None
-        pairing = planned_schedule(settings, world_size, 1, m).exchange
+        pairing = planned_schedule(settings, world_size, vpp, m).exchange
         results.append(([r["lm loss"] for r in reports], grads, ref, fb.stats.exchanged_tokens, pairing))
     return results

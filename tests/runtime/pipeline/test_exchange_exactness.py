@@ -5,10 +5,13 @@ single-process, unpipelined, unsliced reference within fp32 round-off (the toler
 log-sum-exp into one more partial).
 
 Not vacuous: every rank reports the K/V tokens it shipped to peers, which must equal the pairing's
-own sum (moved tokens x layers per stage over the rank's sender ends) and be positive; pp4 has
+own sum (moved tokens x layers per model chunk over the rank's sender ends) and be positive; pp4 has
 backward pairs as well as forward ones. One pp4 config runs the pairing timed with a recipe's cost
 model (``SlimPipeSettings.exchange_recipe``, as ``megatron-slim train`` sets it) and checks it is the
-one ``plan.sim.exchange_timing`` gives ``megatron-slim simulate``."""
+one ``plan.sim.exchange_timing`` gives ``megatron-slim simulate``; so does one interleaved (vpp2)
+config. Interleaved pairs couple actions of different model chunks (the peer attends the sender's
+Q/K/V of the sender's layer; attention has no weights), so the vpp cases check such a pair ran, and
+at pp4 that both chunks send and serve, forward and backward."""
 
 import pytest
 
@@ -21,32 +24,50 @@ from tests.oracle.models import TINY_GQA_8L
 from tests.runtime.pipeline import _exchange_workers
 from tests.runtime.pipeline.test_slimpipe_exactness import SEQ, _check
 
-# the third pp4 config runs the pairing timed with tiny-cpu's cost model, as megatron-slim train does
+# timed configs run the pairing timed with tiny-cpu's cost model, as megatron-slim train does
 TIMED = ["schedule.slice_policy=exchange"]
-CONFIGS = {
-    2: [(3, uniform_slices(SEQ, 4), None), (4, uniform_slices(SEQ, 8), None)],
-    4: [(4, uniform_slices(SEQ, 4), None), (3, uniform_slices(SEQ, 8), None), (4, uniform_slices(SEQ, 4), TIMED)],
-}
+TIMED_PP2_VPP2 = ["parallel.pp=2", "parallel.vpp=2", *TIMED]
+# (vpp, microbatches, slice lengths, timing overrides or None for the unit-time pairing)
+PP2 = [(1, 3, uniform_slices(SEQ, 4), None), (1, 4, uniform_slices(SEQ, 8), None)]
+PP4 = [
+    (1, 4, uniform_slices(SEQ, 4), None),
+    (1, 3, uniform_slices(SEQ, 8), None),
+    (1, 4, uniform_slices(SEQ, 4), TIMED),
+]
+PP2_VPP2 = [(2, 4, uniform_slices(SEQ, 4), None), (2, 3, uniform_slices(SEQ, 4), TIMED_PP2_VPP2)]
+PP4_VPP2 = [(2, 4, uniform_slices(SEQ, 4), None)]
 
 
-def _check_moved(results, pp):
-    layers = TINY_GQA_8L["num_layers"] // pp
-    for cfg_index in range(len(CONFIGS[pp])):
+def _check_pairs(plan: ExchangePlan, pp: int, vpp: int) -> None:
+    if pp == 4:
+        assert any(p.sender_action.kind.is_backward for p in plan.pairs), "no backward pair exercised"
+    if vpp > 1:
+        assert any(p.sender_action.chunk != p.peer_action.chunk for p in plan.pairs), "no cross-chunk pair"
+    if vpp > 1 and pp == 4:
+        for end in ("sender_action", "peer_action"):
+            assert {getattr(p, end).chunk for p in plan.pairs} == set(range(vpp)), end
+
+
+def _check_moved(results, pp, configs):
+    for cfg_index, (vpp, m, lengths, timing) in enumerate(configs):
+        layers = TINY_GQA_8L["num_layers"] // (pp * vpp)  # attention layers of one model chunk
         plan = ExchangePlan.from_text(results[0][cfg_index][4])
         assert all(r[cfg_index][4] == results[0][cfg_index][4] for r in results), "ranks planned different pairs"
         sent = [r[cfg_index][3] for r in results]
         expected = [sum(p.moved_tokens * layers for p in plan.pairs if p.sender == rank) for rank in range(pp)]
         assert sent == expected and sum(sent) > 0, (sent, expected)
-        if pp == 4:
-            assert any(p.sender_action.kind.is_backward for p in plan.pairs), "no backward pair exercised"
-        m, lengths, timing = CONFIGS[pp][cfg_index]
+        _check_pairs(plan, pp, vpp)
         if timing is not None:  # what ran is the pairing megatron-slim simulate prices
             timed = timed_exchange_schedule(load_recipe("tiny-cpu", timing), m, tuple(lengths))
             assert results[0][cfg_index][4] == timed.exchange
 
 
-@pytest.mark.parametrize("pp", [2, 4], ids=["pp2", "pp4"])
-def test_exchange_matches_unpipelined_unsliced_reference(pp):
-    results = run_ranks(_exchange_workers.run_exchange, pp, CONFIGS[pp], timeout_s=900)
+@pytest.mark.parametrize(
+    "pp,configs",
+    [(2, PP2), (4, PP4), (2, PP2_VPP2), pytest.param(4, PP4_VPP2, marks=pytest.mark.slow)],
+    ids=["pp2", "pp4", "pp2-vpp2", "pp4-vpp2"],
+)
+def test_exchange_matches_unpipelined_unsliced_reference(pp, configs):
+    results = run_ranks(_exchange_workers.run_exchange, pp, configs, timeout_s=900)
     _check([[(*c[:3], None) for c in rank_results] for rank_results in results])
-    _check_moved(results, pp)
+    _check_moved(results, pp, configs)
