@@ -22,8 +22,9 @@ two model chunks: attention has no weights, so the peer needs only the sender's 
 action names its chunk and sits in one pair at most, two chunks' meetings never share a tag. Both
 ends run one chunk's layers each, equally many (recipes split layers evenly over pp x vpp chunks).
 Under query-out context parallelism each CP rank pairs with the same CP rank of the peer stage
-and ships its own shards (``shards``: the CP size; ``runtime/pipeline/cp_exchange.py``). NCCL ignores tags and matches in posting
-order, which activation receives posted ahead would break: the runtime refuses it.
+and ships its own shards (``shards``: the CP size; ``runtime/pipeline/cp_exchange.py``). NCCL
+ignores tags and matches in posting order, which activation receives posted ahead would break: the
+runtime refuses it.
 """
 
 from __future__ import annotations
