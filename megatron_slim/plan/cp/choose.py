@@ -31,7 +31,7 @@ from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import ALL_LAYERS, SplitOption, ZeppelinLayers, hierarchical_allowed
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.placement import check_lengths, overflow_cost, partition_pack, specs_of
-from megatron_slim.plan.cp.price import PackCost, price_both, price_specs
+from megatron_slim.plan.cp.price import PackCost, price_both, price_group, price_specs
 from megatron_slim.plan.cp.topology import CPTopology
 
 CANDIDATES = (
@@ -87,6 +87,35 @@ def _floor(name: str, lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts
     return even + own * (topo.num_nodes - 1) / topo.nic.bandwidth
 
 
+def _spread_parts(members: list[tuple[int, ...]], topo: CPTopology) -> tuple[tuple[int, ...], list[int]] | None:
+    """(Zeppelin's inter-node sequences, the others), or None when either is empty."""
+    m = topo.ranks_per_node  # node of rank r: r // m
+    spread = tuple(i for i, ranks in enumerate(members) if ranks[0] // m != ranks[-1] // m)
+    spread_set = set(spread)
+    rest = [i for i in range(len(members)) if i not in spread_set]
+    return (spread, rest) if spread and rest else None
+
+
+def _spread_group(spread: tuple[int, ...], topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers) -> GroupSpec:
+    everyone = tuple(range(topo.num_ranks))
+    if layers.hierarchical and hierarchical_allowed(topo, costs):
+        return GroupSpec("hierarchical", everyone, spread, a2a_size=topo.ranks_per_node)
+    return GroupSpec("zigzag", everyone, spread, routed=layers.routing)
+
+
+def _spread_floor(
+    lengths: tuple[int, ...], parts: tuple[tuple[int, ...], list[int]], topo: CPTopology, costs: CPCosts, layers
+) -> float:
+    """A lower bound of ``zeppelin-spread``'s price: the mean rank load, counting the group over
+    every rank in full, the others' attention pairs only (their rings and the remap cost at least
+    nothing more; a split sequence's members compute its ``s^2 / 2`` pairs together) and the
+    pack's token work."""
+    spread, rest = parts
+    first = price_group(lengths, _spread_group(spread, topo, costs, layers), topo, costs)
+    pairs = sum(lengths[i] * lengths[i] / 2 for i in rest)
+    return first + (pairs * costs.pair_s() + costs.token_s(sum(lengths), remap=False)) / topo.num_ranks
+
+
 def spread_specs(
     lengths: tuple[int, ...],
     topo: CPTopology,
@@ -101,22 +130,16 @@ def spread_specs(
     the fourth node's ranks filled with short ones at 45% of the others' load); one group over
     every rank loads them evenly. None when there is nothing to spread or nothing else to place."""
     splits, members = own
-    m = topo.ranks_per_node  # node of rank r: r // m
-    spread = tuple(i for i, ranks in enumerate(members) if ranks[0] // m != ranks[-1] // m)
-    spread_set = set(spread)
-    rest = [i for i in range(len(lengths)) if i not in spread_set]
-    if not spread or not rest:
+    parts = _spread_parts(members, topo)
+    if parts is None:
         return None
-    everyone = tuple(range(topo.num_ranks))
-    if layers.hierarchical and hierarchical_allowed(topo, costs):
-        first = GroupSpec("hierarchical", everyone, spread, a2a_size=topo.ranks_per_node)
-    else:
-        first = GroupSpec("zigzag", everyone, spread, routed=layers.routing)
+    spread, rest = parts
     rest_splits = [splits[i] for i in rest]
     rest_members, _ = partition(
         tuple(lengths[i] for i in rest), rest_splits, topo, overflow_cost(topo, costs, layers.remap)
     )
     others = specs_of(rest_splits, rest_members, topo, layers)
+    first = _spread_group(spread, topo, costs, layers)
     return [first] + [GroupSpec(s.kind, s.ranks, tuple(rest[j] for j in s.seqs), s.a2a_size, s.routed) for s in others]
 
 
@@ -131,8 +154,12 @@ def choose_placement(
     priced = {"zeppelin": own_prices[0]}
     best, best_specs = "zeppelin", own
     pruned: list[str] = []
-    spread = spread_specs(lengths, topo, costs, layers, (splits, members)) if topo.num_nodes > 1 else None
-    if spread is not None:
+    parts = _spread_parts(members, topo) if topo.num_nodes > 1 else None
+    if parts is not None and _spread_floor(lengths, parts, topo, costs, layers) * (1 - 1e-9) >= priced[best].time_s:
+        pruned.append("zeppelin-spread")
+    elif parts is not None:
+        spread = spread_specs(lengths, topo, costs, layers, (splits, members))
+        assert spread is not None
         priced["zeppelin-spread"] = price_specs(lengths, spread, topo, costs, remap=remap)
         if priced["zeppelin-spread"].time_s < priced[best].time_s:
             best, best_specs = "zeppelin-spread", spread

@@ -172,6 +172,14 @@ def _remap(loads: _Loads, topo: CPTopology, costs: CPCosts) -> None:
             inter[r] += off_node * per_hidden / nic_bw
 
 
+def price_group(lengths: tuple[int, ...], spec: GroupSpec, topo: CPTopology, costs: CPCosts) -> float:
+    """What one group charges its ranks (compute + communication, no token work), summed over
+    them and divided by every rank of ``topo``: its share of a placement's mean rank load."""
+    loads = _Loads(topo.num_ranks)
+    _KINDS[spec.kind](spec, [lengths[i] for i in spec.seqs], topo, costs, loads)
+    return (sum(loads.compute) + sum(loads.intra) + sum(loads.inter)) / topo.num_ranks
+
+
 def price_specs(
     lengths: tuple[int, ...], specs: list[GroupSpec], topo: CPTopology, costs: CPCosts, *, remap: bool
 ) -> PackCost:
