@@ -104,7 +104,11 @@ def _spread_group(spread: tuple[int, ...], topo: CPTopology, costs: CPCosts, lay
 
 
 def _spread_floor(
-    lengths: tuple[int, ...], parts: tuple[tuple[int, ...], list[int]], topo: CPTopology, costs: CPCosts, layers
+    lengths: tuple[int, ...],
+    parts: tuple[tuple[int, ...], list[int]],
+    topo: CPTopology,
+    costs: CPCosts,
+    layers: ZeppelinLayers,
 ) -> float:
     """A lower bound of ``zeppelin-spread``'s price: the mean rank load, counting the group over
     every rank in full, the others' attention pairs only (their rings and the remap cost at least

@@ -100,6 +100,20 @@ def _inter_node(
     return members, per_rank
 
 
+def _least_end(node: int, end: float, s: int, overflow_s: float, state: _NodeState) -> int:
+    """The first node where a sequence of ``s`` tokens ends lowest, given that it ends at ``end``
+    on ``node``. A node's end is never below its load, so only nodes loaded at most ``end`` are
+    priced."""
+    cap, tokens = state.cap, state.tokens
+    for j, load in enumerate(state.load):
+        if load <= end and j != node:
+            tok = tokens[j]
+            e = load + overflow_s * (tok + s - cap) if tok + s > cap else load
+            if e < end or (e == end and j < node):
+                end, node = e, j
+    return node
+
+
 def _node_of_each(
     lengths: tuple[int, ...],
     local: list[int],
@@ -120,13 +134,10 @@ def _node_of_each(
     node_of = [-1] * len(lengths)
     for i in local:
         s = lengths[i]
-        node = node_load.index(min(node_load))  # the first least-loaded node ends lowest unless it
-        if overflow_s and node_tokens[node] + s > cap:  # overflows: ends are never below loads
-            ends = [
-                load + overflow_s * (tok + s - cap) if tok + s > cap else load
-                for load, tok in zip(node_load, node_tokens)
-            ]
-            node = ends.index(min(ends))
+        low = min(node_load)
+        node = node_load.index(low)  # the first least-loaded node ends lowest unless it overflows
+        if overflow_s and node_tokens[node] + s > cap:
+            node = _least_end(node, low + overflow_s * (node_tokens[node] + s - cap), s, overflow_s, state)
         if start[node] + est[i] > limit:
             return None
         node_load[node] += work[i]
