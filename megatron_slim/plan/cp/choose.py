@@ -14,9 +14,12 @@ the step programs (``program.lower_cp``) and the runtime already execute, so any
 runs. Candidates a model cannot run are skipped: ``ulysses`` when ``C`` does not divide the heads,
 ``a2a+p2p`` when the ranks per node do not (or with the hierarchical layer switched off).
 
-Pruning: every candidate spends at least the pack's compute spread evenly and its own
-communication floor; a baseline whose floor already exceeds the best price so far is not priced
-in full (``_floor``).
+Pruning (the picks are the same as when every candidate is priced in full): every candidate
+spends at least the pack's compute spread evenly and its own communication floor; a baseline whose
+floor already exceeds the best price so far is not priced in full (``_floor``). ``zeppelin-spread``
+is not partitioned when its mean rank load's floor reaches Zeppelin's price (``_spread_floor``),
+and ``dynamic``'s placement stops once one rank's floor does (``_dynamic_below``). A pruned
+candidate is named in ``Choice.pruned`` instead of ``Choice.priced``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_slim.plan.cp.assemble import GroupSpec, assemble
-from megatron_slim.plan.cp.baselines import a2a_p2p_specs, allgather_specs, dynamic_specs, ring_specs, ulysses_specs
+from megatron_slim.plan.cp.baselines import (
+    a2a_p2p_specs,
+    allgather_specs,
+    dynamic_groups,
+    dynamic_placements,
+    dynamic_specs,
+    ring_specs,
+    ulysses_specs,
+)
 from megatron_slim.plan.cp.buckets import partition
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import ALL_LAYERS, SplitOption, ZeppelinLayers, hierarchical_allowed
@@ -85,6 +96,26 @@ def _floor(name: str, lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts
         return even
     own = total / topo.num_ranks * costs.kv_bytes
     return even + own * (topo.num_nodes - 1) / topo.nic.bandwidth
+
+
+def _dynamic_below(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, limit: float) -> list[GroupSpec] | None:
+    """``dynamic``'s placement, or None once some rank's load is certain to reach ``limit``: a
+    piece of ``s`` tokens on ``g`` ranks loads each at least with its ``s^2 / (2 g)`` attention
+    pairs (a local one: ``s (s + 1) / 2``) and its ``s / g`` tokens' work (dynamic CP does not
+    remap), rings and all-gathers only add. Loads only grow as sequences are placed."""
+    pair_s, token_s = costs.pair_s(), costs.token_s(1.0, remap=False)
+    floor = [0.0] * topo.num_ranks
+    stop = limit / (1 - 1e-9)  # a margin for the rounding the full price adds differently
+    blocks: dict[tuple[int, ...], list[int]] = {}
+    for i, block in dynamic_placements(lengths, topo):
+        s, g = lengths[i], len(block)
+        piece = (s * (s + 1) / 2 if g == 1 else s * s / (2 * g)) * pair_s + s / g * token_s
+        for r in block:
+            floor[r] += piece
+            if floor[r] >= stop:
+                return None
+        blocks.setdefault(block, []).append(i)
+    return dynamic_groups(blocks)
 
 
 def _spread_parts(members: list[tuple[int, ...]], topo: CPTopology) -> tuple[tuple[int, ...], list[int]] | None:
@@ -177,7 +208,12 @@ def choose_placement(
         if _floor(name, lengths, topo, costs) >= priced[best].time_s:
             pruned.append(name)
             continue
-        specs = _BASELINES[name](lengths, topo)
+        # dynamic CP's placement is costly to build in full: it stops once it cannot win
+        found = _dynamic_below(lengths, topo, costs, priced[best].time_s) if name == "dynamic" else None
+        if name == "dynamic" and found is None:
+            pruned.append(name)
+            continue
+        specs = found if found is not None else _BASELINES[name](lengths, topo)
         priced[name] = price_specs(lengths, specs, topo, costs, remap=False)
         if priced[name].time_s < priced[best].time_s:
             best, best_specs = name, specs
