@@ -86,12 +86,16 @@ def runnable(name: str, topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers
     return True
 
 
-def _floor(name: str, lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> float:
-    """A lower bound of ``name``'s price: the pack's compute spread evenly (no placement does
-    less), plus, for ``allgather``, its un-overlapped K/V all-gather (one third of it)."""
-    total = sum(lengths)
+def _even(lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> float:
+    """The pack's compute spread evenly over the ranks: no placement does less."""
     pairs = sum(s * (s + 1) / 2 for s in lengths)
-    even = (pairs * costs.pair_s() + costs.token_s(total, remap=False)) / topo.num_ranks
+    return (pairs * costs.pair_s() + costs.token_s(sum(lengths), remap=False)) / topo.num_ranks
+
+
+def _floor(name: str, even: float, lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts) -> float:
+    """A lower bound of ``name``'s price: ``even`` (``_even``), plus, for ``allgather``, its
+    un-overlapped K/V all-gather (one third of it)."""
+    total = sum(lengths)
     if name != "allgather" or topo.num_nodes == 1:
         return even
     own = total / topo.num_ranks * costs.kv_bytes
@@ -202,10 +206,11 @@ def choose_placement(
         priced["zeppelin-unremapped"] = own_prices[1]
         if priced["zeppelin-unremapped"].time_s < priced[best].time_s:
             best, best_specs = "zeppelin-unremapped", own
+    even = _even(lengths, topo, costs) if layers.baselines else 0.0
     for name in CANDIDATES[3:]:
         if not runnable(name, topo, costs, layers):
             continue
-        if _floor(name, lengths, topo, costs) >= priced[best].time_s:
+        if _floor(name, even, lengths, topo, costs) >= priced[best].time_s:
             pruned.append(name)
             continue
         # dynamic CP's placement is costly to build in full: it stops once it cannot win

@@ -191,7 +191,13 @@ def price_both(
 ) -> tuple[PackCost, ...]:
     """``price_specs`` of one placement under each of ``remaps``: the groups are charged once."""
     groups = _Loads(topo.num_ranks)
+    pair_s = costs.pair_s()
     for spec in specs:
+        if spec.kind == "local" and len(spec.seqs) == 1:  # most groups: ``_local`` of one sequence
+            s, r = lengths[spec.seqs[0]], spec.ranks[0]
+            groups.compute[r] += s * (s + 1) / 2 * pair_s
+            groups.tokens[r] += s
+            continue
         _KINDS[spec.kind](spec, [lengths[i] for i in spec.seqs], topo, costs, groups)
     attn_token_s = costs.token_s(1.0, remap=True)
     mlp_s = costs.mlp_fwd_s + costs.mlp_bwd_s
