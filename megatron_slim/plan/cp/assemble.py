@@ -29,7 +29,9 @@ def _segment(seq: int, start: int, end: int, pack_start: int, group: int, chunk:
     per field: a plan of a 4M-token batch holds thousands of segments, and building them was
     most of ``assemble``'s time."""
     seg = object.__new__(Segment)
-    vars(seg).update(seq=seq, start=start, end=end, pack_start=pack_start, group=group, chunk=chunk, part=part)
+    seg.__dict__.update(
+        {"seq": seq, "start": start, "end": end, "pack_start": pack_start, "group": group, "chunk": chunk, "part": part}
+    )
     return seg
 
 
