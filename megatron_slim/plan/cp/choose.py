@@ -24,6 +24,7 @@ candidate is named in ``Choice.pruned`` instead of ``Choice.priced``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -183,8 +184,16 @@ def spread_specs(
 
 
 def choose_placement(
-    lengths: tuple[int, ...], topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers = ALL_LAYERS
+    lengths: tuple[int, ...],
+    topo: CPTopology,
+    costs: CPCosts,
+    layers: ZeppelinLayers = ALL_LAYERS,
+    *,
+    price_all: bool = False,
 ) -> Choice:
+    """The cheapest candidate. ``price_all``: price in full every candidate ``_floor`` does not rule
+    out, for reports that show losing candidates' prices (``scripts/cp_pack_breakdown.py``); the
+    pick is the same either way."""
     remap = layers.remap
     splits, members, _ = partition_pack(lengths, topo, costs, layers)
     own = specs_of(splits, members, topo, layers)
@@ -194,7 +203,11 @@ def choose_placement(
     best, best_specs = "zeppelin", own
     pruned: list[str] = []
     parts = _spread_parts(members, topo) if topo.num_nodes > 1 else None
-    if parts is not None and _spread_floor(lengths, parts, topo, costs, layers) * (1 - 1e-9) >= priced[best].time_s:
+    if (
+        parts is not None
+        and not price_all
+        and _spread_floor(lengths, parts, topo, costs, layers) * (1 - 1e-9) >= priced[best].time_s
+    ):
         pruned.append("zeppelin-spread")
     elif parts is not None:
         spread = spread_specs(lengths, topo, costs, layers, (splits, members))
@@ -214,7 +227,8 @@ def choose_placement(
             pruned.append(name)
             continue
         # dynamic CP's placement is costly to build in full: it stops once it cannot win
-        found = _dynamic_below(lengths, topo, costs, priced[best].time_s) if name == "dynamic" else None
+        limit = math.inf if price_all else priced[best].time_s
+        found = _dynamic_below(lengths, topo, costs, limit) if name == "dynamic" else None
         if name == "dynamic" and found is None:
             pruned.append(name)
             continue
