@@ -100,20 +100,6 @@ def _inter_node(
     return members, per_rank
 
 
-def _least_end(node: int, end: float, s: int, overflow_s: float, state: _NodeState) -> int:
-    """The first node where a sequence of ``s`` tokens ends lowest, given that it ends at ``end``
-    on ``node``. A node's end is never below its load, so only nodes loaded at most ``end`` are
-    priced."""
-    cap, tokens = state.cap, state.tokens
-    for j, load in enumerate(state.load):
-        if load <= end and j != node:
-            tok = tokens[j]
-            e = load + overflow_s * (tok + s - cap) if tok + s > cap else load
-            if e < end or (e == end and j < node):
-                end, node = e, j
-    return node
-
-
 def _node_of_each(
     lengths: tuple[int, ...],
     local: list[int],
@@ -136,8 +122,14 @@ def _node_of_each(
         s = lengths[i]
         low = min(node_load)
         node = node_load.index(low)  # the first least-loaded node ends lowest unless it overflows
-        if overflow_s and node_tokens[node] + s > cap:
-            node = _least_end(node, low + overflow_s * (node_tokens[node] + s - cap), s, overflow_s, state)
+        if overflow_s and node_tokens[node] + s > cap:  # then a node can end lower only if its load
+            end = low + overflow_s * (node_tokens[node] + s - cap)  # is at most this (ends >= loads)
+            for j, load in enumerate(node_load):
+                if load <= end and j != node:
+                    tok = node_tokens[j]
+                    e = load + overflow_s * (tok + s - cap) if tok + s > cap else load
+                    if e < end or (e == end and j < node):  # the first of equal ends
+                        end, node = e, j
         if start[node] + est[i] > limit:
             return None
         node_load[node] += work[i]
