@@ -30,7 +30,7 @@ def pack_rows(
     """``pack_times[engine][k]``: simulated seconds of pack ``k`` (all layers)."""
     rows = []
     for k, pack in enumerate(packs):
-        choice = choose_placement(pack, topo, costs)
+        choice = choose_placement(pack, topo, costs, price_all=True)  # the other engine's price too
         zep = pack_times["zeppelin"][k]
         other = min(OTHERS, key=lambda e: pack_times[e][k])
         row: dict[str, Any] = {

@@ -24,6 +24,17 @@ class GroupSpec:
     routed: bool = False
 
 
+def _segment(seq: int, start: int, end: int, pack_start: int, group: int, chunk: int = 0, part: int = 0) -> Segment:
+    """``Segment(...)``, equal to it, built without the frozen dataclass's ``object.__setattr__``
+    per field: a plan of a 4M-token batch holds thousands of segments, and building them was
+    most of ``assemble``'s time."""
+    seg = object.__new__(Segment)
+    seg.__dict__.update(
+        {"seq": seq, "start": start, "end": end, "pack_start": pack_start, "group": group, "chunk": chunk, "part": part}
+    )
+    return seg
+
+
 def scope_of(ranks: tuple[int, ...], topo: CPTopology) -> Scope:
     if len(ranks) == 1:
         return "local"
@@ -53,7 +64,7 @@ def _ring_segments(spec: GroupSpec, index: int, lengths: tuple[int, ...], offset
         for member, segs in enumerate(out):
             for c in zigzag_chunks(member, g):
                 if b[c + 1] > b[c]:
-                    segs.append(Segment(i, b[c], b[c + 1], off + b[c], index, c))
+                    segs.append(_segment(i, b[c], b[c + 1], off + b[c], index, c))
     return out
 
 
@@ -73,14 +84,14 @@ def _hierarchical_segments(
             for c in zigzag_chunks(node, nodes):
                 start, end = b[c] + subs[c][local], b[c] + subs[c][local + 1]
                 if end > start:
-                    segs.append(Segment(i, start, end, off + start, index, c, local))
+                    segs.append(_segment(i, start, end, off + start, index, c, local))
     return out
 
 
 def _segments(spec: GroupSpec, index: int, lengths: tuple[int, ...], offsets: list[int]) -> list[list[Segment]]:
     """Every member's segments of one group, in the member's local order."""
     if spec.kind == "local":
-        return [[Segment(i, 0, lengths[i], offsets[i], index) for i in spec.seqs if lengths[i]]]
+        return [[_segment(i, 0, lengths[i], offsets[i], index) for i in spec.seqs if lengths[i]]]
     if spec.kind == "hierarchical":
         return _hierarchical_segments(spec, index, lengths, offsets)
     if spec.kind in ("zigzag", "allgather"):
@@ -89,7 +100,7 @@ def _segments(spec: GroupSpec, index: int, lengths: tuple[int, ...], offsets: li
     out: list[list[Segment]] = []
     for member in range(len(spec.ranks)):
         ranges = contiguous_ranges(sub, len(spec.ranks), member)
-        out.append([Segment(spec.seqs[j], a, b, offsets[spec.seqs[j]] + a, index) for j, a, b in ranges])
+        out.append([_segment(spec.seqs[j], a, b, offsets[spec.seqs[j]] + a, index) for j, a, b in ranges])
     return out
 
 

@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from megatron_slim.plan.cp.assemble import GroupSpec, assemble
 from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.layout import CPPlan, GroupKind
@@ -134,12 +136,13 @@ def _dynamic_block(size: int, share: float, budget: int, work: list[float], toke
     return tuple(range(starts[k], starts[k] + size))
 
 
-def dynamic_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]:
+def dynamic_placements(lengths: tuple[int, ...], topo: CPTopology) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """Megatron dynamic CP's placement one sequence at a time, longest first: (sequence, its
+    block of ranks). A consumer may stop early (``choose`` does once the engine cannot win)."""
     num_ranks = topo.num_ranks
     budget = -(-sum(lengths) // num_ranks)
     work = [0.0] * num_ranks
     tokens = [0.0] * num_ranks
-    blocks: dict[tuple[int, ...], list[int]] = {}
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         s = lengths[i]
         size = dynamic_size(s, budget, num_ranks)
@@ -157,5 +160,16 @@ def dynamic_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]
         for r in block:
             work[r] += s * s / size
             tokens[r] += share
-        blocks.setdefault(block, []).append(i)
+        yield i, block
+
+
+def dynamic_groups(blocks: dict[tuple[int, ...], list[int]]) -> list[GroupSpec]:
+    """Sequences on the same block share one ring."""
     return [GroupSpec("zigzag" if len(b) > 1 else "local", b, tuple(seqs)) for b, seqs in blocks.items()]
+
+
+def dynamic_specs(lengths: tuple[int, ...], topo: CPTopology) -> list[GroupSpec]:
+    blocks: dict[tuple[int, ...], list[int]] = {}
+    for i, block in dynamic_placements(lengths, topo):
+        blocks.setdefault(block, []).append(i)
+    return dynamic_groups(blocks)

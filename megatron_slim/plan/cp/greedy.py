@@ -120,13 +120,16 @@ def _node_of_each(
     node_of = [-1] * len(lengths)
     for i in local:
         s = lengths[i]
-        node = node_load.index(min(node_load))  # the first least-loaded node ends lowest unless it
-        if overflow_s and node_tokens[node] + s > cap:  # overflows: ends are never below loads
-            ends = [
-                load + overflow_s * (tok + s - cap) if tok + s > cap else load
-                for load, tok in zip(node_load, node_tokens)
-            ]
-            node = ends.index(min(ends))
+        low = min(node_load)
+        node = node_load.index(low)  # the first least-loaded node ends lowest unless it overflows
+        if overflow_s and node_tokens[node] + s > cap:  # then a node can end lower only if its load
+            end = low + overflow_s * (node_tokens[node] + s - cap)  # is at most this (ends >= loads)
+            for j, load in enumerate(node_load):
+                if load <= end and j != node:
+                    tok = node_tokens[j]
+                    e = load + overflow_s * (tok + s - cap) if tok + s > cap else load
+                    if e < end or (e == end and j < node):  # the first of equal ends
+                        end, node = e, j
         if start[node] + est[i] > limit:
             return None
         node_load[node] += work[i]

@@ -131,11 +131,13 @@ def partition_pack(
         for s in set(lengths)
     }
     options = [by_length[s] for s in lengths]  # read only: equal lengths share one list
-    target = sum(opts[0].est_s for opts in options) / topo.num_ranks  # a fair share of local costs
+    local = {s: opts[0].est_s for s, opts in by_length.items()}
+    target = sum([local[s] for s in lengths]) / topo.num_ranks  # a fair share of local costs
     overflow_s = overflow_cost(topo, costs, remap)
     first = {s: opts.fitting_index(target) for s, opts in by_length.items()}
     choice = [first[s] for s in lengths]
-    splits = [options[i][c] for i, c in enumerate(choice)]
+    first_split = {s: by_length[s][c] for s, c in first.items()}
+    splits = [first_split[s] for s in lengths]
     # the refinement compares greedy partitions (step 3 without its local search, half the cost);
     # the local search runs once, on the final splits
     current = greedy(lengths, splits, topo, overflow_s)

@@ -172,6 +172,14 @@ def _remap(loads: _Loads, topo: CPTopology, costs: CPCosts) -> None:
             inter[r] += off_node * per_hidden / nic_bw
 
 
+def price_group(lengths: tuple[int, ...], spec: GroupSpec, topo: CPTopology, costs: CPCosts) -> float:
+    """What one group charges its ranks (compute + communication, no token work), summed over
+    them and divided by every rank of ``topo``: its share of a placement's mean rank load."""
+    loads = _Loads(topo.num_ranks)
+    _KINDS[spec.kind](spec, [lengths[i] for i in spec.seqs], topo, costs, loads)
+    return (sum(loads.compute) + sum(loads.intra) + sum(loads.inter)) / topo.num_ranks
+
+
 def price_specs(
     lengths: tuple[int, ...], specs: list[GroupSpec], topo: CPTopology, costs: CPCosts, *, remap: bool
 ) -> PackCost:
@@ -183,7 +191,13 @@ def price_both(
 ) -> tuple[PackCost, ...]:
     """``price_specs`` of one placement under each of ``remaps``: the groups are charged once."""
     groups = _Loads(topo.num_ranks)
+    pair_s = costs.pair_s()
     for spec in specs:
+        if spec.kind == "local" and len(spec.seqs) == 1:  # most groups: ``_local`` of one sequence
+            s, r = lengths[spec.seqs[0]], spec.ranks[0]
+            groups.compute[r] += s * (s + 1) / 2 * pair_s
+            groups.tokens[r] += s
+            continue
         _KINDS[spec.kind](spec, [lengths[i] for i in spec.seqs], topo, costs, groups)
     attn_token_s = costs.token_s(1.0, remap=True)
     mlp_s = costs.mlp_fwd_s + costs.mlp_bwd_s
