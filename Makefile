@@ -41,7 +41,7 @@ simulate-demo: $(STAMP)
 
 # The default suite keeps the real Megatron-LM tier's smoke cases; `make test-megatron` runs the whole tier.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not gpu and (not real_megatron or smoke)"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and (not real_megatron or smoke)" --durations=25
 
 # The contract tier against Megatron-LM core_v0.16.1 (megatron-core 0.16.1, Python 3.11), every case.
 test-megatron: $(STAMP)
