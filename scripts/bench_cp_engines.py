@@ -13,6 +13,11 @@ with the exact command, machine and date at the top. Numbers are simulated (plan
 not measured.
 
     python scripts/bench_cp_engines.py [--recipe zeppelin-7b-h800] [--seeds 0,1,2] [--out benchmarks/results]
+        [--calibration hopper-cudnn --name cp_engines_hopper_cudnn]
+
+``--calibration`` prices every engine (and Zeppelin's planning) with measured kernel rates, whose
+small-block efficiency falls steeply below 2K tokens (docs/calibration.md); ``--name`` is the stem
+of the files written (default ``cp_engines``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_slim.plan.cost.calibration import Calibration, load_calibration
 from megatron_slim.plan.cp.engines import ENGINES
 from megatron_slim.plan.cp.lengths import make_packs, parse_lengths
 from megatron_slim.plan.recipe import load_recipe
@@ -82,9 +88,9 @@ def git_commit() -> str:
         return "unknown"
 
 
-def run(recipe_name: str, seeds: list[int]) -> dict:
+def run(recipe_name: str, seeds: list[int], calibration: Calibration | None = None) -> dict:
     recipe = load_recipe(recipe_name)
-    topo, costs = cp_setup(recipe)
+    topo, costs = cp_setup(recipe, calibration)
     rows, pack_rows = [], []
     for dist, spec in DISTRIBUTIONS.items():
         source = parse_lengths(spec)
@@ -203,6 +209,7 @@ def header_lines(data: dict, header: dict) -> list[str]:
         f"({data['cp'] // data['ranks_per_node']} nodes x {data['ranks_per_node']}), "
         f"{data['packs_per_iteration']} packs x {data['pack_length']} tokens = "
         f"{data['tokens_per_iteration']:,} tokens per iteration; seeds {data['seeds']}",
+        f"- kernel rates: {header.get('kernel_rates', 'hardware profile efficiencies')}",
     ]
 
 
@@ -260,10 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", default="zeppelin-7b-h800")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--out", default="benchmarks/results", help="output folder")
+    parser.add_argument("--calibration", help="measured kernel rates: a shipped name or a file (docs/calibration.md)")
+    parser.add_argument("--name", default="cp_engines", help="stem of the files written (default cp_engines)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    calibration = load_calibration(args.calibration) if args.calibration else None
     started = time.perf_counter()
-    data = run(args.recipe, seeds)
+    data = run(args.recipe, seeds, calibration)
     header = {
         "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -273,15 +283,16 @@ def main(argv: list[str] | None = None) -> int:
         "cores": os.cpu_count(),
         "commit": git_commit(),
         "wall_s": round(time.perf_counter() - started, 1),
+        "kernel_rates": calibration.source if calibration else "hardware profile efficiencies",
     }
     summary = summarise(data["rows"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cp_engines.md").write_text(markdown(data, summary, header))
-    (out / "cp_engines_packs.md").write_text(cp_pack_breakdown.markdown(data["packs"], header_lines(data, header)))
-    (out / "cp_engines.json").write_text(json.dumps({"header": header, **data, "summary": summary}, indent=1) + "\n")
+    (out / f"{args.name}.md").write_text(markdown(data, summary, header))
+    (out / f"{args.name}_packs.md").write_text(cp_pack_breakdown.markdown(data["packs"], header_lines(data, header)))
+    (out / f"{args.name}.json").write_text(json.dumps({"header": header, **data, "summary": summary}, indent=1) + "\n")
     print(markdown(data, summary, header))
-    print(f"wrote {out / 'cp_engines.md'} and {out / 'cp_engines.json'} in {header['wall_s']} s")
+    print(f"wrote {out / (args.name + '.md')} and {out / (args.name + '.json')} in {header['wall_s']} s")
     return 0
 
 
