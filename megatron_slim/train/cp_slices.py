@@ -66,13 +66,20 @@ class CPSlicedTrainStep(CPTrainStep):
                 f"{batch[MICROBATCH_KEY]} was read outside its SlimPipe slice ({info}); allowed: the forward step "
                 "of the schedule made with this step's SliceContext"
             )
-        share = self.shares[info.microbatch][info.slice]
-        rows = torch.tensor(share.local_rows(self.cp_rank), dtype=torch.long)
-        local = {name: batch[name][:, rows] for name in _PER_TOKEN}
-        if share.tokens(self.cp_rank) == 0:  # the padding row: out of the loss
-            local["loss_mask"] = torch.zeros_like(local["loss_mask"])
+        local = rows_of_share(batch, self.shares[info.microbatch][info.slice], self.cp_rank)
         output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
         return output, functools.partial(cp_loss_func, local["loss_mask"], cp_group=self.cp_group)
+
+
+def rows_of_share(batch: dict, share, cp_rank: int) -> dict:
+    """``cp_rank``'s rows of a slice's per-token tensors under a CP plan's ``share``
+    (``plan/cp/slices.SliceShare``); a rank the plan leaves without tokens gets one padding row, out of
+    the loss."""
+    rows = torch.tensor(share.local_rows(cp_rank), dtype=torch.long)
+    local = {name: batch[name][:, rows] for name in _PER_TOKEN}
+    if share.tokens(cp_rank) == 0:
+        local["loss_mask"] = torch.zeros_like(local["loss_mask"])
+    return local
 
 
 def sliced_under_engine(recipe: Recipe) -> bool:

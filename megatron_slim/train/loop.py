@@ -223,8 +223,9 @@ class _RankTraining:
         self.optimizer.zero_grad(set_to_none=True)
         groups = self.groups
         cp_group = groups.cp if self.recipe.query_out_cp else None
-        got = iteration_batches(self.dataset, self.recipe, number, groups.dp_rank, cp_group, self.routed)
-        packing, batches, step_func = got
+        packing, batches, step_func = iteration_batches(
+            self.dataset, self.recipe, number, groups.dp_rank, cp_group, self.routed
+        )
         self.report.packing += [packing.record()] if packing else []
         if self.vocab_head is not None:
             self.vocab_head.refresh()

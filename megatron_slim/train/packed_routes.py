@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from megatron_slim.plan.cp.slices import SliceShare, slice_shares
 from megatron_slim.plan.pack.cp_route import CPRoute
 from megatron_slim.plan.pack.training import IterationPacking
 from megatron_slim.runtime.pipeline.slice_context import SliceContext
+from megatron_slim.train.cp_slices import rows_of_share
 from megatron_slim.train.packed import packed_cp_batch_step, packed_loss_func
-
-_PER_TOKEN = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 class RoutedWindows:
@@ -65,12 +62,8 @@ class RoutedWindows:
         if shares is None:
             self.ran.append((info.microbatch, info.slice, "zigzag"))
             return packed_cp_batch_step(self.cp_group, batch, model)
-        rank, share = self.cp_group.rank(), shares[info.slice]
         self.ran.append((info.microbatch, info.slice, self.placements[info.microbatch]))
-        rows = torch.tensor(share.local_rows(rank), dtype=torch.long)
-        local = {name: batch[name][:, rows] for name in _PER_TOKEN}
-        if share.tokens(rank) == 0:  # the padding row
-            local["loss_mask"] = torch.zeros_like(local["loss_mask"])
+        local = rows_of_share(batch, shares[info.slice], self.cp_group.rank())
         output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
         weight, counted = batch["loss_weight"] * self.cp_group.size(), batch["loss_mask"].sum()
         return output, functools.partial(packed_loss_func, local["loss_mask"], weight, counted=counted)

@@ -25,9 +25,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_slim.runtime.attention import AttentionBackend, merge_
+from megatron_slim.runtime.attention import AttentionBackend
 from megatron_slim.runtime.pipeline.context_exchange import Attend, ContextExchange, Gradients, Pending, paired_role
-from megatron_slim.runtime.pipeline.cp_collectives import all_gather, all_to_all, reduce_scatter_sum
+from megatron_slim.runtime.pipeline.cp_collectives import all_gather, combine_partials, reduce_scatter_sum
 
 Tensor = torch.Tensor
 Opened = tuple[int, Optional[Pending]]  # (cached slices the sender moved, what its peer sends back)
@@ -43,14 +43,6 @@ def _split(x: Tensor, cp: int, dim: int) -> Tensor:
     return x.unflatten(dim, (cp, x.shape[dim] // cp)).movedim(dim, 0)
 
 
-def merge_ranks(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
-    """Every rank's partial of one rank's rows (``[cp, ...]``) merged by log-sum-exp in rank order."""
-    acc_out, acc_lse = outs[0].clone(), lses[0].clone()
-    for i in range(1, outs.shape[0]):
-        merge_(acc_out, acc_lse, outs[i], lses[i])
-    return acc_out, acc_lse
-
-
 def block_attention(backend: AttentionBackend, scale: float, group) -> tuple[Attend, Gradients]:
     """The peer stage's query-out forward and backward of a shipped block on ``group`` (its CP group)."""
     cp = torch.distributed.get_world_size(group)
@@ -59,11 +51,7 @@ def block_attention(backend: AttentionBackend, scale: float, group) -> tuple[Att
         q_all = _joined(all_gather([q], group)[0])
         out, lse = backend.forward(q_all, k, v, causal=False, softmax_scale=scale)
         acc = torch.promote_types(out.dtype, torch.float32)
-        out_r, lse_r = _split(out.to(acc), cp, 1), _split(lse.float(), cp, 2)
-        send = torch.cat([out_r.reshape(cp, -1), lse_r.to(acc).reshape(cp, -1)], dim=1)
-        recv = all_to_all(send, group)
-        n = out_r[0].numel()
-        mine = merge_ranks(recv[:, :n].reshape(out_r.shape), recv[:, n:].reshape(lse_r.shape).float())
+        mine = combine_partials(_split(out.to(acc), cp, 1), _split(lse.float(), cp, 2), group)
         return mine[0].to(q.dtype), mine[1]
 
     def gradients(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, k: Tensor, v: Tensor):

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_slim.plan.cp.slices import OWN, SliceShare, slice_pieces
-from megatron_slim.runtime.attention import AttentionBackend, merge_
-from megatron_slim.runtime.pipeline.cp_collectives import all_gather, all_to_all, reduce_scatter_sum
+from megatron_slim.runtime.attention import AttentionBackend
+from megatron_slim.runtime.pipeline.cp_collectives import all_gather, combine_partials, reduce_scatter_sum
 from megatron_slim.runtime.pipeline.cp_document_attention import pieces_forward
 from megatron_slim.runtime.pipeline.cp_slice_attention import CachedSlice, backward_over_cache
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
@@ -90,15 +90,7 @@ def _forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, prefix: list) -> tuple[
     out = torch.zeros((b, length, hq, v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq, length), float("-inf"), dtype=torch.float32, device=q.device)
     pieces_forward(s.backend, s.scale, q_all, {OWN: (k, v), **dict(enumerate(prefix))}, s.pieces(), out, lse)
-    out_r, lse_r = _to_ranks(s, out, 1), _to_ranks(s, lse, 2)
-    cp = out_r.shape[0]
-    recv = all_to_all(torch.cat([out_r.reshape(cp, -1), lse_r.reshape(cp, -1)], dim=1), s.group)
-    n, mine = out_r[0].numel(), q.shape[1]
-    outs = recv[:, :n].reshape(out_r.shape).narrow(2, 0, mine)
-    lses = recv[:, n:].reshape(lse_r.shape).narrow(3, 0, mine)
-    acc_out, acc_lse = outs[0].clone(), lses[0].clone()
-    for i in range(1, cp):
-        merge_(acc_out, acc_lse, outs[i], lses[i])
+    acc_out, acc_lse = combine_partials(_to_ranks(s, out, 1), _to_ranks(s, lse, 2), s.group, rows=q.shape[1])
     return acc_out.to(q.dtype), acc_lse
 
 

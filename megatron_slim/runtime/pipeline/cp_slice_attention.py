@@ -39,14 +39,14 @@ import torch.distributed as dist
 
 from megatron_slim.runtime.attention import AttentionBackend, merge_
 from megatron_slim.runtime.pipeline.context_exchange import ContextExchange
-from megatron_slim.runtime.pipeline.cp_collectives import all_gather, all_to_all, reduce_scatter_sum
+from megatron_slim.runtime.pipeline.cp_collectives import all_gather, combine_partials, reduce_scatter_sum
 from megatron_slim.runtime.pipeline.cp_document_attention import (
     OWN,
     document_pieces,
     pieces_backward,
     pieces_forward,
 )
-from megatron_slim.runtime.pipeline.cp_exchange import close_backward, merge_ranks, open_backward, open_forward
+from megatron_slim.runtime.pipeline.cp_exchange import close_backward, open_backward, open_forward
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceInfo
 from megatron_slim.runtime.pipeline.zigzag import ZigzagLayout
@@ -148,13 +148,7 @@ def _partial_forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, prefix) -> tupl
 
 def _combine(s: _Setup, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     """Partials of every rank for every query -> this rank's rows, merged (all-to-all + lse merge)."""
-    cp = s.layout.cp
-    out_r, lse_r = _to_ranks(out, s.layout, 1), _to_ranks(lse, s.layout, 2)
-    send = torch.cat([out_r.reshape(cp, -1), lse_r.to(out.dtype).reshape(cp, -1)], dim=1)
-    recv = all_to_all(send, s.group)
-    n = out_r[0].numel()
-    outs = recv[:, :n].reshape(out_r.shape)
-    return merge_ranks(outs, recv[:, n:].reshape(lse_r.shape).float())
+    return combine_partials(_to_ranks(out, s.layout, 1), _to_ranks(lse, s.layout, 2), s.group)
 
 
 def _forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, cached: CachedSlice) -> tuple[Tensor, Tensor]:
