@@ -23,7 +23,10 @@ With ``--cp-engine`` other than ``te`` (and ``--context-parallel-size > 1``) the
 megatron-slim's CP engines instead (``cp/hooks.py``): the spec gets ``CPCoreAttention`` (and
 ``RemapTransformerLayer`` for ``--cp-remap``), the schedule Megatron picked is wrapped to attach the
 engine's context and normalise the loss CP-wide, and ``get_batch_on_this_cp_rank`` -- the name
-``pretrain_gpt.get_batch`` calls -- plans each pack and returns this rank's part of it.
+``pretrain_gpt.get_batch`` calls -- plans each pack and returns this rank's part of it. With
+``--use-slimpipe`` too, SlimPipe's schedule runs and its slices follow the engine's plan of each
+window (``slimpipe/engine_slices.py``: each call's windows planned up front, each slice cut to this
+CP rank's share of the plan).
 
 * dynmo: ``train_step`` (``megatron.training.training``) runs ``--dynmo-profile``,
   ``--dynmo-freeze`` and the token counts around each iteration (``megatron/dynmo/hooks.py``); the

@@ -1,8 +1,9 @@
 """SlimPipe slices that follow a CP engine's plan through the real ``pretrain_gpt.py``
 (``megatron/slimpipe/engine_slices.py``, ``docs/cp-pipeline.md``).
 
-pp2 x cp2 (4 ranks), ``--use-slimpipe`` with 2 slices of each 64-token window and ``--cp-engine
-zeppelin`` (documents kept on one CP rank or spread over both, slice boundaries inside documents):
+pp2 x cp2 (4 ranks), ``--use-slimpipe`` with 2 slices of each 64-token window under ``--cp-engine
+zeppelin`` and 4 under ``ulysses`` (documents kept on one CP rank or spread over both, slice boundaries
+inside documents):
 every iteration's loss and gradient norm equal Megatron's own pp2 run without context parallelism
 that attends within each document (``--reset-position-ids --reset-attention-mask``) on the same
 data, as ``test_midstage_launch.py`` compares the CP engine without slices.
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.real_megatron
 TOLERANCE = 1e-5
 
 
-@pytest.mark.parametrize("engine, slices", [("zeppelin", 2)])
+@pytest.mark.parametrize("engine, slices", [("zeppelin", 2), ("ulysses", 4)])
 def test_slimpipe_slices_under_a_cp_engine_train_as_megatrons_own_pp2_run(tmp_path, engine, slices):
     corpus = write_corpus(tmp_path / "docs")
     common = [*TINY, "parallel.pp=2"]
