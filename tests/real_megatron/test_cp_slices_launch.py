@@ -2,10 +2,9 @@
 (``megatron/slimpipe/engine_slices.py``, ``docs/cp-pipeline.md``).
 
 pp2 x cp2 (4 ranks), ``--use-slimpipe`` with 2 slices of each 64-token window under ``--cp-engine
-zeppelin`` and 4 under ``ulysses`` (documents kept on one CP rank or spread over both, slice boundaries
-inside documents):
-every iteration's loss and gradient norm equal Megatron's own pp2 run without context parallelism
-that attends within each document (``--reset-position-ids --reset-attention-mask``) on the same
+zeppelin`` and 4 under ``ulysses`` (windows of 4..48-token documents, so slice boundaries fall inside
+documents): every iteration's loss and gradient norm equal Megatron's own pp2 run without context
+parallelism that attends within each document (``--reset-position-ids --reset-attention-mask``) on the same
 data, as ``test_midstage_launch.py`` compares the CP engine without slices.
 """
 
