@@ -18,6 +18,7 @@ several peers (senders split their excess over all takers in proportion to their
    its sender's Q and K/V have crossed; the sender ends no earlier than each block's result is
    back), once with transfers free and once priced over the PP links. A step whose rendezvous
    deadlocks under the send windows runs unbalanced. Time figures only; memory is not modelled.
+A probe: it drives the simulator's internals (``engine._Run``, ``Walker._advance``), not an API.
 """
 
 from __future__ import annotations
