@@ -1,5 +1,6 @@
 """``--slimpipe-packing`` start-up rules (``plan/startup/rules_packing.py``): what the launcher's
-packed windows cannot run is refused, naming the flag and what is allowed."""
+packed windows cannot run is refused, naming the flag and what is allowed; and, under SlimPipe,
+Megatron's own runtime packing scheduler (``rules_slimpipe.py``), not its THD batches of whole windows."""
 
 from __future__ import annotations
 
@@ -47,3 +48,29 @@ def test_what_packed_windows_cannot_run_is_refused_at_start_up(change, rule, wor
 def test_without_packing_none_of_the_rules_binds():
     plain = replace(RUNS, packing="none", per_token_loss=False, pp=4, dataloader_type="cyclic")
     assert broken_rule(plain, LAUNCHER) is None or not broken_rule(plain, LAUNCHER).name.startswith("packing")
+
+
+@pytest.mark.parametrize("flags", [dict(sequence_packing=True), dict(sequence_packing_scheduler="dp_balanced")])
+def test_megatrons_runtime_packing_scheduler_is_refused_under_slimpipe(flags):
+    """Megatron-LM's runtime packing (its dev branch) varies the microbatches' length and count."""
+    import argparse
+
+    from megatron_slim.megatron.launch.args import settings_from_megatron_args
+
+    args = argparse.Namespace(use_slimpipe=True, slimpipe_num_slices=2, seq_length=64, **flags)
+    found = broken_rule(settings_from_megatron_args(args), LAUNCHER)
+    assert found is not None and found.name == "slimpipe-packing"
+    with pytest.raises(ConfigError, match="drop it") as caught:
+        check(settings_from_megatron_args(args), LAUNCHER)
+    assert "--sft" in str(caught.value)
+
+
+def test_megatrons_thd_batches_of_whole_windows_are_not_refused_under_slimpipe():
+    """``--sft`` / ``--dataloader-inter-document-masking`` windows: their ``cu_seqlens`` are the
+    window's documents (``runtime/pipeline/sliced_data.batch_documents``)."""
+    import argparse
+
+    from megatron_slim.megatron.launch.args import settings_from_megatron_args
+
+    args = argparse.Namespace(use_slimpipe=True, slimpipe_num_slices=2, seq_length=64, sft=True)
+    check(settings_from_megatron_args(args), LAUNCHER)

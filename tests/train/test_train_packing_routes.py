@@ -22,11 +22,12 @@ MODEL = dict(TINY_GQA_2L_LONG, seq_length=SEQ)
 LENGTHS = (7, 45, 300, 20, 56, 100, 9, 13)
 
 
-def _recipe():
+def _recipe(hardware_path=None):
     from megatron_slim.plan.recipe import recipe_from_dict
 
     return recipe_from_dict(
         {
+            **({"hardware": hardware_path} if hardware_path else {}),
             "name": "packed-routes",
             "model": MODEL,
             "parallel": {"dp": 2, "cp": 2},
@@ -67,7 +68,7 @@ def _one_pack(batches) -> dict:
     }
 
 
-def routed_step(rank, world_size, seed=1234):
+def routed_step(rank, world_size, hardware_path=None, seed=1234):
     import torch.distributed as dist
 
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
@@ -83,7 +84,7 @@ def routed_step(rank, world_size, seed=1234):
     from megatron_slim.train.packed_routes import RoutedWindows
     from megatron_slim.train.step import average_data_parallel
 
-    recipe = _recipe()
+    recipe = _recipe(hardware_path)
     groups = init_model_parallel(pp=1, cp=2, dp=2, seed=seed)
     solo = reference.solo_groups(rank, world_size)
     data = PackedData(recipe, _documents(seed), dp=2)
@@ -136,8 +137,8 @@ def routed_step(rank, world_size, seed=1234):
     }
 
 
-def test_cp_routed_outliers_run_zeppelins_placement_and_match_the_reference():
-    results = run_ranks(routed_step, 4, timeout_s=300)
+def _check_routed_step(results) -> None:
+    """Each rank ran the plan's windows and routes, the routed ones on Zeppelin's rows, and matches the reference."""
     routes = results[0]["routes"]
     assert routes and all(route == "cp" for _, route in routes)  # DP-merge is never offered in train
     routed_samples = set()
@@ -158,3 +159,20 @@ def test_cp_routed_outliers_run_zeppelins_placement_and_match_the_reference():
             torch.testing.assert_close(grad, got["ref_grads"][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
         assert set(got["grads"]) == set(got["ref_grads"])
     assert routed_samples == {s for s, _ in routes}  # each routed sample ran on the replica the plan names
+
+
+def test_cp_routed_outliers_run_zeppelins_placement_and_match_the_reference():
+    results = run_ranks(routed_step, 4, timeout_s=300)
+    assert 0 in results[0]["engine_rows"]  # the default profile's NVLink: Zeppelin keeps the outlier on one CP rank
+    _check_routed_step(results)
+
+
+def test_a_routed_outlier_that_zeppelin_splits_over_the_cp_group_matches_the_reference(hardware):
+    """Two CP ranks on two nodes (``conftest.HARDWARE``): Zeppelin spreads a window-filling outlier over both."""
+    results = run_ranks(routed_step, 4, hardware, timeout_s=300)
+    for got in results:
+        assert got["placement"] == "zeppelin" and got["engine_rows"] == [SEQ // 2, SEQ // 2]
+        for m, rows in got["routed_rows"].items():  # every slice's rows on this CP rank come from the split plan
+            assert sum(tokens for _, tokens in rows) == SEQ // 2, (m, rows)
+    assert any(got["routed_rows"] for got in results if got["cp_rank"] == 1)  # CP rank 1 computes routed rows
+    _check_routed_step(results)

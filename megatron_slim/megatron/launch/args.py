@@ -95,7 +95,7 @@ def settings_from_megatron_args(args: argparse.Namespace) -> Settings:
         enable_cuda_graph=bool(flag("enable_cuda_graph")),
         external_cuda_graph=bool(flag("external_cuda_graph")),
         mtp_num_layers=flag("mtp_num_layers"),
-        sequence_packing=bool(flag("sequence_packing")),
+        sequence_packing=bool(flag("sequence_packing") or flag("sequence_packing_scheduler")),
         position_embedding=flag("position_embedding_type"),
         attention_dropout=float(flag("attention_dropout", 0.0)),
         megatron_core=_installed_megatron_core(),

@@ -31,8 +31,16 @@ def slimpipe_settings(args) -> "SlimPipeSettings":
     )
     lengths = slice_lengths(recipe, CostModel(recipe, calibration=calibration))
     backend = None if args.megatron_slim_attention_backend == "auto" else args.megatron_slim_attention_backend
+    return SlimPipeSettings(lengths, attention_backend=backend, share_documents=packed_windows(args))
+
+
+def packed_windows(args) -> bool:
+    """Whether the run's windows are packs of documents: ``--slimpipe-packing``, or Megatron's THD
+    batches (``cu_seqlens`` from ``--sft``, or 0.19's ``--dataloader-inter-document-masking``). The
+    middle pipeline stages then get each window's documents from the first stage: they read no batch."""
     packing = (getattr(args, "slimpipe_packing", None) or "none") != "none"
-    return SlimPipeSettings(lengths, attention_backend=backend, share_documents=packing)
+    thd = getattr(args, "sft", False) or getattr(args, "dataloader_inter_document_masking", False)
+    return packing or bool(thd)
 
 
 class SlimPipeHookState:

@@ -18,8 +18,11 @@ microbatch (``SliceContext.documents``: the batch key ``document_lengths`` or a 
 attention mask), attention stays inside each document (varlen kernels of the chosen backend) and
 RoPE positions restart at 0 in each document, also under SlimPipe's CP attention; under tensor
 parallelism only when every TP rank reads its own batch (``SliceContext.documents_on_every_tp_rank``).
-Megatron's THD ``packed_seq_params`` work outside a schedule (whole windows) and are refused inside
-a slice, where the ``document_lengths`` key is the way in.
+Megatron's THD batches (``cu_seqlens`` in the batch, from which ``pretrain_gpt`` builds
+``packed_seq_params``) are read by the slicing data iterator as the window's documents, and the
+slices it hands out carry no offsets, so no THD ``packed_seq_params`` reach a slice; ones that do
+(a forward step building them itself) describe the whole window and are refused inside a slice.
+Outside a schedule (whole windows) THD ``packed_seq_params`` work as in ``SlimCoreAttention``.
 
 A window a CP engine planned (``SliceContext.cp_shares`` holds the microbatch's shares, set by
 ``megatron-slim train``'s ``train/cp_slices.py`` or the launcher's ``slimpipe/engine_slices.py``):
@@ -97,8 +100,8 @@ class SliceCoreAttention(SlimCoreAttention):
         if self.context is not None and self.context.current is not None:
             raise ValueError(
                 "packed_seq_params (THD) inside a SlimPipe slice: megatron's THD offsets describe the whole "
-                f"window, not the slice; allowed: the batch key {DOCUMENT_LENGTHS!r} (docs/packing.md) with "
-                "packed_seq_params=None"
+                f"window, not the slice; allowed: the window's documents in its batch -- the key {DOCUMENT_LENGTHS!r} "
+                "or Megatron's THD offsets 'cu_seqlens' (docs/packing.md) -- with packed_seq_params=None"
             )
         return super().attend_documents(q, k, v, lengths)
 

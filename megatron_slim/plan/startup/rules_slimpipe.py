@@ -178,7 +178,12 @@ SLIMPIPE_RULES = [
         "slimpipe-mtp", lambda s: bool(s.mtp_num_layers), "--use-slimpipe does not support multi-token prediction"
     ),
     _on_slimpipe(
-        "slimpipe-packing", lambda s: s.sequence_packing, "--use-slimpipe does not support packed (THD) sequences yet"
+        "slimpipe-packing",
+        lambda s: s.sequence_packing,
+        "--use-slimpipe slices windows of --seq-length tokens, a fixed number per iteration; Megatron-LM's "
+        "runtime packing scheduler (--sequence-packing / --sequence-packing-scheduler) hands out THD "
+        "microbatches of varying length and count: drop it. Packed windows run through --slimpipe-packing, "
+        "and THD batches of --seq-length tokens (--sft, --dataloader-inter-document-masking) run as they are",
     ),
     _on_slimpipe(
         "slimpipe-positions",

@@ -1,8 +1,11 @@
 """Packed windows under SlimPipe: which documents a slice's queries and keys belong to.
 
 A microbatch window (``b = 1``, ``s`` tokens) may be a pack of documents, given by the batch key
-``"document_lengths"`` (a tuple of ints summing to ``s``; trailing padding is one more document)
-or by Megatron's block-causal ``--reset-attention-mask`` mask. A token attends to the earlier
+``"document_lengths"`` (a tuple of ints summing to ``s``; trailing padding is one more document),
+by Megatron's block-causal ``--reset-attention-mask`` mask, or by the THD offsets Megatron's data
+path puts in the batch (``cu_seqlens``, optionally ``cu_seqlens_padded``: ``--sft`` packs, 0.19's
+``--dataloader-inter-document-masking``), from which ``pretrain_gpt.get_batch`` would build
+``PackedSeqParams``. A token attends to the earlier
 tokens of its own document only, and its rotary position restarts at 0 in each document.
 
 A slice ``[start, end)`` therefore reads keys from the start of the document holding ``start``
@@ -23,6 +26,8 @@ from typing import Any, Optional
 import torch
 
 DOCUMENT_LENGTHS = "document_lengths"
+THD_OFFSETS = "cu_seqlens"
+THD_KEYS = (THD_OFFSETS, "cu_seqlens_padded", "max_seqlen")  # the window's THD description, not sliced
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,36 @@ def check_document_lengths(lengths: Any, total: int) -> tuple[int, ...]:
             f"window's {total} tokens (trailing padding counts as one more document)"
         )
     return tuple(lengths)
+
+
+def _window_offsets(name: str, value: Any) -> list[int]:
+    """A window's offsets from a ``[k]`` or ``[1, k]`` integer tensor (one ``b = 1`` window)."""
+    rows = value.shape[0] if torch.is_tensor(value) and value.dim() == 2 else 1
+    if not torch.is_tensor(value) or value.dim() not in (1, 2) or rows != 1 or value.is_floating_point():
+        shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise ValueError(
+            f"{name}={shape}: allowed: one window's offsets, a [k] or [1, k] integer tensor (micro-batch size 1)"
+        )
+    offsets = [int(x) for x in value.reshape(-1).tolist()]
+    if len(offsets) < 2 or offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"{name}={offsets}: allowed: at least two offsets, starting at 0, non-decreasing")
+    return offsets
+
+
+def lengths_from_thd_offsets(cu_seqlens: Any, cu_seqlens_padded: Any, total: int) -> tuple[int, ...]:
+    """Document lengths of a window described by Megatron's THD offsets. A sequence's slot (from
+    ``cu_seqlens_padded`` where given) is one document: its padding follows its real tokens, so causal
+    attention keeps the real tokens blind to it (padding rows carry loss mask 0)."""
+    real = _window_offsets(THD_OFFSETS, cu_seqlens)
+    slots = _window_offsets("cu_seqlens_padded", cu_seqlens_padded) if cu_seqlens_padded is not None else real
+    if len(slots) != len(real) or any(b - a > d - c for a, b, c, d in zip(real, real[1:], slots, slots[1:])):
+        raise ValueError(
+            f"cu_seqlens={real}, cu_seqlens_padded={slots}: allowed: as many padded offsets, each slot at least "
+            "as long as its sequence"
+        )
+    if slots[-1] != total:
+        raise ValueError(f"{THD_OFFSETS}: offsets end at {slots[-1]}; allowed: the window's {total} tokens")
+    return tuple(b - a for a, b in zip(slots, slots[1:]) if b > a)
 
 
 def _document_starts(lengths: tuple[int, ...]) -> list[int]:

@@ -9,7 +9,11 @@ cache attention is causal by construction and ignores it, but Megatron's tensor-
 broadcast sends whatever TP rank 0 read, so it must keep its slice shape); any other mask is
 refused rather than silently ignored, except Megatron's block-causal document mask
 (``--reset-attention-mask``) of a ``b = 1`` window: it is read as the window's document lengths,
-exactly like the batch key ``document_lengths`` (a tuple of ints, passed through to every slice).
+exactly like the batch key ``document_lengths`` (a tuple of ints, passed through to every slice), and
+so are Megatron's THD offsets (``cu_seqlens``, ``cu_seqlens_padded``; ``--sft`` and 0.19's
+``--dataloader-inter-document-masking`` batches). Those describe the whole window, so the slices do
+not carry them (nor ``max_seqlen``): ``pretrain_gpt.get_batch`` then builds no ``PackedSeqParams``
+for a slice and the slice attention keeps the documents apart through the K/V cache instead.
 The iterator records those lengths for the current microbatch in ``SliceContext.documents``, where
 the slice attention and RoPE find them (``runtime/pipeline/documents.py``). Slices are contiguous
 copies: loss functions flatten them with ``view(-1)`` (Megatron-Bridge's ``masked_next_token_loss``),
@@ -24,8 +28,11 @@ import torch
 
 from megatron_slim.runtime.pipeline.documents import (
     DOCUMENT_LENGTHS,
+    THD_KEYS,
+    THD_OFFSETS,
     check_document_lengths,
     lengths_from_block_mask,
+    lengths_from_thd_offsets,
 )
 from megatron_slim.runtime.pipeline.slice_context import SliceContext
 
@@ -46,6 +53,8 @@ def slice_batch(batch: Any, start: int, length: int, documents: bool = False) ->
     if isinstance(batch, dict):
         out = {}
         for name, value in batch.items():
+            if name in THD_KEYS and value is not None:
+                continue  # the window's offsets: recorded as its documents (batch_documents)
             if name == "attention_mask" and value is not None:
                 if not documents and not _causal_rows(value, start, length):
                     raise ValueError(
@@ -111,24 +120,29 @@ class SlicedIterator:
 
 
 def batch_documents(batch: Any, total: int) -> Optional[tuple[int, ...]]:
-    """The document lengths of a ``b = 1`` packed window: its ``document_lengths`` key, or its
-    block-causal attention mask; None for a plain window (one causal sequence)."""
+    """The document lengths of a ``b = 1`` packed window: its ``document_lengths`` key, its
+    block-causal attention mask or its THD offsets (``cu_seqlens``), which must agree where several
+    are given; None for a plain window (one causal sequence)."""
     if not isinstance(batch, dict):
         return None
-    given = batch.get(DOCUMENT_LENGTHS)
+    found: dict[str, tuple[int, ...]] = {}
+    if batch.get(DOCUMENT_LENGTHS) is not None:
+        found[DOCUMENT_LENGTHS] = check_document_lengths(batch[DOCUMENT_LENGTHS], total)
     mask = batch.get("attention_mask")
-    from_mask = None
     if torch.is_tensor(mask) and not _causal_rows(mask, 0, total):
         from_mask = lengths_from_block_mask(mask)
         if from_mask is None:
             return None  # slice_batch refuses the mask, naming the alternatives
-    if given is None and from_mask is None:
+        found["attention_mask"] = from_mask
+    if batch.get(THD_OFFSETS) is not None:
+        found[THD_OFFSETS] = lengths_from_thd_offsets(batch[THD_OFFSETS], batch.get("cu_seqlens_padded"), total)
+    if not found:
         return None
-    lengths = check_document_lengths(given, total) if given is not None else from_mask
-    if from_mask is not None and from_mask != lengths:
+    lengths = next(iter(found.values()))
+    if any(other != lengths for other in found.values()):
         raise ValueError(
-            f"{DOCUMENT_LENGTHS}={lengths} disagree with the attention mask's documents {from_mask}; "
-            "allowed: the same documents in both"
+            f"the window's documents disagree: {found}; allowed: the same documents in every one of "
+            f"{DOCUMENT_LENGTHS!r}, the attention mask and {THD_OFFSETS!r}"
         )
     rows = [v.shape[0] for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and k != "attention_mask"]
     if any(b != 1 for b in rows):
@@ -143,7 +157,11 @@ def _check_length(batch: Any, expected: int) -> None:
     tensors = (
         [batch]
         if torch.is_tensor(batch)
-        else [v for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and k != "attention_mask"]
+        else [
+            v
+            for k, v in batch.items()
+            if torch.is_tensor(v) and v.dim() >= 2 and k != "attention_mask" and k not in THD_KEYS
+        ]
     )
     for t in tensors:
         if t.shape[1] != expected:

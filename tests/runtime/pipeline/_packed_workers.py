@@ -1,11 +1,12 @@
 """Rank functions for packed windows under SlimPipe (module level so spawn can import them)."""
 
 import dataclasses
+import functools
 
 import torch
 
 from megatron_slim.plan.recipe import ModelConfig
-from megatron_slim.train.microbatch import forward_step  # the training job's own
+from megatron_slim.train.microbatch import forward_step, loss_func  # the training job's own
 from tests.oracle import reference
 from tests.oracle.models import TINY_GQA_8L
 
@@ -18,9 +19,10 @@ def block_causal_mask(lengths) -> torch.Tensor:
     return (~visible).view(1, 1, s, s)
 
 
-def make_packed_batches(model: ModelConfig, windows, seed: int, as_mask: bool = False):
+def make_packed_batches(model: ModelConfig, windows, seed: int, form: str = "key"):
     """One ``b = 1`` batch per window of document lengths; the last document is padding (loss 0).
-    ``as_mask``: the documents as Megatron's block-causal mask instead of ``document_lengths``."""
+    ``form``: the documents as the key ``document_lengths`` ("key"), Megatron's block-causal mask
+    ("mask") or Megatron's THD offsets ``cu_seqlens [1, k]`` and ``max_seqlen`` ("thd", as ``--sft``)."""
     g = torch.Generator().manual_seed(seed)
     batches = []
     for lengths in windows:
@@ -30,8 +32,12 @@ def make_packed_batches(model: ModelConfig, windows, seed: int, as_mask: bool = 
         pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
         batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": mask}
         batch["position_ids"] = pos
-        if as_mask:
+        if form == "mask":
             batch["attention_mask"] = block_causal_mask(lengths)
+        elif form == "thd":
+            offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+            batch["cu_seqlens"] = torch.tensor([offsets], dtype=torch.int32)
+            batch["max_seqlen"] = torch.tensor([max(lengths)], dtype=torch.int32)
         else:
             batch["document_lengths"] = tuple(lengths)
         batches.append(batch)
@@ -45,8 +51,23 @@ def _packs(batches, windows):
     ]
 
 
+def thd_forward_step(data_iterator, model):
+    """``pretrain_gpt``'s forward step on a THD batch (``get_batch``'s branch for ``cu_seqlens``):
+    ``PackedSeqParams`` from the batch's offsets when it has them, handed to the model."""
+    from megatron.core.utils import get_thd_batch_on_this_cp_rank
+
+    batch = dict(next(data_iterator))
+    cu_seqlens, max_seqlen = batch.pop("cu_seqlens", None), batch.pop("max_seqlen", None)
+    params = None
+    if cu_seqlens is not None:
+        batch, params = get_thd_batch_on_this_cp_rank(batch, cu_seqlens[0], None, max_seqlen, cp_size=1, cp_rank=0)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params)
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
 def run_packed(rank, world_size, configs, seed=1234):
-    """Each config: (vpp, slice_lengths, windows, backend, as_mask). Returns per config
+    """Each config: (vpp, slice_lengths, windows, backend, form of ``make_packed_batches``; "thd" runs
+    ``thd_forward_step``). Returns per config
     (token-weighted loss from the reports, grads, reference (loss, grads) on rank 0)."""
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
     from megatron_slim.megatron.model.parallel import init_model_parallel
@@ -56,14 +77,14 @@ def run_packed(rank, world_size, configs, seed=1234):
     groups = init_model_parallel(pp=world_size)
     model = ModelConfig(**TINY_GQA_8L)
     results = []
-    for vpp, lengths, windows, backend, as_mask in configs:
-        batches = make_packed_batches(model, windows, seed, as_mask)
+    for vpp, lengths, windows, backend, form in configs:
+        batches = make_packed_batches(model, windows, seed, form)
         chunks = build_rank_chunks(
             model, dataclasses.replace(groups, vpp=vpp), core_attention=SliceCoreAttention, seed=seed
         )
         fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths), attention_backend=backend))
         reports = fb(
-            forward_step_func=forward_step,
+            forward_step_func=thd_forward_step if form == "thd" else forward_step,
             data_iterator=[iter(batches) for _ in chunks],
             model=chunks,
             num_microbatches=len(batches),

@@ -1,5 +1,6 @@
 """Packed windows in SlimPipe's data path: the slicing iterator records each microbatch's documents
-(from ``document_lengths`` or Megatron's block-causal mask) where attention and RoPE read them."""
+(from ``document_lengths``, Megatron's block-causal mask or its THD offsets ``cu_seqlens``) where
+attention and RoPE read them."""
 
 import pytest
 import torch
@@ -35,6 +36,44 @@ def test_documents_are_recorded_for_the_current_microbatch(extra):
         assert all(p["document_lengths"] == DOCS for p in parts)
     else:
         assert torch.equal(parts[1]["attention_mask"], extra["attention_mask"][..., 8:16, 8:16])
+
+
+def _offsets(*values):
+    return torch.tensor([values], dtype=torch.int32)  # [1, k]: what the loader's collate gives (b = 1)
+
+
+def test_thd_offsets_are_the_documents_and_no_slice_carries_them():
+    """An ``--sft`` batch: ``cu_seqlens [1, k]`` and ``max_seqlen``; the slices hand the forward step
+    no offsets, so ``pretrain_gpt.get_batch`` builds no window-wide ``PackedSeqParams`` for a slice."""
+    context = SliceContext()
+    batch = _batch(cu_seqlens=_offsets(0, 3, 12, 16), max_seqlen=torch.tensor([9], dtype=torch.int32))
+    parts = _read([batch], context, microbatch=2)
+    assert context.documents.lookup(2) == DOCS
+    assert all(set(p) == {"tokens", "loss_mask"} for p in parts)
+    assert torch.equal(parts[1]["tokens"], torch.arange(8, 16).view(1, 8))
+
+
+def test_thd_padded_slots_are_documents():
+    """Each padded slot (``cu_seqlens_padded``) is one document: its padding follows its real tokens."""
+    context = SliceContext()
+    batch = _batch(cu_seqlens=_offsets(0, 2, 10, 13), cu_seqlens_padded=_offsets(0, 3, 12, 16))
+    _read([batch], context)
+    assert context.documents.lookup(0) == DOCS
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"cu_seqlens": _offsets(0, 3, 12, 15)}, "end at 15"),
+        ({"cu_seqlens": _offsets(0, 5, 3, 16)}, "non-decreasing"),
+        ({"cu_seqlens": torch.tensor([[0, 16], [0, 16]], dtype=torch.int32)}, "micro-batch size 1"),
+        ({"cu_seqlens": _offsets(0, 4, 16), "cu_seqlens_padded": _offsets(0, 3, 16)}, "at least as long"),
+        ({"cu_seqlens": _offsets(0, 4, 16), "document_lengths": DOCS}, "disagree"),
+    ],
+)
+def test_bad_thd_offsets_are_refused(extra, match):
+    with pytest.raises(ValueError, match=match):
+        _read([_batch(**extra)], SliceContext())
 
 
 def test_plain_windows_record_nothing():

@@ -5,7 +5,9 @@ attention, megatron's per-microbatch normalisation: ``reference.per_document_ste
 
 The windows (32 tokens, slices of 8 unless said) hold a document spanning 3 slices, a slice holding
 3+ documents, a document starting exactly on a slice boundary, one-token documents, and a padding
-document with loss mask 0. Tolerance as in test_slimpipe_exactness (fp32 reordering only)."""
+document with loss mask 0; the documents come as the key ``document_lengths``, Megatron's
+block-causal mask, or its THD offsets ``cu_seqlens`` read by ``pretrain_gpt``'s ``PackedSeqParams`` forward
+step (``_packed_workers.thd_forward_step``). Tolerance as in test_slimpipe_exactness (fp32 reordering only)."""
 
 import pytest
 import torch
@@ -38,18 +40,23 @@ def _check(results, num_configs):
 
 def test_packed_slices_single_process_match_per_document_reference():
     configs = [
-        (1, EIGHTS, WINDOWS, "sdpa", False),
-        (1, UNEVEN, WINDOWS, "reference", False),
-        (1, EIGHTS, WINDOWS[:2], "sdpa", True),  # Megatron's block-causal mask instead of the key
+        (1, EIGHTS, WINDOWS, "sdpa", "key"),
+        (1, UNEVEN, WINDOWS, "reference", "key"),
+        (1, EIGHTS, WINDOWS[:2], "sdpa", "mask"),  # Megatron's block-causal mask instead of the key
+        (1, UNEVEN, WINDOWS, "sdpa", "thd"),  # Megatron's THD offsets, through pretrain_gpt's PackedSeqParams step
     ]
     results = run_ranks(_packed_workers.run_packed, 1, configs, timeout_s=600)
     _check(results, len(configs))
-    assert [r[3] for r in results[0]] == [{"sdpa"}, {"reference"}, {"sdpa"}]
+    assert [r[3] for r in results[0]] == [{"sdpa"}, {"reference"}, {"sdpa"}, {"sdpa"}]
 
 
 @pytest.mark.parametrize("vpp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_packed_slices_pp2_match_per_document_reference(vpp):
-    configs = [(vpp, EIGHTS, WINDOWS, "sdpa", False), (vpp, UNEVEN, WINDOWS[1:], "reference", False)]
+    configs = [
+        (vpp, EIGHTS, WINDOWS, "sdpa", "key"),
+        (vpp, UNEVEN, WINDOWS[1:], "reference", "key"),
+        (vpp, EIGHTS, WINDOWS, "sdpa", "thd"),
+    ]
     results = run_ranks(_packed_workers.run_packed, 2, configs, timeout_s=900)
     _check(results, len(configs))
 
