@@ -5,8 +5,9 @@ What cannot work, and why:
 * virtual pipeline stages: ``pretrain_gpt.get_batch`` reads batches on the first and last stages
   only; with pp > 2 the first stage hands each microbatch's document lengths to the middle stages
   (``runtime/pipeline/stage_lengths``), which needs one model chunk per rank;
-* tensor or context parallelism: Megatron's TP broadcast carries tensors only (the other TP ranks
-  would not see the documents), and SlimPipe's document attention runs without CP;
+* context parallelism (tensor parallelism runs: Megatron's TP batch broadcast carries tensors
+  only, so the SlimPipe schedule hands the documents from TP rank 0 to the other TP ranks itself,
+  ``megatron/slimpipe/stage.py``);
 * micro-batch size above 1: a packed window is one row;
 * without ``--use-slimpipe``: Megatron's own schedule attends causally across the whole window;
 * without ``--calculate-per-token-loss``: Megatron would divide each window's loss by its own token
@@ -59,11 +60,12 @@ PACKING_RULES = [
         ),
     ),
     _packing(
-        "packing-tp-cp",
-        lambda s: s.tp > 1 or s.cp > 1,
+        "packing-cp",
+        lambda s: s.cp > 1,
         lambda s: (
-            f"{_flag(s)} with --tensor-model-parallel-size {s.tp} and --context-parallel-size {s.cp}: "
-            "the documents reach neither the other TP ranks nor the CP attention; allowed: both 1"
+            f"{_flag(s)} with --context-parallel-size {s.cp}: packed windows under SlimPipe's CP attention "
+            "are not checked end to end through pretrain_gpt.py; allowed: --context-parallel-size 1 "
+            "(any --tensor-model-parallel-size)"
         ),
     ),
     _packing(
