@@ -31,12 +31,21 @@ def _flags(layout: list[str]) -> list[str]:
     return ours + ["--slimpipe-packing", "slimpack", "--calculate-per-token-loss"]
 
 
-def test_packed_windows_at_tp2_train_as_at_tp1(tmp_path):
-    corpus = write_corpus(tmp_path / "docs")
-    one = run_pretrain(2, _flags([]), tmp_path / "tp1", launcher=True, data_prefix=corpus, env=BY_NAME)
-    two = run_pretrain(4, _flags(["parallel.tp=2"]), tmp_path / "tp2", launcher=True, data_prefix=corpus, env=BY_NAME)
-    assert SUMMARY.search(two.log).groups() == SUMMARY.search(one.log).groups()  # the same documents
-    assert len(two.losses) == 4 and two.skipped == one.skipped == 0
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("docs") / "docs")
+
+
+@pytest.fixture(scope="module")
+def tp1(corpus, tmp_path_factory):
+    return run_pretrain(2, _flags([]), tmp_path_factory.mktemp("tp1"), launcher=True, data_prefix=corpus, env=BY_NAME)
+
+
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.cp=2"])
+def test_packed_windows_at_tp2_and_cp2_train_as_at_tp1(layout, corpus, tp1, tmp_path):
+    two = run_pretrain(4, _flags([layout]), tmp_path / "run", launcher=True, data_prefix=corpus, env=BY_NAME)
+    assert SUMMARY.search(two.log).groups() == SUMMARY.search(tp1.log).groups()  # the same documents
+    assert len(two.losses) == 4 and two.skipped == tp1.skipped == 0
     assert two.losses[-1] < two.losses[0] - 0.1, two.losses  # it trains
-    assert relative_difference(two.losses, one.losses) <= TOLERANCE, (two.losses, one.losses)
-    assert relative_difference(two.grad_norms, one.grad_norms) <= TOLERANCE, (two.grad_norms, one.grad_norms)
+    assert relative_difference(two.losses, tp1.losses) <= TOLERANCE, (two.losses, tp1.losses)
+    assert relative_difference(two.grad_norms, tp1.grad_norms) <= TOLERANCE, (two.grad_norms, tp1.grad_norms)

@@ -60,15 +60,6 @@ PACKING_RULES = [
         ),
     ),
     _packing(
-        "packing-cp",
-        lambda s: s.cp > 1,
-        lambda s: (
-            f"{_flag(s)} with --context-parallel-size {s.cp}: packed windows under SlimPipe's CP attention "
-            "are not checked end to end through pretrain_gpt.py; allowed: --context-parallel-size 1 "
-            "(any --tensor-model-parallel-size)"
-        ),
-    ),
-    _packing(
         "packing-micro-batch",
         lambda s: s.micro_batch_size != 1,
         lambda s: (
