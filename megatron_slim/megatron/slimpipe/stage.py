@@ -34,7 +34,7 @@ def reset_documents(context: SliceContext, documents: Optional[list]) -> None:
 
 def shared_documents(
     data_iterator, num_microbatches: int, seq_length: int, pp_group, tp_group, device
-) -> tuple[Any, list]:
+) -> tuple[Any, Optional[list]]:
     """Each microbatch's document lengths on every rank that needs them, and the iterator to run on
     (``runtime/pipeline/stage_lengths``). Collective, in two steps: on a stage that reads batches
     (the first and last) TP rank 0 reads the call's microbatches and hands their lengths to the

@@ -1,13 +1,15 @@
 """Start-up rules of ``--slimpipe-packing`` (the launcher's packed windows, ``megatron/data/packed_windows``).
 
+Tensor and context parallelism run: Megatron's TP batch broadcast carries tensors only, so the
+SlimPipe schedule hands each window's documents from TP rank 0 to the other TP ranks itself
+(``megatron/slimpipe/stage.py``); every CP rank reads the whole window and SlimPipe's query-out CP
+attention keeps to its documents.
+
 What cannot work, and why:
 
 * virtual pipeline stages: ``pretrain_gpt.get_batch`` reads batches on the first and last stages
   only; with pp > 2 the first stage hands each microbatch's document lengths to the middle stages
   (``runtime/pipeline/stage_lengths``), which needs one model chunk per rank;
-* context parallelism (tensor parallelism runs: Megatron's TP batch broadcast carries tensors
-  only, so the SlimPipe schedule hands the documents from TP rank 0 to the other TP ranks itself,
-  ``megatron/slimpipe/stage.py``);
 * micro-batch size above 1: a packed window is one row;
 * without ``--use-slimpipe``: Megatron's own schedule attends causally across the whole window;
 * without ``--calculate-per-token-loss``: Megatron would divide each window's loss by its own token

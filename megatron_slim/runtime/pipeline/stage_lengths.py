@@ -104,8 +104,9 @@ def share_microbatch_lengths(
     """Collective over ``group`` (the pipeline group, or a stage's tensor-parallel group, whose first
     rank, TP rank 0, is the one Megatron gives a data iterator). The group's first rank reads the
     call's ``num_microbatches`` batches from ``data_iterator`` and measures each with ``lengths_of``
-    (``read_microbatch_lengths``); every rank of the group gets those lengths. Returns the iterator to run the schedule on (the first rank's replays what it read,
-    in order; the others' is theirs unchanged) and the lengths."""
+    (``read_microbatch_lengths``); every rank of the group gets those lengths. Returns the iterator
+    to run the schedule on (the first rank's replays what it read, in order; the others' is theirs
+    unchanged) and the lengths."""
     first = dist.get_rank() == dist.get_process_group_ranks(group)[0]
     mine: Optional[MicrobatchLengths] = None
     if first:

@@ -41,7 +41,8 @@ def reinitialise(model) -> None:
 
     from megatron_slim.megatron.model.weights import full_shape, tp_shard
 
-    tp_rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         names = _global_names(chunk)
         for p in chunk.parameters():
