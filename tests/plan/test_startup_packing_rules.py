@@ -21,14 +21,18 @@ def test_a_packed_slimpipe_run_with_per_token_loss_passes_at_any_pipeline_size()
         check(replace(RUNS, pp=pp), LAUNCHER)
 
 
+def test_a_packed_run_passes_under_tensor_and_context_parallelism():
+    # TP rank 0 hands the documents to the other TP ranks; every CP rank reads the whole window
+    for tp, cp, pp in ((2, 1, 2), (1, 2, 2), (2, 2, 1), (4, 2, 4)):
+        assert broken_rule(replace(RUNS, tp=tp, cp=cp, pp=pp), LAUNCHER) is None, (tp, cp, pp)
+
+
 @pytest.mark.parametrize(
     "change,rule,words",
     [
         (dict(slimpipe=False, num_slices=1), "packing-needs-slimpipe", "needs --use-slimpipe"),
         (dict(pp=4, vpp=2), "packing-pipeline", "without virtual stages"),
         (dict(vpp=2), "packing-pipeline", "--virtual-pipeline-model-parallel-size 1"),
-        (dict(tp=2), "packing-tp-cp", "allowed: both 1"),
-        (dict(cp=2), "packing-tp-cp", "allowed: both 1"),
         (dict(micro_batch_size=2), "packing-micro-batch", "allowed: --micro-batch-size 1"),
         (dict(per_token_loss=False), "packing-per-token-loss", "needs --calculate-per-token-loss"),
         (dict(dataloader_type="cyclic"), "packing-dataloader", "allowed: --dataloader-type single"),

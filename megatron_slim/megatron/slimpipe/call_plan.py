@@ -26,6 +26,16 @@ def pipeline_group(pg_collection, p2p_communicator):
     return parallel_state.get_pipeline_model_parallel_group()
 
 
+def tensor_group(pg_collection):
+    """This rank's tensor-parallel group (None without one)."""
+    group = getattr(pg_collection, "tp", None)
+    if group is not None:
+        return group
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+
+
 def agree_on_plan(digest: str, group, stats: RunStats, device: torch.device) -> None:
     if digest in stats.agreed_digests or group.size() == 1:
         return

@@ -42,6 +42,7 @@ from megatron_slim.megatron.slimpipe.call_plan import (
     pipeline_group,
     planned_schedule,
     refuse_unsupported_call,
+    tensor_group,
 )
 from megatron_slim.megatron.slimpipe.offload_layers import attach_offload
 from megatron_slim.megatron.slimpipe.settings import ForwardBackwardFunc, RunStats, SlimPipeSettings
@@ -115,10 +116,12 @@ def make_forward_backward_func(
         stats.schedule_digest = schedule.digest()
         agree_on_plan(stats.schedule_digest, group, stats, chunks.first_param.device)
         documents = None
-        if settings.share_documents and group.size() > 2:
+        tp_group = tensor_group(pg_collection) if settings.share_documents else None
+        if settings.share_documents and (group.size() > 2 or (tp_group is not None and tp_group.size() > 1)):
             data_iterator, documents = shared_documents(
-                data_iterator, num_microbatches, seq_length, group, chunks.first_param.device
+                data_iterator, num_microbatches, seq_length, group, tp_group, chunks.first_param.device
             )
+            context.documents_on_every_tp_rank = True  # TP rank 0's documents reached the other TP ranks
         non_loss = collect_non_loss_data and forward_only
         run = _Run(settings, chunks, group, schedule, forward_only, non_loss, vocab_head, stage_rows)
         loss = run.interpret(forward_step_func, data_iterator, micro_batch_size, context, stats, documents)

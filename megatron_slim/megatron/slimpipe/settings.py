@@ -16,8 +16,9 @@ class SlimPipeSettings:
     attention_backend: Optional[str] = None
     measure_memory: bool = False
     offload_ratio: float = 0.0  # of each slice's decoder-layer activations, held on the host until backward
-    # the first stage hands each microbatch's document lengths to stages that read no batch
-    # (--slimpipe-packing under pretrain_gpt.py with pp > 2: ``runtime/pipeline/stage_lengths``)
+    # TP rank 0 hands each microbatch's document lengths to the other TP ranks, and the first stage
+    # to stages that read no batch (--slimpipe-packing under pretrain_gpt.py with tp > 1 or pp > 2:
+    # ``runtime/pipeline/stage_lengths``)
     share_documents: bool = False
     exchange: bool = False  # context exchange (schedule.slice_policy: exchange) in training calls
     # the recipe whose cost model times the exchange pairing (``plan.sim.exchange_timing``: the one

@@ -17,7 +17,8 @@ Packed windows: when the slicing data iterator recorded document lengths for the
 microbatch (``SliceContext.documents``: the batch key ``document_lengths`` or a block-causal
 attention mask), attention stays inside each document (varlen kernels of the chosen backend) and
 RoPE positions restart at 0 in each document, also under SlimPipe's CP attention; under tensor
-parallelism only when every TP rank reads its own batch (``SliceContext.documents_on_every_tp_rank``).
+parallelism only when every TP rank knows the documents (``SliceContext.documents_on_every_tp_rank``:
+it reads its own batch, or TP rank 0 handed them over).
 Megatron's THD batches (``cu_seqlens`` in the batch, from which ``pretrain_gpt`` builds
 ``packed_seq_params``) are read by the slicing data iterator as the window's documents, and the
 slices it hands out carry no offsets, so no THD ``packed_seq_params`` reach a slice; ones that do
@@ -116,8 +117,9 @@ class SliceCoreAttention(SlimCoreAttention):
             raise ValueError(
                 f"{DOCUMENT_LENGTHS}: packed windows under SlimPipe with tensor parallel size {tp_group.size()} "
                 "and Megatron's TP batch broadcast (it carries tensors only, so the other TP ranks would not see "
-                "the documents); allowed: tp=1, or every TP rank reading its own batch "
-                "(SliceContext(documents_on_every_tp_rank=True), as megatron-slim train does)"
+                "the documents); allowed: tp=1, every TP rank reading its own batch "
+                "(SliceContext(documents_on_every_tp_rank=True), as megatron-slim train does), or "
+                "SlimPipeSettings(share_documents=True) (TP rank 0 hands them over, as --slimpipe-packing does)"
             )
         if q.shape[0] != 1:
             raise ValueError(f"{DOCUMENT_LENGTHS}: micro-batch size {q.shape[0]}; allowed: 1 (one packed window)")

@@ -32,11 +32,20 @@ def reset_documents(context: SliceContext, documents: Optional[list]) -> None:
             context.documents.record(microbatch, lengths)
 
 
-def shared_documents(data_iterator, num_microbatches: int, seq_length: int, group, device) -> tuple[Any, list]:
-    """Collective over the pipeline ``group`` (more than two stages): the first stage's microbatches'
-    document lengths on every stage (``runtime/pipeline/stage_lengths``), and the iterator to run on."""
+def shared_documents(
+    data_iterator, num_microbatches: int, seq_length: int, pp_group, tp_group, device
+) -> tuple[Any, Optional[list]]:
+    """Each microbatch's document lengths on every rank that needs them, and the iterator to run on
+    (``runtime/pipeline/stage_lengths``). Collective, in two steps: on a stage that reads batches
+    (the first and last) TP rank 0 reads the call's microbatches and hands their lengths to the
+    stage's other TP ranks (tensor parallel size > 1); with more than two stages the first stage
+    then hands them over the pipeline group to the stages that read no batch."""
     from megatron_slim.runtime.pipeline.sliced_data import batch_documents
-    from megatron_slim.runtime.pipeline.stage_lengths import share_microbatch_lengths
+    from megatron_slim.runtime.pipeline.stage_lengths import (
+        broadcast_lengths,
+        read_microbatch_lengths,
+        share_microbatch_lengths,
+    )
 
     listed = isinstance(data_iterator, (list, tuple))
     if listed and len(data_iterator) != 1:
@@ -45,9 +54,15 @@ def shared_documents(data_iterator, num_microbatches: int, seq_length: int, grou
             "allowed: one (no virtual pipeline stages)"
         )
     source = data_iterator[0] if listed else data_iterator
-    source, lengths = share_microbatch_lengths(
-        source, num_microbatches, lambda batch: batch_documents(batch, seq_length), group, device
-    )
+    measure = lambda batch: batch_documents(batch, seq_length)  # noqa: E731
+    stages, stage = pp_group.size(), pp_group.rank()
+    lengths = None
+    if tp_group is not None and tp_group.size() > 1 and stage in (0, stages - 1):
+        source, lengths = share_microbatch_lengths(source, num_microbatches, measure, tp_group, device)
+    elif stage == 0 and stages > 2:
+        source, lengths = read_microbatch_lengths(source, num_microbatches, measure)
+    if stages > 2:
+        lengths = broadcast_lengths(lengths if stage == 0 else None, pp_group, device)
     return ([source] if listed else source), lengths
 
 

@@ -1,12 +1,15 @@
 """Start-up rules of ``--slimpipe-packing`` (the launcher's packed windows, ``megatron/data/packed_windows``).
 
+Tensor and context parallelism run: Megatron's TP batch broadcast carries tensors only, so the
+SlimPipe schedule hands each window's documents from TP rank 0 to the other TP ranks itself
+(``megatron/slimpipe/stage.py``); every CP rank reads the whole window and SlimPipe's query-out CP
+attention keeps to its documents.
+
 What cannot work, and why:
 
 * virtual pipeline stages: ``pretrain_gpt.get_batch`` reads batches on the first and last stages
   only; with pp > 2 the first stage hands each microbatch's document lengths to the middle stages
   (``runtime/pipeline/stage_lengths``), which needs one model chunk per rank;
-* tensor or context parallelism: Megatron's TP broadcast carries tensors only (the other TP ranks
-  would not see the documents), and SlimPipe's document attention runs without CP;
 * micro-batch size above 1: a packed window is one row;
 * without ``--use-slimpipe``: Megatron's own schedule attends causally across the whole window;
 * without ``--calculate-per-token-loss``: Megatron would divide each window's loss by its own token
@@ -56,14 +59,6 @@ PACKING_RULES = [
             f"{_flag(s)} with --pipeline-model-parallel-size {s.pp} (virtual {s.vpp}): the first stage hands "
             "each microbatch's documents to the middle stages for one model chunk per rank; allowed: "
             "--pipeline-model-parallel-size any without virtual stages (--virtual-pipeline-model-parallel-size 1)"
-        ),
-    ),
-    _packing(
-        "packing-tp-cp",
-        lambda s: s.tp > 1 or s.cp > 1,
-        lambda s: (
-            f"{_flag(s)} with --tensor-model-parallel-size {s.tp} and --context-parallel-size {s.cp}: "
-            "the documents reach neither the other TP ranks nor the CP attention; allowed: both 1"
         ),
     ),
     _packing(

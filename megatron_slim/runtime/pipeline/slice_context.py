@@ -8,9 +8,10 @@ when its batch is a pack (``runtime/pipeline/documents.py``), recorded by the sl
 ``cp_shares`` holds, per microbatch a CP engine planned (``megatron-slim train`` with slices and
 ``cp.engine``, ``train/cp_slices.py``), which rows of each slice every CP rank holds: the slice
 attention and RoPE then follow the plan instead of the zigzag split.
-``documents_on_every_tp_rank``: every tensor-parallel rank reads its own batch and so records the
-documents itself (``megatron-slim train``); false under Megatron's TP batch broadcast, which
-carries tensors only, so packed windows then refuse tensor parallelism.
+``documents_on_every_tp_rank``: every tensor-parallel rank knows each microbatch's documents, because
+it reads its own batch (``megatron-slim train``) or TP rank 0 handed them over (the launcher's
+SlimPipe schedule under ``--slimpipe-packing``); false under Megatron's TP batch broadcast alone,
+which carries tensors only, so packed windows then refuse tensor parallelism.
 ``exchange`` is the run's context exchange while a schedule with pairs runs (``exchanging(action)``
 tells it which action is running), else None.
 """

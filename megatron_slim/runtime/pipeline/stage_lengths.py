@@ -9,6 +9,11 @@ every microbatch of the call up front, and one broadcast over the pipeline group
 lengths. That costs two small int64 broadcasts per schedule call (one for the size, one for the
 words) and holds the call's token batches a little earlier than the schedule would read them.
 
+Tensor parallelism has the same gap one level down: on a stage that reads batches only TP rank 0
+gets a data iterator, and Megatron's TP batch broadcast (``get_batch_on_this_tp_rank``) carries
+tensors only, so the window's ``document_lengths`` would stay on TP rank 0. The same collective
+over the stage's TP group hands them to the other TP ranks (``megatron/slimpipe/stage.py``).
+
 Wire form (``encode_lengths``): ``[count, n_0, l_0_0 .. l_0_{n_0-1}, n_1, ...]``; ``n = 0`` stands
 for a microbatch without lengths (a plain window: one causal sequence).
 """
@@ -75,6 +80,20 @@ def broadcast_lengths(
     return decode_lengths(payload.tolist())
 
 
+def read_microbatch_lengths(
+    data_iterator: Optional[Iterator], num_microbatches: int, lengths_of: Callable[[Any], Optional[tuple[int, ...]]]
+) -> tuple[Iterator, MicrobatchLengths]:
+    """Local: read the call's ``num_microbatches`` batches up front and measure each with
+    ``lengths_of``; returns an iterator replaying them in order, and the lengths."""
+    if data_iterator is None:
+        raise ValueError(
+            "the rank that hands the microbatches' lengths to the others has no data iterator; allowed: "
+            "the first rank of the group reads the batches (TP rank 0 of the first pipeline stage)"
+        )
+    batches = [next(data_iterator) for _ in range(num_microbatches)]
+    return iter(batches), [lengths_of(b) for b in batches]
+
+
 def share_microbatch_lengths(
     data_iterator: Optional[Iterator],
     num_microbatches: int,
@@ -82,24 +101,19 @@ def share_microbatch_lengths(
     group: Any,
     device: torch.device | str = "cpu",
 ) -> tuple[Optional[Iterator], MicrobatchLengths]:
-    """Collective over the pipeline ``group``. The first stage reads the call's ``num_microbatches``
-    batches from ``data_iterator`` and measures each with ``lengths_of``; every stage gets those
-    lengths. Returns the iterator to run the schedule on (the first stage's replays what it read,
-    in order; the others' is theirs unchanged) and the lengths."""
+    """Collective over ``group`` (the pipeline group, or a stage's tensor-parallel group, whose first
+    rank, TP rank 0, is the one Megatron gives a data iterator). The group's first rank reads the
+    call's ``num_microbatches`` batches from ``data_iterator`` and measures each with ``lengths_of``
+    (``read_microbatch_lengths``); every rank of the group gets those lengths. Returns the iterator
+    to run the schedule on (the first rank's replays what it read, in order; the others' is theirs
+    unchanged) and the lengths."""
     first = dist.get_rank() == dist.get_process_group_ranks(group)[0]
     mine: Optional[MicrobatchLengths] = None
     if first:
-        if data_iterator is None:
-            raise ValueError(
-                "the first pipeline stage has no data iterator, so it cannot hand the microbatches' lengths "
-                "to the other stages; allowed: tensor parallel size 1 (the first stage reads the batches)"
-            )
-        batches = [next(data_iterator) for _ in range(num_microbatches)]
-        mine = [lengths_of(b) for b in batches]
-        data_iterator = iter(batches)
+        data_iterator, mine = read_microbatch_lengths(data_iterator, num_microbatches, lengths_of)
     shared = broadcast_lengths(mine, group, device)
     if len(shared) != num_microbatches:
         raise ValueError(
-            f"the first pipeline stage sent lengths of {len(shared)} microbatches; expected {num_microbatches}"
+            f"the group's first rank sent lengths of {len(shared)} microbatches; expected {num_microbatches}"
         )
     return data_iterator, shared

@@ -7,8 +7,9 @@ pipeline stages starts from different weights and their losses cannot be compare
 ``pretrain_gpt.py`` calls instead from core_v0.19 (``megatron.training.models.gpt``): right after
 the model is built (before the optimizer copies anything) every parameter that is not constant
 is redrawn from N(0, 0.02) with a generator seeded by a CRC of its global name (decoder layers by
-their global layer number); norms' ones and biases' zeros stay. Any pipeline split then starts
-from the same weights (tensor parallel size 1).
+their global layer number); norms' ones and biases' zeros stay. A tensor-parallel parameter is
+drawn whole and cut to this TP rank's shard (megatron's strided split, ``model.weights.tp_shard``).
+Any pipeline and tensor-parallel split then starts from the same weights.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def _global_names(chunk) -> dict:
 
 @torch.no_grad()
 def reinitialise(model) -> None:
+    from megatron.core import parallel_state
+
+    from megatron_slim.megatron.model.weights import full_shape, tp_shard
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         names = _global_names(chunk)
         for p in chunk.parameters():
@@ -43,7 +50,8 @@ def reinitialise(model) -> None:
             if flat.numel() == 0 or bool((flat == flat[0]).all()):
                 continue
             generator = torch.Generator().manual_seed(zlib.crc32(names[id(p)].encode()))
-            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).mul_(0.02).to(p.dtype))
+            full = torch.randn(full_shape(p, tp_size), generator=generator, dtype=torch.float32).mul_(0.02)
+            p.copy_(tp_shard(full, p, tp_rank, tp_size).to(p.dtype))
 
 
 def install(training) -> None:
