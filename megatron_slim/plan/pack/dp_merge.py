@@ -26,10 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from megatron_slim.plan.pack.plan import PackingPlan, Piece
 from megatron_slim.plan.schema import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_slim.plan.recipe import Recipe
 
 
 class _Window(Protocol):
@@ -62,6 +65,27 @@ class MergeTransfer:
     @property
     def prefix(self) -> int:
         return self.head.length
+
+
+def merge_runs(recipe: "Recipe") -> bool:
+    """``megatron-slim train`` runs DP-merge (and so SlimPack is offered it): slimpack packing over
+    dp > 1 replicas of pp=1 SlimPipe, without tp, cp, the context-exchange slice policy, recomputation,
+    offloading or DynMo's dynamic layers (each would add layers or messages these transfers do not
+    follow); everywhere else the planner keeps DP-merge off."""
+    from megatron_slim.plan.dynmo.options import DynmoConfig
+
+    p, t, d = recipe.parallel, recipe.train, recipe.dynmo
+    plain_layers = d == DynmoConfig(profile=d.profile, profile_smoothing=d.profile_smoothing)
+    return (
+        recipe.data.packing == "slimpack"
+        and recipe.schedule.kind == "slimpipe"
+        and recipe.schedule.slice_policy != "exchange"
+        and p.dp > 1
+        and (p.pp, p.vpp, p.tp, p.cp) == (1, 1, 1, 1)
+        and t.recompute == "none"
+        and t.offload_ratio == 0.0
+        and plain_layers
+    )
 
 
 Step = tuple[str, int, int]  # ("F" | "B", microbatch, slice): one compute action of a rank
