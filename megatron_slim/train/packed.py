@@ -175,9 +175,9 @@ def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int, cp_group=
         step = functools.partial(packed_cp_forward_step, cp_group) if cp_group is not None else packed_forward_step
         if routed is not None:
             routed.prepare(packing, dp_rank)
+            step = routed.forward_step
         if merge is not None:
             merge.prepare(packing.merges, dp_rank)
-            step = routed.forward_step
         return packing, batches, step
     return None, list(microbatches(data, recipe, number - 1, dp_rank)), forward_step
 
