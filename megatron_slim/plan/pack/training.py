@@ -6,7 +6,8 @@ a packing plan -> per DP rank, windows of exactly ``seq_length`` tokens.
   microbatch, so no sample may be cut across MicroPacks or DP ranks. SlimPack is asked for whole
   samples (phase 1 only: phase 2's time budget would make the plan depend on each rank's timing);
   a plan that still cuts one is refused. Given a ``CPRoute`` (``cp.engine: zeppelin``), SlimPack
-  CP-routes the outliers that fill a window (DP-merge being unavailable); ``cp_routed_windows`` names
+  CP-routes the outliers that fill a window (DP-merge being unavailable under CP; without CP, where the
+  run can execute it, ``merge_slices`` offers DP-merge, ``dp_merge.py``); ``cp_routed_windows`` names
   each replica's routed windows for the runtime (``train/packed_routes.py``).
 * Iteration ``i`` takes the next samples of the corpus order, as many as fit in
   ``global_batch_size * seq_length`` tokens (so between that less ``seq_length`` and that), the
