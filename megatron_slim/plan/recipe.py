@@ -17,6 +17,7 @@ from megatron_slim.plan.dynmo.options import DynmoConfig
 from megatron_slim.plan.dynmo.recipe_checks import check_dynmo
 from megatron_slim.plan.files import load_yaml_mapping
 from megatron_slim.plan.hardware import HardwareProfile, load_hardware
+from megatron_slim.plan.pack.dp_merge import merge_runs
 from megatron_slim.plan.paths import config_dir
 from megatron_slim.plan.recipe_sections import (
     MAX_SEED,
@@ -210,6 +211,11 @@ class Recipe:
     def cp_routes(self) -> bool:
         """SlimPack CP-routes outliers and train runs them under Zeppelin's placement (docs/packing.md)."""
         return self.query_out_cp and self.data.packing == "slimpack" and self.cp.engine == "zeppelin"
+
+    @property
+    def dp_merge(self) -> bool:
+        """SlimPack may split an outlier over two DP replicas and train runs it (``pack/dp_merge.py``)."""
+        return merge_runs(self)
 
     @property
     def num_microbatches(self) -> int:

@@ -71,6 +71,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
     from megatron_slim.runtime.attention import choose_backend
+    from megatron_slim.runtime.pipeline.dp_merge import MergeLink
     from megatron_slim.runtime.pipeline.slice_context import SliceContext
     from megatron_slim.train.cp import cp_layer_classes
     from megatron_slim.train.cp_slices import CPSlicedTrainStep
@@ -103,6 +104,8 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     parts = (chunks, optimizer, scheduler, forward_backward, dataset, cp_step, report, vocab_head)
     training = _RankTraining(recipe, recipe_data, options, rank, groups, *parts)
     training.rebalancer, training.routed = Rebalancer.for_recipe(recipe), routed
+    if recipe.dp_merge:  # SlimPack may split outliers over DP replicas (docs/packing.md)
+        context.dp_merge = training.merge = MergeLink(groups.dp, settings.slice_lengths)
     start = training.resume()
     training.metrics = open_metrics(options.metrics, recipe, training.reporter)
     training.profiler = IterationProfiler(options.profile, rank, recipe, groups)
@@ -145,6 +148,7 @@ class _RankTraining:
     profiler: Any = None
     rebalancer: Any = None  # dynmo.rebalance: the trigger's state, kept across migrations
     routed: Any = None  # packed_routes.RoutedWindows when SlimPack's CP routes run (Recipe.cp_routes)
+    merge: Any = None  # runtime/pipeline/dp_merge.MergeLink when SlimPack may DP-merge (Recipe.dp_merge)
 
     def __post_init__(self) -> None:
         p, groups = self.recipe.parallel, self.groups
@@ -224,7 +228,7 @@ class _RankTraining:
         groups = self.groups
         cp_group = groups.cp if self.recipe.query_out_cp else None
         packing, batches, step_func = iteration_batches(
-            self.dataset, self.recipe, number, groups.dp_rank, cp_group, self.routed
+            self.dataset, self.recipe, number, groups.dp_rank, cp_group, self.routed, self.merge
         )
         self.report.packing += [packing.record()] if packing else []
         if self.vocab_head is not None:
@@ -234,7 +238,7 @@ class _RankTraining:
             cp_step = self.cp_step
             step_func = cp_step.vocab_forward_step if self.vocab_head is not None else cp_step.forward_step
             batches = cp_step.plan_iteration(batches)
-        return self.forward_backward(
+        reports = self.forward_backward(
             forward_step_func=step_func,
             data_iterator=[iter(batches) for _ in self.chunks],
             model=self.chunks,
@@ -242,6 +246,9 @@ class _RankTraining:
             seq_length=self.recipe.model.seq_length,
             micro_batch_size=self.recipe.train.micro_batch_size,
         )
+        if self.merge is not None:
+            self.merge.finish()
+        return reports
 
     def _record(self, number: int, elapsed: float) -> None:
         report, stats = self.report, self.forward_backward.stats

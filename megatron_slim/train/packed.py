@@ -43,6 +43,7 @@ from megatron_slim.plan.pack.training import (
     pack_iteration,
 )
 from megatron_slim.plan.recipe import Recipe
+from megatron_slim.plan.sim.costs import slice_lengths
 from megatron_slim.runtime.agreement import check_agreement
 
 
@@ -130,6 +131,8 @@ class PackedData:
         self.costs = fit_slice_costs(cost, seq, seq)
         # the route is priced as train runs it: Zeppelin's placement without its remap layer
         self.cp_route = CPRoute.from_cost_model(cost, seq, ZeppelinLayers(remap=False)) if recipe.cp_routes else None
+        # DP-merge is offered only where train runs it, checked against the run's own slices
+        self.merge_slices = slice_lengths(recipe, cost) if recipe.dp_merge else None
 
     def iteration(self, iteration: int) -> IterationPacking:
         """0-based ``iteration``'s packing (identical on every rank)."""
@@ -137,7 +140,8 @@ class PackedData:
         budget = r.train.global_batch_size * r.model.seq_length
         taken = iteration_samples(self.sample_lengths, budget, iteration)
         samples = [self.samples[i] for i in taken]
-        return pack_iteration(r.data.packing, samples, self.costs, self.dp, r.model.seq_length, self.cp_route)
+        seq = r.model.seq_length
+        return pack_iteration(r.data.packing, samples, self.costs, self.dp, seq, self.cp_route, self.merge_slices)
 
     def step(self, iteration: int, dp_rank: int) -> tuple[IterationPacking, list[dict]]:
         """0-based ``iteration``'s packing and DP rank ``dp_rank``'s microbatches."""
@@ -156,10 +160,11 @@ class PackedData:
         return out
 
 
-def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int, cp_group=None, routed=None):
+def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int, cp_group=None, routed=None, merge=None):
     """Iteration ``number`` (from 1) on DP rank ``dp_rank``: (its packing or None, its microbatches, the
     forward step that reads them). ``cp_group``: packed windows run SlimPipe's query-out CP over it;
-    ``routed`` (``packed_routes.RoutedWindows``): CP-routed windows run Zeppelin's placement instead."""
+    ``routed`` (``packed_routes.RoutedWindows``): CP-routed windows run Zeppelin's placement instead;
+    ``merge`` (``runtime/pipeline/dp_merge.MergeLink``): is told the iteration's DP-merge transfers."""
     from megatron_slim.train.microbatch import forward_step, microbatches
 
     if isinstance(data, PackedData):
@@ -171,6 +176,8 @@ def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int, cp_group=
         if routed is not None:
             routed.prepare(packing, dp_rank)
             step = routed.forward_step
+        if merge is not None:
+            merge.prepare(packing.merges, dp_rank)
         return packing, batches, step
     return None, list(microbatches(data, recipe, number - 1, dp_rank)), forward_step
 

@@ -1,7 +1,7 @@
 """CP-routed outliers in ``megatron-slim train`` (``data.packing: slimpack``, ``cp.engine: zeppelin``).
 
 SlimPack's plan names, for each outlier, its route (``PackingPlan.routes``). Training packs whole
-samples, so DP-merge is never available and the planner CP-routes every outlier that fills a window:
+samples and DP-merge does not run under CP, so the planner CP-routes every outlier that fills a window:
 it sits alone in one window of the DP replica the plan puts it on. That window runs under Zeppelin's
 placement: ``CPRoute.cp_plan`` assembles the very ``choose_placement`` result the planner priced the
 sample with (one cached call on the same topology, costs and layers), its SlimPipe slices follow that

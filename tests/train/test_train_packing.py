@@ -166,3 +166,22 @@ def test_slimpack_cp_routes_train_to_the_losses_of_cp1(tmp_path, data_cache, sho
     assert any(r["cp_routed"] for r in routed["packing"]) and "cp_routed" not in flat["packing"][0]
     assert [r["document_tokens"] for r in routed["packing"]] == [r["document_tokens"] for r in flat["packing"]]
     assert routed["losses"] == pytest.approx(flat["losses"], rel=1e-5, abs=0)
+
+
+@pytest.mark.slow
+@pytest.mark.multi
+def test_slimpack_dp_merge_trains_to_the_losses_of_dp1(tmp_path, data_cache, short_documents):
+    """pp=1 SlimPipe over dp=2: SlimPack splits outliers over both replicas (head K/V sent to the tail,
+    dK/dV back, ``runtime/pipeline/dp_merge.py``) inside the training loop; the losses equal dp=1's."""
+    sets = [
+        *FAST,
+        f"data.corpus={short_documents}",
+        "data.packing=slimpack",
+        "parallel.pp=1",
+        "train.global_batch_size=2",
+    ]
+    merged = _train(tmp_path, "dp2", data_cache, *sets, "parallel.dp=2")
+    flat = _train(tmp_path, "dp1", data_cache, *sets, "parallel.dp=1")
+    assert any(r.get("dp_merged") for r in merged["packing"]) and "dp_merged" not in flat["packing"][0]
+    assert [r["document_tokens"] for r in merged["packing"]] == [r["document_tokens"] for r in flat["packing"]]
+    assert merged["losses"] == pytest.approx(flat["losses"], rel=1e-5, abs=0)

@@ -92,6 +92,7 @@ class SliceCoreAttention(SlimCoreAttention):
             v,
             documents=slice_documents(documents, info.start, info.length) if documents is not None else None,
             exchange=self.context.exchange if self.context is not None else None,
+            dp_merge=self.context.dp_merge if self.context is not None else None,
             **common,
         )
 
@@ -142,6 +143,8 @@ class SliceRotary(RotaryWrapper):
                     f"of {info.length} tokens; allowed: the whole slice at offset 0 (before any context-parallel split)"
                 )
             positions = torch.tensor(slice_positions(documents, info.start, info.length))
+            shift = self.context.dp_merge.position_shift(info) if self.context.dp_merge is not None else None
+            positions = positions if shift is None else positions + shift  # a DP-merged tail continues its head
             cp_group = kwargs.get("cp_group") or getattr(self.inner, "cp_group", None)
             if cp_group is not None and cp_group.size() > 1 and shares is not None:
                 positions = positions[shares[info.slice].local_rows(cp_group.rank())]

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megatron_slim.plan.pack.assemble import Extras, Rank, cut_balanced, effective_cap, fill_rank, price
+from megatron_slim.plan.pack.assemble import Extras, Rank, cut, cut_balanced, effective_cap, fill_rank, price
 from megatron_slim.plan.pack.costs import SliceCosts
 from megatron_slim.plan.pack.cp_route import CPRoute, choose_routes
 from megatron_slim.plan.pack.evaluate import plan_score
@@ -91,6 +91,7 @@ class Caps:
     cap: int  # tokens a MicroPack may hold under both caps
     token_cap: int
     memory_cap: float
+    whole: bool = False  # whole samples: a sample's pieces that land on one rank run as one piece
 
 
 def build(
@@ -110,6 +111,8 @@ def build(
     ranks: list[Rank] = []
     for chains in per_rank:
         ordered = [sorted(pieces) for pieces, _ in chains.values()]
+        if caps.whole:
+            ordered = [[Piece(c[0].sample, c[0].start, sum(p.length for p in c))] for c in ordered]
         ranks.append(fill_rank(ordered, [w for _, w in chains.values()], caps.cap, pack_work))
     return price("slimpack", lengths, ranks, costs, caps.token_cap, caps.memory_cap, extras)
 
@@ -201,6 +204,7 @@ def solve(
     budget_s: float = 0.5,
     whole_samples: bool = False,
     cp_route: Optional[CPRoute] = None,
+    dp_merge: bool = False,
 ) -> SlimPackResult:
     """SlimPack's plan of ``lengths`` over ``dp`` ranks, with phase 1's plan beside it.
 
@@ -209,13 +213,17 @@ def solve(
     fit the cap. ``cp_route``: the replicas' CP groups (cp > 1), so outliers may take the CP route.
     Both: DP-merge is unavailable, so every outlier that fills a MicroPack (``length == cap``: the pack
     Zeppelin's placement was priced for, no other sample, no padding) is CP-routed; other samples stay
-    plain units."""
+    plain units. ``whole_samples`` and ``dp_merge`` (no ``cp_route``): each outlier may instead be cut in
+    two halves, each a unit of its own (DP-merge over two replicas, ``dp_merge.py``); halves that land on
+    one rank run there as the whole sample again."""
     began, began_cpu = time.perf_counter(), time.process_time()
     if dp < 1:
         raise fail("packing dp", dp, "an integer >= 1")
     if not lengths or min(lengths) < 1:
         raise fail("packing lengths", list(lengths)[:8], "at least one sample, every length >= 1")
-    caps = Caps(dp, effective_cap(costs, token_cap, memory_cap), token_cap, memory_cap)
+    if dp_merge and (not whole_samples or cp_route is not None):
+        raise fail("packing dp_merge", dp_merge, "False, or True with whole_samples and no cp_route")
+    caps = Caps(dp, effective_cap(costs, token_cap, memory_cap), token_cap, memory_cap, whole_samples)
     size = min(slice_tokens or caps.cap, caps.cap)
     if size < 1:
         raise fail("packing slice_tokens", slice_tokens, f"an integer in 1..{caps.cap}")
@@ -228,6 +236,10 @@ def solve(
     large = outliers(lengths, costs, dp, outlier_tokens)
     if whole_samples:  # only a sample that fills a MicroPack alone is the pack its CP route prices
         large = {s for s in large if lengths[s] == caps.cap} if cp_route is not None else set()
+        if dp_merge:
+            large = {s for s in outliers(lengths, costs, dp, outlier_tokens) if lengths[s] > 1}
+            for s in large:
+                slices[s] = cut(s, lengths[s], -(-lengths[s] // 2))
     units, assign, merged, extras = _phase1(lengths, costs, slices, large, dp, cp_route, whole_samples)
     first = build(lengths, units, assign, costs, caps, extras)
     phase1_s, phase1_cpu_s = time.perf_counter() - began, time.process_time() - began_cpu

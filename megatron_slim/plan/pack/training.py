@@ -6,7 +6,8 @@ a packing plan -> per DP rank, windows of exactly ``seq_length`` tokens.
   microbatch, so no sample may be cut across MicroPacks or DP ranks. SlimPack is asked for whole
   samples (phase 1 only: phase 2's time budget would make the plan depend on each rank's timing);
   a plan that still cuts one is refused. Given a ``CPRoute`` (``cp.engine: zeppelin``), SlimPack
-  CP-routes the outliers that fill a window (DP-merge being unavailable); ``cp_routed_windows`` names
+  CP-routes the outliers that fill a window (DP-merge being unavailable under CP; without CP, where the
+  run can execute it, ``merge_slices`` offers DP-merge, ``dp_merge.py``); ``cp_routed_windows`` names
   each replica's routed windows for the runtime (``train/packed_routes.py``).
 * Iteration ``i`` takes the next samples of the corpus order, as many as fit in
   ``global_batch_size * seq_length`` tokens (so between that less ``seq_length`` and that), the
@@ -25,8 +26,10 @@ from typing import Any, Callable, Optional, Sequence
 from megatron_slim.plan.pack.baselines import plan_baseline
 from megatron_slim.plan.pack.costs import SliceCosts
 from megatron_slim.plan.pack.cp_route import CPRoute
+from megatron_slim.plan.pack.dp_merge import MergeTransfer, Step, check_merge_order, merge_transfers
 from megatron_slim.plan.pack.plan import PackingPlan, Piece
 from megatron_slim.plan.pack.slimpack import solve
+from megatron_slim.plan.schedule.generators import slimpipe
 from megatron_slim.plan.schema import ConfigError, fail
 
 TRAIN_PACKING = ("none", "slimpack", "megatron", "bfd")
@@ -82,30 +85,37 @@ def plan_samples(
     dp: int,
     seq_length: int,
     cp_route: Optional[CPRoute] = None,
+    dp_merge: bool = False,
 ) -> PackingPlan:
     """The plan of ``method`` (one of ``TRAIN_PACKING`` but none) for ``samples`` over ``dp`` ranks,
     MicroPack cap ``seq_length``; refused if it cuts a sample across MicroPacks. ``cp_route``
-    (slimpack only): outliers that fill a window are CP-routed (``solve``'s ``whole_samples``)."""
+    (slimpack only): outliers that fill a window are CP-routed (``solve``'s ``whole_samples``);
+    ``dp_merge`` (slimpack only): an outlier may be split in two over two DP ranks (``dp_merge.py``)."""
     lengths = [s.length for s in samples]
     if method == "slimpack":
-        plan = solve(lengths, costs, dp, seq_length, budget_s=0.0, whole_samples=True, cp_route=cp_route).plan
+        merge = dp_merge and cp_route is None
+        plan = solve(
+            lengths, costs, dp, seq_length, budget_s=0.0, whole_samples=True, cp_route=cp_route, dp_merge=merge
+        ).plan
     elif method in TRAIN_PACKING[2:]:
         plan = plan_baseline(method, lengths, costs, dp, seq_length)
     else:
         raise fail("data.packing", method, ", ".join(TRAIN_PACKING[1:]) + " (for a packed iteration)")
-    _refuse_cut_samples(plan)
+    _refuse_cut_samples(plan, dp_merge and method == "slimpack")
     return plan
 
 
-def _refuse_cut_samples(plan: PackingPlan) -> None:
-    where: dict[int, tuple[int, int]] = {}
+def _refuse_cut_samples(plan: PackingPlan, across_ranks: bool = False) -> None:
+    """``across_ranks``: a sample may sit on several DP ranks (DP-merge), in one MicroPack of each."""
+    where: dict[tuple[int, int], tuple[int, int]] = {}
     for r, packs in enumerate(plan.ranks):
         for m, pack in enumerate(packs):
             for p in pack.pieces:
-                if where.setdefault(p.sample, (r, m)) != (r, m):
+                key = (p.sample, r if across_ranks else 0)
+                if where.setdefault(key, (r, m)) != (r, m):
                     raise ConfigError(
                         f"data.packing={plan.method}: sample {p.sample} is cut across MicroPacks "
-                        f"{where[p.sample]} and {(r, m)} (rank, index); the runtime keeps a document's K/V "
+                        f"{where[key]} and {(r, m)} (rank, index); the runtime keeps a document's K/V "
                         "within one microbatch (allowed: plans that keep every sample in one MicroPack)"
                     )
 
@@ -155,6 +165,7 @@ class IterationPacking:
     samples: tuple[Sample, ...]
     plan: PackingPlan
     windows: tuple[tuple[Window, ...], ...]  # per DP rank
+    merges: tuple[MergeTransfer, ...] = ()  # DP-merged samples (``dp_merge.py``)
 
     @property
     def loss_tokens(self) -> int:
@@ -178,13 +189,18 @@ class IterationPacking:
             "loss_tokens": self.loss_tokens,
             "summary": self.summary(),
             **({"cp_routed": sorted(self.plan.cp_routed())} if self.plan.routes else {}),
+            **({"dp_merged": [t.sample for t in self.merges]} if self.merges else {}),
         }
 
     def summary(self) -> str:
         counts = "/".join(str(len(ws)) for ws in self.windows)
         text = f"packing {self.method}: {counts} microbatches per DP rank, padding {100 * self.padding_share():.1f}%"
         routed = len(self.plan.cp_routed())
-        return text + (f", {routed} CP-routed" if self.plan.routes else "")
+        return (
+            text
+            + (f", {routed} CP-routed" if self.plan.routes else "")
+            + (f", {len(self.merges)} DP-merged" if self.merges else "")
+        )
 
     def cp_routed_windows(self, rank: int) -> dict[int, int]:
         """DP rank ``rank``'s windows that run a CP-routed sample: microbatch index -> the sample.
@@ -210,8 +226,27 @@ def pack_iteration(
     dp: int,
     seq_length: int,
     cp_route: Optional[CPRoute] = None,
+    merge_slices: Optional[Sequence[int]] = None,
 ) -> IterationPacking:
+    """``merge_slices``: the SlimPipe slice lengths of a pp=1 run that can execute DP-merge; SlimPack
+    may then split an outlier over two DP ranks, kept only if ``check_merge_order`` passes on the
+    run's own schedule (else the iteration is planned again without DP-merge)."""
     samples = tuple(samples)
+    if merge_slices is not None and method == "slimpack" and cp_route is None:
+        plan = plan_samples(method, samples, costs, dp, seq_length, dp_merge=True)
+        windows = tuple(rank_windows(plan, r, seq_length) for r in range(dp))
+        merges = merge_transfers(plan, windows)
+        try:
+            check_merge_order(merges, [_slimpipe_steps(len(w), len(merge_slices)) for w in windows], merge_slices)
+            return IterationPacking(method, samples, plan, windows, merges)
+        except ConfigError:
+            pass  # a deadlocking order: this iteration runs without DP-merge
     plan = plan_samples(method, samples, costs, dp, seq_length, cp_route)
     windows = tuple(rank_windows(plan, r, seq_length) for r in range(dp))
     return IterationPacking(method, samples, plan, windows)
+
+
+def _slimpipe_steps(microbatches: int, slices: int) -> tuple[Step, ...]:
+    """A pp=1 SlimPipe rank's compute actions in order (``plan/schedule/generators.slimpipe``)."""
+    ranks = slimpipe(1, microbatches, slices).ranks
+    return tuple((a.kind.value, a.microbatch, a.slice) for a in ranks[0] if a.kind.is_compute)

@@ -40,6 +40,7 @@ from megatron_slim.runtime.pipeline.context_exchange import (
     unmasked,
 )
 from megatron_slim.runtime.pipeline.documents import SliceDocuments
+from megatron_slim.runtime.pipeline.dp_merge import MergeLink
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceInfo
 
@@ -131,10 +132,15 @@ def _moved(prefix: list, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([k_i for k_i, _ in prefix[:first]], dim=1), torch.cat([v_i for _, v_i in prefix[:first]], dim=1)
 
 
-def _attend(backend, q, k, v, scale: float, store: KVCacheStore, info: SliceInfo, layer: int, documents, exchange):
+def _attend(
+    backend, q, k, v, scale: float, store: KVCacheStore, info: SliceInfo, layer: int, documents, exchange, dp_merge=None
+):
     """(out, lse) of the slice; a paired sender's oldest chunks are attended to by its peer, whose
-    block merges with the sender's own causal attention over the rest (module docstring)."""
+    block merges with the sender's own causal attention over the rest (module docstring); ``dp_merge``:
+    DP-merge heads sent, tails' foreign K/V joined (``dp_merge.MergeLink``)."""
     prefix = store.prefix(info.microbatch, layer, info.slice)
+    if dp_merge is not None:
+        dp_merge.send_heads(info, layer, prefix, k, v)
     role = _role(exchange, info, documents)
     if role is not None and role.sender:
         first = exchange.moved_chunks([k_i.shape[1] for k_i, _ in prefix])
@@ -145,6 +151,8 @@ def _attend(backend, q, k, v, scale: float, store: KVCacheStore, info: SliceInfo
     if role is not None:
         exchange.serve_forward(q, k, unmasked(backend, scale)[0])
     keys, values = _joined(prefix, k, v, _keys_of(prefix, documents))
+    if dp_merge is not None:
+        keys, values, documents, _ = dp_merge.join_foreign(info, layer, keys, values, documents)
     return _forward(backend, q, keys, values, scale, documents)
 
 
@@ -173,17 +181,18 @@ class _SliceAttention(torch.autograd.Function):
         layer: int,
         documents: Optional[SliceDocuments],
         exchange: Optional[ContextExchange],
+        dp_merge: Optional[MergeLink],
     ):
-        out, lse = _attend(backend, q, k, v, scale, store, info, layer, documents, exchange)
+        out, lse = _attend(backend, q, k, v, scale, store, info, layer, documents, exchange, dp_merge)
         _keep(store, info, layer, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (backend, scale, store, info, layer, documents, exchange)
+        ctx.meta = (backend, scale, store, info, layer, documents, exchange, dp_merge)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        backend, scale, store, info, layer, documents, exchange = ctx.meta
+        backend, scale, store, info, layer, documents, exchange, dp_merge = ctx.meta
         prefix = store.prefix(info.microbatch, layer, info.slice)
         span, dout, pending = _keys_of(prefix, documents), dout.contiguous(), None
         role = _role(exchange, info, documents)
@@ -193,7 +202,12 @@ class _SliceAttention(torch.autograd.Function):
         elif role is not None:
             exchange.serve_backward(q, k, unmasked(backend, scale)[1])
         keys, values = _joined(prefix, k, v, span)
+        spots: list = []
+        if dp_merge is not None:
+            keys, values, documents, spots = dp_merge.join_foreign(info, layer, keys, values, documents)
         dq, dkeys, dvalues = _backward(backend, dout, q, keys, values, out, lse, scale, documents)
+        if spots:
+            dkeys, dvalues = dp_merge.strip_foreign(info, layer, dkeys, dvalues, spots)
         if pending is not None:
             dq = _add_moved_gradients(pending, dq, store, info, layer, prefix[: span.first])
         dkeys, dvalues = _with_skipped_rows(dkeys, span.skip), _with_skipped_rows(dvalues, span.skip)
@@ -203,12 +217,14 @@ class _SliceAttention(torch.autograd.Function):
             store.accumulate(info.microbatch, layer, i, dkeys[:, rows], dvalues[:, rows])
             start = rows.stop
         dk, dv = dkeys[:, start:], dvalues[:, start:]
+        if dp_merge is not None:
+            dk, dv = dp_merge.add_head_grads(info, layer, store, prefix, dk, dv)
         later = store.take_gradient(info.microbatch, layer, info.slice)
         if later is not None:
             dk = (dk.float() + later[0]).to(k.dtype)
             dv = (dv.float() + later[1]).to(v.dtype)
         store.release(info.microbatch, layer, info.slice)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def sliced_attention(
@@ -223,10 +239,12 @@ def sliced_attention(
     layer: int,
     documents: Optional[SliceDocuments] = None,
     exchange: Optional[ContextExchange] = None,
+    dp_merge: Optional[MergeLink] = None,
 ) -> torch.Tensor:
     """``q [b, s, hq, d]``, ``k``/``v [b, s, hkv, d]`` of slice ``info.slice`` -> ``[b, s, hq, d]``;
     ``documents``: the slice of a packed ``b = 1`` window (attention stays inside each document);
-    ``exchange``: the run's context exchange (``runtime/pipeline/context_exchange.py``), if any.
+    ``exchange``: the run's context exchange (``runtime/pipeline/context_exchange.py``), if any;
+    ``dp_merge``: the iteration's DP-merge transfers on this rank (``runtime/pipeline/dp_merge.py``), if any.
 
     K and V are made contiguous first: they stay in the cache until this slice's backward, and a
     view would keep the whole fused QKV projection output alive with them.
@@ -234,9 +252,9 @@ def sliced_attention(
     k, v = k.contiguous(), v.contiguous()
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
         with torch.no_grad():
-            out, _ = _attend(backend, q, k, v, softmax_scale, store, info, layer, documents, exchange)
+            out, _ = _attend(backend, q, k, v, softmax_scale, store, info, layer, documents, exchange, dp_merge)
             _keep(store, info, layer, k, v)
         if torch.is_grad_enabled() and info.is_last and not (info.forward_only or info.recompute):
             store.drop_layer(info.microbatch, layer)  # training, but no backward will release it
         return out
-    return _SliceAttention.apply(q, k, v, backend, softmax_scale, store, info, layer, documents, exchange)
+    return _SliceAttention.apply(q, k, v, backend, softmax_scale, store, info, layer, documents, exchange, dp_merge)

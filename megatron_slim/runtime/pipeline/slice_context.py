@@ -28,6 +28,7 @@ from megatron_slim.runtime.pipeline.documents import DocumentTable
 if TYPE_CHECKING:
     from megatron_slim.plan.schedule.ir import Action
     from megatron_slim.runtime.pipeline.context_exchange import ContextExchange
+    from megatron_slim.runtime.pipeline.dp_merge import MergeLink
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class SliceContext:
         self.cp_shares: dict[int, tuple[SliceShare, ...]] = {}
         self.documents_on_every_tp_rank = documents_on_every_tp_rank
         self.exchange: Optional["ContextExchange"] = None
+        self.dp_merge: Optional["MergeLink"] = None  # ``megatron-slim train`` with DP-merge (``dp_merge.py``)
 
     def exchanging(self, action: "Action") -> AbstractContextManager:
         """Around any action: a compute action's attention layers meet its exchange partner's."""
