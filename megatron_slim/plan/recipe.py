@@ -203,14 +203,12 @@ class Recipe:
 
     @property
     def query_out_cp(self) -> bool:
-        """Train runs SlimPipe's query-out CP (no engine plans windows): packed windows under
-        ``parallel.cp > 1`` (slimpipe only), or context exchange under CP (``exchange_cp``)."""
+        """Train runs SlimPipe's query-out CP, no engine: packed windows (slimpipe only), or ``exchange_cp``."""
         return self.parallel.cp > 1 and (self.data.packing != "none" or self.exchange_cp)
 
     @property
     def exchange_cp(self) -> bool:
-        """Context exchange under ``parallel.cp > 1``: train runs plain causal windows split zigzag-wise
-        (the query-out CP that ``cp.engine=ring`` names, as on the launcher), where exchange runs."""
+        """Context exchange under CP: plain causal windows split zigzag-wise (named by ``cp.engine=ring``)."""
         p, s = self.parallel, self.schedule
         sliced = s.kind == "slimpipe" and s.num_slices > 1
         return p.cp > 1 and sliced and s.slice_policy == "exchange" and self.data.packing == "none"
