@@ -40,16 +40,17 @@ def test_train_refuses_context_exchange_where_it_does_not_run(bad):
     refused = _refusal(check_trainable, load_recipe("tiny-cpu", sets))
     assert refused.startswith("schedule.slice_policy=exchange with parallel.tp=")
     assert bad.split("=")[0] in refused and refused.endswith(
-        "allowed: parallel.tp=1, train.recompute=none and "
-        "schedule.vocab_parallel=false, or schedule.slice_policy=uniform or balanced"
+        "allowed: parallel.tp=1 and schedule.vocab_parallel=false, or schedule.slice_policy=uniform or balanced"
     )
     assert broken_rule(train_settings(load_recipe("tiny-cpu", sets)), TRAIN).name == "slice-policy-exchange-train"
 
 
-def test_train_refuses_context_exchange_with_recomputation():
-    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", "train.recompute=full"]
-    refused = _refusal(check_trainable, load_recipe("tiny-cpu", sets))
-    assert "train.recompute=full" in refused and "allowed: parallel.tp=1, train.recompute=none" in refused
+@pytest.mark.parametrize("recompute", [["train.recompute=full"], ["train.recompute=selective"]])
+def test_train_runs_context_exchange_with_recomputation_at_cp1(recompute):
+    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", *recompute]
+    check_trainable(load_recipe("tiny-cpu", sets))
+    refused = _refusal(check_trainable, load_recipe("tiny-cpu", [*sets, "parallel.cp=2"]))
+    assert refused.endswith("allowed with parallel.cp > 1: train.recompute=none and train.offload_ratio=0")
 
 
 @pytest.mark.parametrize("engine", ["zeppelin", "ulysses"])

@@ -1,15 +1,17 @@
-"""Context exchange under context parallelism in ``megatron-slim train`` (``Recipe.exchange_cp``).
+"""Context exchange in ``megatron-slim train`` under context parallelism (``Recipe.exchange_cp``) and
+under activation recomputation.
 
-pp2 x cp2 (4 gloo ranks; pp4 x cp2, 8 ranks, in the slow tier): one SlimPipe step through the
-training job's own pieces -- ``pipeline_settings`` (the pairing ``megatron-slim simulate`` prices),
-SlimPipe's slice attention on every chunk, ``packed.zigzag_cp_forward_step`` (each slice of a plain
-causal window split zigzag-wise over the CP ranks), tied-embedding sum and the data x context
-average -- equals the single-process, unpipelined, unsliced, un-CP reference in the loss and in
-EVERY parameter gradient (fp32; RoPE, RMSNorm, SwiGLU, GQA). Not vacuous: every rank's shipped K/V
-rows equal the pairing's moved tokens / cp x layers over its stage's sender ends, and some are
-positive (pp2 pairs a forward; pp4 also backwards). The CLI then trains pp2 x cp2 with exchange to
-the losses of the pp1, cp1, unsliced run.
-"""
+pp2 x cp2 (4 gloo ranks; pp4 x cp2, 8 ranks, and pp4 with ``train.recompute=full``, 4 ranks, in the
+slow tier), tiny-cpu's model: one SlimPipe step through the training job's own pieces --
+``pipeline_settings`` (the pairing ``megatron-slim simulate`` prices), SlimPipe's slice attention on
+every chunk (Megatron's recomputation around it), ``packed.zigzag_cp_forward_step`` (each slice of a
+plain causal window split zigzag-wise over the CP ranks), the data x context gradient average --
+equals the single-process, unpipelined, unsliced, un-CP reference in the loss and in EVERY
+parameter gradient (fp32; RoPE, RMSNorm, SwiGLU, GQA). Not vacuous: every rank's shipped K/V rows
+equal the pairing's moved tokens / cp x layers over its stage's sender ends, some are positive, and
+the pairing holds backward pairs (under recomputation these meet on the graph a recomputed,
+unpaired forward built). The CLI then trains pp2 x cp2 with exchange to the losses of the pp1, cp1,
+unsliced run."""
 
 import functools
 
@@ -19,55 +21,51 @@ import torch.distributed as dist
 
 from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
 from megatron_slim.runtime.spawn import run_ranks
-from tests.oracle.models import TINY_GQA_8L
 from tests.oracle.reference import UNPIPELINED_UNSLICED
 from tests.train.test_train_exchange import COMMON, EXCHANGE
 from tests.train.test_train_job import _train
 
-CP, MICROBATCHES, SEQ = 2, 4, 128
+MICROBATCHES, SEQ = 4, 128
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
-def _recipe(pp: int):
-    from megatron_slim.plan.recipe import recipe_from_dict
+def _recipe(pp: int, cp: int, recompute: str):
+    from megatron_slim.plan.recipe import load_recipe
 
-    return recipe_from_dict(
-        {
-            "name": "exchange-cp-step",
-            "model": dict(TINY_GQA_8L, seq_length=SEQ),
-            "parallel": {"pp": pp, "cp": CP},
-            "schedule": {"kind": "slimpipe", "num_slices": 4, "slice_policy": "exchange"},
-            "train": {"global_batch_size": MICROBATCHES, "precision": "fp32"},
-        }
-    )
+    sizes = [f"parallel.pp={pp}", f"parallel.cp={cp}", f"model.seq_length={SEQ}", "parallel.dp=1"]
+    batch = [f"train.global_batch_size={MICROBATCHES}", "train.micro_batch_size=1", "train.precision=fp32"]
+    return load_recipe("tiny-cpu", [*sizes, *batch, f"train.recompute={recompute}", *EXCHANGE])
 
 
-def exchange_cp_step(rank, world_size, pp, seed=1234):
-    """One train-path SlimPipe step with exchange on pp x cp2; returns this rank's DDP-averaged grads by
-    global name, the (loss sum, token count) over the CP group (last stage), the K/V rows it shipped
-    and the pairing; on rank 0 also the reference (token-weighted loss, grads)."""
+def exchange_step(rank, world_size, pp, cp, recompute, seed=1234):
+    """One train-path SlimPipe step with exchange on pp x cp (``train.recompute=recompute``); returns
+    this rank's DDP-averaged grads by global name, the (loss sum, token count) over the CP group (last
+    stage), the K/V rows it shipped and the pairing; on rank 0 also the reference (loss, grads)."""
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
     from megatron_slim.megatron.model.parallel import init_model_parallel
+    from megatron_slim.megatron.model.recompute import recompute_config
     from megatron_slim.megatron.slimpipe.call_plan import planned_schedule
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
     from megatron_slim.runtime.pipeline.slice_context import SliceContext
     from megatron_slim.train.loop import pipeline_settings
+    from megatron_slim.train.microbatch import forward_step
     from megatron_slim.train.packed import zigzag_cp_forward_step
     from megatron_slim.train.step import average_data_parallel, sum_tied_embedding_grads
     from tests.oracle import reference
     from tests.runtime.pipeline._workers import make_batches
 
-    recipe = _recipe(pp)
-    assert recipe.exchange_cp and recipe.query_out_cp
-    groups = init_model_parallel(pp=pp, cp=CP)
+    recipe = _recipe(pp, cp, recompute)
+    assert recipe.exchange_cp == recipe.query_out_cp == (cp > 1)
+    groups = init_model_parallel(pp=pp, cp=cp)
     solo = reference.solo_groups(rank, world_size)
     batches = make_batches(recipe.model, MICROBATCHES, micro_batch=1, seed=seed)
     settings = pipeline_settings(recipe)
-    chunks = build_rank_chunks(recipe.model, groups, core_attention=SliceCoreAttention, seed=seed)
+    recomputed = recompute_config(recipe.train.recompute_plan)
+    chunks = build_rank_chunks(recipe.model, groups, core_attention=SliceCoreAttention, seed=seed, **recomputed)
     fb = make_forward_backward_func(settings, context=SliceContext(documents_on_every_tp_rank=True))
     reports = fb(
-        forward_step_func=functools.partial(zigzag_cp_forward_step, groups.cp),
+        forward_step_func=functools.partial(zigzag_cp_forward_step, groups.cp) if cp > 1 else forward_step,
         data_iterator=[iter(batches)],
         model=chunks,
         num_microbatches=MICROBATCHES,
@@ -75,7 +73,7 @@ def exchange_cp_step(rank, world_size, pp, seed=1234):
         micro_batch_size=1,
     )
     sum_tied_embedding_grads(chunks, groups.embd)
-    average_data_parallel([p for c in chunks for p in c.parameters()], groups.dp_cp, CP)
+    average_data_parallel([p for c in chunks for p in c.parameters()], groups.dp_cp, cp)
     pair = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
     if groups.pp_rank == pp - 1:
         dist.all_reduce(pair, group=groups.cp)
@@ -94,7 +92,7 @@ def exchange_cp_step(rank, world_size, pp, seed=1234):
     return out
 
 
-def _check_exactness(results, pp):
+def _check_exactness(results, pp, cp):
     ref_loss, ref_grads = results[0]["reference"]
     got = {}
     for r in results:
@@ -104,29 +102,36 @@ def _check_exactness(results, pp):
     for name, want in ref_grads.items():
         torch.testing.assert_close(got[name], want, **TOL, msg=lambda m, name=name: f"{name}: {m}")
     last = [r for r in results if r["pp_rank"] == pp - 1]
-    assert len(last) == CP
+    assert len(last) == cp
     for r in last:  # the CP-summed [loss, tokens] reports give the token-weighted mean loss
         torch.testing.assert_close(r["pair"][0] / r["pair"][1], ref_loss, **TOL)
 
 
-def _check_pairs_ran(results, pp):
+def _check_pairs_ran(results, pp, cp):
     pairing = results[0]["pairing"]
     assert pairing and all(r["pairing"] == pairing for r in results), "ranks planned different pairs"
     plan = ExchangePlan.from_text(pairing)
-    layers = TINY_GQA_8L["num_layers"] // pp
-    shipped = [sum(p.moved_tokens // CP * layers for p in plan.pairs if p.sender == s) for s in range(pp)]
+    layers = _recipe(pp, cp, "none").model.num_layers // pp
+    shipped = [sum(p.moved_tokens // cp * layers for p in plan.pairs if p.sender == s) for s in range(pp)]
     sent = {(r["pp_rank"], r["cp_rank"]): r["sent"] for r in results}
-    assert sent == {(s, c): shipped[s] for s in range(pp) for c in range(CP)} and sum(shipped) > 0
-    if pp == 4:
-        assert any(p.sender_action.kind.is_backward for p in plan.pairs), "no backward pair exercised"
+    assert sent == {(s, c): shipped[s] for s in range(pp) for c in range(cp)} and sum(shipped) > 0
+    assert any(p.sender_action.kind.is_backward for p in plan.pairs), "no backward pair exercised"
 
 
 @pytest.mark.multi
-@pytest.mark.parametrize("pp", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["pp2xcp2", "pp4xcp2"])
-def test_train_step_with_exchange_under_cp_matches_the_single_process_reference(pp):
-    results = run_ranks(exchange_cp_step, pp * CP, pp, timeout_s=900)
-    _check_exactness(results, pp)
-    _check_pairs_ran(results, pp)
+@pytest.mark.parametrize(
+    "pp,cp,recompute",
+    [
+        (2, 2, "none"),
+        pytest.param(4, 2, "none", marks=pytest.mark.slow),
+        pytest.param(4, 1, "full", marks=pytest.mark.slow),  # backward pairs on a recomputed forward's graph
+    ],
+    ids=["pp2xcp2", "pp4xcp2", "pp4-recompute-full"],
+)
+def test_train_step_with_exchange_matches_the_single_process_reference(pp, cp, recompute):
+    results = run_ranks(exchange_step, pp * cp, pp, cp, recompute, timeout_s=900)
+    _check_exactness(results, pp, cp)
+    _check_pairs_ran(results, pp, cp)
 
 
 @pytest.mark.multi
