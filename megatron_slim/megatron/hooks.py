@@ -23,7 +23,10 @@ With ``--cp-engine`` other than ``te`` (and ``--context-parallel-size > 1``) the
 megatron-slim's CP engines instead (``cp/hooks.py``): the spec gets ``CPCoreAttention`` (and
 ``RemapTransformerLayer`` for ``--cp-remap``), the schedule Megatron picked is wrapped to attach the
 engine's context and normalise the loss CP-wide, and ``get_batch_on_this_cp_rank`` -- the name
-``pretrain_gpt.get_batch`` calls -- plans each pack and returns this rank's part of it.
+``pretrain_gpt.get_batch`` calls -- plans each pack and returns this rank's part of it. With
+``--use-slimpipe`` too, SlimPipe's schedule runs and its slices follow the engine's plan of each
+window (``slimpipe/engine_slices.py``: each call's windows planned up front, each slice cut to this
+CP rank's share of the plan).
 
 * dynmo: ``train_step`` (``megatron.training.training``) runs ``--dynmo-profile``,
   ``--dynmo-freeze`` and the token counts around each iteration (``megatron/dynmo/hooks.py``); the
@@ -179,11 +182,18 @@ def _patch_layer_specs(args_getter: Callable[[], Any]) -> None:
 CP_BATCH_MODULES = ("megatron.core.utils", "megatron.training.utils")
 
 
-def _patch_cp_batch(cp_state: CPHookState) -> None:
+def _patch_cp_batch(cp_state: CPHookState, slim_state: SlimPipeHookState) -> None:
     """Replace ``get_batch_on_this_cp_rank`` where it is defined (megatron-core 0.16:
     ``megatron.core.utils``; Megatron-LM main: ``megatron.training.utils``) and every name bound to
-    it; scripts imported later bind the replacement."""
-    _wrap_where_defined(CP_BATCH_MODULES, "get_batch_on_this_cp_rank", cp_state.wrap_batch_split)
+    it; scripts imported later bind the replacement. Under SlimPipe slices that follow a CP engine's
+    plans it cuts each slice to this CP rank's share (``slimpipe/engine_slices.py``)."""
+    engine_slices = slim_state.engine_slices
+    assert engine_slices is not None
+
+    def wrap(original: Callable) -> Callable:
+        return engine_slices.wrap_batch_split(cp_state.wrap_batch_split(original))
+
+    _wrap_where_defined(CP_BATCH_MODULES, "get_batch_on_this_cp_rank", wrap)
 
 
 # ---- dynmo: profiling and freezing around each training step -------------------------------
@@ -210,12 +220,12 @@ def _patch_data_loader(args_getter: Callable[[], Any]) -> None:
 
 # ---- entry points ----------------------------------------------------------------------------
 def _install_all(args_getter: Callable[[], Any]) -> None:
-    slim_state = SlimPipeHookState(args_getter)
     cp_state = CPHookState(args_getter)
+    slim_state = SlimPipeHookState(args_getter, plan_inputs=cp_state.plan_inputs)
     _patch_schedule(slim_state, cp_state)
     _patch_layer_specs(args_getter)
     _patch_tp_batch(slim_state)
-    _patch_cp_batch(cp_state)
+    _patch_cp_batch(cp_state, slim_state)
     _patch_train_step(args_getter)
     _patch_data_loader(args_getter)
 

@@ -34,7 +34,6 @@ keep the plan they ran forward with, so 1F1B's interleaved forwards and backward
 from __future__ import annotations
 
 import functools
-import hashlib
 from typing import Any, Optional
 
 import torch
@@ -106,10 +105,9 @@ class CPTrainStep:
 
     def plans_digest(self) -> str:
         """One sha256 over the fingerprints of this iteration's plans (placement, routing, remap)."""
-        from megatron_slim.runtime.cp.agreement import fingerprint
+        from megatron_slim.megatron.cp.window_slices import plans_digest
 
-        prints = [fingerprint(p, r, m.digest() if m is not None else "no-remap") for p, r, m in self.plans]
-        return hashlib.sha256("|".join(prints).encode()).hexdigest()
+        return plans_digest(self.plans)
 
     def stage_rows(self, microbatch: int, slice_: int) -> int:
         """Rows of this CP rank's hidden states between pipeline stages for ``microbatch`` (one

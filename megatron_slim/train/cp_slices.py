@@ -22,15 +22,12 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-import torch
-
-from megatron_slim.plan.cp.slices import SliceShare, slice_shares
+from megatron_slim.megatron.cp.window_slices import rows_of_share, window_shares
+from megatron_slim.plan.cp.slices import SliceShare
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.runtime.pipeline.documents import DOCUMENT_LENGTHS
 from megatron_slim.runtime.pipeline.slice_context import SliceContext
 from megatron_slim.train.cp import MICROBATCH_KEY, CPTrainStep
-
-_PER_TOKEN = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 class CPSlicedTrainStep(CPTrainStep):
@@ -47,7 +44,7 @@ class CPSlicedTrainStep(CPTrainStep):
 
     def plan_iteration(self, microbatches: list[dict]) -> list[dict]:
         tagged = super().plan_iteration(microbatches)
-        self.shares = [slice_shares(plan, self.slice_lengths) for plan, _, _ in self.plans]
+        self.shares = window_shares(self.plans, self.slice_lengths)
         self.slices.cp_shares = dict(enumerate(self.shares))
         return [{**b, DOCUMENT_LENGTHS: plan.lengths} for b, (plan, _, _) in zip(tagged, self.plans)]
 
@@ -69,17 +66,6 @@ class CPSlicedTrainStep(CPTrainStep):
         local = rows_of_share(batch, self.shares[info.microbatch][info.slice], self.cp_rank)
         output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
         return output, functools.partial(cp_loss_func, local["loss_mask"], cp_group=self.cp_group)
-
-
-def rows_of_share(batch: dict, share, cp_rank: int) -> dict:
-    """``cp_rank``'s rows of a slice's per-token tensors under a CP plan's ``share``
-    (``plan/cp/slices.SliceShare``); a rank the plan leaves without tokens gets one padding row, out of
-    the loss."""
-    rows = torch.tensor(share.local_rows(cp_rank), dtype=torch.long)
-    local = {name: batch[name][:, rows] for name in _PER_TOKEN}
-    if share.tokens(cp_rank) == 0:
-        local["loss_mask"] = torch.zeros_like(local["loss_mask"])
-    return local
 
 
 def sliced_under_engine(recipe: Recipe) -> bool:

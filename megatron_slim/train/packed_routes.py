@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import functools
 
+from megatron_slim.megatron.cp.window_slices import rows_of_share
 from megatron_slim.plan.cp.slices import SliceShare, slice_shares
 from megatron_slim.plan.pack.cp_route import CPRoute
 from megatron_slim.plan.pack.training import IterationPacking
 from megatron_slim.runtime.pipeline.slice_context import SliceContext
-from megatron_slim.train.cp_slices import rows_of_share
 from megatron_slim.train.packed import packed_cp_batch_step, packed_loss_func
 
 

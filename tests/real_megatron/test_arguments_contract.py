@@ -173,6 +173,8 @@ BASE = [
     "0",
 ]
 SLIMPIPE = ["--use-slimpipe", "--slimpipe-num-slices", "4"]
+SLICED_ZEPPELIN = ["--use-slimpipe", "--slimpipe-num-slices", "2", "--context-parallel-size", "2"]
+SLICED_ZEPPELIN += ["--cp-engine", "zeppelin", "--slimpipe-hardware", "cpu"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ACCEPTED = {
     "dynmo-profile-and-freeze": (1, ["--dynmo-profile", "--dynmo-profile-smoothing", "0.3", "--dynmo-freeze", "2:0-1"]),
@@ -185,6 +187,7 @@ ACCEPTED = {
     ),
     "slimpipe-pp2": (2, SLIMPIPE + ["--pipeline-model-parallel-size", "2"]),
     "slimpipe-full-recompute": (2, SLIMPIPE + ["--pipeline-model-parallel-size", "2"] + FULL_RECOMPUTE),
+    "slimpipe-slices-under-zeppelin": (2, SLICED_ZEPPELIN + ["--reset-position-ids", "--reset-attention-mask"]),
     "cp-engine-zeppelin": (
         2,
         [
@@ -208,10 +211,11 @@ REJECTED = {
     ),
     "slices-without-slimpipe": (1, ["--slimpipe-num-slices", "4"], "--slimpipe-num-slices: needs --use-slimpipe"),
     "document-masking": (1, SLIMPIPE + ["--reset-attention-mask"], "drop --reset-attention-mask"),
-    "cp-engine-under-slimpipe": (
-        2,
-        ["--use-slimpipe", "--slimpipe-num-slices", "2", "--context-parallel-size", "2", "--cp-engine", "zeppelin"],
-        "--use-slimpipe brings its own context-parallel",
+    "cp-engine-under-slimpipe-tp2": (
+        4,
+        SLICED_ZEPPELIN + ["--tensor-model-parallel-size", "2"],
+        "SlimPipe slices follow a CP engine's plan of each window for --cp-engine zeppelin | ring | ulysses with "
+        "--tensor-model-parallel-size=1",
     ),
     "slice-alignment": (
         4,

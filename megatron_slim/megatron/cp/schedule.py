@@ -8,7 +8,8 @@ for the work: it always runs the engine and needs a plan (set by ``megatron_slim
 every forward). Both parents keep their context in ``self.context``; here the ``SliceContext`` the
 adapter attaches is kept apart (``slice_context``) and ``context`` stays the ``CPContext``.
 Several SlimPipe slices per microbatch do not run through this attention: ``megatron-slim train``
-then runs ``SliceCoreAttention`` on each window's plan (``train/cp_slices.py``, ``docs/cp-pipeline.md``).
+and the launcher then run ``SliceCoreAttention`` on each window's plan (``train/cp_slices.py``,
+``megatron/slimpipe/engine_slices.py``, ``docs/cp-pipeline.md``).
 """
 
 from __future__ import annotations

@@ -193,16 +193,12 @@ def _schedule_flags(recipe: Recipe) -> list:
             "--slimpipe-hardware",
             recipe.hardware,
         ] + (["--slimpipe-vocab-parallel"] if s.vocab_parallel else [])
-    if p.cp > 1 and s.kind != "slimpipe":
+    if p.cp > 1 and (s.kind != "slimpipe" or recipe.cp.engine != "ring"):
         # megatron-slim's engines plan each pack of documents: positions and masks reset at each one
-        out += [
-            "--cp-engine",
-            recipe.cp.engine,
-            "--reset-position-ids",
-            "--reset-attention-mask",
-            "--slimpipe-hardware",
-            recipe.hardware,
-        ] + (["--cp-remap"] if recipe.cp.remap else [])
+        # (under SlimPipe, ring stands for SlimPipe's own zigzag query-out: no engine flag)
+        out += ["--cp-engine", recipe.cp.engine, "--reset-position-ids", "--reset-attention-mask"]
+        out += ["--slimpipe-hardware", recipe.hardware] if s.kind != "slimpipe" else []
+        out += ["--cp-remap"] if recipe.cp.remap else []
     return out
 
 
@@ -223,5 +219,5 @@ def check_megatron_args(args: argparse.Namespace) -> None:
     settings = settings_from_megatron_args(args)
     check(settings, LAUNCHER)
     check_dynmo_args(args)
-    if settings.cp_engine_runs:
+    if settings.cp_engine_runs or settings.cp_engine_slices:
         check_engine_fits(args, settings.cp_engine)

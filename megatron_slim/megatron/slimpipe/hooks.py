@@ -39,12 +39,15 @@ class SlimPipeHookState:
     """What the SlimPipe hooks share in one process: the schedule function per parsed args, and the
     ``SliceContext`` it runs under (the TP batch hook reads the current slice from it)."""
 
-    def __init__(self, args_getter: Callable[[], Any]) -> None:
+    def __init__(self, args_getter: Callable[[], Any], plan_inputs: Optional[Callable] = None) -> None:
+        from megatron_slim.megatron.slimpipe.engine_slices import EngineSlices
         from megatron_slim.runtime.pipeline.slice_context import SliceContext
 
         self.args_getter = args_getter
         self.context = SliceContext()
         self._functions: dict[int, Callable] = {}
+        # slices that follow a CP engine's plans (--cp-engine); plan_inputs: (topology, costs) of the args
+        self.engine_slices = EngineSlices(self.context, args_getter, plan_inputs) if plan_inputs else None
 
     def active_args(self) -> Optional[Any]:
         args = self.args_getter()
@@ -55,11 +58,17 @@ class SlimPipeHookState:
             from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
 
             settings = slimpipe_settings(args)
-            self._functions[id(args)] = make_forward_backward_func(settings, context=self.context)
+            engine = self.engine_slices if self.engine_slices is not None and self.engine_slices.active_args() else None
+            rows = engine.stage_rows if engine is not None else None
+            function: Callable = make_forward_backward_func(settings, context=self.context, stage_rows=rows)
+            if engine is not None:  # functools.wraps keeps the function's stats and settings
+                function = engine.wrap_forward_backward(function, settings.slice_lengths)
+            self._functions[id(args)] = function
             if int(getattr(args, "rank", 0) or 0) == 0:
                 print(
                     f"megatron-slim: SlimPipe schedule, {settings.num_slices} {args.slimpipe_slice_policy} slice(s) "
-                    f"per microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}",
+                    f"per microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}"
+                    + (f", following --cp-engine {args.cp_engine}'s plan of each window" if engine else ""),
                     flush=True,
                 )
         return self._functions[id(args)]

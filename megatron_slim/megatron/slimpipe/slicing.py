@@ -22,9 +22,9 @@ Megatron's THD ``packed_seq_params`` work outside a schedule (whole windows) and
 a slice, where the ``document_lengths`` key is the way in.
 
 A window a CP engine planned (``SliceContext.cp_shares`` holds the microbatch's shares, set by
-``megatron-slim train``'s ``train/cp_slices.py``): each rank holds the plan's rows of the slice, not
-the zigzag split; the attention is :func:`planned_slice_attention` and RoPE cuts the slice's
-document positions to those rows.
+``megatron-slim train``'s ``train/cp_slices.py`` or the launcher's ``slimpipe/engine_slices.py``):
+each rank holds the plan's rows of the slice, not the zigzag split; the attention is
+:func:`planned_slice_attention` and RoPE cuts the slice's document positions to those rows.
 """
 
 from __future__ import annotations

@@ -46,16 +46,17 @@ def train_settings(recipe: Recipe) -> Settings:
 
 
 def megatron_args_settings(recipe: Recipe) -> Settings:
-    """What ``recipe_to_megatron_args``'s flags stand for: ``--cp-engine`` (and ``--cp-remap``) only
-    with ``parallel.cp > 1`` outside SlimPipe, which runs context parallelism itself."""
+    """What ``recipe_to_megatron_args``'s flags stand for: ``--cp-engine`` (and ``--cp-remap``) with
+    ``parallel.cp > 1``; under SlimPipe ``cp.engine=ring`` stands for SlimPipe's own zigzag query-out
+    CP (no ``--cp-engine``), any other engine plans the windows the slices follow."""
     p, s = recipe.parallel, recipe.schedule
     slimpipe = s.kind == "slimpipe"
     engine_runs = p.cp > 1 and not slimpipe
-    # ring is SlimPipe's own query-out CP on the launcher; any other engine there would be dropped unseen
-    engine_dropped = p.cp > 1 and slimpipe and recipe.cp.engine != "ring"
+    engine_slices = p.cp > 1 and slimpipe and recipe.cp.engine != "ring"
     return Settings(
         **_common(recipe),
-        cp_engine=recipe.cp.engine if engine_runs or engine_dropped else NO_CP_ENGINE,
-        cp_remap=recipe.cp.remap and engine_runs,
+        cp_engine=recipe.cp.engine if engine_runs or engine_slices else NO_CP_ENGINE,
+        cp_remap=recipe.cp.remap and (engine_runs or engine_slices),
         slimpipe=slimpipe,
+        packing=recipe.data.packing,
     )

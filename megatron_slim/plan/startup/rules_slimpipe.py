@@ -5,8 +5,19 @@ from __future__ import annotations
 from typing import Callable
 
 from megatron_slim.plan.cost.slicing import is_aligned, max_slices, slice_alignment, splits_uniformly
+from megatron_slim.plan.recipe_sections import SLICED_CP_ENGINES
 from megatron_slim.plan.startup.rule import Rule, cp_comm_type_set, engine_input
-from megatron_slim.plan.startup.settings import LAUNCHER, MEGATRON_ARGS, NO_CP_ENGINE, TRAIN, Settings
+from megatron_slim.plan.startup.settings import (
+    LAUNCHER,
+    MEGATRON_ARGS,
+    NO_CP_ENGINE,
+    TOKENLESS_LAST_STAGE_MEGATRON_CORE,
+    TRAIN,
+    Inputs,
+    Settings,
+)
+
+TOKENLESS = ".".join(map(str, TOKENLESS_LAST_STAGE_MEGATRON_CORE))
 
 
 def _on_slimpipe(name: str, broken: Callable[[Settings], bool], message: str) -> Rule:
@@ -14,7 +25,28 @@ def _on_slimpipe(name: str, broken: Callable[[Settings], bool], message: str) ->
     return Rule(name, (LAUNCHER,), lambda s: s.slimpipe and broken(s), lambda s, i: message)
 
 
-EXCHANGE_CP_ENGINE = "ring"  # the engine name of SlimPipe's zigzag query-out CP (so on the launcher too)
+EXCHANGE_CP_ENGINE = "ring"  # names SlimPipe's zigzag query-out CP, in train (under exchange) as on the launcher
+
+
+def _engine_slices_run(s: Settings) -> bool:
+    """The launcher runs SlimPipe slices on a CP engine's plans: every stage plans each window from
+    batches it reads itself, and one TP rank reads them (``megatron/slimpipe/engine_slices.py``)."""
+    two_stages_read = s.pp == 1 or (s.pp == 2 and s.last_stage_reads_tokens)
+    return (
+        s.cp_engine in SLICED_CP_ENGINES
+        and not s.cp_remap
+        and s.packing == "none"
+        and s.tp == 1
+        and s.vpp == 1
+        and two_stages_read
+    )
+
+
+def _engine_slices_got(s: Settings, i: Inputs) -> str:
+    got = [i.setting("tp", s.tp), i.setting("pp", s.pp), i.setting("vpp", s.vpp)]
+    got += [i.setting("cp_remap", True)] if s.cp_remap else []
+    got += [i.setting("packing", s.packing)] if s.packing != "none" else []
+    return f"{engine_input(s, i)} with {i.setting('slimpipe', True)}, {', '.join(got)}"
 
 
 def _unit(s: Settings) -> int:
@@ -121,7 +153,7 @@ SLIMPIPE_RULES = [
     ),
     _on_slimpipe(
         "slimpipe-document-masks",
-        lambda s: s.reset_attention_mask,
+        lambda s: s.reset_attention_mask and not s.cp_engine_slices,
         "--use-slimpipe takes packed documents from batches with a document_lengths key (docs/packing.md, "
         "Runtime); through pretrain_gpt.py the middle pipeline stages and the other TP ranks never see "
         "the --reset-attention-mask mask: drop --reset-attention-mask",
@@ -170,14 +202,23 @@ SLIMPIPE_RULES = [
     Rule(
         "slimpipe-with-cp-engine",
         (LAUNCHER, MEGATRON_ARGS),
-        lambda s: s.slimpipe and s.cp > 1 and s.cp_engine != NO_CP_ENGINE,
+        lambda s: s.cp_engine_slices and not _engine_slices_run(s),
         lambda s, i: (
-            f"{engine_input(s, i)}: --use-slimpipe brings its own context-parallel attention (query-out over "
-            "the K/V-cached slices): drop --cp-engine and --cp-remap"
-            if i.flags
-            else f"{engine_input(s, i)}: SlimPipe under Megatron-LM's launcher brings its own context-parallel "
-            "attention (query-out over the K/V-cached slices); allowed: cp.engine=ring (which stands for it there); "
-            "megatron-slim train runs slices under cp.engine zeppelin or ulysses"
+            f"{_engine_slices_got(s, i)}: SlimPipe slices follow a CP engine's plan of each window for "
+            f"{i.name('cp_engine')} {' | '.join(SLICED_CP_ENGINES)} with {i.name('tp')}=1, {i.name('vpp')}=1, "
+            f"{i.name('pp')} 1 or 2 (2 only where the last stage reads tokens: megatron-core older than "
+            f"{TOKENLESS}), no {i.name('cp_remap')} and no {i.name('packing')}; allowed: those, or "
+            f"{i.unset('cp_engine', NO_CP_ENGINE if i.flags else 'ring')} (SlimPipe's own zigzag query-out CP), "
+            f"or {i.name('megatron_schedule')}"
+        ),
+    ),
+    Rule(
+        "slimpipe-cp-engine-documents",
+        (LAUNCHER,),
+        lambda s: s.cp_engine_slices and s.reset_position_ids != s.reset_attention_mask,
+        lambda s, i: (
+            f"{engine_input(s, i)} with --use-slimpipe plans the documents it reads from position-id resets: pass "
+            "--reset-position-ids and --reset-attention-mask together (or neither: each row is then one sequence)"
         ),
     ),
     Rule(

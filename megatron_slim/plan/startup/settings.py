@@ -80,6 +80,11 @@ class Settings:
         return self.cp_engine not in (None, NO_CP_ENGINE) and self.cp > 1 and not self.slimpipe
 
     @property
+    def cp_engine_slices(self) -> bool:
+        """SlimPipe slices follow a CP engine's plan of each window (``docs/cp-pipeline.md``)."""
+        return self.cp_engine not in (None, NO_CP_ENGINE) and self.cp > 1 and self.slimpipe
+
+    @property
     def cuda_graphs(self) -> bool:
         return self.cuda_graph_impl not in (None, "none") or self.enable_cuda_graph or self.external_cuda_graph
 
@@ -135,6 +140,7 @@ _RECIPE_NAMES = {
     "eval_iters": "train.eval_iters",
     "offload_ratio": "train.offload_ratio",
     "megatron_schedule": "schedule.kind=1f1b or interleaved",
+    "packing": "data.packing",
 }
 _FLAG_NAMES = {
     "cp": "--context-parallel-size",
@@ -152,6 +158,7 @@ _FLAG_NAMES = {
     "seq_length": "--seq-length",
     "recompute": "--recompute-granularity",
     "megatron_schedule": "no --use-slimpipe",
+    "packing": "--slimpipe-packing",
 }
 INPUTS = {
     LAUNCHER: Inputs(LAUNCHER, _FLAG_NAMES),
