@@ -19,6 +19,10 @@ ranks (``megatron_slim.train.packed``); their ``cp`` section is ``engine: null, 
 slimpipe-query-out``. With ``data.packing: slimpack`` and ``cp.engine: zeppelin`` the outliers SlimPack
 CP-routes run under Zeppelin's placement instead (``megatron_slim.train.packed_routes``): ``engine:
 zeppelin, cp_routes: true``, and each iteration's ``packing`` record lists them (``cp_routed``).
+Context exchange (``schedule.slice_policy: exchange``, several slices) runs no engine either: plain
+causal windows, every slice split zigzag-wise over the CP ranks (the query-out CP ``cp.engine: ring``
+names; other engines are refused), so its ``cp`` section reads ``engine: null, attention:
+slimpipe-query-out, document_masking: false``.
 """
 
 from __future__ import annotations

@@ -29,12 +29,14 @@ def _stage_entries(reports, pp: int) -> list[dict]:
 
 
 def _cp_entry(recipe, reporter) -> dict:
-    """The JSON ``cp`` section; packed windows run SlimPipe's query-out attention, no engine."""
+    """The JSON ``cp`` section; packed windows and context exchange's plain windows run SlimPipe's
+    query-out attention, no engine."""
     from megatron_slim.train.checks import cp_topology
 
     if recipe.query_out_cp:
         attention, engine = "slimpipe-query-out", "zeppelin" if recipe.cp_routes else None  # its CP-routed windows
-        entry = {"size": recipe.parallel.cp, "engine": engine, "attention": attention, "document_masking": True}
+        masking = not recipe.exchange_cp  # exchange's plain windows attend across eod, as parallel.cp=1 does
+        entry = {"size": recipe.parallel.cp, "engine": engine, "attention": attention, "document_masking": masking}
         return {**entry, "cp_routes": True} if recipe.cp_routes else entry
     topo, _ = cp_topology(recipe)
     return {

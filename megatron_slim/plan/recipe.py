@@ -204,8 +204,15 @@ class Recipe:
 
     @property
     def query_out_cp(self) -> bool:
-        """Packed windows under ``parallel.cp > 1`` (slimpipe only): train runs SlimPipe's query-out CP."""
-        return self.parallel.cp > 1 and self.data.packing != "none"
+        """Train runs SlimPipe's query-out CP, no engine: packed windows (slimpipe only), or ``exchange_cp``."""
+        return self.parallel.cp > 1 and (self.data.packing != "none" or self.exchange_cp)
+
+    @property
+    def exchange_cp(self) -> bool:
+        """Context exchange under CP: plain causal windows split zigzag-wise (named by ``cp.engine=ring``)."""
+        p, s = self.parallel, self.schedule
+        sliced = s.kind == "slimpipe" and s.num_slices > 1
+        return p.cp > 1 and sliced and s.slice_policy == "exchange" and self.data.packing == "none"
 
     @property
     def cp_routes(self) -> bool:

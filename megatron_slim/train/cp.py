@@ -200,6 +200,12 @@ def summary_text(engine: str, s: dict[str, int]) -> str:
 
 def describe(recipe: Recipe) -> str:
     """One line for the start of a run: engine, topology and the document-masking semantics."""
+    if recipe.exchange_cp:
+        return (
+            f"context parallel: cp{recipe.parallel.cp} by SlimPipe's query-out slice attention (cp.engine=ring "
+            "names it, no engine plans windows) under context exchange: each slice of a plain causal window is "
+            "split zigzag-wise over the CP ranks, attention runs across the whole window as with parallel.cp=1"
+        )
     if recipe.query_out_cp:
         return (
             f"context parallel: cp{recipe.parallel.cp} by SlimPipe's query-out slice attention (no cp.engine): "

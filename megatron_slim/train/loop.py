@@ -5,7 +5,9 @@ Each iteration reads its microbatches in an order that depends only on the itera
 With ``parallel.cp > 1`` every microbatch is a pack of documents run by the recipe's CP engine
 (``megatron_slim.train.cp``), or, for packed windows (``data.packing``, ``Recipe.query_out_cp``), a
 window whose slices SlimPipe's query-out CP attention runs (``train.packed``; SlimPack's CP-routed
-outliers under Zeppelin's placement, ``train.packed_routes``); gradients are then
+outliers under Zeppelin's placement, ``train.packed_routes``), or, under context exchange
+(``Recipe.exchange_cp``), a plain causal window whose slices the same attention splits zigzag-wise
+(``train.packed.zigzag_cp_forward_step``); gradients are then
 averaged over data x context parallel ranks.
 The ``dynmo:`` section (freezing, early exit, per-layer profiling) runs in ``train.dynmo.run``.
 """

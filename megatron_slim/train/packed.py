@@ -117,6 +117,13 @@ def packed_cp_batch_step(cp_group, batch: dict, model):
     return output, functools.partial(packed_loss_func, local["loss_mask"], weight, counted=counted)
 
 
+def zigzag_cp_forward_step(cp_group, data_iterator, model):
+    """``forward_step`` of a plain causal window (``data.packing=none``) under SlimPipe's query-out CP,
+    context exchange's CP path (``Recipe.exchange_cp``): ``packed_cp_batch_step`` at unit weight, so
+    each slice's loss is ``cp`` times this rank's sum over the whole slice's loss tokens."""
+    return packed_cp_batch_step(cp_group, {**next(data_iterator), "loss_weight": 1.0}, model)
+
+
 class PackedData:
     """The corpus's documents in a seeded order, packed one iteration at a time."""
 
@@ -162,7 +169,8 @@ class PackedData:
 
 def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int, cp_group=None, routed=None, merge=None):
     """Iteration ``number`` (from 1) on DP rank ``dp_rank``: (its packing or None, its microbatches, the
-    forward step that reads them). ``cp_group``: packed windows run SlimPipe's query-out CP over it;
+    forward step that reads them). ``cp_group``: packed windows, or plain windows under context exchange
+    (``Recipe.exchange_cp``), run SlimPipe's query-out CP over it;
     ``routed`` (``packed_routes.RoutedWindows``): CP-routed windows run Zeppelin's placement instead;
     ``merge`` (``runtime/pipeline/dp_merge.MergeLink``): is told the iteration's DP-merge transfers."""
     from megatron_slim.train.microbatch import forward_step, microbatches
@@ -179,7 +187,8 @@ def iteration_batches(data, recipe: Recipe, number: int, dp_rank: int, cp_group=
         if merge is not None:
             merge.prepare(packing.merges, dp_rank)
         return packing, batches, step
-    return None, list(microbatches(data, recipe, number - 1, dp_rank)), forward_step
+    step = forward_step if cp_group is None else functools.partial(zigzag_cp_forward_step, cp_group)
+    return None, list(microbatches(data, recipe, number - 1, dp_rank)), step
 
 
 def training_data(recipe: Recipe, prepared):

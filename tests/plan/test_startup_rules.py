@@ -99,31 +99,6 @@ def test_a_shared_rule_fires_from_every_caller_with_the_same_wording(name):
         assert all(INPUTS[LAUNCHER].name(key) in launcher for key in named)
 
 
-def test_context_exchange_runs_in_train_and_is_refused_by_the_megatron_launcher():
-    from megatron_slim.megatron.launch.flags import add_arguments
-
-    parsed = add_arguments(argparse.ArgumentParser()).parse_args(["--slimpipe-slice-policy", "exchange"])
-    assert parsed.slimpipe_slice_policy == "exchange"  # the launcher accepts the flag, then refuses the run
-    args = argparse.Namespace(**{**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange"})
-    launcher = _refusal(check_megatron_args, args)
-    assert launcher.startswith("--slimpipe-slice-policy exchange: context exchange runs in megatron-slim train only")
-    assert "Megatron-LM's launcher does not run it yet; allowed: uniform, balanced" in launcher
-    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]
-    check_trainable(load_recipe("tiny-cpu", sets))  # megatron-slim train runs it
-    check_trainable(load_recipe("tiny-cpu", [*sets, "parallel.vpp=2"]))  # interleaved too
-
-
-@pytest.mark.parametrize("bad", ["parallel.tp=2", "train.recompute=full", "schedule.vocab_parallel=true"])
-def test_train_refuses_context_exchange_where_it_does_not_run(bad):
-    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", bad]
-    refused = _refusal(check_trainable, load_recipe("tiny-cpu", sets))
-    assert refused.startswith("schedule.slice_policy=exchange with parallel.tp=")
-    assert bad.split("=")[0] in refused and refused.endswith(
-        "allowed: parallel.tp=1, parallel.cp=1, train.recompute=none and "
-        "schedule.vocab_parallel=false, or schedule.slice_policy=uniform or balanced"
-    )
-
-
 def test_vocab_parallel_runs_in_train_and_is_refused_by_the_megatron_launcher():
     from megatron_slim.megatron.launch.flags import add_arguments
 

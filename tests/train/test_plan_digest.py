@@ -21,6 +21,8 @@ CASES = [
     ("tiny-cpu", ["parallel.pp=4", "schedule.slice_policy=exchange"], None),
     ("tiny-cpu", ["parallel.pp=2", "schedule.slice_policy=exchange"], None),
     ("tiny-cpu", ["parallel.pp=2", "parallel.vpp=2", "schedule.slice_policy=exchange"], None),
+    ("tiny-cpu", ["parallel.pp=2", "parallel.cp=2", "schedule.slice_policy=exchange"], None),
+    ("tiny-cpu", ["parallel.pp=4", "parallel.cp=2", "schedule.slice_policy=exchange"], None),
     ("llama2-7b-64k", ["parallel.dp=1", "train.global_batch_size=4", "schedule.num_slices=8", EXCHANGE], None),
     ("llama2-7b-64k", [], None),
     ("llama3-8b-256k", [], None),

@@ -36,9 +36,10 @@ def train_settings(recipe: Recipe) -> Settings:
     with one slice runs whole packs under the engine, so only several slices count as SlimPipe slicing."""
     p, s = recipe.parallel, recipe.schedule
     engine_runs = p.cp > 1 and not recipe.query_out_cp
+    named = engine_runs or recipe.exchange_cp  # exchange's query-out CP is the one cp.engine=ring names
     return Settings(
         **_common(recipe),
-        cp_engine=recipe.cp.engine if engine_runs else NO_CP_ENGINE,
+        cp_engine=recipe.cp.engine if named else NO_CP_ENGINE,
         cp_remap=recipe.cp.remap and engine_runs,
         slimpipe=s.kind == "slimpipe" and s.num_slices > 1,
     )

@@ -25,6 +25,9 @@ def _on_slimpipe(name: str, broken: Callable[[Settings], bool], message: str) ->
     return Rule(name, (LAUNCHER,), lambda s: s.slimpipe and broken(s), lambda s, i: message)
 
 
+EXCHANGE_CP_ENGINE = "ring"  # names SlimPipe's zigzag query-out CP, in train (under exchange) as on the launcher
+
+
 def _engine_slices_run(s: Settings) -> bool:
     """The launcher runs SlimPipe slices on a CP engine's plans: every stage plans each window from
     batches it reads itself, and one TP rank reads them (``megatron/slimpipe/engine_slices.py``)."""
@@ -64,19 +67,30 @@ SLIMPIPE_RULES = [
     Rule(
         "slice-policy-exchange-train",
         (TRAIN,),
+        lambda s: s.slimpipe and s.slice_policy == "exchange" and (s.tp > 1 or s.vocab_parallel),
+        lambda s, i: (
+            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)} and "
+            f"{i.setting('vocab_parallel', s.vocab_parallel)}: context exchange runs (with any vpp, context "
+            "parallelism or activation recomputation) without tensor parallelism or the vocabulary exchange; "
+            f"allowed: {i.name('tp')}=1 and {i.name('vocab_parallel')}=false, or "
+            f"{i.name('slice_policy')}=uniform or balanced"
+        ),
+    ),
+    Rule(
+        "slice-policy-exchange-cp",
+        (TRAIN,),
         lambda s: (
             s.slimpipe
             and s.slice_policy == "exchange"
-            and (s.tp > 1 or s.cp > 1 or s.recompute is not None or s.vocab_parallel)
+            and s.cp > 1
+            and s.cp_engine not in (EXCHANGE_CP_ENGINE, NO_CP_ENGINE)
         ),
         lambda s, i: (
-            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)}, "
-            f"{i.name('recompute')}={s.recompute or 'none'} and "
-            f"{i.setting('vocab_parallel', s.vocab_parallel)}: context exchange runs (with any vpp) without tensor "
-            "parallelism, activation recomputation or the vocabulary exchange, and with context parallelism only "
-            "over zigzag shards, not the CP engine's planned windows train runs; allowed: "
-            f"{i.name('tp')}=1, {i.name('cp')}=1, "
-            f"{i.name('recompute')}=none and {i.name('vocab_parallel')}=false, or "
+            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('cp', s.cp)} and "
+            f"{i.setting('cp_engine', s.cp_engine)}: context exchange runs under SlimPipe's query-out context "
+            f"parallelism over zigzag shards of plain causal windows, which {i.name('cp_engine')}="
+            f"{EXCHANGE_CP_ENGINE} names, not under an engine's planned windows; allowed: "
+            f"{i.name('cp_engine')}={EXCHANGE_CP_ENGINE}, or {i.name('cp')}=1, or "
             f"{i.name('slice_policy')}=uniform or balanced"
         ),
     ),

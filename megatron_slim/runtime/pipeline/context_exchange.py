@@ -74,14 +74,19 @@ class ExchangeRole:
 
 
 def paired_role(exchange: Optional["ContextExchange"], packed: bool, recompute: bool) -> Optional[ExchangeRole]:
-    """The current action's role at this layer (None: not paired); refuses what exchange does not run."""
+    """The current action's role at this layer (None: not paired); refuses packed documents.
+
+    ``recompute``: a forward rebuilt inside a backward action (activation recomputation) is never
+    paired: its attention runs over the whole cached prefix locally. The backward needs only the
+    slice's merged (out, lse), which equal the paired forward's, and the forward's pair has run;
+    the backward action's own pair meets in the attention backward (called with ``recompute=False``)."""
     role = exchange.role if exchange is not None else None
-    if role is not None and (packed or recompute):
+    if role is not None and packed:
         raise ValueError(
-            "schedule.slice_policy=exchange: context exchange runs neither packed documents nor activation "
-            "recomputation; allowed: unpacked batches with train.recompute=none, or schedule.slice_policy=uniform"
+            "schedule.slice_policy=exchange: context exchange does not run packed documents; allowed: "
+            "unpacked batches (data.packing=none), or schedule.slice_policy=uniform"
         )
-    return role
+    return None if recompute else role
 
 
 class Pending:

@@ -123,8 +123,9 @@ def _with_skipped_rows(d: torch.Tensor, skip: int) -> torch.Tensor:
     return torch.cat([d.new_zeros(d.shape[0], skip, *d.shape[2:]), d], dim=1) if skip else d
 
 
-def _role(exchange: Optional[ContextExchange], info: SliceInfo, documents) -> Optional[ExchangeRole]:
-    return paired_role(exchange, documents is not None, info.recompute)
+def _role(exchange: Optional[ContextExchange], info: SliceInfo, documents, backward=False) -> Optional[ExchangeRole]:
+    """A backward pairs whatever built its graph (a recomputed forward included)."""
+    return paired_role(exchange, documents is not None, info.recompute and not backward)
 
 
 def _moved(prefix: list, first: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +196,7 @@ class _SliceAttention(torch.autograd.Function):
         backend, scale, store, info, layer, documents, exchange, dp_merge = ctx.meta
         prefix = store.prefix(info.microbatch, layer, info.slice)
         span, dout, pending = _keys_of(prefix, documents), dout.contiguous(), None
-        role = _role(exchange, info, documents)
+        role = _role(exchange, info, documents, backward=True)
         if role is not None and role.sender:
             span = _Keys(exchange.moved_chunks([k_i.shape[1] for k_i, _ in prefix]), 0)
             pending = exchange.send_backward(dout, q, out, lse, *_moved(prefix, span.first))

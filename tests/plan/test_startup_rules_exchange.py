@@ -1,0 +1,66 @@
+"""Start-up rules of context exchange (``schedule.slice_policy: exchange``): ``megatron-slim train``
+runs it (any vpp; under ``parallel.cp > 1`` as zigzag query-out, named by ``cp.engine=ring``) and
+refuses the rest by name; the Megatron-LM launcher refuses it."""
+
+import argparse
+
+import pytest
+
+from megatron_slim.megatron.launch.flags import check_megatron_args
+from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.plan.startup import TRAIN, broken_rule
+from megatron_slim.plan.startup.from_recipe import train_settings
+from megatron_slim.train.checks import check_trainable
+from tests.plan.test_startup_rules import FLAGS, SLIMPIPE_FLAGS, _refusal
+
+
+def test_context_exchange_runs_in_train_and_is_refused_by_the_megatron_launcher():
+    from megatron_slim.megatron.launch.flags import add_arguments
+
+    parsed = add_arguments(argparse.ArgumentParser()).parse_args(["--slimpipe-slice-policy", "exchange"])
+    assert parsed.slimpipe_slice_policy == "exchange"  # the launcher accepts the flag, then refuses the run
+    args = argparse.Namespace(**{**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange"})
+    launcher = _refusal(check_megatron_args, args)
+    assert launcher.startswith("--slimpipe-slice-policy exchange: context exchange runs in megatron-slim train only")
+    assert "Megatron-LM's launcher does not run it yet; allowed: uniform, balanced" in launcher
+    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]
+    check_trainable(load_recipe("tiny-cpu", sets))  # megatron-slim train runs it
+    check_trainable(load_recipe("tiny-cpu", [*sets, "parallel.vpp=2"]))  # interleaved too
+    under_cp = load_recipe("tiny-cpu", [*sets, "parallel.cp=2"])  # query-out CP, named by cp.engine=ring
+    assert under_cp.cp.engine == "ring" and under_cp.exchange_cp and under_cp.query_out_cp
+    check_trainable(under_cp)
+    check_trainable(load_recipe("tiny-cpu", [*sets, "parallel.cp=2", "parallel.vpp=2"]))
+    settings = train_settings(under_cp)
+    assert (settings.cp_engine, settings.cp_engine_runs) == ("ring", False)  # no engine plans windows
+
+
+@pytest.mark.parametrize("bad", ["parallel.tp=2", "schedule.vocab_parallel=true"])
+def test_train_refuses_context_exchange_where_it_does_not_run(bad):
+    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", bad]
+    refused = _refusal(check_trainable, load_recipe("tiny-cpu", sets))
+    assert refused.startswith("schedule.slice_policy=exchange with parallel.tp=")
+    assert bad.split("=")[0] in refused and refused.endswith(
+        "allowed: parallel.tp=1 and schedule.vocab_parallel=false, or schedule.slice_policy=uniform or balanced"
+    )
+    assert broken_rule(train_settings(load_recipe("tiny-cpu", sets)), TRAIN).name == "slice-policy-exchange-train"
+
+
+@pytest.mark.parametrize("recompute", [["train.recompute=full"], ["train.recompute=selective"]])
+def test_train_runs_context_exchange_with_recomputation_at_cp1(recompute):
+    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", *recompute]
+    check_trainable(load_recipe("tiny-cpu", sets))
+    refused = _refusal(check_trainable, load_recipe("tiny-cpu", [*sets, "parallel.cp=2"]))
+    assert refused.endswith("allowed with parallel.cp > 1: train.recompute=none and train.offload_ratio=0")
+
+
+@pytest.mark.parametrize("engine", ["zeppelin", "ulysses"])
+def test_train_refuses_context_exchange_under_a_cp_engine_other_than_ring(engine):
+    sets = ["parallel.pp=2", "parallel.cp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]
+    recipe = load_recipe("tiny-cpu", [*sets, f"cp.engine={engine}"])
+    assert broken_rule(train_settings(recipe), TRAIN).name == "slice-policy-exchange-cp"
+    assert _refusal(check_trainable, recipe) == (
+        f"schedule.slice_policy=exchange with parallel.cp=2 and cp.engine={engine}: context exchange runs under "
+        "SlimPipe's query-out context parallelism over zigzag shards of plain causal windows, which "
+        "cp.engine=ring names, not under an engine's planned windows; allowed: cp.engine=ring, or "
+        "parallel.cp=1, or schedule.slice_policy=uniform or balanced"
+    )
