@@ -115,7 +115,7 @@ class EngineSlices:
         from megatron_slim.megatron.cp.lengths import pack_lengths
         from megatron_slim.runtime.pipeline.stage_lengths import first_rank_lengths
 
-        own = [pack_lengths(b)[0] for b in batches] if batches is not None else None
+        own: Optional[list] = [pack_lengths(b)[0] for b in batches] if batches is not None else None
         pp_group = self._groups()[1]
         tp_group = parallel_state.get_tensor_model_parallel_group()
         if (pp_group is None or pp_group.size() == 1) and tp_group.size() == 1 and own is not None:

@@ -17,7 +17,6 @@ from megatron_slim.plan.startup.settings import (
 )
 
 
-
 def _on_slimpipe(name: str, broken: Callable[[Settings], bool], message: str) -> Rule:
     """A launcher rule for ``--use-slimpipe`` runs with a fixed message."""
     return Rule(name, (LAUNCHER,), lambda s: s.slimpipe and broken(s), lambda s, i: message)
