@@ -2,9 +2,10 @@
 with ``--cp-engine zeppelin | ring | ulysses`` and ``--context-parallel-size > 1``).
 
 The same pieces as ``megatron-slim train``'s ``train/cp_slices.py`` (``megatron/cp/window_slices.py``):
-at the start of every schedule call each stage reads the call's microbatches up front, plans every
-window once from its sequence lengths (``cp.lengths.pack_lengths``: the position-id resets of
-``--reset-position-ids``), and the pipeline stages and the CP ranks compare one digest of the plans.
+at the start of every schedule call each rank with a data iterator reads the call's microbatches up
+front, every rank plans every window once from its sequence lengths (``cp.lengths.pack_lengths``: the
+position-id resets of ``--reset-position-ids``; whose lengths, below), and the pipeline stages and the
+CP ranks compare one digest of the plans.
 The windows then go to SlimPipe's slicing data iterator carrying their ``document_lengths``, the
 plans' slice shares go on ``SliceContext.cp_shares`` (SlimPipe's ``SliceCoreAttention`` and
 ``SliceRotary`` read them) and set the rows between stages (``stage_rows``), and
