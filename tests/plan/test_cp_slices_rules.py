@@ -31,17 +31,29 @@ def test_the_launcher_runs_slices_under_a_sliced_engine(engine, pp):
 
 
 @pytest.mark.parametrize(
+    "change",
+    [
+        dict(pp=4),  # middle stages read no batch
+        dict(pp=2, megatron_core=(0, 19)),  # the last stage's get_batch keeps no tokens
+        dict(pp=3, megatron_core=(0, 18)),
+        dict(tp=2),  # TP ranks other than 0 read no batch
+        dict(tp=2, pp=4, megatron_core=(0, 19)),
+    ],
+)
+def test_stages_and_tp_ranks_without_batches_take_the_first_stages_lengths(change):
+    assert broken_rule(replace(RUNS, **change), LAUNCHER) is None
+
+
+@pytest.mark.parametrize(
     "change, shown",
     [
         (dict(cp_engine="allgather"), "--cp-engine allgather with --use-slimpipe"),
         (
             dict(cp_remap=True),
-            "--pipeline-model-parallel-size 2, --virtual-pipeline-model-parallel-size 1, --cp-remap:",
+            "--tensor-model-parallel-size 1, --virtual-pipeline-model-parallel-size 1, --cp-remap:",
         ),
-        (dict(tp=2), "--tensor-model-parallel-size 2"),
+        (dict(tp=2, sequence_parallel=True), "--tensor-model-parallel-size 2, "),
         (dict(vpp=2), "--virtual-pipeline-model-parallel-size 2"),
-        (dict(pp=3), "--pipeline-model-parallel-size 3"),
-        (dict(pp=2, megatron_core=(0, 18)), "--pipeline-model-parallel-size 2"),
         (dict(packing="slimpack"), "--slimpipe-packing slimpack"),
     ],
 )
@@ -51,7 +63,8 @@ def test_the_launcher_refuses_what_slices_under_an_engine_do_not_run(change, sho
     assert rule.broken(settings) and not rule.broken(RUNS)
     message = rule.message(settings, INPUTS[LAUNCHER])
     assert shown in message
-    assert "--cp-engine zeppelin | ring | ulysses with --tensor-model-parallel-size=1" in message
+    assert "--cp-engine zeppelin | ring | ulysses with --virtual-pipeline-model-parallel-size=1, no " in message
+    assert "no --sequence-parallel when --tensor-model-parallel-size > 1" in message
     assert message.endswith(
         "allowed: those, or drop --cp-engine (SlimPipe's own zigzag query-out CP), or no --use-slimpipe"
     )

@@ -47,8 +47,22 @@ SHARED = {
         {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.vocab_parallel=true"]},
     ),
     "slimpipe-with-cp-engine": (
-        {**SLIMPIPE_FLAGS, "cp_engine": "zeppelin", "context_parallel_size": 2, "pipeline_model_parallel_size": 4},
-        {MEGATRON_ARGS: ["schedule.num_slices=2", "parallel.cp=2", "parallel.pp=4", "cp.engine=zeppelin"]},
+        {
+            **SLIMPIPE_FLAGS,
+            "cp_engine": "zeppelin",
+            "context_parallel_size": 2,
+            "pipeline_model_parallel_size": 2,
+            "virtual_pipeline_model_parallel_size": 2,
+        },
+        {
+            MEGATRON_ARGS: [
+                "schedule.num_slices=2",
+                "parallel.cp=2",
+                "parallel.pp=2",
+                "parallel.vpp=2",
+                "cp.engine=zeppelin",
+            ]
+        },
     ),
     "slimpipe-recompute": (
         {**SLIMPIPE_FLAGS, "recompute_granularity": "full", "context_parallel_size": 2},

@@ -211,11 +211,11 @@ REJECTED = {
     ),
     "slices-without-slimpipe": (1, ["--slimpipe-num-slices", "4"], "--slimpipe-num-slices: needs --use-slimpipe"),
     "document-masking": (1, SLIMPIPE + ["--reset-attention-mask"], "drop --reset-attention-mask"),
-    "cp-engine-under-slimpipe-tp2": (
-        4,
-        SLICED_ZEPPELIN + ["--tensor-model-parallel-size", "2"],
+    "cp-engine-under-slimpipe-remap": (
+        2,
+        SLICED_ZEPPELIN + ["--cp-remap"],
         "SlimPipe slices follow a CP engine's plan of each window for --cp-engine zeppelin | ring | ulysses with "
-        "--tensor-model-parallel-size=1",
+        "--virtual-pipeline-model-parallel-size=1",
     ),
     "slice-alignment": (
         4,

@@ -79,8 +79,9 @@ def _add_slimpipe_cost_and_cp(g) -> None:
         help=(
             "context-parallel attention: te = Megatron's own (default); the others are megatron-slim engines "
             "(with --pipeline-model-parallel-size > 1: Megatron's 1F1B, no virtual stages, no recomputation, "
-            "tp=1 beyond 2 stages; with --use-slimpipe: zeppelin, ring or ulysses plan each window and every "
-            "slice follows the plan, at tp=1, pp <= 2, no virtual stages; docs/cp-pipeline.md)"
+            "tp=1 beyond 2 stages; with --use-slimpipe: zeppelin, ring or ulysses plan each window from the "
+            "first stage's lengths and every slice follows the plan, any pp and tp, no virtual stages, no "
+            "--sequence-parallel at tp > 1; docs/cp-pipeline.md)"
         ),
     )
     g.add_argument(

@@ -2,9 +2,10 @@
 with ``--cp-engine zeppelin | ring | ulysses`` and ``--context-parallel-size > 1``).
 
 The same pieces as ``megatron-slim train``'s ``train/cp_slices.py`` (``megatron/cp/window_slices.py``):
-at the start of every schedule call each stage reads the call's microbatches up front, plans every
-window once from its sequence lengths (``cp.lengths.pack_lengths``: the position-id resets of
-``--reset-position-ids``), and the pipeline stages and the CP ranks compare one digest of the plans.
+at the start of every schedule call each rank with a data iterator reads the call's microbatches up
+front, every rank plans every window once from its sequence lengths (``cp.lengths.pack_lengths``: the
+position-id resets of ``--reset-position-ids``; whose lengths, below), and the pipeline stages and the
+CP ranks compare one digest of the plans.
 The windows then go to SlimPipe's slicing data iterator carrying their ``document_lengths``, the
 plans' slice shares go on ``SliceContext.cp_shares`` (SlimPipe's ``SliceCoreAttention`` and
 ``SliceRotary`` read them) and set the rows between stages (``stage_rows``), and
@@ -13,8 +14,15 @@ this CP rank's rows of the slice's share. The loss function is normalised CP-wid
 (``cp.hooks.cp_wide_loss``); SlimPipe's loss sums slices before dividing, giving the microbatch's
 CP-wide mean.
 
-Every stage must read the batches itself, from one TP rank: tp = 1, one model chunk, and at most
-two stages where the last reads tokens (rule ``slimpipe-with-cp-engine`` refuses the rest).
+Under Megatron-LM's ``pretrain_gpt.py`` only TP rank 0 of the first and last stages reads batches
+(from megatron-core 0.18 the last stage's ``get_batch`` keeps no tokens, but its data iterator still
+yields them). With pp > 1 or tp > 1 the sequence lengths therefore come from the first stage's TP
+rank 0 (``runtime/pipeline/stage_lengths.first_rank_lengths``: two small broadcasts per call), every
+rank plans the windows from them, and a rank that read the batches too checks its own lengths against
+them. The plans' document lengths reach every stage and TP rank through the schedule's
+``call_documents`` (the slice attention and RoPE read them from ``SliceContext.documents``). One model
+chunk per rank, and no ``--sequence-parallel`` (a plan's row counts need not divide by tp): rule
+``slimpipe-with-cp-engine`` refuses the rest.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ class EngineSlices:
     def __init__(self, context: SliceContext, args_getter: Callable[[], Any], plan_inputs: Callable) -> None:
         self.context, self.args_getter, self.plan_inputs = context, args_getter, plan_inputs
         self.shares: list = []
+        self.documents: list = []  # each microbatch's document lengths in the current call
         self.calls = 0  # schedule calls planned (tests read it)
 
     def active_args(self) -> Optional[Any]:
@@ -58,26 +67,30 @@ class EngineSlices:
         """This CP rank's rows of one slice between pipeline stages."""
         return self.shares[microbatch][slice_].rows(self._groups()[0].rank())
 
+    def call_documents(self) -> list:
+        """Each microbatch's document lengths in the current call, on every stage and TP rank."""
+        return list(self.documents)
+
     def plan_call(
         self, args: Any, data_iterator: Any, num_microbatches: int, slice_lengths: Sequence[int], device: Any = "cpu"
     ) -> Any:
-        """Plan the call's windows; returns the iterator that replays them with their document lengths."""
+        """Plan the call's windows; returns the iterator that replays them with their document lengths
+        (None where this rank reads no batches)."""
         from megatron_slim.megatron.cp.data import plan_microbatch
-        from megatron_slim.megatron.cp.lengths import pack_lengths
         from megatron_slim.megatron.cp.window_slices import plans_digest, window_shares
         from megatron_slim.runtime.agreement import check_agreement
 
         listed = isinstance(data_iterator, (list, tuple))
-        source = data_iterator[0] if listed else data_iterator
-        if source is None or (listed and len(data_iterator) != 1):
+        if listed and len(data_iterator) != 1:
             raise ValueError(
-                f"--cp-engine {args.cp_engine} with --use-slimpipe: every pipeline stage plans the windows it reads "
-                "itself, but this rank has no data iterator (or several model chunks); allowed: tp=1, "
-                "pipeline-model-parallel-size 1 or 2, no virtual pipeline stages"
+                f"--cp-engine {args.cp_engine} with --use-slimpipe: {len(data_iterator)} model chunks per rank; "
+                "allowed: one (no virtual pipeline stages)"
             )
-        batches = [dict(next(source)) for _ in range(num_microbatches)]
+        source = data_iterator[0] if listed else data_iterator
+        batches = [dict(next(source)) for _ in range(num_microbatches)] if source is not None else None
         topo, costs = self.plan_inputs(args)
-        plans = [plan_microbatch(pack_lengths(b)[0], topo, costs, engine=args.cp_engine, remap=False) for b in batches]
+        lengths = self._call_lengths(batches, num_microbatches, device)
+        plans = [plan_microbatch(n, topo, costs, engine=args.cp_engine, remap=False) for n in lengths]
         cp_group, pp_group = self._groups()
         digest = plans_digest(plans)
         remedy = "every rank must read the same windows and plan them with the same flags"
@@ -86,10 +99,35 @@ class EngineSlices:
         if pp_group is not None:
             check_agreement(digest, pp_group, device=device, ranks="pipeline ranks", what=what, remedy=remedy)
         self.shares = window_shares(plans, slice_lengths)
+        self.documents = [plan.lengths for plan, _, _ in plans]
         self.context.cp_shares = dict(enumerate(self.shares))
+        self.context.documents_on_every_tp_rank = True  # call_documents feeds every TP rank
         self.calls += 1
-        replay = iter([{**b, DOCUMENT_LENGTHS: plan.lengths} for b, (plan, _, _) in zip(batches, plans)])
+        if batches is None:
+            return [None] if listed else None
+        replay = iter([{**b, DOCUMENT_LENGTHS: n} for b, n in zip(batches, self.documents)])
         return [replay] if listed else replay
+
+    def _call_lengths(self, batches: Optional[list], num_microbatches: int, device: Any) -> list:
+        """The call's sequence lengths (position-id resets) as the first stage's TP rank 0 read them, on
+        every rank; a rank that read the batches too checks its own against them."""
+        from megatron.core import parallel_state
+
+        from megatron_slim.megatron.cp.lengths import pack_lengths
+        from megatron_slim.runtime.pipeline.stage_lengths import first_rank_lengths
+
+        own: Optional[list] = [pack_lengths(b)[0] for b in batches] if batches is not None else None
+        pp_group = self._groups()[1]
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        if (pp_group is None or pp_group.size() == 1) and tp_group.size() == 1 and own is not None:
+            return own
+        shared = first_rank_lengths(own, pp_group, tp_group, device)
+        if len(shared) != num_microbatches or (own is not None and own != shared):
+            raise ValueError(
+                f"--cp-engine with --use-slimpipe: this rank read sequence lengths {own} of {num_microbatches} "
+                f"microbatches, the first pipeline stage sent {shared}; allowed: every stage reads the same batches"
+            )
+        return shared
 
     def wrap_forward_backward(self, function: Callable, slice_lengths: Sequence[int]) -> Callable:
         """SlimPipe's forward-backward ``function`` (of ``slice_lengths``) that plans each call's windows

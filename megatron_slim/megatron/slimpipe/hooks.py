@@ -68,7 +68,10 @@ class SlimPipeHookState:
             settings = slimpipe_settings(args)
             engine = self.engine_slices if self.engine_slices is not None and self.engine_slices.active_args() else None
             rows = engine.stage_rows if engine is not None else None
-            function: Callable = make_forward_backward_func(settings, context=self.context, stage_rows=rows)
+            documents = engine.call_documents if engine is not None else None
+            function: Callable = make_forward_backward_func(
+                settings, context=self.context, stage_rows=rows, call_documents=documents
+            )
             if engine is not None:  # functools.wraps keeps the function's stats and settings
                 function = engine.wrap_forward_backward(function, settings.slice_lengths)
             self._functions[id(args)] = function

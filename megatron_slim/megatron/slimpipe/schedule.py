@@ -31,7 +31,7 @@ moves that share of each chunk's layers' saved activations to host memory until 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -80,13 +80,16 @@ def make_forward_backward_func(
     context: Optional[SliceContext] = None,
     vocab_head: Optional[VocabHead] = None,
     stage_rows: Optional[StageRows] = None,
+    call_documents: Optional[Callable[[], list]] = None,
 ) -> ForwardBackwardFunc:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
     hook reads it); a new one by default. ``vocab_head``: run the word embedding, output layer and
     loss on every pipeline rank (``runtime/pipeline/vocab_embedding.py``, ``vocab.py``); the forward
     step's loss function then returns the slice's ``(labels, loss_mask)`` and the last stage's model
     its final hidden states. ``stage_rows(microbatch, slice)``: this rank's rows between stages if a
-    CP plan sets them (``train.cp``)."""
+    CP plan sets them (``train.cp``). ``call_documents()``: each microbatch's document lengths in the
+    call, known on every stage (a CP engine's plans: ``engine_slices``), so stages that read no batch
+    attend within documents too."""
     stats = RunStats()
     context = context if context is not None else SliceContext()
 
@@ -115,7 +118,7 @@ def make_forward_backward_func(
         schedule = planned_schedule(settings, group.size(), len(chunks.models), num_microbatches, forward_only)
         stats.schedule_digest = schedule.digest()
         agree_on_plan(stats.schedule_digest, group, stats, chunks.first_param.device)
-        documents = None
+        documents = call_documents() if call_documents is not None else None
         tp_group = tensor_group(pg_collection) if settings.share_documents else None
         if settings.share_documents and (group.size() > 2 or (tp_group is not None and tp_group.size() > 1)):
             data_iterator, documents = shared_documents(

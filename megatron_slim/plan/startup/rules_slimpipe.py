@@ -11,13 +11,10 @@ from megatron_slim.plan.startup.settings import (
     LAUNCHER,
     MEGATRON_ARGS,
     NO_CP_ENGINE,
-    TOKENLESS_LAST_STAGE_MEGATRON_CORE,
     TRAIN,
     Inputs,
     Settings,
 )
-
-TOKENLESS = ".".join(map(str, TOKENLESS_LAST_STAGE_MEGATRON_CORE))
 
 
 def _on_slimpipe(name: str, broken: Callable[[Settings], bool], message: str) -> Rule:
@@ -29,21 +26,20 @@ EXCHANGE_CP_ENGINE = "ring"  # names SlimPipe's zigzag query-out CP, in train (u
 
 
 def _engine_slices_run(s: Settings) -> bool:
-    """The launcher runs SlimPipe slices on a CP engine's plans: every stage plans each window from
-    batches it reads itself, and one TP rank reads them (``megatron/slimpipe/engine_slices.py``)."""
-    two_stages_read = s.pp == 1 or (s.pp == 2 and s.last_stage_reads_tokens)
+    """The launcher runs SlimPipe slices on a CP engine's plans: every rank plans each window from the
+    lengths the first stage's TP rank 0 read (``megatron/slimpipe/engine_slices.py``)."""
     return (
         s.cp_engine in SLICED_CP_ENGINES
         and not s.cp_remap
         and s.packing == "none"
-        and s.tp == 1
         and s.vpp == 1
-        and two_stages_read
+        and not (s.tp > 1 and s.sequence_parallel)
     )
 
 
 def _engine_slices_got(s: Settings, i: Inputs) -> str:
-    got = [i.setting("tp", s.tp), i.setting("pp", s.pp), i.setting("vpp", s.vpp)]
+    got = [i.setting("tp", s.tp), i.setting("vpp", s.vpp)]
+    got += [i.setting("sequence_parallel", True)] if s.sequence_parallel else []
     got += [i.setting("cp_remap", True)] if s.cp_remap else []
     got += [i.setting("packing", s.packing)] if s.packing != "none" else []
     return f"{engine_input(s, i)} with {i.setting('slimpipe', True)}, {', '.join(got)}"
@@ -210,9 +206,9 @@ SLIMPIPE_RULES = [
         lambda s: s.cp_engine_slices and not _engine_slices_run(s),
         lambda s, i: (
             f"{_engine_slices_got(s, i)}: SlimPipe slices follow a CP engine's plan of each window for "
-            f"{i.name('cp_engine')} {' | '.join(SLICED_CP_ENGINES)} with {i.name('tp')}=1, {i.name('vpp')}=1, "
-            f"{i.name('pp')} 1 or 2 (2 only where the last stage reads tokens: megatron-core older than "
-            f"{TOKENLESS}), no {i.name('cp_remap')} and no {i.name('packing')}; allowed: those, or "
+            f"{i.name('cp_engine')} {' | '.join(SLICED_CP_ENGINES)} with {i.name('vpp')}=1, no "
+            f"{i.name('sequence_parallel')} when {i.name('tp')} > 1 (a plan's row counts need not divide by tp), "
+            f"no {i.name('cp_remap')} and no {i.name('packing')}; allowed: those, or "
             f"{i.unset('cp_engine', NO_CP_ENGINE if i.flags else 'ring')} (SlimPipe's own zigzag query-out CP), "
             f"or {i.name('megatron_schedule')}"
         ),

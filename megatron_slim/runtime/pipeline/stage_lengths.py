@@ -117,3 +117,25 @@ def share_microbatch_lengths(
             f"the group's first rank sent lengths of {len(shared)} microbatches; expected {num_microbatches}"
         )
     return data_iterator, shared
+
+
+def first_rank_lengths(
+    own: Optional[MicrobatchLengths], pipeline_group: Any, tensor_group: Any, device: torch.device | str = "cpu"
+) -> MicrobatchLengths:
+    """Collective over a pipeline x tensor-parallel grid: every rank gets the lengths that pipeline
+    stage 0's tensor-parallel rank 0 passes (``own``; the only rank there that reads batches). One
+    broadcast down the pipeline among TP rank 0s, then one across each stage's TP ranks; the other
+    ranks' ``own`` is ignored."""
+    shared = own
+    if tensor_group.rank() == 0 and pipeline_group.size() > 1:
+        if pipeline_group.rank() == 0 and own is None:
+            raise ValueError(
+                "the first pipeline stage's tensor-parallel rank 0 read no batches (no data iterator), so it "
+                "cannot hand the microbatches' lengths to the other ranks; allowed: a data iterator there"
+            )
+        shared = broadcast_lengths(own if pipeline_group.rank() == 0 else None, pipeline_group, device)
+    if tensor_group.size() > 1:
+        shared = broadcast_lengths(shared if tensor_group.rank() == 0 else None, tensor_group, device)
+    if shared is None:
+        raise ValueError("first_rank_lengths: a single rank must pass its own lengths")
+    return shared

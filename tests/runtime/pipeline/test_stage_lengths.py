@@ -70,3 +70,19 @@ def test_every_stage_gets_the_first_stages_lengths_and_it_replays_what_it_read()
     assert results[1]["replayed"] is None and results[2]["replayed"] is None
     assert results[1]["sub"] == results[2]["sub"] == [(1, 63)]
     assert "sub" not in results[0]
+
+
+def _grid(rank, world_size):
+    """Global rank = pp_rank * 2 + tp_rank (pipeline groups {0, 2}, {1, 3}; TP groups {0, 1}, {2, 3}).
+    Only pipeline stage 0's TP rank 0 (global 0) passes the lengths; the others pass decoys."""
+    from megatron_slim.runtime.pipeline.stage_lengths import first_rank_lengths
+
+    pipelines = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tensors = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pp_group, tp_group = pipelines[rank % 2], tensors[rank // 2]
+    own = [(7, 57), None] if rank == 0 else ([(rank, 64 - rank), None] if rank == 2 else None)
+    return first_rank_lengths(own, pp_group, tp_group)
+
+
+def test_every_rank_of_a_pipeline_x_tp_grid_gets_stage_0_tp_rank_0s_lengths():
+    assert run_ranks(_grid, 4, timeout_s=120) == [[(7, 57), None]] * 4
