@@ -99,59 +99,6 @@ def test_a_shared_rule_fires_from_every_caller_with_the_same_wording(name):
         assert all(INPUTS[LAUNCHER].name(key) in launcher for key in named)
 
 
-def test_context_exchange_runs_in_train_and_under_the_megatron_launcher():
-    from megatron_slim.megatron.launch.flags import add_arguments
-
-    parsed = add_arguments(argparse.ArgumentParser()).parse_args(["--slimpipe-slice-policy", "exchange"])
-    assert parsed.slimpipe_slice_policy == "exchange"
-    exchange = {**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange", "pipeline_model_parallel_size": 2}
-    check_megatron_args(argparse.Namespace(**exchange))  # the launcher runs it
-    check_megatron_args(argparse.Namespace(**exchange, virtual_pipeline_model_parallel_size=2))
-    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]
-    check_trainable(load_recipe("tiny-cpu", sets))  # megatron-slim train runs it
-    check_trainable(load_recipe("tiny-cpu", [*sets, "parallel.vpp=2"]))  # interleaved too
-    flags = recipe_to_megatron_args(load_recipe("tiny-cpu", sets))
-    assert flags[flags.index("--slimpipe-slice-policy") + 1] == "exchange"
-
-
-@pytest.mark.parametrize(
-    "bad, named",
-    [
-        (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 2"),
-        (dict(context_parallel_size=2), "--context-parallel-size 2"),
-        (dict(recompute_granularity="selective"), "--recompute-granularity selective"),
-    ],
-)
-def test_the_megatron_launcher_refuses_context_exchange_where_it_does_not_run(bad, named):
-    exchange = {**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange", "pipeline_model_parallel_size": 2}
-    refused = _refusal(check_megatron_args, argparse.Namespace(**{**exchange, **bad}))
-    assert refused.startswith("--slimpipe-slice-policy exchange with --tensor-model-parallel-size ")
-    assert named in refused and refused.endswith(
-        "allowed: --tensor-model-parallel-size 1, --context-parallel-size 1 and drop --recompute-granularity, "
-        "or --slimpipe-slice-policy uniform or balanced"
-    )
-
-
-def test_the_megatron_launcher_refuses_context_exchange_on_packed_windows():
-    exchange = {**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange", "pipeline_model_parallel_size": 2}
-    refused = _refusal(check_megatron_args, argparse.Namespace(**exchange, slimpipe_packing="slimpack", calculate_per_token_loss=True))
-    assert refused == (
-        "--slimpipe-slice-policy exchange: context exchange runs on unpacked windows only; allowed: "
-        "--slimpipe-packing none, or --slimpipe-slice-policy uniform or balanced"
-    )
-
-
-@pytest.mark.parametrize("bad", ["parallel.tp=2", "train.recompute=full", "schedule.vocab_parallel=true"])
-def test_train_refuses_context_exchange_where_it_does_not_run(bad):
-    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", bad]
-    refused = _refusal(check_trainable, load_recipe("tiny-cpu", sets))
-    assert refused.startswith("schedule.slice_policy=exchange with parallel.tp=")
-    assert bad.split("=")[0] in refused and refused.endswith(
-        "allowed: parallel.tp=1, parallel.cp=1, train.recompute=none and "
-        "schedule.vocab_parallel=false, or schedule.slice_policy=uniform or balanced"
-    )
-
-
 def test_vocab_parallel_runs_in_train_and_is_refused_by_the_megatron_launcher():
     from megatron_slim.megatron.launch.flags import add_arguments
 
