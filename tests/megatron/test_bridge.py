@@ -145,6 +145,7 @@ REFUSED = {
     "zero_slices": (lambda c: None, {"num_slices": 0}, "install(num_slices=...): got 0"),
     "slice_count_type": (lambda c: None, {"num_slices": "4"}, "num_slices: got '4'"),
     "slice_policy": (lambda c: None, {"slice_policy": "even"}, "slice_policy: got 'even'"),
+    "exchange": (lambda c: None, {"slice_policy": "exchange"}, "not yet under Megatron-Bridge; allowed: uniform"),
     "attention_kernels": (lambda c: None, {"attention_backend": "cudnn"}, "attention_backend: got 'cudnn'"),
     "vocab_parallel": (
         lambda c: None,

@@ -175,6 +175,11 @@ def check_config(config: Any, slimpipe: SlimPipeOptions) -> argparse.Namespace:
     policy, backend = slimpipe.slice_policy, slimpipe.attention_backend
     if policy not in SLICE_POLICIES:
         raise ConfigError(f"slice_policy: got {policy!r}; allowed: {', '.join(SLICE_POLICIES)}")
+    if policy == "exchange":
+        raise ConfigError(
+            "slice_policy: got 'exchange'; context exchange runs under megatron-slim train and Megatron-LM's "
+            "launcher, not yet under Megatron-Bridge; allowed: uniform, balanced"
+        )
     if backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention_backend: got {backend!r}; allowed: {', '.join(ATTENTION_BACKENDS)}")
     num_slices = slimpipe.num_slices

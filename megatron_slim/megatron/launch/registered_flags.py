@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="uniform",
         help=(
             "uniform: equal slices; balanced: equal forward+backward work under the causal mask; exchange: "
-            "uniform slices plus attention context exchange between pipeline ranks (megatron-slim train and "
-            "simulate run it; this launcher refuses it at start-up for now)"
+            "uniform slices plus attention context exchange between pipeline ranks, paired as megatron-slim "
+            "simulate and train pair it (tensor and context parallel size 1, no recomputation, no "
+            "--slimpipe-packing; docs/context-exchange.md)"
         ),
     )
     g.add_argument(

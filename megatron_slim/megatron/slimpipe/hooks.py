@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 
 
 def slimpipe_settings(args) -> "SlimPipeSettings":
-    """The slice plan a Megatron run uses, from its flags (balanced slices need the cost model)."""
+    """The slice plan a Megatron run uses, from its flags (balanced slices need the cost model).
+    ``--slimpipe-slice-policy exchange``: training calls run the context-exchange pairing timed with
+    the flags' recipe, the one ``megatron-slim simulate`` and ``megatron-slim train`` use for it."""
     from megatron_slim.megatron.launch.args import recipe_from_megatron_args
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings
     from megatron_slim.plan.cost.calibration import load_calibration
@@ -31,7 +33,14 @@ def slimpipe_settings(args) -> "SlimPipeSettings":
     )
     lengths = slice_lengths(recipe, CostModel(recipe, calibration=calibration))
     backend = None if args.megatron_slim_attention_backend == "auto" else args.megatron_slim_attention_backend
-    return SlimPipeSettings(lengths, attention_backend=backend, share_documents=packed_windows(args))
+    exchange = args.slimpipe_slice_policy == "exchange"
+    return SlimPipeSettings(
+        lengths,
+        attention_backend=backend,
+        share_documents=packed_windows(args),
+        exchange=exchange,
+        exchange_recipe=recipe if exchange else None,
+    )
 
 
 def packed_windows(args) -> bool:
@@ -74,8 +83,9 @@ class SlimPipeHookState:
             )
             if engine is not None:  # functools.wraps keeps the function's stats and settings
                 function = engine.wrap_forward_backward(function, settings.slice_lengths)
-            self._functions[id(args)] = function
-            if int(getattr(args, "rank", 0) or 0) == 0:
+            rank = int(getattr(args, "rank", 0) or 0)
+            self._functions[id(args)] = reporting_exchange(function, rank) if settings.exchange else function
+            if rank == 0:
                 print(
                     f"megatron-slim: SlimPipe schedule, {settings.num_slices} {args.slimpipe_slice_policy} slice(s) "
                     f"per microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}"
@@ -83,6 +93,27 @@ class SlimPipeHookState:
                     flush=True,
                 )
         return self._functions[id(args)]
+
+
+def reporting_exchange(function: Callable, rank: int) -> Callable:
+    """``function`` that, after its first training call, prints what this rank's context exchange
+    did in it (K/V tokens shipped as a sender, attention blocks served as a peer)."""
+    reported = False
+
+    @functools.wraps(function)  # keeps the function's stats and settings
+    def forward_backward(**kwargs):
+        nonlocal reported
+        result = function(**kwargs)
+        if not reported and not kwargs.get("forward_only", False):
+            reported, stats = True, function.stats  # type: ignore[attr-defined]
+            print(
+                f"megatron-slim: context exchange on rank {rank}: {stats.exchanged_tokens} K/V tokens shipped, "
+                f"{stats.served_blocks} attention blocks served in the first training call",
+                flush=True,
+            )
+        return result
+
+    return forward_backward
 
 
 def with_slice_length(original: Callable, slim_state: SlimPipeHookState) -> Callable:

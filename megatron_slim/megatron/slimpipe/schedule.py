@@ -23,7 +23,8 @@ megatron does on each CP rank (``runtime.pipeline.loss``); DDP averages over dat
 Recomputation is megatron-core's (the chunks' ``TransformerConfig.recompute_*``); the interpreter
 runs each backward in its slice's context so a recomputed layer reads the cached K/V prefix.
 ``SlimPipeSettings.exchange`` runs the schedule's context-exchange pairs in training calls
-(``runtime.pipeline.context_exchange``; gloo, any vpp, CP under zigzag query-out). ``SlimPipeSettings.offload_ratio``
+(``runtime.pipeline.context_exchange``; any vpp, CP under zigzag query-out; on a non-gloo pipeline
+group its messages get a group of their own, ``exchange_group``). ``SlimPipeSettings.offload_ratio``
 moves that share of each chunk's layers' saved activations to host memory until backward
 (``offload_layers``).
 """
@@ -44,6 +45,7 @@ from megatron_slim.megatron.slimpipe.call_plan import (
     refuse_unsupported_call,
     tensor_group,
 )
+from megatron_slim.megatron.slimpipe.exchange_group import exchange_group
 from megatron_slim.megatron.slimpipe.offload_layers import attach_offload
 from megatron_slim.megatron.slimpipe.settings import ForwardBackwardFunc, RunStats, SlimPipeSettings
 from megatron_slim.megatron.slimpipe.stage import (
@@ -233,17 +235,11 @@ class _Run:
         """This rank's side of the schedule's context-exchange pairs; None without any."""
         if not self.schedule.exchange:
             return None
-        backend = dist.get_backend(self.group)
-        if backend != "gloo":
-            raise ValueError(
-                f"schedule.slice_policy=exchange: context exchange runs with gloo point-to-point (its messages "
-                f"are told apart by tag); got backend {backend}; allowed: gloo, or schedule.slice_policy=uniform "
-                "or balanced"
-            )
         ranks = dist.get_process_group_ranks(self.group)
         plan = ExchangePlan.from_text(self.schedule.exchange)
         lengths = self.settings.slice_lengths
-        return ContextExchange(plan, self.group.rank(), self.group, ranks, lengths, shards=chunks.cp)
+        group = exchange_group(self.group)
+        return ContextExchange(plan, self.group.rank(), group, ranks, lengths, shards=chunks.cp)
 
     def _p2p(self, device: torch.device) -> Optional[P2P]:
         """The send/receive pairs between pipeline stages; none for a single stage."""
@@ -264,6 +260,7 @@ class _Run:
 def _record(stats: RunStats, meter, ledger, offload, exchange: Optional[ContextExchange]) -> None:
     """What the call measured: exchanged tokens, peak activation / K/V / P2P bytes, offloaded bytes."""
     stats.exchanged_tokens = exchange.sent_tokens if exchange is not None else 0
+    stats.served_blocks = exchange.served_blocks if exchange is not None else 0
     if meter is not None:
         stats.peak_activation_bytes = meter.peak_bytes
         stats.peak_kv_bytes = ledger.peak_bytes

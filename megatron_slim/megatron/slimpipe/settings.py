@@ -39,6 +39,7 @@ class RunStats:
     offloaded_bytes: int = 0  # activation bytes the last call moved to the host (train.offload_ratio)
     peak_p2p_bytes: int = 0  # point-to-point buffers in flight (sent and received)
     exchanged_tokens: int = 0  # K/V tokens the last call moved to exchange peers, summed over layers
+    served_blocks: int = 0  # attention blocks the last call computed for exchange senders (per layer)
     schedule_digest: str = ""
     agreed_digests: set = field(default_factory=set)
 

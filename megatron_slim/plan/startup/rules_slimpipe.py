@@ -53,12 +53,20 @@ SLIMPIPE_RULES = [
     Rule(
         "slice-policy-exchange",
         (LAUNCHER, MEGATRON_ARGS),
-        lambda s: s.slice_policy == "exchange",
+        lambda s: s.slimpipe and s.slice_policy == "exchange" and (s.tp > 1 or s.cp > 1 or s.recompute is not None),
         lambda s, i: (
-            f"{i.setting('slice_policy', s.slice_policy)}: context exchange runs in megatron-slim train only "
-            "(gloo point-to-point; simulated by megatron-slim simulate); Megatron-LM's launcher does not run "
-            "it yet; allowed: uniform, balanced"
+            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)} "
+            f"and {i.setting('recompute', s.recompute or 'none')}: under Megatron-LM's launcher context exchange "
+            "runs without tensor or context parallelism and without activation recomputation; allowed: "
+            f"{i.setting('tp', 1)}, {i.setting('cp', 1)} and {i.unset('recompute', 'none')}, or "
+            f"{i.setting('slice_policy', 'uniform')} or balanced"
         ),
+    ),
+    _on_slimpipe(
+        "slice-policy-exchange-packing",
+        lambda s: s.slice_policy == "exchange" and s.packing != "none",
+        "--slimpipe-slice-policy exchange: context exchange runs on unpacked windows only; allowed: "
+        "--slimpipe-packing none, or --slimpipe-slice-policy uniform or balanced",
     ),
     Rule(
         "slice-policy-exchange-train",

@@ -23,8 +23,8 @@ action names its chunk and sits in one pair at most, two chunks' meetings never 
 ends run one chunk's layers each, equally many (recipes split layers evenly over pp x vpp chunks).
 Under query-out context parallelism each CP rank pairs with the same CP rank of the peer stage
 and ships its own shards (``shards``: the CP size; ``runtime/pipeline/cp_exchange.py``). NCCL
-ignores tags and matches in posting order, which activation receives posted ahead would break: the
-runtime refuses it.
+ignores tags and matches in posting order, which activation receives posted ahead would break, so
+there ``group`` must carry nothing else (``megatron/slimpipe/exchange_group.py`` makes one).
 """
 
 from __future__ import annotations

@@ -1,0 +1,40 @@
+"""The group context-exchange messages travel on (``megatron/slimpipe/exchange_group.py``): the
+pipeline group itself under gloo; its own group over the same ranks elsewhere (NCCL matches by
+posting order). The separate group is made collectively by every rank, for every pipeline group;
+checked here on 4 gloo ranks with two pipelines (ranks 0-1 and 2-3) by asking for it explicitly."""
+
+import torch
+import torch.distributed as dist
+
+from megatron_slim.megatron.slimpipe.exchange_group import exchange_group
+from megatron_slim.runtime.spawn import run_ranks
+
+PIPELINES = ([0, 1], [2, 3])
+
+
+def _worker(rank: int, world_size: int) -> tuple:
+    groups = [dist.new_group(ranks) for ranks in PIPELINES]
+    mine = groups[rank // 2]
+    separate = exchange_group(mine, separate=True)
+    again = exchange_group(mine, separate=True)
+    other = PIPELINES[rank // 2][1 - rank % 2]
+    sent = torch.full((3,), float(rank))
+    got = torch.empty(3)
+    works = [dist.isend(sent, other, separate, tag=7), dist.irecv(got, other, separate, tag=7)]
+    for work in works:
+        work.wait()
+    return (
+        exchange_group(mine) is mine,  # gloo: the pipeline group itself
+        separate is not mine and again is separate,
+        dist.get_process_group_ranks(separate),
+        got.tolist(),
+    )
+
+
+def test_a_separate_exchange_group_spans_each_pipelines_ranks_and_carries_messages():
+    results = run_ranks(_worker, 4, timeout_s=120)
+    for rank, (same, made_once, ranks, got) in enumerate(results):
+        other = PIPELINES[rank // 2][1 - rank % 2]
+        assert same and made_once
+        assert ranks == PIPELINES[rank // 2]
+        assert got == [float(other)] * 3

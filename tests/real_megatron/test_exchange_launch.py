@@ -1,0 +1,97 @@
+"""Context exchange under Megatron-LM's own ``pretrain()``: ``python -m megatron_slim.launch
+pretrain_gpt.py ... --use-slimpipe --slimpipe-slice-policy exchange`` against the same run with
+uniform slices (what exchange keeps), iteration by iteration (lm loss and grad norm, relative
+difference <= 1e-5, fp32): moving attention blocks between pipeline ranks changes only the order of
+the softmax's sums.
+
+Cases: pp2, pp4 (forward and backward pairs on every rank) and pp2 x vpp2 (pairs across model
+chunks). The sequence is 512 tokens (4 slices of 128): with the tiny model's 64-token default the timed
+pairing (``timed_exchange_schedule`` on the flags' recipe, the one ``megatron-slim simulate`` and
+``train`` use) finds no pair worth its transfers. Each rank reports what its exchange did in the first
+training call; they must equal, rank by rank, what the pairing planned for the run's flags
+(``expected_reports``, from the plan value alone): K/V shipped by senders, blocks served by peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+import pytest
+
+from megatron_slim.megatron.launch.args import recipe_from_megatron_args
+from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.sim.exchange_timing import timed_exchange_schedule
+from tests.real_megatron.harness import (
+    TINY,
+    VOCAB,
+    installed_megatron_core,
+    megatron_args,
+    relative_difference,
+    run_pretrain,
+    write_corpus,
+)
+
+pytestmark = pytest.mark.real_megatron
+TOLERANCE = 1e-5
+SLICES, SEQ = 4, 512
+REPORT = re.compile(
+    r"megatron-slim: context exchange on rank (\d+): (\d+) K/V tokens shipped, (\d+) attention blocks served"
+)
+
+
+def expected_reports(pp: int, vpp: int = 1) -> dict[int, tuple[int, int]]:
+    """Per pipeline rank, (K/V tokens shipped, attention blocks served) in one training call of the
+    pairing ``timed_exchange_schedule`` plans for this run's flags: every pair meets once per
+    attention layer of a model chunk. Megatron pads NullTokenizer's vocabulary (up to core 0.16 the eod id
+    comes after it) to a multiple of 128, and the cost model reads the padded size."""
+    vocab = VOCAB + (1 if installed_megatron_core() < (0, 17) else 0)
+    args = argparse.Namespace(
+        num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+        group_query_attention=True, padded_vocab_size=128 * math.ceil(vocab / 128), seq_length=SEQ,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=1,
+        global_batch_size=4, micro_batch_size=1, slimpipe_hardware="cpu", slimpipe_num_slices=SLICES,
+        slimpipe_slice_policy="exchange",
+    )  # fmt: skip
+    uniform = (SEQ // SLICES,) * SLICES
+    plan = ExchangePlan.from_text(timed_exchange_schedule(recipe_from_megatron_args(args), 4, uniform).exchange)
+    layers, counts = 8 // (pp * vpp), {rank: [0, 0] for rank in range(pp)}
+    for pair in plan.pairs:
+        counts[pair.sender][0] += pair.moved_tokens * layers
+        counts[pair.peer][1] += layers
+    return {rank: (shipped, served) for rank, (shipped, served) in counts.items()}
+
+
+def _flags(pp: int, vpp: int, policy: str) -> list[str]:
+    sets = [f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"model.seq_length={SEQ}", "schedule.kind=slimpipe"]
+    sets.append(f"schedule.num_slices={SLICES}")
+    return megatron_args([*TINY, *sets, f"schedule.slice_policy={policy}"])
+
+
+@pytest.mark.parametrize("pp, vpp", [(2, 1), (4, 1), (2, 2)], ids=["pp2", "pp4", "pp2xvpp2"])
+def test_exchange_trains_as_uniform_slices_and_its_pairs_run(pp, vpp, tmp_path, report_measurement):
+    corpus = write_corpus(tmp_path / "docs", documents=2000)  # validation needs whole 512-token windows
+    flags = _flags(pp, vpp, "exchange")
+    assert flags[flags.index("--slimpipe-slice-policy") + 1] == "exchange"
+    exchange = run_pretrain(pp, flags, tmp_path / "exchange", launcher=True, data_prefix=corpus)
+    uniform = run_pretrain(pp, _flags(pp, vpp, "uniform"), tmp_path / "uniform", launcher=True, data_prefix=corpus)
+
+    assert f"{SLICES} exchange slice(s)" in exchange.log
+    assert len(uniform.losses) == 3 and exchange.skipped == uniform.skipped == 0
+    assert uniform.losses[-1] < uniform.losses[0]  # it trained
+    loss_diff = relative_difference(exchange.losses, uniform.losses)
+    norm_diff = relative_difference(exchange.grad_norms, uniform.grad_norms)
+    assert loss_diff <= TOLERANCE, (exchange.losses, uniform.losses)
+    assert norm_diff <= TOLERANCE, (exchange.grad_norms, uniform.grad_norms)
+
+    reports = {int(rank): (int(shipped), int(served)) for rank, shipped, served in REPORT.findall(exchange.log)}
+    assert sorted(reports) == list(range(pp)), exchange.log[-3000:]
+    assert sum(shipped for shipped, _ in reports.values()) > 0 and sum(s for _, s in reports.values()) > 0
+    assert reports == expected_reports(pp, vpp)
+    assert "context exchange on rank" not in uniform.log
+    report_measurement(
+        f"pp{pp}xvpp{vpp} exchange vs uniform slices: lm loss {loss_diff:.1e}, grad norm {norm_diff:.1e}; "
+        f"per rank (K/V tokens shipped, blocks served) in the first training call: {reports}"
+    )
