@@ -55,11 +55,19 @@ class SlimPipeHookState:
             from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
 
             settings = slimpipe_settings(args)
-            self._functions[id(args)] = make_forward_backward_func(settings, context=self.context)
+            if getattr(args, "slimpipe_vocab_parallel", False):
+                from megatron_slim.megatron.slimpipe.vocab_launch import LauncherVocab, with_launcher_vocab
+
+                vocab = LauncherVocab()
+                function = make_forward_backward_func(settings, context=self.context, vocab_head=vocab)
+                self._functions[id(args)] = with_launcher_vocab(function, vocab)
+            else:
+                self._functions[id(args)] = make_forward_backward_func(settings, context=self.context)
             if int(getattr(args, "rank", 0) or 0) == 0:
                 print(
                     f"megatron-slim: SlimPipe schedule, {settings.num_slices} {args.slimpipe_slice_policy} slice(s) "
-                    f"per microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}",
+                    f"per microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}"
+                    + (", vocabulary on every pipeline rank" if getattr(args, "slimpipe_vocab_parallel", False) else ""),
                     flush=True,
                 )
         return self._functions[id(args)]

@@ -31,7 +31,7 @@ moves that share of each chunk's layers' saved activations to host memory until 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,12 +77,13 @@ from megatron_slim.runtime.pipeline.vocab_weights import VocabHead
 def make_forward_backward_func(
     settings: SlimPipeSettings,
     context: Optional[SliceContext] = None,
-    vocab_head: Optional[VocabHead] = None,
+    vocab_head: Optional[VocabHead | Callable[[list], VocabHead]] = None,
     stage_rows: Optional[StageRows] = None,
 ) -> ForwardBackwardFunc:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
     hook reads it); a new one by default. ``vocab_head``: run the word embedding, output layer and
-    loss on every pipeline rank (``runtime/pipeline/vocab_embedding.py``, ``vocab.py``); the forward
+    loss on every pipeline rank (``runtime/pipeline/vocab_embedding.py``, ``vocab.py``), or what gives
+    it from the call's model chunks (the launcher's, ``vocab_launch.py``); the forward
     step's loss function then returns the slice's ``(labels, loss_mask)`` and the last stage's model
     its final hidden states. ``stage_rows(microbatch, slice)``: this rank's rows between stages if a
     CP plan sets them (``train.cp``)."""
@@ -120,7 +121,8 @@ def make_forward_backward_func(
                 data_iterator, num_microbatches, seq_length, group, chunks.first_param.device
             )
         non_loss = collect_non_loss_data and forward_only
-        run = _Run(settings, chunks, group, schedule, forward_only, non_loss, vocab_head, stage_rows)
+        head = vocab_head(chunks.models) if callable(vocab_head) else vocab_head
+        run = _Run(settings, chunks, group, schedule, forward_only, non_loss, head, stage_rows)
         loss = run.interpret(forward_step_func, data_iterator, micro_batch_size, context, stats, documents)
         if not forward_only and getattr(chunks.config, "finalize_model_grads_func", None) is not None:
             finalize_grads(chunks, loss, pg_collection or grad_finalize_pgs, force_all_reduce)

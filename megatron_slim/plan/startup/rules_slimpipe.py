@@ -6,12 +6,24 @@ from typing import Callable
 
 from megatron_slim.plan.cost.slicing import is_aligned, max_slices, slice_alignment, splits_uniformly
 from megatron_slim.plan.startup.rule import Rule, cp_comm_type_set, engine_input
-from megatron_slim.plan.startup.settings import LAUNCHER, MEGATRON_ARGS, NO_CP_ENGINE, TRAIN, Settings
+from megatron_slim.plan.startup.settings import LAUNCHER, MEGATRON_ARGS, NO_CP_ENGINE, TRAIN, Inputs, Settings
 
 
 def _on_slimpipe(name: str, broken: Callable[[Settings], bool], message: str) -> Rule:
     """A launcher rule for ``--use-slimpipe`` runs with a fixed message."""
     return Rule(name, (LAUNCHER,), lambda s: s.slimpipe and broken(s), lambda s, i: message)
+
+
+def _vocab_exchange_refused_by_launcher(s: Settings) -> bool:
+    return not s.slimpipe or s.tp > 1 or s.cp > 1 or s.vpp > 1 or s.precision != "fp32" or s.packing != "none"
+
+
+def _precision(s: Settings, i: Inputs) -> str:
+    return f"{s.precision} parameters" if i.flags else f"{i.name('precision')}={s.precision}"
+
+
+def _packing(s: Settings, i: Inputs) -> str:
+    return f", --slimpipe-packing {s.packing}" if i.flags else ""
 
 
 def _unit(s: Settings) -> int:
@@ -51,11 +63,15 @@ SLIMPIPE_RULES = [
     Rule(
         "vocab-parallel-megatron",
         (LAUNCHER, MEGATRON_ARGS),
-        lambda s: s.vocab_parallel,
+        lambda s: s.vocab_parallel and _vocab_exchange_refused_by_launcher(s),
         lambda s, i: (
-            f"{i.setting('vocab_parallel', True)}: vocab_parallel runs in megatron-slim train only (and is "
-            f"simulated by megatron-slim simulate); Megatron-LM's launcher does not run it yet; allowed: "
-            f"{i.unset('vocab_parallel', 'false')}"
+            f"{i.setting('vocab_parallel', True)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)}, "
+            f"{i.setting('vpp', s.vpp)}, {_precision(s, i)}{_packing(s, i)}: under Megatron-LM's launcher the "
+            "vocabulary exchange runs in the SlimPipe schedule, on fp32 parameters, without tensor or context "
+            "parallelism and with one model chunk per pipeline rank (megatron-slim train runs more); allowed: "
+            f"{i.setting('slimpipe', True)}, {i.setting('tp', 1)}, {i.setting('cp', 1)}, {i.setting('vpp', 1)}, "
+            f"{'no --bf16 or --fp16, --slimpipe-packing none' if i.flags else i.setting('precision', 'fp32')}, "
+            f"or {i.unset('vocab_parallel', 'false')}"
         ),
     ),
     Rule(
