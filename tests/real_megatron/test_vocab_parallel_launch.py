@@ -1,0 +1,52 @@
+"""``--slimpipe-vocab-parallel`` through the real ``pretrain_gpt.py``: the word embedding, output
+layer and loss on every pipeline rank (``megatron/slimpipe/vocab_launch.py``), iteration by
+iteration against Megatron's own 1F1B on the same pp2 layout (lm loss and grad norm, relative
+difference <= 1e-5, fp32), with untied and tied embeddings (tied: Megatron's embedding group still
+sums the first and last stages' copies). Each rank's parameter count, as Megatron logs it, is
+Megatron's: the replicas the exchange adds on other ranks are not model parameters.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.real_megatron.harness import TINY, megatron_args, relative_difference, run_pretrain, write_corpus
+
+pytestmark = pytest.mark.real_megatron
+TOLERANCE = 1e-5
+PARAMETERS = re.compile(r"number of parameters on \(tensor, pipeline\) model parallel rank \((\d+), (\d+)\): (\d+)")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "docs")
+
+
+def _parameter_counts(log: str) -> dict[tuple[int, int], int]:
+    return {(int(t), int(p)): int(n) for t, p, n in PARAMETERS.findall(log)}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_vocab_parallel_pp2_trains_as_megatrons_own_1f1b(tied, corpus, tmp_path):
+    common = [*TINY, "parallel.pp=2", f"model.untie_embeddings_and_output_weights={str(not tied).lower()}"]
+    ours = megatron_args([*common, "schedule.kind=slimpipe", "schedule.num_slices=2", "schedule.vocab_parallel=true"])
+    reference = megatron_args([*common, "schedule.kind=1f1b", "schedule.num_slices=1"])
+    assert "--slimpipe-vocab-parallel" in ours
+
+    vocab = run_pretrain(2, ours, tmp_path / "ours", launcher=True, data_prefix=corpus)
+    megatron = run_pretrain(2, reference, tmp_path / "reference", launcher=False, data_prefix=corpus)
+
+    assert "vocabulary on every pipeline rank" in vocab.log
+    assert "megatron-slim: " not in megatron.log
+    assert len(megatron.losses) == 3 and vocab.skipped == megatron.skipped == 0
+    assert megatron.losses[-1] < megatron.losses[0]  # it trained
+    assert relative_difference(vocab.losses, megatron.losses) <= TOLERANCE, (vocab.losses, megatron.losses)
+    assert relative_difference(vocab.grad_norms, megatron.grad_norms) <= TOLERANCE, (
+        vocab.grad_norms,
+        megatron.grad_norms,
+    )
+    counts = _parameter_counts(megatron.log)
+    assert sorted(counts) == [(0, 0), (0, 1)], megatron.log[-3000:]
+    assert _parameter_counts(vocab.log) == counts
