@@ -43,8 +43,8 @@ SHARED = {
         {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.slice_policy=exchange"]},
     ),
     "vocab-parallel-megatron": (
-        {**SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True},
-        {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.vocab_parallel=true"]},
+        {**SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True, "tensor_model_parallel_size": 2},
+        {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.vocab_parallel=true", "parallel.tp=2"]},
     ),
     "slimpipe-with-cp-engine": (
         {**SLIMPIPE_FLAGS, "cp_engine": "zeppelin", "context_parallel_size": 2},
@@ -124,20 +124,38 @@ def test_train_refuses_context_exchange_where_it_does_not_run(bad):
     )
 
 
-def test_vocab_parallel_runs_in_train_and_is_refused_by_the_megatron_launcher():
+def test_vocab_parallel_runs_under_the_megatron_launcher_with_slimpipe_alone():
     from megatron_slim.megatron.launch.flags import add_arguments
 
     parsed = add_arguments(argparse.ArgumentParser()).parse_args(["--slimpipe-vocab-parallel"])
-    assert parsed.slimpipe_vocab_parallel is True  # the launcher accepts the flag, then refuses the run
-    args = argparse.Namespace(**{**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True})
-    assert _refusal(check_megatron_args, args) == (
-        "--slimpipe-vocab-parallel: vocab_parallel runs in megatron-slim train only (and is simulated by "
-        "megatron-slim simulate); Megatron-LM's launcher does not run it yet; allowed: drop "
+    assert parsed.slimpipe_vocab_parallel is True
+    vocab = {**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True}
+    check_megatron_args(argparse.Namespace(**vocab))  # SlimPipe, tp=1, cp=1, vpp=1, fp32: it runs
+    refused = _refusal(check_megatron_args, argparse.Namespace(**{**vocab, "bf16": True}))
+    assert refused == (
+        "--slimpipe-vocab-parallel with --tensor-model-parallel-size 1, --context-parallel-size 1, "
+        "--virtual-pipeline-model-parallel-size 1, bf16 parameters, --slimpipe-packing none: under Megatron-LM's "
+        "launcher the vocabulary exchange runs in the SlimPipe schedule, on fp32 parameters, without tensor or "
+        "context parallelism and with one model chunk per pipeline rank (megatron-slim train runs more); "
+        "allowed: --use-slimpipe, --tensor-model-parallel-size 1, --context-parallel-size 1, "
+        "--virtual-pipeline-model-parallel-size 1, drop --bf16 or --fp16, --slimpipe-packing none, or drop "
         "--slimpipe-vocab-parallel"
     )
+    for bad in (
+        {"virtual_pipeline_model_parallel_size": 2},
+        {"context_parallel_size": 2},
+        {"slimpipe_packing": "slimpack"},
+        {"use_slimpipe": False},
+    ):
+        settings = settings_from_megatron_args(argparse.Namespace(**{**vocab, **bad}))
+        assert "vocab-parallel-megatron" in [r.name for r in RULES if LAUNCHER in r.callers and r.broken(settings)]
     recipe = load_recipe("tiny-cpu", ["parallel.pp=2", "schedule.num_slices=2", "schedule.vocab_parallel=true"])
     check_trainable(recipe)  # megatron-slim train runs it
-    assert "allowed: schedule.vocab_parallel=false" in _refusal(recipe_to_megatron_args, recipe)
+    assert "--slimpipe-vocab-parallel" in recipe_to_megatron_args(recipe)
+    interleaved = load_recipe("tiny-cpu", ["parallel.pp=2", "parallel.vpp=2", "schedule.vocab_parallel=true"])
+    assert "allowed: schedule.kind=slimpipe, parallel.tp=1, parallel.cp=1, parallel.vpp=1, train.precision=fp32, " in (
+        _refusal(recipe_to_megatron_args, interleaved)
+    )
     flags = recipe_to_megatron_args(load_recipe("tiny-cpu", ["schedule.num_slices=2"]))
     assert "--slimpipe-vocab-parallel" not in flags
 

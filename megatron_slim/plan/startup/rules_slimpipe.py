@@ -18,12 +18,13 @@ def _vocab_exchange_refused_by_launcher(s: Settings) -> bool:
     return not s.slimpipe or s.tp > 1 or s.cp > 1 or s.vpp > 1 or s.precision != "fp32" or s.packing != "none"
 
 
-def _precision(s: Settings, i: Inputs) -> str:
-    return f"{s.precision} parameters" if i.flags else f"{i.name('precision')}={s.precision}"
-
-
 def _packing(s: Settings, i: Inputs) -> str:
+    """The launcher's ``--slimpipe-packing`` (a recipe's packing is no Megatron-LM flag)."""
     return f", --slimpipe-packing {s.packing}" if i.flags else ""
+
+
+def _packing_off(i: Inputs) -> str:
+    return ", --slimpipe-packing none" if i.flags else ""
 
 
 def _unit(s: Settings) -> int:
@@ -66,12 +67,12 @@ SLIMPIPE_RULES = [
         lambda s: s.vocab_parallel and _vocab_exchange_refused_by_launcher(s),
         lambda s, i: (
             f"{i.setting('vocab_parallel', True)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)}, "
-            f"{i.setting('vpp', s.vpp)}, {_precision(s, i)}{_packing(s, i)}: under Megatron-LM's launcher the "
-            "vocabulary exchange runs in the SlimPipe schedule, on fp32 parameters, without tensor or context "
-            "parallelism and with one model chunk per pipeline rank (megatron-slim train runs more); allowed: "
-            f"{i.setting('slimpipe', True)}, {i.setting('tp', 1)}, {i.setting('cp', 1)}, {i.setting('vpp', 1)}, "
-            f"{'no --bf16 or --fp16, --slimpipe-packing none' if i.flags else i.setting('precision', 'fp32')}, "
-            f"or {i.unset('vocab_parallel', 'false')}"
+            f"{i.setting('vpp', s.vpp)}, {s.precision} parameters{_packing(s, i)}: under Megatron-LM's launcher "
+            "the vocabulary exchange runs in the SlimPipe schedule, on fp32 parameters, without tensor or "
+            "context parallelism and with one model chunk per pipeline rank (megatron-slim train runs more); "
+            f"allowed: {i.setting('slimpipe', True)}, {i.setting('tp', 1)}, {i.setting('cp', 1)}, "
+            f"{i.setting('vpp', 1)}, {i.unset('precision', 'fp32')}{_packing_off(i)}, or "
+            f"{i.unset('vocab_parallel', 'false')}"
         ),
     ),
     Rule(
