@@ -55,7 +55,8 @@ class SlimPipeHookState:
             from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
 
             settings = slimpipe_settings(args)
-            if getattr(args, "slimpipe_vocab_parallel", False):
+            vocab_parallel = bool(getattr(args, "slimpipe_vocab_parallel", False))
+            if vocab_parallel:
                 from megatron_slim.megatron.slimpipe.vocab_launch import LauncherVocab, with_launcher_vocab
 
                 vocab = LauncherVocab()
@@ -67,7 +68,7 @@ class SlimPipeHookState:
                 print(
                     f"megatron-slim: SlimPipe schedule, {settings.num_slices} {args.slimpipe_slice_policy} slice(s) "
                     f"per microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}"
-                    + (", vocabulary on every pipeline rank" if getattr(args, "slimpipe_vocab_parallel", False) else ""),
+                    + (", vocabulary on every pipeline rank" if vocab_parallel else ""),
                     flush=True,
                 )
         return self._functions[id(args)]
