@@ -1,9 +1,11 @@
 """``--slimpipe-vocab-parallel`` through the real ``pretrain_gpt.py``: the word embedding, output
 layer and loss on every pipeline rank (``megatron/slimpipe/vocab_launch.py``), iteration by
-iteration against Megatron's own 1F1B on the same pp2 layout (lm loss and grad norm, relative
-difference <= 1e-5, fp32), with untied and tied embeddings (tied: Megatron's embedding group still
-sums the first and last stages' copies). Each rank's parameter count, as Megatron logs it, is
-Megatron's: the replicas the exchange adds on other ranks are not model parameters.
+iteration against Megatron's own 1F1B on the same layout (lm loss and grad norm, relative
+difference <= 1e-5, fp32): pp2 with untied and tied embeddings (tied: Megatron's embedding group
+still sums the first and last stages' copies), and (slow tier) pp4, whose middle stages hold
+replicas (untied: their vocabulary shard of each weight; tied: whole, collected by the last
+stage's copy). Each rank's parameter count, as Megatron logs it, is Megatron's: the replicas the
+exchange adds are not model parameters.
 """
 
 from __future__ import annotations
@@ -28,15 +30,19 @@ def _parameter_counts(log: str) -> dict[tuple[int, int], int]:
     return {(int(t), int(p)): int(n) for t, p, n in PARAMETERS.findall(log)}
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_vocab_parallel_pp2_trains_as_megatrons_own_1f1b(tied, corpus, tmp_path):
-    common = [*TINY, "parallel.pp=2", f"model.untie_embeddings_and_output_weights={str(not tied).lower()}"]
+@pytest.mark.parametrize(
+    "pp, tied",
+    [(2, False), (2, True), *(pytest.param(4, tied, marks=pytest.mark.slow) for tied in (False, True))],
+    ids=["pp2-untied", "pp2-tied", "pp4-untied", "pp4-tied"],
+)
+def test_vocab_parallel_trains_as_megatrons_own_1f1b(pp, tied, corpus, tmp_path):
+    common = [*TINY, f"parallel.pp={pp}", f"model.untie_embeddings_and_output_weights={str(not tied).lower()}"]
     ours = megatron_args([*common, "schedule.kind=slimpipe", "schedule.num_slices=2", "schedule.vocab_parallel=true"])
     reference = megatron_args([*common, "schedule.kind=1f1b", "schedule.num_slices=1"])
     assert "--slimpipe-vocab-parallel" in ours
 
-    vocab = run_pretrain(2, ours, tmp_path / "ours", launcher=True, data_prefix=corpus)
-    megatron = run_pretrain(2, reference, tmp_path / "reference", launcher=False, data_prefix=corpus)
+    vocab = run_pretrain(pp, ours, tmp_path / "ours", launcher=True, data_prefix=corpus)
+    megatron = run_pretrain(pp, reference, tmp_path / "reference", launcher=False, data_prefix=corpus)
 
     assert "vocabulary on every pipeline rank" in vocab.log
     assert "megatron-slim: " not in megatron.log
@@ -48,5 +54,5 @@ def test_vocab_parallel_pp2_trains_as_megatrons_own_1f1b(tied, corpus, tmp_path)
         megatron.grad_norms,
     )
     counts = _parameter_counts(megatron.log)
-    assert sorted(counts) == [(0, 0), (0, 1)], megatron.log[-3000:]
+    assert sorted(counts) == [(0, stage) for stage in range(pp)], megatron.log[-3000:]
     assert _parameter_counts(vocab.log) == counts
