@@ -6,7 +6,8 @@ import shlex
 import sys
 
 from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
-from megatron_slim.plan.recipe import load_recipe, world_size_note
+from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.plan.recipe_note import world_size_note
 from megatron_slim.plan.schema import ConfigError
 
 

@@ -10,7 +10,8 @@ from megatron_slim.commands.progress import ProgressLine
 from megatron_slim.plan.cost.calibration import Calibration, load_calibration
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.progress import Progress
-from megatron_slim.plan.recipe import Recipe, load_recipe, world_size_note
+from megatron_slim.plan.recipe import Recipe, load_recipe
+from megatron_slim.plan.recipe_note import world_size_note
 from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schema import ConfigError

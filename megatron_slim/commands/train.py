@@ -35,7 +35,8 @@ from pathlib import Path
 from megatron_slim.commands.output import prepare_outputs
 from megatron_slim.commands.train_dynmo import dynmo_overrides
 from megatron_slim.commands.train_report import STOPPED_EXIT_CODE, is_reporter, report
-from megatron_slim.plan.recipe import load_recipe, world_size_note
+from megatron_slim.plan.recipe import load_recipe
+from megatron_slim.plan.recipe_note import world_size_note
 from megatron_slim.plan.schema import ConfigError
 
 

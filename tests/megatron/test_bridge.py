@@ -150,7 +150,9 @@ REFUSED = {
     "vocab_parallel": (
         lambda c: None,
         {"vocab_parallel": True},
-        "install(vocab_parallel=True): vocab_parallel runs in megatron-slim train only",
+        "install(vocab_parallel=True): vocab_parallel runs in megatron-slim train only and under Megatron-LM's "
+        "launcher (python -m megatron_slim.launch), not under Megatron-Bridge yet; "
+        "allowed: vocab_parallel=False",
     ),
     "vocab_parallel_type": (lambda c: None, {"vocab_parallel": "yes"}, "vocab_parallel: got 'yes'"),
     "hardware": (lambda c: None, {"hardware": "tpu-v9"}, "tpu-v9"),

@@ -102,14 +102,14 @@ def test_unknown_and_missing_yaml_keys(tmp_path):
     ],
 )
 def test_world_size_note_says_when_overrides_change_the_gpu_count(sets, note):
-    from megatron_slim.plan.recipe import world_size_note
+    from megatron_slim.plan.recipe_note import world_size_note
 
     recipe = load_recipe("llama2-7b-64k", sets)
     assert world_size_note("llama2-7b-64k", sets, recipe) == note
 
 
 def test_world_size_note_names_the_unit_and_a_recipe_file(tmp_path):
-    from megatron_slim.plan.recipe import world_size_note
+    from megatron_slim.plan.recipe_note import world_size_note
 
     path = tmp_path / "r.yaml"
     path.write_text(

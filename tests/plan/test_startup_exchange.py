@@ -1,6 +1,6 @@
 """Context exchange at start-up: ``megatron-slim train`` and the Megatron-LM launcher run
 ``exchange`` (uniform slices plus context exchange), each refusing by name what it does not run it
-with; ``megatron-args`` emits the flag for the launcher."""
+with; ``megatron-args`` emits the flag for the launcher (train's own rules: ``test_startup_rules_exchange.py``)."""
 
 import argparse
 
@@ -41,14 +41,15 @@ def test_context_exchange_runs_in_train_and_under_the_megatron_launcher():
         (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 2"),
         (dict(context_parallel_size=2), "--context-parallel-size 2"),
         (dict(recompute_granularity="selective"), "--recompute-granularity selective"),
+        (dict(slimpipe_vocab_parallel=True), "--slimpipe-vocab-parallel"),
     ],
 )
 def test_the_megatron_launcher_refuses_context_exchange_where_it_does_not_run(bad, named):
     refused = _refusal(check_megatron_args, argparse.Namespace(**{**EXCHANGE, **bad}))
     assert refused.startswith("--slimpipe-slice-policy exchange with --tensor-model-parallel-size ")
     assert named in refused and refused.endswith(
-        "allowed: --tensor-model-parallel-size 1, --context-parallel-size 1 and drop --recompute-granularity, "
-        "or --slimpipe-slice-policy uniform or balanced"
+        "allowed: --tensor-model-parallel-size 1, --context-parallel-size 1, drop --recompute-granularity and "
+        "drop --slimpipe-vocab-parallel, or --slimpipe-slice-policy uniform or balanced"
     )
 
 
@@ -59,15 +60,4 @@ def test_the_megatron_launcher_refuses_context_exchange_on_packed_windows():
     assert refused == (
         "--slimpipe-slice-policy exchange: context exchange runs on unpacked windows only; allowed: "
         "--slimpipe-packing none, or --slimpipe-slice-policy uniform or balanced"
-    )
-
-
-@pytest.mark.parametrize("bad", ["parallel.tp=2", "train.recompute=full", "schedule.vocab_parallel=true"])
-def test_train_refuses_context_exchange_where_it_does_not_run(bad):
-    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", bad]
-    refused = _refusal(check_trainable, load_recipe("tiny-cpu", sets))
-    assert refused.startswith("schedule.slice_policy=exchange with parallel.tp=")
-    assert bad.split("=")[0] in refused and refused.endswith(
-        "allowed: parallel.tp=1, parallel.cp=1, train.recompute=none and "
-        "schedule.vocab_parallel=false, or schedule.slice_policy=uniform or balanced"
     )

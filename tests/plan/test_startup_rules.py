@@ -43,8 +43,8 @@ SHARED = {
         {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.slice_policy=exchange", "parallel.tp=2"]},
     ),
     "vocab-parallel-megatron": (
-        {**SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True},
-        {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.vocab_parallel=true"]},
+        {**SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True, "tensor_model_parallel_size": 2},
+        {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.vocab_parallel=true", "parallel.tp=2"]},
     ),
     "slimpipe-with-cp-engine": (
         {
@@ -111,41 +111,6 @@ def test_a_shared_rule_fires_from_every_caller_with_the_same_wording(name):
         named = [key for key in NEUTRAL.names if f"<{key}>" in rule.message(settings, NEUTRAL)]
         assert named and all(INPUTS[caller].name(key) in refused for key in named)  # each in its own names
         assert all(INPUTS[LAUNCHER].name(key) in launcher for key in named)
-
-
-def test_vocab_parallel_runs_in_train_and_is_refused_by_the_megatron_launcher():
-    from megatron_slim.megatron.launch.flags import add_arguments
-
-    parsed = add_arguments(argparse.ArgumentParser()).parse_args(["--slimpipe-vocab-parallel"])
-    assert parsed.slimpipe_vocab_parallel is True  # the launcher accepts the flag, then refuses the run
-    args = argparse.Namespace(**{**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True})
-    assert _refusal(check_megatron_args, args) == (
-        "--slimpipe-vocab-parallel: vocab_parallel runs in megatron-slim train only (and is simulated by "
-        "megatron-slim simulate); Megatron-LM's launcher does not run it yet; allowed: drop "
-        "--slimpipe-vocab-parallel"
-    )
-    recipe = load_recipe("tiny-cpu", ["parallel.pp=2", "schedule.num_slices=2", "schedule.vocab_parallel=true"])
-    check_trainable(recipe)  # megatron-slim train runs it
-    assert "allowed: schedule.vocab_parallel=false" in _refusal(recipe_to_megatron_args, recipe)
-    flags = recipe_to_megatron_args(load_recipe("tiny-cpu", ["schedule.num_slices=2"]))
-    assert "--slimpipe-vocab-parallel" not in flags
-
-
-def test_train_refuses_vocab_parallel_where_the_exchange_does_not_run():
-    vocab = ["parallel.pp=2", "schedule.vocab_parallel=true"]
-    refused = _refusal(check_trainable, load_recipe("tiny-cpu", [*vocab, "schedule.num_slices=2", "parallel.tp=2"]))
-    assert refused == (
-        "schedule.vocab_parallel=true with parallel.tp=2, parallel.cp=1, parallel.vpp=1: the pipeline's "
-        "vocabulary exchange runs without tensor parallelism, and with context parallelism under a CP engine "
-        "with one model chunk per rank; allowed: parallel.tp=1, and parallel.cp=1 or parallel.vpp=1, or "
-        "schedule.vocab_parallel=false"
-    )
-    check_trainable(load_recipe("tiny-cpu", [*vocab, "schedule.num_slices=2", "parallel.vpp=2"]))  # interleaved
-    check_trainable(load_recipe("tiny-cpu", [*CP_RECIPE, *vocab]))  # under a CP engine
-    recipe = load_recipe("tiny-cpu", [*CP_RECIPE, *vocab, "schedule.kind=interleaved", "parallel.vpp=2"])
-    assert "vocab_parallel=true with parallel.tp=1, parallel.cp=2, parallel.vpp=2" in _refusal(check_trainable, recipe)
-    rule = broken_rule(Settings(pp=2, cp=2, vocab_parallel=True), TRAIN)  # context parallelism without an engine
-    assert rule is not None and rule.name == "vocab-parallel-train"
 
 
 def test_cp_engines_with_pipelines_run_in_train_and_through_the_megatron_launcher():

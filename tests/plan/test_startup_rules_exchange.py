@@ -1,28 +1,17 @@
 """Start-up rules of context exchange (``schedule.slice_policy: exchange``): ``megatron-slim train``
 runs it (any vpp; under ``parallel.cp > 1`` as zigzag query-out, named by ``cp.engine=ring``) and
-refuses the rest by name; the Megatron-LM launcher refuses it."""
-
-import argparse
+refuses the rest by name (the launcher's rules: ``test_startup_exchange.py``)."""
 
 import pytest
 
-from megatron_slim.megatron.launch.flags import check_megatron_args
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.startup import TRAIN, broken_rule
 from megatron_slim.plan.startup.from_recipe import train_settings
 from megatron_slim.train.checks import check_trainable
-from tests.plan.test_startup_rules import FLAGS, SLIMPIPE_FLAGS, _refusal
+from tests.plan.test_startup_rules import _refusal
 
 
-def test_context_exchange_runs_in_train_and_is_refused_by_the_megatron_launcher():
-    from megatron_slim.megatron.launch.flags import add_arguments
-
-    parsed = add_arguments(argparse.ArgumentParser()).parse_args(["--slimpipe-slice-policy", "exchange"])
-    assert parsed.slimpipe_slice_policy == "exchange"  # the launcher accepts the flag, then refuses the run
-    args = argparse.Namespace(**{**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange"})
-    launcher = _refusal(check_megatron_args, args)
-    assert launcher.startswith("--slimpipe-slice-policy exchange: context exchange runs in megatron-slim train only")
-    assert "Megatron-LM's launcher does not run it yet; allowed: uniform, balanced" in launcher
+def test_context_exchange_runs_in_train_with_any_vpp_and_under_cp():
     sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]
     check_trainable(load_recipe("tiny-cpu", sets))  # megatron-slim train runs it
     check_trainable(load_recipe("tiny-cpu", [*sets, "parallel.vpp=2"]))  # interleaved too

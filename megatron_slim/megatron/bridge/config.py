@@ -187,6 +187,12 @@ def check_config(config: Any, slimpipe: SlimPipeOptions) -> argparse.Namespace:
         raise ConfigError(f"num_slices: got {num_slices!r}; allowed: an integer >= 1")
     if not isinstance(slimpipe.vocab_parallel, bool):
         raise ConfigError(f"vocab_parallel: got {slimpipe.vocab_parallel!r}; allowed: True, False")
+    if slimpipe.vocab_parallel:
+        raise ConfigError(
+            "install(vocab_parallel=True): vocab_parallel runs in megatron-slim train only and under Megatron-LM's "
+            "launcher (python -m megatron_slim.launch), not under Megatron-Bridge "
+            "yet; allowed: vocab_parallel=False"
+        )
     _refuse_bridge_only(config)
     args = bridge_args(config, slimpipe)
     try:

@@ -103,7 +103,7 @@ def install(
     """Make Bridge's ``pretrain(config, ...)`` run SlimPipe with ``num_slices`` slices per microbatch
     (``slice_policy`` ``uniform`` or ``balanced``: equal work under the causal mask, from the cost
     model of ``hardware`` / measured ``calibration``; ``vocab_parallel``: the embedding and output
-    layer on every pipeline rank, simulated only for now, so refused). Raises ``ConfigError`` before changing
+    layer on every pipeline rank: not run under Bridge yet, so refused). Raises ``ConfigError`` before changing
     anything when the config cannot run under SlimPipe."""
     from megatron_slim.megatron.slimpipe.hooks import slimpipe_settings
     from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func

@@ -81,6 +81,7 @@ def settings_from_megatron_args(args: argparse.Namespace) -> Settings:
         num_slices=flag("slimpipe_num_slices", 1),
         slice_policy=flag("slimpipe_slice_policy", "uniform"),
         vocab_parallel=bool(flag("slimpipe_vocab_parallel")),
+        precision="bf16" if flag("bf16") else ("fp16" if flag("fp16") else "fp32"),
         seq_length=flag("seq_length", 0),
         recompute=flag("recompute_granularity"),
         hierarchical_cp_sizes=flag("hierarchical_context_parallel_sizes"),

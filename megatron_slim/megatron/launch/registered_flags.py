@@ -43,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help=(
             "run the word embedding, output layer and loss on every pipeline rank, each on a part of the "
-            "sequence (megatron-slim train and simulate run it; this launcher refuses it at start-up for now)"
+            "vocabulary (docs/vocab-parallel.md); needs --use-slimpipe, fp32 parameters, "
+            "--tensor-model-parallel-size 1, --context-parallel-size 1, no virtual pipeline and no "
+            "--slimpipe-packing (megatron-slim train runs more)"
         ),
     )
     g.add_argument(

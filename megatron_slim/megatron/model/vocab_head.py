@@ -24,18 +24,19 @@ def build_vocab_head(chunks: list, groups) -> VocabHead:
     looks up only its shard's ids, ``runtime/pipeline/vocab_embedding.py``). Tied, the replicas stay
     whole (the first and last stages' owned copies are both whole, and ``refresh`` broadcasts)."""
     first, last = chunks[0], chunks[-1]
-    tied = first.slim_chunk_info.tied_embeddings
+    first_pre, _, tied = _roles(first)
+    _, last_post, _ = _roles(last)
     ranks = dist.get_process_group_ranks(groups.pp) if groups.pp_size > 1 else [dist.get_rank()]
     rows = bounds_of(last.vocab_size, len(ranks), groups.pp_rank)
-    if tied and first.slim_chunk_info.pre_process:
+    if tied and first_pre:
         weight, owned = first.embedding.word_embeddings.weight, True
-    elif last.slim_chunk_info.post_process:
+    elif last_post:
         weight, owned = last.output_layer.weight, True
     else:
         weight, owned = _replica(last, last.vocab_size if tied else rows[1] - rows[0]), False
     embedding = None
     if not tied:  # the word embedding's own copies: the first stage's, shard replicas elsewhere
-        if first.slim_chunk_info.pre_process:
+        if first_pre:
             weight_e, owned_e = first.embedding.word_embeddings.weight, True
         else:
             weight_e, owned_e = _replica(last, rows[1] - rows[0]), False
@@ -55,6 +56,22 @@ def build_vocab_head(chunks: list, groups) -> VocabHead:
     return head
 
 
+def _roles(chunk) -> tuple[bool, bool, bool]:
+    """(pre_process, post_process, tied embeddings) of a chunk: megatron-slim's own chunks carry
+    them in ``slim_chunk_info``, Megatron-LM's ``GPTModel`` in its own attributes."""
+    info = getattr(chunk, "slim_chunk_info", None)
+    if info is not None:
+        return info.pre_process, info.post_process, info.tied_embeddings
+    return chunk.pre_process, chunk.post_process, bool(chunk.share_embeddings_and_output_weights)
+
+
+def unwrapped(chunk):
+    """The model inside Megatron's wrappers (``DistributedDataParallel``, ``Float16Module``)."""
+    while isinstance(getattr(chunk, "module", None), torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
 def _replica(chunk, rows: int) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(rows, chunk.config.hidden_size, dtype=chunk.config.params_dtype))
 
@@ -63,8 +80,8 @@ def _replica(chunk, rows: int) -> torch.nn.Parameter:
 def distributed_lookup(chunk, exchange: Optional[EmbeddingExchange]) -> Iterator[None]:
     """Within it, a first-stage chunk's word embedding looks its ids up over every pipeline rank
     (``exchange.lookup``); other chunks, or no exchange, are left as they are."""
-    info = getattr(chunk, "slim_chunk_info", None)
-    if exchange is None or info is None or not info.pre_process:
+    chunk = unwrapped(chunk)
+    if exchange is None or not _roles(chunk)[0]:
         yield
         return
     module = chunk.embedding.word_embeddings

@@ -78,9 +78,19 @@ class SlimPipeHookState:
             engine = self.engine_slices if self.engine_slices is not None and self.engine_slices.active_args() else None
             rows = engine.stage_rows if engine is not None else None
             documents = engine.call_documents if engine is not None else None
+            vocab_parallel = bool(getattr(args, "slimpipe_vocab_parallel", False))
+            vocab = None
+            if vocab_parallel:
+                from megatron_slim.megatron.slimpipe.vocab_launch import LauncherVocab
+
+                vocab = LauncherVocab()
             function: Callable = make_forward_backward_func(
-                settings, context=self.context, stage_rows=rows, call_documents=documents
+                settings, context=self.context, stage_rows=rows, call_documents=documents, vocab_head=vocab
             )
+            if vocab is not None:
+                from megatron_slim.megatron.slimpipe.vocab_launch import with_launcher_vocab
+
+                function = with_launcher_vocab(function, vocab)
             if engine is not None:  # functools.wraps keeps the function's stats and settings
                 function = engine.wrap_forward_backward(function, settings.slice_lengths)
             rank = int(getattr(args, "rank", 0) or 0)
@@ -89,7 +99,8 @@ class SlimPipeHookState:
                 print(
                     f"megatron-slim: SlimPipe schedule, {settings.num_slices} {args.slimpipe_slice_policy} slice(s) "
                     f"per microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}"
-                    + (f", following --cp-engine {args.cp_engine}'s plan of each window" if engine else ""),
+                    + (f", following --cp-engine {args.cp_engine}'s plan of each window" if engine else "")
+                    + (", vocabulary on every pipeline rank" if vocab_parallel else ""),
                     flush=True,
                 )
         return self._functions[id(args)]

@@ -80,13 +80,14 @@ from megatron_slim.runtime.pipeline.vocab_weights import VocabHead
 def make_forward_backward_func(
     settings: SlimPipeSettings,
     context: Optional[SliceContext] = None,
-    vocab_head: Optional[VocabHead] = None,
+    vocab_head: Optional[VocabHead | Callable[[list], VocabHead]] = None,
     stage_rows: Optional[StageRows] = None,
     call_documents: Optional[Callable[[], list]] = None,
 ) -> ForwardBackwardFunc:
     """``context``: the ``SliceContext`` the run's slices are entered in (the launcher's TP batch
     hook reads it); a new one by default. ``vocab_head``: run the word embedding, output layer and
-    loss on every pipeline rank (``runtime/pipeline/vocab_embedding.py``, ``vocab.py``); the forward
+    loss on every pipeline rank (``runtime/pipeline/vocab_embedding.py``, ``vocab.py``), or what gives
+    it from the call's model chunks (the launcher's, ``vocab_launch.py``); the forward
     step's loss function then returns the slice's ``(labels, loss_mask)`` and the last stage's model
     its final hidden states. ``stage_rows(microbatch, slice)``: this rank's rows between stages if a
     CP plan sets them (``train.cp``). ``call_documents()``: each microbatch's document lengths in the
@@ -120,15 +121,11 @@ def make_forward_backward_func(
         schedule = planned_schedule(settings, group.size(), len(chunks.models), num_microbatches, forward_only)
         stats.schedule_digest = schedule.digest()
         agree_on_plan(stats.schedule_digest, group, stats, chunks.first_param.device)
-        documents = call_documents() if call_documents is not None else None
-        tp_group = tensor_group(pg_collection) if settings.share_documents else None
-        if settings.share_documents and (group.size() > 2 or (tp_group is not None and tp_group.size() > 1)):
-            data_iterator, documents = shared_documents(
-                data_iterator, num_microbatches, seq_length, group, tp_group, chunks.first_param.device
-            )
-            context.documents_on_every_tp_rank = True  # TP rank 0's documents reached the other TP ranks
+        shape = (num_microbatches, seq_length, group, pg_collection, chunks.first_param.device)
+        data_iterator, documents = _documents_of_call(settings, call_documents, context, data_iterator, *shape)
         non_loss = collect_non_loss_data and forward_only
-        run = _Run(settings, chunks, group, schedule, forward_only, non_loss, vocab_head, stage_rows)
+        head = vocab_head(chunks.models) if callable(vocab_head) else vocab_head
+        run = _Run(settings, chunks, group, schedule, forward_only, non_loss, head, stage_rows)
         loss = run.interpret(forward_step_func, data_iterator, micro_batch_size, context, stats, documents)
         if not forward_only and getattr(chunks.config, "finalize_model_grads_func", None) is not None:
             finalize_grads(chunks, loss, pg_collection or grad_finalize_pgs, force_all_reduce)
@@ -139,6 +136,21 @@ def make_forward_backward_func(
     function.stats = stats
     function.settings = settings
     return function
+
+
+def _documents_of_call(
+    settings, call_documents, context, data_iterator, num_microbatches, seq_length, group, pg_collection, device
+):
+    """(the data iterator, each microbatch's documents or None): from ``call_documents`` (a CP engine's
+    plans), or handed from the first stage's TP rank 0 to the ranks that read no batch (packed windows)."""
+    documents = call_documents() if call_documents is not None else None
+    tp_group = tensor_group(pg_collection) if settings.share_documents else None
+    if settings.share_documents and (group.size() > 2 or (tp_group is not None and tp_group.size() > 1)):
+        data_iterator, documents = shared_documents(
+            data_iterator, num_microbatches, seq_length, group, tp_group, device
+        )
+        context.documents_on_every_tp_rank = True  # TP rank 0's documents reached the other TP ranks
+    return data_iterator, documents
 
 
 @dataclass(frozen=True)

@@ -193,6 +193,42 @@ def _phase1(
     return units, assign, merged, Extras(routed=routed, routes=tuple(sorted(routes.items())))
 
 
+def _check_inputs(
+    lengths: Sequence[int], dp: int, dp_merge: bool, whole_samples: bool, cp_route: Optional[CPRoute]
+) -> None:
+    if dp < 1:
+        raise fail("packing dp", dp, "an integer >= 1")
+    if not lengths or min(lengths) < 1:
+        raise fail("packing lengths", list(lengths)[:8], "at least one sample, every length >= 1")
+    if dp_merge and (not whole_samples or cp_route is not None):
+        raise fail("packing dp_merge", dp_merge, "False, or True with whole_samples and no cp_route")
+
+
+def _slices_and_outliers(
+    lengths: Sequence[int],
+    costs: SliceCosts,
+    dp: int,
+    caps: Caps,
+    size: int,
+    outlier_tokens: Optional[int],
+    cp_route: Optional[CPRoute],
+    dp_merge: bool,
+) -> tuple[list[list[Piece]], set[int]]:
+    """Each sample's slices, and the outliers ``solve``'s docstring says may be routed or merged."""
+    if caps.whole:
+        slices = [[Piece(s, 0, n)] for s, n in enumerate(lengths)]
+    else:
+        slices = [cut_balanced(s, n, size, costs) for s, n in enumerate(lengths)]
+    large = outliers(lengths, costs, dp, outlier_tokens)
+    if caps.whole:  # only a sample that fills a MicroPack alone is the pack its CP route prices
+        large = {s for s in large if lengths[s] == caps.cap} if cp_route is not None else set()
+        if dp_merge:
+            large = {s for s in outliers(lengths, costs, dp, outlier_tokens) if lengths[s] > 1}
+            for s in large:
+                slices[s] = cut(s, lengths[s], -(-lengths[s] // 2))
+    return slices, large
+
+
 def solve(
     lengths: Sequence[int],
     costs: SliceCosts,
@@ -217,29 +253,14 @@ def solve(
     two halves, each a unit of its own (DP-merge over two replicas, ``dp_merge.py``); halves that land on
     one rank run there as the whole sample again."""
     began, began_cpu = time.perf_counter(), time.process_time()
-    if dp < 1:
-        raise fail("packing dp", dp, "an integer >= 1")
-    if not lengths or min(lengths) < 1:
-        raise fail("packing lengths", list(lengths)[:8], "at least one sample, every length >= 1")
-    if dp_merge and (not whole_samples or cp_route is not None):
-        raise fail("packing dp_merge", dp_merge, "False, or True with whole_samples and no cp_route")
+    _check_inputs(lengths, dp, dp_merge, whole_samples, cp_route)
     caps = Caps(dp, effective_cap(costs, token_cap, memory_cap), token_cap, memory_cap, whole_samples)
     size = min(slice_tokens or caps.cap, caps.cap)
     if size < 1:
         raise fail("packing slice_tokens", slice_tokens, f"an integer in 1..{caps.cap}")
     if whole_samples and max(lengths) > caps.cap:
         raise fail("packing lengths", max(lengths), f"samples of at most {caps.cap} tokens with whole_samples")
-    if whole_samples:
-        slices = [[Piece(s, 0, n)] for s, n in enumerate(lengths)]
-    else:
-        slices = [cut_balanced(s, n, size, costs) for s, n in enumerate(lengths)]
-    large = outliers(lengths, costs, dp, outlier_tokens)
-    if whole_samples:  # only a sample that fills a MicroPack alone is the pack its CP route prices
-        large = {s for s in large if lengths[s] == caps.cap} if cp_route is not None else set()
-        if dp_merge:
-            large = {s for s in outliers(lengths, costs, dp, outlier_tokens) if lengths[s] > 1}
-            for s in large:
-                slices[s] = cut(s, lengths[s], -(-lengths[s] // 2))
+    slices, large = _slices_and_outliers(lengths, costs, dp, caps, size, outlier_tokens, cp_route, dp_merge)
     units, assign, merged, extras = _phase1(lengths, costs, slices, large, dp, cp_route, whole_samples)
     first = build(lengths, units, assign, costs, caps, extras)
     phase1_s, phase1_cpu_s = time.perf_counter() - began, time.process_time() - began_cpu

@@ -45,6 +45,19 @@ def _engine_slices_got(s: Settings, i: Inputs) -> str:
     return f"{engine_input(s, i)} with {i.setting('slimpipe', True)}, {', '.join(got)}"
 
 
+def _vocab_exchange_refused_by_launcher(s: Settings) -> bool:
+    return not s.slimpipe or s.tp > 1 or s.cp > 1 or s.vpp > 1 or s.precision != "fp32" or s.packing != "none"
+
+
+def _packing(s: Settings, i: Inputs) -> str:
+    """The launcher's ``--slimpipe-packing`` (a recipe's packing is no Megatron-LM flag)."""
+    return f", --slimpipe-packing {s.packing}" if i.flags else ""
+
+
+def _packing_off(i: Inputs) -> str:
+    return ", --slimpipe-packing none" if i.flags else ""
+
+
 def _unit(s: Settings) -> int:
     return slice_alignment(s.cp, s.tp, s.sequence_parallel)
 
@@ -53,12 +66,18 @@ SLIMPIPE_RULES = [
     Rule(
         "slice-policy-exchange",
         (LAUNCHER, MEGATRON_ARGS),
-        lambda s: s.slimpipe and s.slice_policy == "exchange" and (s.tp > 1 or s.cp > 1 or s.recompute is not None),
+        lambda s: (
+            s.slimpipe
+            and s.slice_policy == "exchange"
+            and (s.tp > 1 or s.cp > 1 or s.recompute is not None or s.vocab_parallel)
+        ),
         lambda s, i: (
-            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)} "
-            f"and {i.setting('recompute', s.recompute or 'none')}: under Megatron-LM's launcher context exchange "
-            "runs without tensor or context parallelism and without activation recomputation; allowed: "
-            f"{i.setting('tp', 1)}, {i.setting('cp', 1)} and {i.unset('recompute', 'none')}, or "
+            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)}, "
+            f"{i.setting('recompute', s.recompute or 'none')}"
+            f"{' and ' + i.setting('vocab_parallel', True) if s.vocab_parallel else ''}: "
+            "under Megatron-LM's launcher context exchange runs without tensor or context parallelism, activation "
+            f"recomputation or the vocabulary exchange; allowed: {i.setting('tp', 1)}, {i.setting('cp', 1)}, "
+            f"{i.unset('recompute', 'none')} and {i.unset('vocab_parallel', 'false')}, or "
             f"{i.setting('slice_policy', 'uniform')} or balanced"
         ),
     ),
@@ -101,10 +120,14 @@ SLIMPIPE_RULES = [
     Rule(
         "vocab-parallel-megatron",
         (LAUNCHER, MEGATRON_ARGS),
-        lambda s: s.vocab_parallel,
+        lambda s: s.vocab_parallel and _vocab_exchange_refused_by_launcher(s),
         lambda s, i: (
-            f"{i.setting('vocab_parallel', True)}: vocab_parallel runs in megatron-slim train only (and is "
-            f"simulated by megatron-slim simulate); Megatron-LM's launcher does not run it yet; allowed: "
+            f"{i.setting('vocab_parallel', True)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)}, "
+            f"{i.setting('vpp', s.vpp)}, {s.precision} parameters{_packing(s, i)}: under Megatron-LM's launcher "
+            "the vocabulary exchange runs in the SlimPipe schedule, on fp32 parameters, without tensor or "
+            "context parallelism and with one model chunk per pipeline rank (megatron-slim train runs more); "
+            f"allowed: {i.setting('slimpipe', True)}, {i.setting('tp', 1)}, {i.setting('cp', 1)}, "
+            f"{i.setting('vpp', 1)}, {i.unset('precision', 'fp32')}{_packing_off(i)}, or "
             f"{i.unset('vocab_parallel', 'false')}"
         ),
     ),

@@ -157,6 +157,7 @@ _FLAG_NAMES = {
     "vocab_parallel": "--slimpipe-vocab-parallel",
     "seq_length": "--seq-length",
     "recompute": "--recompute-granularity",
+    "precision": "--bf16 or --fp16",
     "megatron_schedule": "no --use-slimpipe",
     "packing": "--slimpipe-packing",
 }

@@ -138,6 +138,8 @@ class PipelineInterpreter:
             output, loss_func = self.ops.forward(a.chunk, inp)
             if stage == self.schedule.num_stages - 1 and self.vocab is not None:
                 self.vocab.keep(a.microbatch, a.slice, output, loss_func(output))
+                if not self.forward_only:  # the exchange keeps the values; backward needs only the graph
+                    self.ops.release_output(output)
             elif stage == self.schedule.num_stages - 1:
                 self.loss.add(a.microbatch, a.slice, loss_func(output), keep_graph=not self.forward_only)
         if self.forward_only and a.slice == self.schedule.num_slices - 1:

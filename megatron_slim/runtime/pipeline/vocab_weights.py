@@ -85,27 +85,46 @@ class VocabHead:
                 lo, hi = self.rows_of(r)
                 dist.send(self.weight.data[lo:hi].contiguous(), rank, self.group, _SHARD_TAG)
 
-    def reduce_grads(self) -> None:
-        """Every whole copy gets the sum of all copies' gradients (the whole weight's gradient)."""
+    def reduce_grads(self, sum_owned_copies: bool = True) -> None:
+        """Every whole copy gets the sum of all copies' gradients (the whole weight's gradient).
+
+        ``sum_owned_copies=False`` (tied, under Megatron-LM's loop): Megatron's
+        ``finalize_model_grads`` sums the first and last stages' owned copies over its embedding group
+        afterwards, so the first stage keeps its own gradient out of the sum here."""
         if self.embedding is not None:
             self.embedding.reduce_grads()
         if self.size == 1:
             return
-        if self.weight.grad is None:
-            self.weight.grad = torch.zeros_like(self.weight)
+        grad = self._grad()
         if not self.sharded:
-            dist.all_reduce(self.weight.grad, group=self.group)
+            keep_own = not sum_owned_copies and self.owned and self.index != self.source % self.size
+            own = grad.clone() if keep_own else None
+            if own is not None:
+                grad.zero_()
+            dist.all_reduce(grad, group=self.group)
+            if own is not None:
+                grad.copy_(own)
             return
         src = self.pp_ranks[self.source]
         if dist.get_rank() != src:
-            dist.send(self.weight.grad, src, self.group, _SHARD_TAG)
+            dist.send(grad, src, self.group, _SHARD_TAG)
             return
         for r, rank in enumerate(self.pp_ranks):
             if rank != src:
                 lo, hi = self.rows_of(r)
-                rows = torch.empty_like(self.weight.grad[lo:hi])
+                rows = torch.empty_like(grad[lo:hi])
                 receive(rows, rank, self.group, _SHARD_TAG)
-                self.weight.grad[lo:hi] += rows
+                grad[lo:hi] += rows
+
+    def _grad(self) -> torch.Tensor:
+        """Where this copy's gradient accumulates: Megatron-LM's DDP moves an optimizer-owned
+        parameter's gradient into ``main_grad`` as backward produces it."""
+        main = getattr(self.weight, "main_grad", None)
+        if self.owned and main is not None:
+            return main
+        if self.weight.grad is None:
+            self.weight.grad = torch.zeros_like(self.weight)
+        return self.weight.grad
 
 
 def receive(buffer: torch.Tensor, src: int, group: Optional[dist.ProcessGroup], tag: int) -> None:

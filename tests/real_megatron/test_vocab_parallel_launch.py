@@ -1,0 +1,81 @@
+"""``--slimpipe-vocab-parallel`` through the real ``pretrain_gpt.py``: the word embedding, output
+layer and loss on every pipeline rank (``megatron/slimpipe/vocab_launch.py``), iteration by
+iteration against Megatron's own 1F1B on the same layout (lm loss and grad norm, relative
+difference <= 1e-5, fp32): pp2 with untied and tied embeddings (tied: Megatron's embedding group
+still sums the first and last stages' copies), and (slow tier) pp4, whose middle stages hold
+replicas (untied: their vocabulary shard of each weight; tied: whole, collected by the last
+stage's copy). Each rank's parameter count, as Megatron logs it, and its saved model
+(``--ckpt-format torch``: the same keys and shapes, values within fp32 round-off) are Megatron's:
+the replicas the exchange adds are not model parameters.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.real_megatron.harness import TINY, megatron_args, relative_difference, run_pretrain, write_corpus
+
+pytestmark = pytest.mark.real_megatron
+TOLERANCE = 1e-5
+PARAMETERS = re.compile(r"number of parameters on \(tensor, pipeline\) model parallel rank \((\d+), (\d+)\): (\d+)")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "docs")
+
+
+def _saved_models(save: Path, pp: int) -> list[dict]:
+    """Each pipeline rank's saved model state (``--ckpt-format torch``) after the last iteration."""
+    step = save / f"iter_{int((save / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+    files = [step / f"mp_rank_00_{stage:03d}" / "model_optim_rng.pt" for stage in range(pp)]
+    return [torch.load(f, map_location="cpu", weights_only=False)["model"] for f in files]
+
+
+def _assert_same_models(ours: list[dict], reference: list[dict]) -> None:
+    for mine, theirs in zip(ours, reference, strict=True):
+        assert list(mine) == list(theirs)
+        for name, value in theirs.items():
+            if torch.is_tensor(value):
+                torch.testing.assert_close(mine[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _parameter_counts(log: str) -> dict[tuple[int, int], int]:
+    return {(int(t), int(p)): int(n) for t, p, n in PARAMETERS.findall(log)}
+
+
+@pytest.mark.parametrize(
+    "pp, tied",
+    [(2, False), (2, True), *(pytest.param(4, tied, marks=pytest.mark.slow) for tied in (False, True))],
+    ids=["pp2-untied", "pp2-tied", "pp4-untied", "pp4-tied"],
+)
+def test_vocab_parallel_trains_as_megatrons_own_1f1b(pp, tied, corpus, tmp_path):
+    common = [*TINY, f"parallel.pp={pp}", f"model.untie_embeddings_and_output_weights={str(not tied).lower()}"]
+    ours = megatron_args([*common, "schedule.kind=slimpipe", "schedule.num_slices=2", "schedule.vocab_parallel=true"])
+    reference = megatron_args([*common, "schedule.kind=1f1b", "schedule.num_slices=1"])
+    assert "--slimpipe-vocab-parallel" in ours
+    ours += ["--save", str(tmp_path / "ours" / "save"), "--ckpt-format", "torch"]
+    reference += ["--save", str(tmp_path / "reference" / "save"), "--ckpt-format", "torch"]
+
+    vocab = run_pretrain(pp, ours, tmp_path / "ours", launcher=True, data_prefix=corpus)
+    megatron = run_pretrain(pp, reference, tmp_path / "reference", launcher=False, data_prefix=corpus)
+
+    assert "vocabulary on every pipeline rank" in vocab.log
+    assert "megatron-slim: " not in megatron.log
+    assert len(megatron.losses) == 3 and vocab.skipped == megatron.skipped == 0
+    assert megatron.losses[-1] < megatron.losses[0]  # it trained
+    assert relative_difference(vocab.losses, megatron.losses) <= TOLERANCE, (vocab.losses, megatron.losses)
+    assert relative_difference(vocab.grad_norms, megatron.grad_norms) <= TOLERANCE, (
+        vocab.grad_norms,
+        megatron.grad_norms,
+    )
+    counts = _parameter_counts(megatron.log)
+    assert sorted(counts) == [(0, stage) for stage in range(pp)], megatron.log[-3000:]
+    assert _parameter_counts(vocab.log) == counts
+    _assert_same_models(
+        _saved_models(tmp_path / "ours" / "save", pp), _saved_models(tmp_path / "reference" / "save", pp)
+    )
