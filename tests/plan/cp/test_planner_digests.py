@@ -7,7 +7,9 @@ ones were re-recorded when the refinement got a budget of greedy passes per pack
 planner budget; ``placement._REFINE_PASSES``, ``_REFINE_TRIES``), which changes picks on packs that
 kept refining past it. All were re-recorded when Zeppelin began to partition every pack with its
 whole layer balanced (``choose.whole_layer``: the MLP counted in the attention layout) and to keep
-the remap only where it prices lower on that placement; the ``no-remap`` ablation's digests stayed.
+the remap only where it prices lower on that placement, with every rank that moves tokens charged
+the busiest mover's remap time among the ranks it exchanges with (``price._remap``); the
+``no-remap`` ablation's digests stayed.
 ``scripts/bench_cp_planner.py``
 checks the same on the benchmark's own 4M-token batches (``benchmarks/results/cp_planner_digests.json``).
 """
@@ -42,18 +44,18 @@ RECORDED = {
     "4x8 short no-remap": "cea0afb60aa6200e",
     "4x8 short no-routing": "cea0afb60aa6200e",
     "4x8 short no-hier": "cea0afb60aa6200e",
-    "4x8 long-tailed all": "a83f9afac9f4db1c",
-    "4x8 long-tailed own": "b81c4b0882a862a7",
+    "4x8 long-tailed all": "aca5a9972bdc4b99",
+    "4x8 long-tailed own": "3cc97974f2a8a2c1",
     "4x8 long-tailed no-remap": "970b384440089362",
-    "4x8 long-tailed no-routing": "a83f9afac9f4db1c",
-    "4x8 long-tailed no-hier": "970b384440089362",
+    "4x8 long-tailed no-routing": "aca5a9972bdc4b99",
+    "4x8 long-tailed no-hier": "aca5a9972bdc4b99",
     "4x8 bimodal all": "41b1e91a5856a069",
-    "4x8 bimodal own": "dff3b2e180575ab5",
+    "4x8 bimodal own": "b6e994f25d9ad5ec",
     "4x8 bimodal no-remap": "51b3495e6a148869",
     "4x8 bimodal no-routing": "41b1e91a5856a069",
     "4x8 bimodal no-hier": "7c073469129a6788",
     "4x8 uniform all": "6a59cf5db129e6d7",
-    "4x8 uniform own": "a99aed1bf0ff60a7",
+    "4x8 uniform own": "c024873474a28f00",
     "4x8 uniform no-remap": "6a59cf5db129e6d7",
     "4x8 uniform no-routing": "6a59cf5db129e6d7",
     "4x8 uniform no-hier": "6196814be6c878d6",
@@ -62,11 +64,11 @@ RECORDED = {
     "2x4 short no-remap": "4988c524f8aebea6",
     "2x4 short no-routing": "cdf9400cfe7d7e89",
     "2x4 short no-hier": "cdf9400cfe7d7e89",
-    "2x4 long-tailed all": "1ec6c7b2deb8668e",
-    "2x4 long-tailed own": "1ec6c7b2deb8668e",
+    "2x4 long-tailed all": "8cb57cab27830e72",
+    "2x4 long-tailed own": "8cb57cab27830e72",
     "2x4 long-tailed no-remap": "fa65c4509615542a",
     "2x4 long-tailed no-routing": "74baf3a8ffcf3036",
-    "2x4 long-tailed no-hier": "1ec6c7b2deb8668e",
+    "2x4 long-tailed no-hier": "8cb57cab27830e72",
     "2x4 bimodal all": "073c9f1d132f7c31",
     "2x4 bimodal own": "115c611a796c80aa",
     "2x4 bimodal no-remap": "4ce80bafd618076d",
