@@ -82,9 +82,8 @@ def whole_layer(layers: ZeppelinLayers) -> ZeppelinLayers:
     (``zeppelin`` against ``zeppelin-unremapped``) and kept only where it pays. Partitioning for
     the remap instead (attention-layout work balanced, the MLP assumed even) leaves token counts far
     from the balanced share, and the remap that settles them costs more NVLink and NIC time than the
-    balance it buys: on ``cp_engines_hopper_cudnn.md``'s packs that placement was priced and
-    simulated 1-5% above this one on most mixes (``benchmarks/results/cp_engines_hopper_cudnn.md``,
-    note of 2026-11-26)."""
+    balance it buys: on the hopper-cudnn benchmark's batches that placement, remapped or not, was
+    priced and simulated 0-6% above this one (docs/cp-placement-choice.md, "The remap")."""
     return dataclasses.replace(layers, remap=False)
 
 
