@@ -1,6 +1,7 @@
 """Zeppelin per pack: its own placement or any baseline engine's, whichever prices lowest.
 
-The candidates are Zeppelin's hierarchical placement (``placement.zeppelin_specs``), the same with
+The candidates are Zeppelin's hierarchical placement (``placement.zeppelin_specs``, partitioned
+with every rank's whole layer balanced: ``whole_layer``) with the remap, the same with
 its inter-node sequences spread over every rank in one group (``spread_specs``), its own placement
 without the remap (``zeppelin-unremapped``: when moving tokens to the balanced layout costs more
 than it saves, e.g. over a slow NIC), and the
@@ -24,6 +25,7 @@ candidate is named in ``Choice.pruned`` instead of ``Choice.priced``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -72,6 +74,17 @@ class Choice:
     specs: list[GroupSpec]
     priced: dict[str, PackCost] = field(default_factory=dict)  # every candidate priced in full
     pruned: tuple[str, ...] = ()  # candidates whose floor exceeded the best price
+
+
+def whole_layer(layers: ZeppelinLayers) -> ZeppelinLayers:
+    """The layers Zeppelin partitions a pack under: each rank's whole layer balanced, MLP included
+    in the attention layout, with or without the remap. The remap is then priced on that placement
+    (``zeppelin`` against ``zeppelin-unremapped``) and kept only where it pays. Partitioning for
+    the remap instead (attention-layout work balanced, the MLP assumed even) leaves token counts far
+    from the balanced share, and the remap that settles them costs more NVLink and NIC time than the
+    balance it buys: on the hopper-cudnn benchmark's batches that placement, remapped or not, was
+    priced and simulated 0-6% above this one (docs/cp-placement-choice.md, "The remap")."""
+    return dataclasses.replace(layers, remap=False)
 
 
 def runnable(name: str, topo: CPTopology, costs: CPCosts, layers: ZeppelinLayers) -> bool:
@@ -176,7 +189,7 @@ def spread_specs(
     spread, rest = parts
     rest_splits = [splits[i] for i in rest]
     rest_members, _ = partition(
-        tuple(lengths[i] for i in rest), rest_splits, topo, overflow_cost(topo, costs, layers.remap)
+        tuple(lengths[i] for i in rest), rest_splits, topo, overflow_cost(topo, costs, whole_layer(layers).remap)
     )
     others = specs_of(rest_splits, rest_members, topo, layers)
     first = _spread_group(spread, topo, costs, layers)
@@ -195,7 +208,7 @@ def choose_placement(
     out, for reports that show losing candidates' prices (``scripts/cp_pack_breakdown.py``); the
     pick is the same either way."""
     remap = layers.remap
-    splits, members, _ = partition_pack(lengths, topo, costs, layers)
+    splits, members, _ = partition_pack(lengths, topo, costs, whole_layer(layers))
     own = specs_of(splits, members, topo, layers)
     unremapped = runnable("zeppelin-unremapped", topo, costs, layers)
     own_prices = price_both(lengths, own, topo, costs, (remap, False) if unremapped else (remap,))

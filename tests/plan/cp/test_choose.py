@@ -7,9 +7,9 @@ import random
 import pytest
 
 from megatron_slim.plan.cp.assemble import GroupSpec, assemble
-from megatron_slim.plan.cp.choose import CANDIDATES, choose_placement, plan_zeppelin, spread_specs
+from megatron_slim.plan.cp.choose import CANDIDATES, choose_placement, plan_zeppelin, spread_specs, whole_layer
 from megatron_slim.plan.cp.engines import ENGINES, plan_pack
-from megatron_slim.plan.cp.estimate import ALL_LAYERS
+from megatron_slim.plan.cp.estimate import ALL_LAYERS, ZeppelinLayers
 from megatron_slim.plan.cp.placement import partition_pack, zeppelin_specs
 from megatron_slim.plan.cp.price import COMPONENTS, price_specs
 from megatron_slim.plan.cp.program import lower_cp
@@ -65,6 +65,25 @@ def test_picked_placement_is_never_priced_above_any_baseline(name, costs):
         assert mine <= price_plan(own, topo, costs, remap=own.picked in REMAPPED_PICKS).time_s * (1 + 1e-12)
 
 
+@pytest.mark.parametrize("name", ["2x2", "4x8"])
+def test_the_remap_is_kept_only_where_it_beats_the_unremapped_ablation(name, costs):
+    """Zeppelin's pick is never priced above what Zeppelin without the remapping layer picks (the
+    ``zeppelin -remap`` ablation): its placement is one of Zeppelin's candidates
+    (``zeppelin-unremapped``). Only a spread pick of the ablation (its group over every rank run
+    unremapped) is not among them."""
+    topo = topology(name)
+    checked = 0
+    for lengths in mixed_packs(seed=11, count=8, total=64_000):
+        plan = plan_zeppelin(lengths, topo, costs)
+        mine = price_plan(plan, topo, costs, remap=plan.picked in REMAPPED_PICKS).time_s
+        ablation = plan_zeppelin(lengths, topo, costs, ZeppelinLayers(remap=False))
+        if ablation.picked == "zeppelin-spread":
+            continue
+        checked += 1
+        assert mine <= price_plan(ablation, topo, costs, remap=False).time_s * (1 + 1e-12), lengths
+    assert checked >= 8
+
+
 def test_breakdown_sums_and_compute_is_the_packs_work(costs):
     topo = topology("4x8")
     for lengths in mixed_packs(seed=9, count=4, total=64_000):
@@ -96,11 +115,11 @@ def test_one_group_prices_match_the_simulator(engine, rel, costs):
 
 def test_every_candidate_lowers_and_baseline_picks_do_not_remap(costs):
     topo = topology("2x2")
-    lengths = mixed_packs(seed=3, count=1, total=20_000)[1]
+    lengths = mixed_packs(seed=5, count=2, total=20_000)[3]  # one with an inter-node sequence to spread
     choice = choose_placement(lengths, topo, costs)
     assert {"zeppelin", "ulysses", "ring", "dynamic"} <= set(choice.priced) | set(choice.pruned)
-    splits, members, _ = partition_pack(lengths, topo, costs)
-    own = zeppelin_specs(lengths, topo, costs)
+    splits, members, _ = partition_pack(lengths, topo, costs, whole_layer(ALL_LAYERS))
+    own = zeppelin_specs(lengths, topo, costs, whole_layer(ALL_LAYERS))
     for name in CANDIDATES:
         if name in ("zeppelin", "zeppelin-unremapped"):
             specs = own

@@ -5,7 +5,12 @@ The digests below were recorded from the planner at commit dfc8a53 (before the s
 three packs per length mix, topology and ablation must hash the same. The 4x8 short and long-tailed
 ones were re-recorded when the refinement got a budget of greedy passes per pack (issue 10's 50 ms
 planner budget; ``placement._REFINE_PASSES``, ``_REFINE_TRIES``), which changes picks on packs that
-kept refining past it. ``scripts/bench_cp_planner.py``
+kept refining past it. All were re-recorded when Zeppelin began to partition every pack with its
+whole layer balanced (``choose.whole_layer``: the MLP counted in the attention layout) and to keep
+the remap only where it prices lower on that placement, with every rank that moves tokens charged
+the busiest mover's remap time among the ranks it exchanges with (``price._remap``); the
+``no-remap`` ablation's digests stayed.
+``scripts/bench_cp_planner.py``
 checks the same on the benchmark's own 4M-token batches (``benchmarks/results/cp_planner_digests.json``).
 """
 
@@ -34,46 +39,46 @@ LAYERS = {
     "no-hier": ZeppelinLayers(hierarchical=False),
 }
 RECORDED = {
-    "4x8 short all": "9bf8bfcd86cc2757",
-    "4x8 short own": "e58e459a9fd390f7",
+    "4x8 short all": "cea0afb60aa6200e",
+    "4x8 short own": "b65df0b1b375b5e8",
     "4x8 short no-remap": "cea0afb60aa6200e",
-    "4x8 short no-routing": "9bf8bfcd86cc2757",
-    "4x8 short no-hier": "5c0543c5451830db",
-    "4x8 long-tailed all": "8d9ec034bb0f4969",
-    "4x8 long-tailed own": "a90f4b28c33ec625",
+    "4x8 short no-routing": "cea0afb60aa6200e",
+    "4x8 short no-hier": "cea0afb60aa6200e",
+    "4x8 long-tailed all": "aca5a9972bdc4b99",
+    "4x8 long-tailed own": "3cc97974f2a8a2c1",
     "4x8 long-tailed no-remap": "970b384440089362",
-    "4x8 long-tailed no-routing": "8d9ec034bb0f4969",
-    "4x8 long-tailed no-hier": "1241f972b29e3219",
-    "4x8 bimodal all": "e81d4a8e12c2481e",
-    "4x8 bimodal own": "d31662a234cc6f13",
+    "4x8 long-tailed no-routing": "aca5a9972bdc4b99",
+    "4x8 long-tailed no-hier": "aca5a9972bdc4b99",
+    "4x8 bimodal all": "41b1e91a5856a069",
+    "4x8 bimodal own": "b6e994f25d9ad5ec",
     "4x8 bimodal no-remap": "51b3495e6a148869",
-    "4x8 bimodal no-routing": "e81d4a8e12c2481e",
+    "4x8 bimodal no-routing": "41b1e91a5856a069",
     "4x8 bimodal no-hier": "7c073469129a6788",
-    "4x8 uniform all": "94ba6e56e8cd1ce1",
-    "4x8 uniform own": "4b8326159cece2f8",
+    "4x8 uniform all": "6a59cf5db129e6d7",
+    "4x8 uniform own": "c024873474a28f00",
     "4x8 uniform no-remap": "6a59cf5db129e6d7",
-    "4x8 uniform no-routing": "94ba6e56e8cd1ce1",
+    "4x8 uniform no-routing": "6a59cf5db129e6d7",
     "4x8 uniform no-hier": "6196814be6c878d6",
-    "2x4 short all": "f56e5b4f9d20aa70",
-    "2x4 short own": "f56e5b4f9d20aa70",
+    "2x4 short all": "cdf9400cfe7d7e89",
+    "2x4 short own": "cdf9400cfe7d7e89",
     "2x4 short no-remap": "4988c524f8aebea6",
-    "2x4 short no-routing": "f56e5b4f9d20aa70",
-    "2x4 short no-hier": "f56e5b4f9d20aa70",
-    "2x4 long-tailed all": "53f60e6cea48d754",
-    "2x4 long-tailed own": "53f60e6cea48d754",
+    "2x4 short no-routing": "cdf9400cfe7d7e89",
+    "2x4 short no-hier": "cdf9400cfe7d7e89",
+    "2x4 long-tailed all": "8cb57cab27830e72",
+    "2x4 long-tailed own": "8cb57cab27830e72",
     "2x4 long-tailed no-remap": "fa65c4509615542a",
-    "2x4 long-tailed no-routing": "629ff273bc4964c3",
-    "2x4 long-tailed no-hier": "53f60e6cea48d754",
-    "2x4 bimodal all": "d46fed3943edb3fb",
-    "2x4 bimodal own": "80da7c09ad392fb6",
+    "2x4 long-tailed no-routing": "74baf3a8ffcf3036",
+    "2x4 long-tailed no-hier": "8cb57cab27830e72",
+    "2x4 bimodal all": "073c9f1d132f7c31",
+    "2x4 bimodal own": "115c611a796c80aa",
     "2x4 bimodal no-remap": "4ce80bafd618076d",
-    "2x4 bimodal no-routing": "686a49c1b9be4f9b",
-    "2x4 bimodal no-hier": "1f26fde8cd0cf5da",
+    "2x4 bimodal no-routing": "170ae234990be116",
+    "2x4 bimodal no-hier": "35d92a48f21e95de",
     "2x4 uniform all": "46b0be9ecdfa5a39",
     "2x4 uniform own": "46b0be9ecdfa5a39",
     "2x4 uniform no-remap": "46b0be9ecdfa5a39",
     "2x4 uniform no-routing": "29ef7f44b53ae3fc",
-    "2x4 uniform no-hier": "b5a8d3c367c128c1",
+    "2x4 uniform no-hier": "bb8bfa48d4e47d31",
 }
 
 
