@@ -78,15 +78,11 @@ class EngineSlices:
         (None where this rank reads no batches)."""
         from megatron_slim.megatron.cp.data import plan_microbatch
         from megatron_slim.megatron.cp.window_slices import plans_digest, window_shares
+        from megatron_slim.megatron.slimpipe.stage import one_chunk_source
         from megatron_slim.runtime.agreement import check_agreement
 
         listed = isinstance(data_iterator, (list, tuple))
-        if listed and len(data_iterator) != 1:
-            raise ValueError(
-                f"--cp-engine {args.cp_engine} with --use-slimpipe: {len(data_iterator)} model chunks per rank; "
-                "allowed: one (no virtual pipeline stages)"
-            )
-        source = data_iterator[0] if listed else data_iterator
+        source = one_chunk_source(data_iterator, f"--cp-engine {args.cp_engine} with --use-slimpipe")
         batches = [dict(next(source)) for _ in range(num_microbatches)] if source is not None else None
         topo, costs = self.plan_inputs(args)
         lengths = self._call_lengths(batches, num_microbatches, device)

@@ -32,6 +32,16 @@ def reset_documents(context: SliceContext, documents: Optional[list]) -> None:
             context.documents.record(microbatch, lengths)
 
 
+def one_chunk_source(data_iterator, what: str):
+    """The one data iterator of a rank with one model chunk (``what`` needs it read up front)."""
+    listed = isinstance(data_iterator, (list, tuple))
+    if listed and len(data_iterator) != 1:
+        raise ValueError(
+            f"{what}: {len(data_iterator)} model chunks per rank; allowed: one (no virtual pipeline stages)"
+        )
+    return data_iterator[0] if listed else data_iterator
+
+
 def shared_documents(
     data_iterator, num_microbatches: int, seq_length: int, pp_group, tp_group, device
 ) -> tuple[Any, Optional[list]]:
@@ -48,12 +58,7 @@ def shared_documents(
     )
 
     listed = isinstance(data_iterator, (list, tuple))
-    if listed and len(data_iterator) != 1:
-        raise ValueError(
-            f"document lengths for the middle pipeline stages: {len(data_iterator)} model chunks per rank; "
-            "allowed: one (no virtual pipeline stages)"
-        )
-    source = data_iterator[0] if listed else data_iterator
+    source = one_chunk_source(data_iterator, "document lengths for the middle pipeline stages")
     measure = lambda batch: batch_documents(batch, seq_length)  # noqa: E731
     stages, stage = pp_group.size(), pp_group.rank()
     lengths = None
