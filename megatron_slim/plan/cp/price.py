@@ -265,20 +265,15 @@ def _waits(queue: list[_Coupled], ahead: tuple[float, float], groups: _Loads) ->
     of one group over every rank beside a group over most of them was priced as if alone (uniform
     16K-128K, seed 0: ranks outside the second group wait 3 ms a layer; docs/cp-placement-choice.md)."""
     per_token, fixed = ahead
-    tokens = groups.tokens
+    tokens, compute, intra, inter = groups.tokens, groups.compute, groups.intra, groups.inter
     before = [t * per_token + fixed for t in tokens]
     ready = before[:]  # a member's own work queued so far, waits left out (they are filled)
-    ends: dict[int, float] = {}
+    ends = [0.0] * len(tokens)
     for members, work, span in queue:
         end = max([ready[r] for r in members]) + span
         for r in members:
             ready[r] += work
-            if end > ends.get(r, 0.0):
+            if end > ends[r]:
                 ends[r] = end
-    wait = [0.0] * len(tokens)
-    compute, intra, inter = groups.compute, groups.intra, groups.inter
-    for r, end in ends.items():
-        late = end - (before[r] + compute[r] + intra[r] + inter[r])
-        if late > 0:
-            wait[r] = late
-    return tuple(wait)
+    own = [b + c + a + e for b, c, a, e in zip(before, compute, intra, inter)]
+    return tuple([end - o if end > o else 0.0 for end, o in zip(ends, own)])
