@@ -67,7 +67,8 @@ def markdown(rows: list[dict[str, Any]], header_lines: list[str]) -> str:
         "other engine's (all layers, seconds), the margin (other / Zeppelin), and the planner's cost "
         "model for both placements as ms per layer (forward + backward), mean over ranks: compute "
         "(attention + token work), exposed intra-node and inter-node communication, idle (waiting for "
-        "the busiest rank); the four sum to the estimated layer time",
+        "the busiest rank, or for a partner that reaches a shared group late); the four sum to the "
+        "estimated layer time",
         "",
     ]
     for dist in dict.fromkeys(r["distribution"] for r in rows):

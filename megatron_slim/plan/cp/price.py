@@ -9,10 +9,13 @@ returns, per rank, the seconds of one layer's forward + backward split into
   step's compute does not hide (``estimate._ring``), the head all-to-alls of ``ulysses`` and
   ``hierarchical`` groups, the K/V all-gather, and the remap's all-to-alls (every rank that moves
   tokens waits for the busiest mover it exchanges with: ``_remap``);
+* ``wait``: how much later its attention ends because a partner in one of its groups reaches
+  that group late (busy with groups of a higher priority or more token work first: ``_waits``);
 
-and the pack time, the busiest rank's sum (``idle`` = time - own sum). Groups are charged one
-after the other, so the model is pessimistic for placements of many groups (the attention engine
-fills one group's waits with another's work) and exact in structure for one-group placements.
+and the pack time, the busiest rank's sum (``idle`` = time - own work, ``wait`` included). Each
+rank's groups are charged one after the other, so the model is pessimistic for ranks in many
+groups (the attention engine fills one group's waits with another's work) and exact in structure
+for one-group placements.
 Only counts of tokens and pairs are used (no segment is built), so pricing a candidate is cheap
 next to assembling it.
 """
@@ -37,20 +40,25 @@ class PackCost:
     compute: tuple[float, ...]
     intra: tuple[float, ...]
     inter: tuple[float, ...]
+    wait: tuple[float, ...]  # for the partners of its groups (``_waits``), not work of its own
 
     def load(self, rank: int) -> float:
-        return self.compute[rank] + self.intra[rank] + self.inter[rank]
+        return self.compute[rank] + self.intra[rank] + self.inter[rank] + self.wait[rank]
 
     @cached_property
     def time_s(self) -> float:
-        return max([c + a + e for c, a, e in zip(self.compute, self.intra, self.inter)])  # as load(r)
+        return max([c + a + e + w for c, a, e, w in zip(self.compute, self.intra, self.inter, self.wait)])
 
     def breakdown(self) -> dict[str, float]:
-        """Mean over ranks of each component; they sum to ``time_s``."""
+        """Mean over ranks of each component; they sum to ``time_s`` (``idle`` includes ``wait``)."""
         n = len(self.compute)
         mean = {k: sum(getattr(self, k)) / n for k in COMPONENTS[:3]}
         mean["idle"] = self.time_s - sum(mean.values())
         return mean
+
+
+_Own = tuple[float, float]  # what a group's kind returns: each member's compute, and its span
+_Coupled = tuple[tuple[int, ...], float, float]  # a group's members, each one's compute and span
 
 
 class _Loads:
@@ -82,7 +90,7 @@ def _spans_nodes(ranks: tuple[int, ...], topo: CPTopology) -> bool:
     return topo.node_of(min(ranks)) != topo.node_of(max(ranks))  # nodes are rank ranges
 
 
-def _zigzag(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
+def _zigzag(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> _Own:
     g = len(spec.ranks)
     total, squares = sum(lens), sum(s * s for s in lens)
     inter = _spans_nodes(spec.ranks, topo)
@@ -95,9 +103,10 @@ def _zigzag(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, 
     cf, cb = costs.attention_s(pairs, False), costs.attention_s(pairs, True)
     ring = _ring(g, cf, hop(block), cb, hop(2 * block), hop(block))
     loads.charge(spec.ranks, g * (cf + cb), ring - g * (cf + cb), inter, total / g)
+    return g * (cf + cb), ring
 
 
-def _hierarchical(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
+def _hierarchical(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> _Own:
     a = spec.a2a_size
     n = len(spec.ranks) // a
     total, squares = sum(lens), sum(s * s for s in lens)
@@ -111,14 +120,16 @@ def _hierarchical(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPC
     nic = topo.nic
     ring = _ring(n, cf, nic.transfer_time(block), cb, nic.transfer_time(2 * block), nic.transfer_time(block))
     loads.charge(spec.ranks, n * (cf + cb), ring - n * (cf + cb), True, per_rank, intra_s=a2a)
+    return n * (cf + cb), ring + a2a
 
 
-def _ulysses(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
+def _ulysses(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> _Own:
     p = len(spec.ranks)
     rows = sum(lens) / p
     kv_share = max(1.0 / p, 1.0 / costs.kv_heads)
     per_peer = rows * (4 * costs.q_bytes / p + 2 * costs.kv_bytes * kv_share)  # the 4 all-to-alls
     compute = sum(s * (s + 1) / 2 for s in lens) / p * costs.pair_s()
+    slowest = 0.0
     for r in spec.ranks:
         same = sum(1 for x in spec.ranks if topo.same_node(x, r))
         nvl = per_peer * (same - 1) / topo.nvlink.bandwidth + 4 * topo.nvlink.latency
@@ -126,9 +137,11 @@ def _ulysses(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts,
         loads.compute[r] += compute
         loads.comm(r, max(nvl, nic), nic > nvl)
         loads.tokens[r] += rows
+        slowest = max(slowest, nvl, nic)
+    return compute, compute + slowest
 
 
-def _allgather(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
+def _allgather(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> _Own:
     g = len(spec.ranks)
     total = sum(lens)
     own = total / g * costs.kv_bytes
@@ -140,12 +153,14 @@ def _allgather(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCost
     collective = max(nic, nvl) + lat  # forward: one gather; backward: gather and reduce-scatter
     compute = sum(s * (s + 1) / 2 for s in lens) / g * costs.pair_s()
     loads.charge(spec.ranks, compute, 3 * collective, nodes > 1 and nic >= nvl, total / g)
+    return compute, compute + 3 * collective
 
 
-def _local(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> None:
+def _local(spec: GroupSpec, lens: list[int], topo: CPTopology, costs: CPCosts, loads: _Loads) -> _Own:
     r = spec.ranks[0]
     loads.compute[r] += sum(s * (s + 1) / 2 for s in lens) * costs.pair_s()
     loads.tokens[r] += sum(lens)
+    return 0.0, 0.0  # waits for no one
 
 
 _KINDS = {"local": _local, "zigzag": _zigzag, "hierarchical": _hierarchical, "ulysses": _ulysses}
@@ -209,15 +224,20 @@ def price_both(
     """``price_specs`` of one placement under each of ``remaps``: the groups are charged once."""
     groups = _Loads(topo.num_ranks)
     pair_s = costs.pair_s()
+    coupled: tuple[list[_Coupled], list[_Coupled]] = ([], [])  # inter-node groups, then intra-node ones
     for spec in specs:
         if spec.kind == "local" and len(spec.seqs) == 1:  # most groups: ``_local`` of one sequence
             s, r = lengths[spec.seqs[0]], spec.ranks[0]
             groups.compute[r] += s * (s + 1) / 2 * pair_s
             groups.tokens[r] += s
             continue
-        _KINDS[spec.kind](spec, [lengths[i] for i in spec.seqs], topo, costs, groups)
+        work, span = _KINDS[spec.kind](spec, [lengths[i] for i in spec.seqs], topo, costs, groups)
+        if len(spec.ranks) > 1:
+            coupled[0 if _spans_nodes(spec.ranks, topo) else 1].append((spec.ranks, work, span))
+    queue = coupled[0] + coupled[1]  # the attention engine's queue order (plan.cp.assemble)
     attn_token_s = costs.token_s(1.0, remap=True)
     mlp_s = costs.mlp_fwd_s + costs.mlp_bwd_s
+    before_s = costs.pre_fwd_s + costs.post_bwd_s  # token work ahead of attention, forward + backward
     share = sum(lengths) / topo.num_ranks
     out = []
     for remap in remaps:
@@ -226,7 +246,34 @@ def price_both(
         loads.compute = [
             c + t * attn_token_s + (share if remap else t) * mlp_s for c, t in zip(groups.compute, groups.tokens)
         ]
+        ahead = (before_s, share * costs.mlp_bwd_s) if remap else (before_s + costs.mlp_bwd_s, 0.0)
+        wait = _waits(queue, ahead, groups) if queue else (0.0,) * topo.num_ranks
         if remap:
             _remap(loads, topo, costs)
-        out.append(PackCost(tuple(loads.compute), tuple(loads.intra), tuple(loads.inter)))
+        out.append(PackCost(tuple(loads.compute), tuple(loads.intra), tuple(loads.inter), wait))
     return tuple(out)
+
+
+def _waits(queue: list[_Coupled], ahead: tuple[float, float], groups: _Loads) -> tuple[float, ...]:
+    """Per rank, how long its attention ends after its own work would: a group's members run it
+    together (ring steps hand K/V along, all-to-alls synchronise), so it ends its span after its
+    *last* member turns to it, and a member turns to a group once the work it queues first is done:
+    the token work ahead of attention (``ahead``: seconds per token and per rank) and the compute
+    of its groups of a higher priority (their exposed communication overlaps the next group's
+    compute). A member that waits fills the gap with work of a lower priority (intra-node rings,
+    local sequences), but not with the MLP, which needs its attention output. Without this a rank
+    of one group over every rank beside a group over most of them was priced as if alone (uniform
+    16K-128K, seed 0: ranks outside the second group wait 3 ms a layer; docs/cp-placement-choice.md)."""
+    per_token, fixed = ahead
+    tokens, compute, intra, inter = groups.tokens, groups.compute, groups.intra, groups.inter
+    before = [t * per_token + fixed for t in tokens]
+    ready = before[:]  # a member's own work queued so far, waits left out (they are filled)
+    ends = [0.0] * len(tokens)
+    for members, work, span in queue:
+        end = max([ready[r] for r in members]) + span
+        for r in members:
+            ready[r] += work
+            if end > ends[r]:
+                ends[r] = end
+    own = [b + c + a + e for b, c, a, e in zip(before, compute, intra, inter)]
+    return tuple([end - o if end > o else 0.0 for end, o in zip(ends, own)])
