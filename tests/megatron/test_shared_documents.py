@@ -5,6 +5,7 @@ each reading rank replays exactly the batches it read."""
 
 from __future__ import annotations
 
+import pytest
 import torch.distributed as dist
 
 from megatron_slim.runtime.spawn import run_ranks
@@ -36,6 +37,7 @@ def _hand_over(rank, world_size):
     return lengths, replayed
 
 
+@pytest.mark.slow  # default-tier time: tests/runtime/pipeline/test_stage_lengths.py's pp x tp grid covers the hand-over
 def test_every_rank_of_a_tp2_x_pp3_grid_gets_the_first_stages_documents():
     results = run_ranks(_hand_over, TP * PP, timeout_s=300)
     expected = [(5, 59), None, (64,)]

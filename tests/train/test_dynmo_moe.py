@@ -67,6 +67,7 @@ def trained(tmp_path_factory, data_cache):
     return runs
 
 
+@pytest.mark.slow  # default-tier time: the MoE layers are checked by hand above, the pipeline in test_dynmo_train.py
 def test_pipelined_moe_run_reproduces_the_single_process_losses_and_load(trained):
     piped, whole = trained["pp2"], trained["pp1"]
     assert len(piped["losses"]) == 3

@@ -142,6 +142,7 @@ def test_pipeline_stages_that_plan_different_windows_stop_on_every_rank(hardware
 
 
 @pytest.mark.multi
+@pytest.mark.slow  # default-tier time: test_pp2_cp2_1f1b_step_matches_the_per_document_reference runs this path
 def test_cli_trains_pp2_cp2_with_zeppelin_and_matches_pp1(tmp_path, data_cache, short_documents, hardware):
     corpus = short_documents
     sets = ["parallel.cp=2", "cp.engine=zeppelin", "cp.remap=true", f"hardware={hardware}"]

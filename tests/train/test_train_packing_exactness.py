@@ -127,15 +127,16 @@ def packed_step(rank, world_size, method, tp=1, ref=None, seed=1234):
     }
 
 
-# Megatron packing at pp2xcp2 and tp2xpp2 runs in the slow tier: SlimPack's windows cover the same CP
-# and TP paths in the default tier, and Megatron packing's windows the pp2 one.
+# Megatron packing at pp2xcp2 and tp2xpp2, and SlimPack at tp2xpp2, run in the slow tier: SlimPack's
+# windows cover the CP path in the default tier, Megatron packing's windows the pp2 one, and packed
+# windows under tp2 run in the contract tier (tests/real_megatron/test_packing_tp_cp_launch.py).
 @pytest.mark.parametrize(
     "method, world_size, tp",
     [
         pytest.param(method, world, tp, id=f"{method}-{layout}", marks=[pytest.mark.slow] if slow else [])
         for method in ("slimpack", "megatron")
         for world, tp, layout in ((2, 1, "pp2"), (4, 1, "pp2xcp2"), (4, 2, "tp2xpp2"))
-        for slow in [method == "megatron" and world == 4]
+        for slow in [(method == "megatron" and world == 4) or tp == 2]
     ],
 )
 def test_packed_step_equals_the_per_document_reference(method, world_size, tp):

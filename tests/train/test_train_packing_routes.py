@@ -161,6 +161,7 @@ def _check_routed_step(results) -> None:
     assert routed_samples == {s for s, _ in routes}  # each routed sample ran on the replica the plan names
 
 
+@pytest.mark.slow  # default-tier time: the split case below runs the same routes, over both CP ranks
 def test_cp_routed_outliers_run_zeppelins_placement_and_match_the_reference():
     results = run_ranks(routed_step, 4, timeout_s=300)
     assert 0 in results[0]["engine_rows"]  # the default profile's NVLink: Zeppelin keeps the outlier on one CP rank

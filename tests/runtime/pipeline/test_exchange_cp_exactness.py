@@ -42,7 +42,11 @@ def _check_moved(results, pp, configs):
 
 
 # pp2 x cp2 moves forward blocks only; pp4 x cp2 (default tier) moves forward and backward ones.
-@pytest.mark.parametrize("pp", [pytest.param(2, marks=pytest.mark.slow, id="pp2xcp2"), pytest.param(4, id="pp4xcp2")])
+# Both in the slow tier: tests/train/test_train_exchange_cp.py runs this path (forward and backward
+# pairs under zigzag query-out CP) at pp2xcp2 in the default tier.
+@pytest.mark.parametrize(
+    "pp", [pytest.param(2, marks=pytest.mark.slow, id="pp2xcp2"), pytest.param(4, marks=pytest.mark.slow, id="pp4xcp2")]
+)
 def test_exchange_under_cp_matches_single_process_reference(pp):
     layouts = [(1, pp, CP, CONFIGS[pp])]
     results = run_ranks(_cp_workers.run_slimpipe_cp, pp * CP, layouts, 1234, True, timeout_s=900)
