@@ -21,9 +21,22 @@ import re
 
 import pytest
 
-from tests.real_megatron.harness import TINY, megatron_args, relative_difference, run_pretrain, write_corpus
+from tests.real_megatron.harness import (
+    TINY,
+    installed_megatron_core,
+    megatron_args,
+    relative_difference,
+    run_pretrain,
+    write_corpus,
+)
 
-pytestmark = pytest.mark.real_megatron
+pytestmark = [
+    pytest.mark.real_megatron,
+    pytest.mark.skipif(
+        installed_megatron_core() >= (0, 17),
+        reason="refused at start-up on megatron-core 0.17+: tests/plan/test_startup_checked_versions.py",
+    ),
+]
 TOLERANCE = 1e-5
 BY_NAME = {"MEGATRON_SLIM_TEST_INIT_BY_NAME": "1"}
 SUMMARY = re.compile(r"megatron-slim: packing \w+: .* (\d+) document tokens, (\d+) loss tokens \(iteration 1\)")
