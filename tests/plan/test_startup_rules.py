@@ -142,12 +142,6 @@ def test_train_runs_slimpipe_slices_under_cp_with_the_sliced_engines(engine):
             "allowed: --virtual-pipeline-model-parallel-size 1",
         ),
         (
-            dict(pipeline_model_parallel_size=3, tensor_model_parallel_size=2, num_layers=3),
-            "cp-engine-pipeline-tp",
-            "allowed: --tensor-model-parallel-size 1, or --pipeline-model-parallel-size 1, or "
-            "--pipeline-model-parallel-size 2 on megatron-core below 0.18",
-        ),
-        (
             dict(pipeline_model_parallel_size=2, recompute_granularity="full"),
             "cp-engine-pipeline-recompute",
             "allowed: no recomputation, or --pipeline-model-parallel-size 1",
@@ -159,12 +153,18 @@ def test_what_a_cp_engine_cannot_run_under_the_launchers_pipeline_is_refused(cha
     assert broken_rule(settings_from_megatron_args(args), LAUNCHER).name == rule
     refused = _refusal(check_megatron_args, args)
     assert refused.startswith("--cp-engine zeppelin") and words in refused, refused
-    # pp=2 with tp=2 keeps working where both stages read their tokens (megatron-core below 0.18)
-    if rule == "cp-engine-pipeline-tp":
-        two = settings_from_megatron_args(argparse.Namespace(**{**args.__dict__, "pipeline_model_parallel_size": 2}))
-        for version, refused_there in (((0, 16), False), ((0, 17), False), ((0, 18), True), ((0, 19), True)):
-            found = broken_rule(replace(two, megatron_core=version), LAUNCHER)
-            assert (found is not None and found.name == rule) == refused_there, (version, found)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("version", [(0, 16), (0, 17), (0, 18), (0, 19)])
+def test_a_cp_engine_under_the_launchers_pipeline_runs_at_tp2_on_every_megatron_core(pp, version):
+    """Every stage and TP rank plans from stage 0's TP rank 0 lengths (``share_first_stage_lengths``)."""
+    change = dict(pipeline_model_parallel_size=pp, tensor_model_parallel_size=2, num_layers=2 * pp)
+    args = argparse.Namespace(**{**FLAGS, **change})
+    settings = replace(settings_from_megatron_args(args), megatron_core=version)
+    assert (settings.pp, settings.tp, settings.cp_engine_runs) == (pp, 2, True)
+    assert broken_rule(settings, LAUNCHER) is None
+    assert "cp-engine-pipeline-tp" not in {rule.name for rule in RULES}
 
 
 def test_train_refuses_slimpipe_slices_under_the_other_engines_naming_what_runs():

@@ -64,3 +64,25 @@ def test_a_cp_engine_at_pp2_x_cp2_trains_as_megatrons_own_pp2_run(tmp_path):
         engine.grad_norms,
         megatron.grad_norms,
     )
+
+
+def test_a_cp_engine_at_pp2_x_cp2_x_tp2_trains_as_megatrons_own_pp2_x_tp2_run(tmp_path):
+    """TP rank 1 of the first stage reads no batch, and the last stage's TP rank 1 (from megatron-core
+    0.18 every last-stage rank) gets no tokens: every rank plans from stage 0's TP rank 0 lengths."""
+    corpus = write_corpus(tmp_path / "docs")
+    common = [*TINY, "parallel.pp=2", "parallel.tp=2", "schedule.kind=1f1b", "schedule.num_slices=1"]
+    ours = megatron_args([*common, "parallel.cp=2", "cp.engine=zeppelin"])
+    reference = [f for f in megatron_args(common) if f != "--no-create-attention-mask-in-dataloader"]
+    reference += ["--reset-position-ids", "--reset-attention-mask"]
+
+    engine = run_pretrain(8, ours, tmp_path / "ours", launcher=True, data_prefix=corpus)
+    megatron = run_pretrain(4, reference, tmp_path / "reference", launcher=False, data_prefix=corpus)
+
+    assert "megatron-slim: --cp-engine zeppelin: CP attention" in engine.log
+    assert len(megatron.losses) == 3 and engine.skipped == megatron.skipped == 0
+    assert megatron.losses[-1] < megatron.losses[0]  # it trained
+    assert relative_difference(engine.losses, megatron.losses) <= TOLERANCE, (engine.losses, megatron.losses)
+    assert relative_difference(engine.grad_norms, megatron.grad_norms) <= TOLERANCE, (
+        engine.grad_norms,
+        megatron.grad_norms,
+    )

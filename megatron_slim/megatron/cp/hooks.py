@@ -17,11 +17,12 @@
   function (``cp_wide_loss``).
 * **Pipelines** (``PipelinePlans``): with pp > 1 the model config's ``variable_seq_lengths`` is
   set, so Megatron's 1F1B sends each stage-to-stage tensor's shape first (plans give CP ranks
-  different token counts). Middle stages read no batch, nor (megatron-core 0.18 on) tokens the last:
-  then the first stage reads the call's microbatches up front and broadcasts their sequence lengths
-  over the pipeline group (``runtime/pipeline/stage_lengths``); a middle stage plans each microbatch
-  before its forward step, a last stage without tokens plans them in ``split``, and the stages that
-  read tokens check their lengths against the broadcast ones.
+  different token counts). Middle stages read no batch, nor (megatron-core 0.18 on) tokens the last,
+  nor, under tensor parallelism, the last stage's TP ranks other than 0: then the first stage's TP
+  rank 0 reads the call's microbatches up front and hands their sequence lengths to every stage and
+  TP rank (``runtime/pipeline/stage_lengths.share_first_stage_lengths``, as the sliced path does); a
+  middle stage plans each microbatch before its forward step, a last-stage rank without tokens plans
+  them in ``split``, and the ranks that read tokens check their lengths against the handed ones.
 
 **Loss normalisation.** megatron-core 0.16.1 ``schedules.forward_step_calc_loss`` takes the
 3-tuple ``(loss, num_tokens, report)`` of ``pretrain_gpt.loss_func`` (``loss`` = sum of masked
@@ -255,27 +256,30 @@ class CPHookState:
         return forward_backward_with_cp_engine
 
     def pipeline_plans(self, kwargs: dict, config: Any) -> PipelinePlans:
-        """Under pipeline parallelism: stage-to-stage shapes that follow each plan and, with stages
-        that read no tokens, the first stage's sequence lengths on every stage (``kwargs['data_iterator']``
-        is replaced by the first stage's replay of what it read)."""
+        """Under pipeline parallelism: stage-to-stage shapes that follow each plan and, unless every
+        rank reads its tokens, the first stage's TP rank 0 sequence lengths on every stage and TP rank
+        (``kwargs['data_iterator']`` is replaced there by the replay of what it read)."""
         from megatron.core import parallel_state
 
         from megatron_slim.megatron.compat import mcore_version
         from megatron_slim.megatron.cp.lengths import pack_lengths
         from megatron_slim.plan.startup.settings import last_stage_reads_tokens
-        from megatron_slim.runtime.pipeline.stage_lengths import share_microbatch_lengths
+        from megatron_slim.runtime.pipeline.stage_lengths import share_first_stage_lengths
 
         group = parallel_state.get_pipeline_model_parallel_group()
         if group is None or group.size() == 1:
             return PipelinePlans(self, None, reads_batches=True)
         config.variable_seq_lengths = True  # each microbatch's plan sets this rank's rows between stages
-        if group.size() == 2 and last_stage_reads_tokens(mcore_version()[:2]):
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        # the last stage's TP ranks other than 0 get no tokens from Megatron's TP batch broadcast
+        if group.size() == 2 and tp_group.size() == 1 and last_stage_reads_tokens(mcore_version()[:2]):
             return PipelinePlans(self, None, reads_batches=True)
-        iterator, lengths = share_microbatch_lengths(
+        iterator, lengths = share_first_stage_lengths(
             kwargs.get("data_iterator"),
             int(kwargs["num_microbatches"]),
             lambda batch: pack_lengths(batch)[0],
             group,
+            tp_group,
             self.cp_context().device,
         )
         kwargs["data_iterator"] = iterator

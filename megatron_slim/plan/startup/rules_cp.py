@@ -55,16 +55,6 @@ CP_ENGINE_RULES = [
         ),
     ),
     _on_engine(
-        "cp-engine-pipeline-tp",
-        lambda s: s.tp > 1 and (s.pp > 2 or (s.pp == 2 and not s.last_stage_reads_tokens)),
-        lambda s, i: (
-            f"{engine_input(s, i)} with {i.name('pp')} {s.pp} and {i.name('tp')} {s.tp}: the stages that read no "
-            "tokens (middle stages, and from megatron-core 0.18 the last) get each microbatch's sequence lengths "
-            "from the first stage, whose TP ranks other than 0 read no batch; allowed: "
-            f"{i.setting('tp', 1)}, or {i.name('pp')} 1, or {i.name('pp')} 2 on megatron-core below 0.18"
-        ),
-    ),
-    _on_engine(
         "cp-engine-pipeline-recompute",
         lambda s: s.pp > 1 and s.recompute not in (None, "none"),
         lambda s, i: (

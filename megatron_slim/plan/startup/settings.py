@@ -74,10 +74,6 @@ class Settings:
     megatron_core: Optional[tuple[int, int]] = None
 
     @property
-    def last_stage_reads_tokens(self) -> bool:
-        return last_stage_reads_tokens(self.megatron_core)
-
-    @property
     def cp_engine_runs(self) -> bool:
         """A megatron-slim CP engine runs the attention (SlimPipe brings its own CP attention)."""
         return self.cp_engine not in (None, NO_CP_ENGINE) and self.cp > 1 and not self.slimpipe

@@ -12,7 +12,11 @@ words) and holds the call's token batches a little earlier than the schedule wou
 Tensor parallelism has the same gap one level down: on a stage that reads batches only TP rank 0
 gets a data iterator, and Megatron's TP batch broadcast (``get_batch_on_this_tp_rank``) carries
 tensors only, so the window's ``document_lengths`` would stay on TP rank 0. The same collective
-over the stage's TP group hands them to the other TP ranks (``megatron/slimpipe/stage.py``).
+over the stage's TP group hands them to the other TP ranks (``megatron/slimpipe/stage.py``). The
+CP engines need the lengths on every stage and TP rank: ``first_rank_lengths`` (and
+``share_first_stage_lengths``, which also reads them) hands stage 0's TP rank 0 lengths down the
+pipeline among TP rank 0s, then across each stage's TP ranks (``megatron/cp/hooks.py``,
+``megatron/slimpipe/engine_slices.py``).
 
 Wire form (``encode_lengths``): ``[count, n_0, l_0_0 .. l_0_{n_0-1}, n_1, ...]``; ``n = 0`` stands
 for a microbatch without lengths (a plain window: one causal sequence).
@@ -111,12 +115,15 @@ def share_microbatch_lengths(
     mine: Optional[MicrobatchLengths] = None
     if first:
         data_iterator, mine = read_microbatch_lengths(data_iterator, num_microbatches, lengths_of)
-    shared = broadcast_lengths(mine, group, device)
+    return data_iterator, _counted(broadcast_lengths(mine, group, device), num_microbatches)
+
+
+def _counted(shared: MicrobatchLengths, num_microbatches: int) -> MicrobatchLengths:
     if len(shared) != num_microbatches:
         raise ValueError(
             f"the group's first rank sent lengths of {len(shared)} microbatches; expected {num_microbatches}"
         )
-    return data_iterator, shared
+    return shared
 
 
 def first_rank_lengths(
@@ -139,3 +146,22 @@ def first_rank_lengths(
     if shared is None:
         raise ValueError("first_rank_lengths: a single rank must pass its own lengths")
     return shared
+
+
+def share_first_stage_lengths(
+    data_iterator: Optional[Iterator],
+    num_microbatches: int,
+    lengths_of: Callable[[Any], Optional[tuple[int, ...]]],
+    pipeline_group: Any,
+    tensor_group: Any,
+    device: torch.device | str = "cpu",
+) -> tuple[Optional[Iterator], MicrobatchLengths]:
+    """Collective over a pipeline x tensor-parallel grid: pipeline stage 0's TP rank 0 (the one rank
+    there that Megatron gives a data iterator) reads the call's ``num_microbatches`` batches up front
+    and measures each with ``lengths_of`` (``read_microbatch_lengths``); every rank of the grid gets
+    those lengths (``first_rank_lengths``). Returns the iterator to run the schedule on (that rank's
+    replays what it read, in order; the others' is theirs unchanged) and the lengths."""
+    own: Optional[MicrobatchLengths] = None
+    if pipeline_group.rank() == 0 and tensor_group.rank() == 0:
+        data_iterator, own = read_microbatch_lengths(data_iterator, num_microbatches, lengths_of)
+    return data_iterator, _counted(first_rank_lengths(own, pipeline_group, tensor_group, device), num_microbatches)
