@@ -82,8 +82,8 @@ def _add_slimpipe_cost_and_cp(g) -> None:
         default="te",
         help=(
             "context-parallel attention: te = Megatron's own (default); the others are megatron-slim engines "
-            "(with --pipeline-model-parallel-size > 1: Megatron's 1F1B, no virtual stages, no recomputation, "
-            "tp=1 beyond 2 stages; with --use-slimpipe: zeppelin, ring or ulysses plan each window from the "
+            "(with --pipeline-model-parallel-size > 1: Megatron's 1F1B, any pp and tp, no virtual stages, no "
+            "recomputation; with --use-slimpipe: zeppelin, ring or ulysses plan each window from the "
             "first stage's lengths and every slice follows the plan, any pp and tp, no virtual stages, no "
             "--sequence-parallel at tp > 1; docs/cp-pipeline.md)"
         ),

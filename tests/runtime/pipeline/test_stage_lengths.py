@@ -86,3 +86,22 @@ def _grid(rank, world_size):
 
 def test_every_rank_of_a_pipeline_x_tp_grid_gets_stage_0_tp_rank_0s_lengths():
     assert run_ranks(_grid, 4, timeout_s=120) == [[(7, 57), None]] * 4
+
+
+def _read_on_grid(rank, world_size):
+    """pp3 x tp2, global rank = pp_rank * 2 + tp_rank: only stage 0's TP rank 0 (global 0) has a data
+    iterator, as under ``pretrain_gpt.py``; the last stage's TP rank 0 (global 4) keeps its own."""
+    from megatron_slim.runtime.pipeline.stage_lengths import share_first_stage_lengths
+
+    pipelines = [dist.new_group([0, 2, 4]), dist.new_group([1, 3, 5])]
+    tensors = [dist.new_group([0, 1]), dist.new_group([2, 3]), dist.new_group([4, 5])]
+    batches = [{"documents": (9, 55), "i": 0}, {"documents": None, "i": 1}]
+    iterator = iter(batches) if rank == 0 else (iter(["last stage's own"]) if rank == 4 else None)
+    replay, lengths = share_first_stage_lengths(iterator, 2, _documents, pipelines[rank % 2], tensors[rank // 2])
+    return lengths, (None if replay is None else [b if rank else b["i"] for b in replay])
+
+
+def test_stage_0_tp_rank_0_reads_and_every_rank_of_a_pp3_x_tp2_grid_gets_its_lengths():
+    results = run_ranks(_read_on_grid, 6, timeout_s=180)
+    assert [lengths for lengths, _ in results] == [[(9, 55), None]] * 6
+    assert [replay for _, replay in results] == [[0, 1], None, None, None, ["last stage's own"], None]
