@@ -18,9 +18,11 @@ For each placement of the vocabulary (default; ``--vocab-parallel``: ``schedule.
 embedding and output layer spread over all ranks in the cost model):
 1. uncoupled: the balanced durations alone, groups from unit time, then ``ROUNDS`` more rounds
    each reading the groups off the previous round's timeline;
-2. coupled (``slimpipe_exchange_multiway.GroupRun``, the engine's pair rendezvous generalised to a
-   group and, here, to cross-pass blocks), transfers free and priced, for the groups of unit time
-   and of every uncoupled round.
+2. coupled, transfers free and priced, for the groups of unit time and of every uncoupled round,
+   under three rendezvous models (optimistic to pessimistic): ``GroupRun`` (the engine's pair
+   model generalised to a group: each block as if it were the taker's first), ``SerialGroupRun``
+   (a taker computes its blocks one after another) and ``StrictGroupRun`` (a sender waits for
+   its takers' whole actions: blocks spread over the layers).
 Also printed: blocks per group, senders per taker, and the largest one-layer working set a taker
 holds (``ExchangeWork.peer_bytes`` summed over the blocks it serves in one group).
 """
@@ -92,7 +94,10 @@ def group_stats(costs: mw.BalancedCosts, schedule: Schedule, groups: list[list[R
                 held += costs.exchange(stage, a.microbatch, a.slice, tokens, a.kind.is_backward).peer_bytes
             peak = max(peak, held)
     bubble = 1 - work / (schedule.pp * lockstep)
-    return f"lock-step {bubble:.2%}; {len(groups)} groups ({mixed} mixed-pass), {blocks} blocks, <= {most} senders/taker, taker peak {peak / 2**30:.2f} GiB/layer"
+    return (
+        f"lock-step {bubble:.2%}; {len(groups)} groups ({mixed} mixed-pass), {blocks} blocks, "
+        f"<= {most} senders/taker, taker peak {peak / 2**30:.2f} GiB/layer"
+    )
 
 
 class StrictGroupRun(mw.GroupRun):
@@ -108,7 +113,8 @@ class StrictGroupRun(mw.GroupRun):
             t = self.start(rank, a)
             assert t is not None
             stage = self.schedule.stage(rank, a.chunk)
-            members[(rank, a)] = (t, compute_time(self.costs, stage, a), mw.movable(self.costs, self.schedule, (rank, a)))
+            full = compute_time(self.costs, stage, a)
+            members[(rank, a)] = (t, full, mw.movable(self.costs, self.schedule, (rank, a)))
         fulls, moves = [m[1] for m in members.values()], [m[2] for m in members.values()]
         share = dict(zip(members, mw.shares(fulls, moves)))
         senders = {ra: m[2] - share[ra] for ra, m in members.items() if m[2] > share[ra]}
@@ -131,17 +137,49 @@ class StrictGroupRun(mw.GroupRun):
             self.walker._advance(ra[0], ra[1], ends[ra])
 
 
+class SerialGroupRun(mw.GroupRun):
+    """``GroupRun`` with each taker computing its blocks one after another (senders in start order,
+    from the taker's start), whole-stage transfers as in the engine: block ``k`` of a taker starts
+    at ``max(its previous block's end, sender start + over)``; its sender ends no earlier than the
+    block's end plus ``back``."""
+
+    def _run_step(self, step: list[RankAction]) -> None:
+        members = {}
+        for rank, a in step:
+            t = self.start(rank, a)
+            assert t is not None
+            full = compute_time(self.costs, self.schedule.stage(rank, a.chunk), a)
+            members[(rank, a)] = (t, full, mw.movable(self.costs, self.schedule, (rank, a)))
+        share = dict(zip(members, mw.shares([m[1] for m in members.values()], [m[2] for m in members.values()])))
+        senders = sorted((m[0], ra, m[2] - share[ra]) for ra, m in members.items() if m[2] > share[ra])
+        takers = {ra: share[ra] - m[2] for ra, m in members.items() if m[2] < share[ra]}
+        total = sum(e for _, _, e in senders)
+        ends = {ra: t + full - mv + share[ra] for ra, (t, full, mv) in members.items()}
+        cursor = {peer: members[peer][0] for peer in takers}
+        for t, ra, excess in senders:
+            for peer, deficit in takers.items():
+                block = excess * deficit / total
+                over, back = self._comm(ra, members[ra][2], peer[0], block)
+                cursor[peer] = max(cursor[peer], t + over) + block
+                ends[ra] = max(ends[ra], cursor[peer] + back)
+                ends[peer] = max(ends[peer], cursor[peer])
+        for ra, (t, full, mv) in members.items():
+            self.run._record(ra[0], ra[1], t, ends[ra], full - mv + share[ra])
+            self.walker._advance(ra[0], ra[1], ends[ra])
+
+
 def busy(result: SimResult, rank: int) -> float:
     return sum(e.end - e.start for e in result.events if e.stream == "compute" and e.rank == rank)
 
 
 def coupled(costs: mw.BalancedCosts, schedule: Schedule, groups: list[list[RankAction]], label: str) -> None:
     costs.durations = {}
-    for model in (mw.GroupRun, StrictGroupRun):
+    for model in (mw.GroupRun, SerialGroupRun, StrictGroupRun):
         figures = []
         for transfers in (False, True):
             run = model(schedule, costs, groups, transfers)
-            figures.append(f"{run.simulate():.2%} ({run.dissolved} unbalanced)")
+            bubble = run.simulate()
+            figures.append(f"{bubble:.2%} ({max(run.run.free):.2f} s, {run.dissolved} unbalanced)")
         print(f"  coupled ({model.__name__}), groups from {label}: free {figures[0]}, priced {figures[1]}")
 
 
@@ -151,7 +189,9 @@ def probe(vocab_parallel: bool, rounds: int) -> None:
     costs = mw.BalancedCosts(recipe)
     p = recipe.parallel
     schedule = lower(generate(recipe.schedule.kind, p.pp, p.vpp, recipe.num_microbatches, recipe.schedule.num_slices))
-    print(f"vocab_parallel={vocab_parallel}: uniform, no exchange: bubble {simulate(schedule, costs).bubble_ratio:.2%}")
+    base = simulate(schedule, costs)
+    figure = f"{base.bubble_ratio:.2%} ({base.pipeline_time_s:.2f} s)"
+    print(f"vocab_parallel={vocab_parallel}: uniform, no exchange: bubble {figure}")
     timeline: Mapping[RankAction, Interval] = unit_timeline(schedule)
     for i in range(rounds + 1):
         label = "unit time" if i == 0 else f"uncoupled round {i}"
@@ -160,7 +200,8 @@ def probe(vocab_parallel: bool, rounds: int) -> None:
         stats = group_stats(costs, schedule, groups)
         mw.balance(costs, schedule, groups)
         result = simulate(schedule, costs)
-        print(f"  uncoupled, groups from {label}: bubble {result.bubble_ratio:.2%}; {stats}")
+        figure = f"{result.bubble_ratio:.2%} ({result.pipeline_time_s:.2f} s)"
+        print(f"  uncoupled, groups from {label}: bubble {figure}; {stats}")
         print(f"    busy per rank (s): {' '.join(f'{busy(result, r):.2f}' for r in range(p.pp))}")
         coupled(costs, schedule, groups, label)
         timeline = mw.timeline(result)
