@@ -2,7 +2,7 @@
 """Probe: context exchange balancing whole time slots across both passes (not in the product;
 figures in ``benchmarks/results/slimpipe_exchange.md``, section "2026-11-26, session 23").
 
-    python benchmarks/slimpipe_exchange_crosspass.py [ROUNDS] [--vocab-parallel]
+    python benchmarks/slimpipe_exchange_crosspass.py [ROUNDS] [--vocab-parallel] [--mean-share]
 
 Hypothesis: 1F1B's stagger puts a forward on some ranks and a backward (~2x the time) on others in
 one unit-time slot, so balancing within one pass cannot equalise a slot. Here a *group* is every
@@ -12,7 +12,8 @@ is one slot), and the group's members are given equal *whole* durations (water-f
 movable attention (its slice's queries against its K/V prefix), so non-attention work (the output
 layer on the last rank) is compensated by moving attention off that rank. A block keeps its
 sender's pass: a forward block costs forward attention time on the taker, a backward block
-backward attention time, whatever pass the taker is in.
+backward attention time, whatever pass the taker is in. ``--mean-share``: each member's movable
+attention becomes the group's mean instead (the earlier "idealised bound" rule, for comparison).
 
 For each placement of the vocabulary (default; ``--vocab-parallel``: ``schedule.vocab_parallel``,
 embedding and output layer spread over all ranks in the cost model):
@@ -45,7 +46,7 @@ from megatron_slim.plan.schedule.ir import Kind, Schedule  # noqa: E402
 from megatron_slim.plan.schedule.lower import lower  # noqa: E402
 from megatron_slim.plan.sim.engine import SimResult, compute_time, simulate  # noqa: E402
 
-mw.EQUAL_TIME = True  # whole durations equalised, not the movable mean
+mw.EQUAL_TIME = "--mean-share" not in sys.argv  # whole durations equalised, or the movable mean
 Interval = tuple[float, float]
 
 
