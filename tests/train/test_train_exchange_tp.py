@@ -105,8 +105,9 @@ def _check_exactness(results, ref, pp, tp, cp):
     for r in results:
         assert r["grads"].keys() == r["want"].keys() and r["grads"]
         for name, want in r["want"].items():
-            assert r["grads"][name] is not None and r["grads"][name].shape == want.shape, name
-            torch.testing.assert_close(r["grads"][name], want, **TOL, msg=lambda m, n=name, r=r: f"{r['rank']} {n}: {m}")
+            got, where = r["grads"][name], f"{r['rank']} {name}"
+            assert got is not None and got.shape == want.shape, where
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m, where=where: f"{where}: {m}")
         covered |= r["want"].keys()
     assert covered == ref_grads.keys()  # every parameter of the model, on some rank
     last = [r for r in results if r["rank"][0] == pp - 1]
