@@ -1,5 +1,5 @@
 """Start-up rules of context exchange (``schedule.slice_policy: exchange``): ``megatron-slim train``
-runs it (any vpp; under ``parallel.cp > 1`` as zigzag query-out, named by ``cp.engine=ring``) and
+runs it (any vpp, any tp; under ``parallel.cp > 1`` as zigzag query-out, named by ``cp.engine=ring``) and
 refuses the rest by name (the launcher's rules: ``test_startup_exchange.py``)."""
 
 import pytest
@@ -23,13 +23,20 @@ def test_context_exchange_runs_in_train_with_any_vpp_and_under_cp():
     assert (settings.cp_engine, settings.cp_engine_runs) == ("ring", False)  # no engine plans windows
 
 
-@pytest.mark.parametrize("bad", ["parallel.tp=2", "schedule.vocab_parallel=true"])
-def test_train_refuses_context_exchange_where_it_does_not_run(bad):
-    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", bad]
-    refused = _refusal(check_trainable, load_recipe("tiny-cpu", sets))
-    assert refused.startswith("schedule.slice_policy=exchange with parallel.tp=")
-    assert bad.split("=")[0] in refused and refused.endswith(
-        "allowed: parallel.tp=1 and schedule.vocab_parallel=false, or schedule.slice_policy=uniform or balanced"
+def test_train_runs_context_exchange_under_tensor_parallelism():
+    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", "parallel.tp=2"]
+    check_trainable(load_recipe("tiny-cpu", sets))  # each pair runs between the same TP rank of both stages
+    check_trainable(load_recipe("tiny-cpu", [*sets, "parallel.cp=2"]))
+    check_trainable(load_recipe("tiny-cpu", [*sets, "parallel.vpp=2"]))
+    assert broken_rule(train_settings(load_recipe("tiny-cpu", sets)), TRAIN) is None
+
+
+def test_train_refuses_context_exchange_with_the_vocabulary_exchange():
+    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", "schedule.vocab_parallel=true"]
+    assert _refusal(check_trainable, load_recipe("tiny-cpu", sets)) == (
+        "schedule.slice_policy=exchange with schedule.vocab_parallel=true: context exchange runs (with any vpp, "
+        "tensor or context parallelism or activation recomputation) without the vocabulary exchange; allowed: "
+        "schedule.vocab_parallel=false, or schedule.slice_policy=uniform or balanced"
     )
     assert broken_rule(train_settings(load_recipe("tiny-cpu", sets)), TRAIN).name == "slice-policy-exchange-train"
 

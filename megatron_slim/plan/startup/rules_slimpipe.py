@@ -90,12 +90,11 @@ SLIMPIPE_RULES = [
     Rule(
         "slice-policy-exchange-train",
         (TRAIN,),
-        lambda s: s.slimpipe and s.slice_policy == "exchange" and (s.tp > 1 or s.vocab_parallel),
+        lambda s: s.slimpipe and s.slice_policy == "exchange" and s.vocab_parallel,
         lambda s, i: (
-            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)} and "
-            f"{i.setting('vocab_parallel', s.vocab_parallel)}: context exchange runs (with any vpp, context "
-            "parallelism or activation recomputation) without tensor parallelism or the vocabulary exchange; "
-            f"allowed: {i.name('tp')}=1 and {i.name('vocab_parallel')}=false, or "
+            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('vocab_parallel', s.vocab_parallel)}: "
+            "context exchange runs (with any vpp, tensor or context parallelism or activation recomputation) "
+            f"without the vocabulary exchange; allowed: {i.name('vocab_parallel')}=false, or "
             f"{i.name('slice_policy')}=uniform or balanced"
         ),
     ),
