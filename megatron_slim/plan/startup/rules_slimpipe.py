@@ -22,9 +22,8 @@ def _on_slimpipe(name: str, broken: Callable[[Settings], bool], message: str) ->
     return Rule(name, (LAUNCHER,), lambda s: s.slimpipe and broken(s), lambda s, i: message)
 
 
-EXCHANGE_CP_ENGINE = (
-    "ring"  # a recipe's name for SlimPipe's zigzag query-out CP under exchange (launcher: no --cp-engine)
-)
+# a recipe's name for SlimPipe's zigzag query-out CP under exchange (launcher: no --cp-engine)
+EXCHANGE_CP_ENGINE = "ring"
 
 
 def _engine_slices_run(s: Settings) -> bool:
@@ -45,6 +44,10 @@ def _engine_slices_got(s: Settings, i: Inputs) -> str:
     got += [i.setting("cp_remap", True)] if s.cp_remap else []
     got += [i.setting("packing", s.packing)] if s.packing != "none" else []
     return f"{engine_input(s, i)} with {i.setting('slimpipe', True)}, {', '.join(got)}"
+
+
+def _selective_or_vocab(s: Settings) -> bool:
+    return s.recompute == "selective" or s.vocab_parallel
 
 
 def _vocab_exchange_refused_by_launcher(s: Settings) -> bool:
@@ -68,11 +71,7 @@ SLIMPIPE_RULES = [
     Rule(
         "slice-policy-exchange",
         (LAUNCHER, MEGATRON_ARGS),
-        lambda s: (
-            s.slimpipe
-            and s.slice_policy == "exchange"
-            and (s.tp > 1 or s.recompute not in (None, "full") or s.vocab_parallel)
-        ),
+        lambda s: s.slimpipe and s.slice_policy == "exchange" and (s.tp > 1 or _selective_or_vocab(s)),
         lambda s, i: (
             f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)}, "
             f"{i.setting('recompute', s.recompute or 'none')}"
@@ -90,10 +89,10 @@ SLIMPIPE_RULES = [
         lambda s: s.slice_policy == "exchange" and s.cp_engine_slices,
         lambda s, i: (
             f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('cp', s.cp)} and "
-            f"{engine_input(s, i)}: context exchange runs under SlimPipe's query-out context parallelism over "
-            f"zigzag shards of plain causal windows ({i.unset('cp_engine', EXCHANGE_CP_ENGINE)}), not under an "
-            f"engine's planned windows; allowed: {i.unset('cp_engine', EXCHANGE_CP_ENGINE)}, "
-            f"{i.setting('cp', 1)}, or {i.setting('slice_policy', 'uniform')} or balanced"
+            f"{engine_input(s, i)}: context exchange runs under SlimPipe's query-out context parallelism over zigzag "
+            f"shards of plain causal windows ({i.unset('cp_engine', EXCHANGE_CP_ENGINE)}), not under an engine's "
+            f"planned windows; allowed: {i.unset('cp_engine', EXCHANGE_CP_ENGINE)}, {i.setting('cp', 1)}, or "
+            f"{i.setting('slice_policy', 'uniform')} or balanced"
         ),
     ),
     _on_slimpipe(
