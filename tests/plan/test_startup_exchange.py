@@ -6,9 +6,11 @@ import argparse
 
 import pytest
 
+from megatron_slim.megatron.launch.args import settings_from_megatron_args
 from megatron_slim.megatron.launch.flags import check_megatron_args, recipe_to_megatron_args
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schema import ConfigError
+from megatron_slim.plan.startup import LAUNCHER, broken_rule
 from megatron_slim.train.checks import check_trainable
 from tests.plan.test_startup_rules import FLAGS, SLIMPIPE_FLAGS
 
@@ -35,11 +37,29 @@ def test_context_exchange_runs_in_train_and_under_the_megatron_launcher():
     assert flags[flags.index("--slimpipe-slice-policy") + 1] == "exchange"
 
 
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def test_the_megatron_launcher_runs_context_exchange_under_query_out_cp_and_full_recompute():
+    check_megatron_args(argparse.Namespace(**{**EXCHANGE, "context_parallel_size": 2}))  # no --cp-engine
+    check_megatron_args(
+        argparse.Namespace(**{**EXCHANGE, "context_parallel_size": 2}, virtual_pipeline_model_parallel_size=2)
+    )
+    check_megatron_args(argparse.Namespace(**{**EXCHANGE, **FULL_RECOMPUTE}))
+    block = {**FULL_RECOMPUTE, "recompute_method": "block", "recompute_num_layers": 2}
+    check_megatron_args(argparse.Namespace(**{**EXCHANGE, **block}))
+    # megatron-args spells cp.engine=ring under exchange as SlimPipe's query-out CP: no --cp-engine
+    sets = ["parallel.pp=2", "parallel.cp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]
+    flags = recipe_to_megatron_args(load_recipe("tiny-cpu", [*sets, "cp.engine=ring"]))
+    assert "--cp-engine" not in flags and flags[flags.index("--context-parallel-size") + 1] == "2"
+    flags = recipe_to_megatron_args(load_recipe("tiny-cpu", ["parallel.pp=2", *sets[2:], "train.recompute=full"]))
+    assert flags[flags.index("--recompute-granularity") + 1] == "full"
+
+
 @pytest.mark.parametrize(
     "bad, named",
     [
         (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 2"),
-        (dict(context_parallel_size=2), "--context-parallel-size 2"),
         (dict(recompute_granularity="selective"), "--recompute-granularity selective"),
         (dict(slimpipe_vocab_parallel=True), "--slimpipe-vocab-parallel"),
     ],
@@ -48,9 +68,30 @@ def test_the_megatron_launcher_refuses_context_exchange_where_it_does_not_run(ba
     refused = _refusal(check_megatron_args, argparse.Namespace(**{**EXCHANGE, **bad}))
     assert refused.startswith("--slimpipe-slice-policy exchange with --tensor-model-parallel-size ")
     assert named in refused and refused.endswith(
-        "allowed: --tensor-model-parallel-size 1, --context-parallel-size 1, drop --recompute-granularity and "
+        "allowed: --tensor-model-parallel-size 1, --recompute-granularity full or drop --recompute-granularity, "
         "drop --slimpipe-vocab-parallel, or --slimpipe-slice-policy uniform or balanced"
     )
+
+
+@pytest.mark.parametrize("engine", ["ring", "zeppelin", "ulysses"])
+def test_the_megatron_launcher_refuses_context_exchange_under_a_cp_engine(engine):
+    flags = {**EXCHANGE, "context_parallel_size": 2, "cp_engine": engine}
+    settings = settings_from_megatron_args(argparse.Namespace(**flags))
+    assert broken_rule(settings, LAUNCHER).name == "slice-policy-exchange-cp-engine"
+    assert _refusal(check_megatron_args, argparse.Namespace(**flags)) == (
+        f"--slimpipe-slice-policy exchange with --context-parallel-size 2 and --cp-engine {engine}: context exchange "
+        "runs under SlimPipe's query-out context parallelism over zigzag shards of plain causal windows (drop "
+        "--cp-engine), not under an engine's planned windows; allowed: drop --cp-engine, "
+        "--context-parallel-size 1, or --slimpipe-slice-policy uniform or balanced"
+    )
+    sets = ["parallel.pp=2", "parallel.cp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]
+    refused = _refusal(recipe_to_megatron_args, load_recipe("tiny-cpu", [*sets, "cp.engine=zeppelin"]))
+    assert refused.endswith("allowed: cp.engine=ring, parallel.cp=1, or schedule.slice_policy=uniform or balanced")
+
+
+def test_the_megatron_launcher_refuses_context_exchange_with_recompute_under_cp():
+    flags = {**EXCHANGE, **FULL_RECOMPUTE, "context_parallel_size": 2}
+    assert broken_rule(settings_from_megatron_args(argparse.Namespace(**flags)), LAUNCHER).name == "slimpipe-recompute"
 
 
 def test_the_megatron_launcher_refuses_context_exchange_on_packed_windows():

@@ -42,6 +42,17 @@ SHARED = {
         {**SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange", "tensor_model_parallel_size": 2},
         {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.slice_policy=exchange", "parallel.tp=2"]},
     ),
+    "slice-policy-exchange-cp-engine": (
+        {**SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange", "context_parallel_size": 2, "cp_engine": "zeppelin"},
+        {
+            MEGATRON_ARGS: [
+                "schedule.num_slices=2",
+                "schedule.slice_policy=exchange",
+                "parallel.cp=2",
+                "cp.engine=zeppelin",
+            ]
+        },
+    ),
     "vocab-parallel-megatron": (
         {**SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True, "tensor_model_parallel_size": 2},
         {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.vocab_parallel=true", "parallel.tp=2"]},

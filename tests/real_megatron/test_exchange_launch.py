@@ -4,12 +4,17 @@ uniform slices (what exchange keeps), iteration by iteration (lm loss and grad n
 difference <= 1e-5, fp32): moving attention blocks between pipeline ranks changes only the order of
 the softmax's sums.
 
-Cases: pp2, pp4 (forward and backward pairs on every rank) and pp2 x vpp2 (pairs across model
-chunks). The sequence is 512 tokens (4 slices of 128): with the tiny model's 64-token default the timed
-pairing (``timed_exchange_schedule`` on the flags' recipe, the one ``megatron-slim simulate`` and
-``train`` use) finds no pair worth its transfers. Each rank reports what its exchange did in the first
-training call; they must equal, rank by rank, what the pairing planned for the run's flags
-(``expected_reports``, from the plan value alone): K/V shipped by senders, blocks served by peers.
+Cases: pp2, pp4 (forward and backward pairs on every rank), pp2 x vpp2 (pairs across model
+chunks), pp2 x cp2 (SlimPipe's zigzag query-out CP: no ``--cp-engine``, each CP rank ships its
+shard) and pp2 under Megatron's ``--recompute-granularity full --recompute-method block
+--recompute-num-layers 2`` (half of each stage's layers rebuilt in backward; a recomputed forward
+is not paired, so the counts are the plan's as without recomputation). The sequence is 512 tokens
+(4 slices of 128): with the tiny model's 64-token default the timed pairing
+(``timed_exchange_schedule`` on the flags' recipe, the one ``megatron-slim simulate`` and ``train``
+use) finds no pair worth its transfers. Each rank reports what its exchange did in the first
+training call; they must equal, rank by rank (pipeline rank = global rank // cp), what the pairing
+planned for the run's flags (``expected_reports``, from the plan value alone): K/V shipped by
+senders, blocks served by peers.
 """
 
 from __future__ import annotations
@@ -41,17 +46,22 @@ REPORT = re.compile(
 )
 
 
-def expected_reports(pp: int, vpp: int = 1) -> dict[int, tuple[int, int]]:
-    """Per pipeline rank, (K/V tokens shipped, attention blocks served) in one training call of the
+RECOMPUTE_BLOCK = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2}
+RECOMPUTE_SETS = ["train.recompute=full", "train.recompute_method=block", "train.recompute_num_layers=2"]
+
+
+def expected_reports(pp: int, vpp: int = 1, cp: int = 1, recompute: bool = False) -> dict[int, tuple[int, int]]:
+    """Per global rank, (K/V tokens shipped, attention blocks served) in one training call of the
     pairing ``timed_exchange_schedule`` plans for this run's flags: every pair meets once per
-    attention layer of a model chunk. Megatron pads NullTokenizer's vocabulary (up to core 0.16 the eod id
-    comes after it) to a multiple of 128, and the cost model reads the padded size."""
+    attention layer of a model chunk, each CP rank shipping its ``1/cp`` of the moved K/V. Megatron
+    pads NullTokenizer's vocabulary (up to core 0.16 the eod id comes after it) to a multiple of 128,
+    and the cost model reads the padded size."""
     vocab = VOCAB + (1 if installed_megatron_core() < (0, 17) else 0)
     args = argparse.Namespace(
         num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
         group_query_attention=True, padded_vocab_size=128 * math.ceil(vocab / 128), seq_length=SEQ,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=1,
+        context_parallel_size=cp, **(RECOMPUTE_BLOCK if recompute else {}),
         global_batch_size=4, micro_batch_size=1, slimpipe_hardware="cpu", slimpipe_num_slices=SLICES,
         slimpipe_slice_policy="exchange",
     )  # fmt: skip
@@ -59,24 +69,30 @@ def expected_reports(pp: int, vpp: int = 1) -> dict[int, tuple[int, int]]:
     plan = ExchangePlan.from_text(timed_exchange_schedule(recipe_from_megatron_args(args), 4, uniform).exchange)
     layers, counts = 8 // (pp * vpp), {rank: [0, 0] for rank in range(pp)}
     for pair in plan.pairs:
-        counts[pair.sender][0] += pair.moved_tokens * layers
+        counts[pair.sender][0] += pair.moved_tokens // cp * layers
         counts[pair.peer][1] += layers
-    return {rank: (shipped, served) for rank, (shipped, served) in counts.items()}
+    return {rank: tuple(counts[rank // cp]) for rank in range(pp * cp)}  # type: ignore[misc]
 
 
-def _flags(pp: int, vpp: int, policy: str) -> list[str]:
+def _flags(pp: int, vpp: int, cp: int, recompute: bool, policy: str) -> list[str]:
     sets = [f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"model.seq_length={SEQ}", "schedule.kind=slimpipe"]
-    sets.append(f"schedule.num_slices={SLICES}")
-    return megatron_args([*TINY, *sets, f"schedule.slice_policy={policy}"])
+    sets += [f"schedule.num_slices={SLICES}", f"parallel.cp={cp}", "cp.engine=ring"]  # ring: query-out CP
+    return megatron_args([*TINY, *sets, *(RECOMPUTE_SETS if recompute else []), f"schedule.slice_policy={policy}"])
 
 
-@pytest.mark.parametrize("pp, vpp", [(2, 1), (4, 1), (2, 2)], ids=["pp2", "pp4", "pp2xvpp2"])
-def test_exchange_trains_as_uniform_slices_and_its_pairs_run(pp, vpp, tmp_path, report_measurement):
+@pytest.mark.parametrize(
+    "pp, vpp, cp, recompute",
+    [(2, 1, 1, False), (4, 1, 1, False), (2, 2, 1, False), (2, 1, 2, False), (2, 1, 1, True)],
+    ids=["pp2", "pp4", "pp2xvpp2", "pp2xcp2", "pp2-recompute-block"],
+)
+def test_exchange_trains_as_uniform_slices_and_its_pairs_run(pp, vpp, cp, recompute, tmp_path, report_measurement):
     corpus = write_corpus(tmp_path / "docs", documents=2000)  # validation needs whole 512-token windows
-    flags = _flags(pp, vpp, "exchange")
-    assert flags[flags.index("--slimpipe-slice-policy") + 1] == "exchange"
-    exchange = run_pretrain(pp, flags, tmp_path / "exchange", launcher=True, data_prefix=corpus)
-    uniform = run_pretrain(pp, _flags(pp, vpp, "uniform"), tmp_path / "uniform", launcher=True, data_prefix=corpus)
+    flags, ranks = _flags(pp, vpp, cp, recompute, "exchange"), pp * cp
+    assert flags[flags.index("--slimpipe-slice-policy") + 1] == "exchange" and "--cp-engine" not in flags
+    assert ("--recompute-method" in flags) == recompute
+    exchange = run_pretrain(ranks, flags, tmp_path / "exchange", launcher=True, data_prefix=corpus)
+    uniform_flags = _flags(pp, vpp, cp, recompute, "uniform")
+    uniform = run_pretrain(ranks, uniform_flags, tmp_path / "uniform", launcher=True, data_prefix=corpus)
 
     assert f"{SLICES} exchange slice(s)" in exchange.log
     assert len(uniform.losses) == 3 and exchange.skipped == uniform.skipped == 0
@@ -87,11 +103,12 @@ def test_exchange_trains_as_uniform_slices_and_its_pairs_run(pp, vpp, tmp_path, 
     assert norm_diff <= TOLERANCE, (exchange.grad_norms, uniform.grad_norms)
 
     reports = {int(rank): (int(shipped), int(served)) for rank, shipped, served in REPORT.findall(exchange.log)}
-    assert sorted(reports) == list(range(pp)), exchange.log[-3000:]
+    assert sorted(reports) == list(range(ranks)), exchange.log[-3000:]
     assert sum(shipped for shipped, _ in reports.values()) > 0 and sum(s for _, s in reports.values()) > 0
-    assert reports == expected_reports(pp, vpp)
+    assert reports == expected_reports(pp, vpp, cp, recompute)
     assert "context exchange on rank" not in uniform.log
     report_measurement(
-        f"pp{pp}xvpp{vpp} exchange vs uniform slices: lm loss {loss_diff:.1e}, grad norm {norm_diff:.1e}; "
+        f"pp{pp}xvpp{vpp}xcp{cp}{' full block recompute' if recompute else ''} exchange vs uniform slices: "
+        f"lm loss {loss_diff:.1e}, grad norm {norm_diff:.1e}; "
         f"per rank (K/V tokens shipped, blocks served) in the first training call: {reports}"
     )

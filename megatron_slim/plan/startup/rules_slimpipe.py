@@ -22,7 +22,8 @@ def _on_slimpipe(name: str, broken: Callable[[Settings], bool], message: str) ->
     return Rule(name, (LAUNCHER,), lambda s: s.slimpipe and broken(s), lambda s, i: message)
 
 
-EXCHANGE_CP_ENGINE = "ring"  # names SlimPipe's zigzag query-out CP, in train (under exchange) as on the launcher
+# a recipe's name for SlimPipe's zigzag query-out CP under exchange (launcher: no --cp-engine)
+EXCHANGE_CP_ENGINE = "ring"
 
 
 def _engine_slices_run(s: Settings) -> bool:
@@ -43,6 +44,10 @@ def _engine_slices_got(s: Settings, i: Inputs) -> str:
     got += [i.setting("cp_remap", True)] if s.cp_remap else []
     got += [i.setting("packing", s.packing)] if s.packing != "none" else []
     return f"{engine_input(s, i)} with {i.setting('slimpipe', True)}, {', '.join(got)}"
+
+
+def _selective_or_vocab(s: Settings) -> bool:
+    return s.recompute == "selective" or s.vocab_parallel
 
 
 def _vocab_exchange_refused_by_launcher(s: Settings) -> bool:
@@ -66,18 +71,27 @@ SLIMPIPE_RULES = [
     Rule(
         "slice-policy-exchange",
         (LAUNCHER, MEGATRON_ARGS),
-        lambda s: (
-            s.slimpipe
-            and s.slice_policy == "exchange"
-            and (s.tp > 1 or s.cp > 1 or s.recompute is not None or s.vocab_parallel)
-        ),
+        lambda s: s.slimpipe and s.slice_policy == "exchange" and (s.tp > 1 or _selective_or_vocab(s)),
         lambda s, i: (
-            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)}, "
+            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)}, "
             f"{i.setting('recompute', s.recompute or 'none')}"
             f"{' and ' + i.setting('vocab_parallel', True) if s.vocab_parallel else ''}: "
-            "under Megatron-LM's launcher context exchange runs without tensor or context parallelism, activation "
-            f"recomputation or the vocabulary exchange; allowed: {i.setting('tp', 1)}, {i.setting('cp', 1)}, "
-            f"{i.unset('recompute', 'none')} and {i.unset('vocab_parallel', 'false')}, or "
+            "under Megatron-LM's launcher context exchange runs (with any vpp, SlimPipe's query-out context "
+            "parallelism or full recomputation) without tensor parallelism, selective recomputation or the "
+            f"vocabulary exchange; allowed: {i.setting('tp', 1)}, {i.setting('recompute', 'full')} or "
+            f"{i.unset('recompute', 'none')}, {i.unset('vocab_parallel', 'false')}, or "
+            f"{i.setting('slice_policy', 'uniform')} or balanced"
+        ),
+    ),
+    Rule(
+        "slice-policy-exchange-cp-engine",
+        (LAUNCHER, MEGATRON_ARGS),
+        lambda s: s.slice_policy == "exchange" and s.cp_engine_slices,
+        lambda s, i: (
+            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('cp', s.cp)} and "
+            f"{engine_input(s, i)}: context exchange runs under SlimPipe's query-out context parallelism over zigzag "
+            f"shards of plain causal windows ({i.unset('cp_engine', EXCHANGE_CP_ENGINE)}), not under an engine's "
+            f"planned windows; allowed: {i.unset('cp_engine', EXCHANGE_CP_ENGINE)}, {i.setting('cp', 1)}, or "
             f"{i.setting('slice_policy', 'uniform')} or balanced"
         ),
     ),
