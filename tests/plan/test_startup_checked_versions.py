@@ -1,6 +1,7 @@
-"""The launcher's vocabulary exchange and packing under tp/cp match Megatron-LM's own runs on
-megatron-core 0.16 only (tests/real_megatron/test_vocab_parallel_launch.py and
-test_packing_tp_cp_launch.py failed on 0.19): newer megatron-cores are refused at start-up, by name."""
+"""The launcher's vocabulary exchange matches Megatron-LM's own runs on megatron-core 0.16 only
+(tests/real_megatron/test_vocab_parallel_launch.py failed on 0.19): newer megatron-cores are refused at
+start-up, by name. Packing under tensor or context parallelism matches them on 0.16 and 0.19
+(test_packing_tp_cp_launch.py), so no megatron-core is refused for it."""
 
 import pytest
 
@@ -8,29 +9,28 @@ from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.startup import LAUNCHER, RULES, broken_rule, check
 from megatron_slim.plan.startup.settings import Settings
 
-VERSION_RULES = [r for r in RULES if r.name in ("vocab-parallel-megatron-core", "packing-tp-cp-megatron-core")]
+VERSION_RULES = [r for r in RULES if r.name.endswith("-megatron-core")]
 VOCAB = dict(slimpipe=True, pp=2, vocab_parallel=True)
-PACKED = dict(slimpipe=True, pp=2, packing="slimpack", per_token_loss=True, tp=2)
+PACKED = dict(slimpipe=True, pp=2, num_slices=2, seq_length=64, packing="slimpack", per_token_loss=True)
 
 
 @pytest.mark.parametrize("version", [(0, 17), (0, 19)])
-def test_newer_megatron_cores_are_refused(version):
-    assert (
-        broken_rule(Settings(**VOCAB, megatron_core=version), LAUNCHER, VERSION_RULES).name
-        == "vocab-parallel-megatron-core"
-    )
-    assert (
-        broken_rule(Settings(**PACKED, megatron_core=version), LAUNCHER, VERSION_RULES).name
-        == "packing-tp-cp-megatron-core"
-    )
-    for settings in (Settings(**VOCAB, megatron_core=version), Settings(**PACKED, megatron_core=version)):
-        with pytest.raises(ConfigError) as caught:
-            check(settings, LAUNCHER, VERSION_RULES)
-        assert f"megatron-core {version[0]}.{version[1]}" in str(caught.value) and "allowed:" in str(caught.value)
+def test_newer_megatron_cores_are_refused_the_vocabulary_exchange(version):
+    settings = Settings(**VOCAB, megatron_core=version)
+    assert broken_rule(settings, LAUNCHER, VERSION_RULES).name == "vocab-parallel-megatron-core"
+    with pytest.raises(ConfigError) as caught:
+        check(settings, LAUNCHER, VERSION_RULES)
+    assert f"megatron-core {version[0]}.{version[1]}" in str(caught.value) and "allowed:" in str(caught.value)
 
 
-def test_megatron_core_016_and_packing_without_tp_cp_run():
-    assert len(VERSION_RULES) == 2
+@pytest.mark.parametrize("version", [(0, 16), (0, 17), (0, 19)])
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(cp=2), dict(tp=2, cp=2, pp=1)], ids=["tp2", "cp2", "tp2xcp2"])
+def test_packing_under_tp_and_cp_runs_on_every_megatron_core(version, layout):
+    settings = Settings(**{**PACKED, **layout}, megatron_core=version)
+    assert broken_rule(settings, LAUNCHER, RULES) is None
+    check(settings, LAUNCHER, RULES)
+
+
+def test_megatron_core_016_runs_the_vocabulary_exchange():
+    assert "packing-tp-cp-megatron-core" not in {r.name for r in RULES}
     assert broken_rule(Settings(**VOCAB, megatron_core=(0, 16)), LAUNCHER, VERSION_RULES) is None
-    assert broken_rule(Settings(**PACKED, megatron_core=(0, 16)), LAUNCHER, VERSION_RULES) is None
-    assert broken_rule(Settings(**dict(PACKED, tp=1), megatron_core=(0, 19)), LAUNCHER, VERSION_RULES) is None

@@ -10,7 +10,8 @@ iteration ``i // (dp * per_rank)``, which is the window the plan puts there.
 
 Each window carries ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (``train/packed.py``'s
 ``window_batch``) and ``document_lengths``; the loader's collate keeps the lengths a tuple of ints,
-and the SlimPipe data iterator records them before ``pretrain_gpt.get_batch`` drops the key.
+and the SlimPipe data iterator records them before ``pretrain_gpt.get_batch`` drops the key (0.16's TP
+broadcast; from 0.19 the launcher's ``get_batch_on_this_cp_rank`` wrapper takes it out).
 Middle pipeline stages build no dataset and read no batch: the schedule adapter hands them the
 first stage's lengths (``SlimPipeSettings.share_documents``, ``runtime/pipeline/stage_lengths``).
 Validation and test splits stay Megatron's own windows.

@@ -55,8 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=(
             "none (default): Megatron's dataset windows; else train on windows the method packs from the corpus "
             "documents, global-batch/dp per DP rank (docs/packing.md, Launcher); needs --use-slimpipe, "
-            "--calculate-per-token-loss, --micro-batch-size 1, no virtual pipeline stages; any tp and cp on "
-            "megatron-core 0.16, tp = cp = 1 on 0.17 and newer (TP rank 0 "
+            "--calculate-per-token-loss, --micro-batch-size 1, no virtual pipeline stages; any tp and cp (TP rank 0 "
             "hands each microbatch's documents to the other TP ranks, and with more than 2 stages the first stage "
             "to the middle ones)"
         ),

@@ -165,10 +165,20 @@ class EngineSlices:
             info = self.context.current if self.active_args() is not None else None
             shares = self.context.cp_shares.get(info.microbatch) if info is not None else None
             if info is None or shares is None:
-                return split(batch, *args, **kwargs)
+                return split(without_document_lengths(batch), *args, **kwargs)
             return rows_of_share(batch, shares[info.slice], self._groups()[0].rank())
 
         wrapped: Any = get_batch_on_this_cp_rank
         wrapped.cp_state = getattr(split, "cp_state", None)
         wrapped.engine_slices = self
         return wrapped
+
+
+def without_document_lengths(batch: Any) -> Any:
+    """A SlimPipe slice's batch without its ``document_lengths`` (recorded on ``SliceContext.documents``
+    when the slice was read): from megatron-core 0.19 ``pretrain_gpt.get_batch`` hands TP rank 0's
+    whole batch dict to ``get_batch_on_this_cp_rank``, which cuts every value but its metadata keys
+    along the sequence, and the lengths are a tuple (0.16's TP broadcast dropped unknown keys)."""
+    if not isinstance(batch, dict) or DOCUMENT_LENGTHS not in batch:
+        return batch
+    return {k: v for k, v in batch.items() if k != DOCUMENT_LENGTHS}

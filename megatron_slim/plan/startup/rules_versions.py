@@ -26,15 +26,4 @@ VERSION_RULES = [
             "allowed: megatron-core 0.16, or drop --slimpipe-vocab-parallel (megatron-slim train runs it)"
         ),
     ),
-    Rule(
-        "packing-tp-cp-megatron-core",
-        (LAUNCHER,),
-        lambda s: s.packing != "none" and (s.tp > 1 or s.cp > 1) and _newer_than_checked(s),
-        lambda s, i: (
-            f"--slimpipe-packing {s.packing} with --tensor-model-parallel-size {s.tp} and --context-parallel-size "
-            f"{s.cp} under megatron-core {_version(s)}: packed windows under tensor or context parallelism match "
-            "Megatron-LM's own runs on megatron-core 0.16 and are not yet correct on 0.17 and newer; allowed: "
-            "both 1 there, or megatron-core 0.16"
-        ),
-    ),
 ]
