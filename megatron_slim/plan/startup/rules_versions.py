@@ -17,16 +17,6 @@ def _version(s: Settings) -> str:
 
 VERSION_RULES = [
     Rule(
-        "vocab-parallel-megatron-core",
-        (LAUNCHER,),
-        lambda s: s.vocab_parallel and _newer_than_checked(s),
-        lambda s, i: (
-            f"--slimpipe-vocab-parallel under megatron-core {_version(s)}: the launcher's vocabulary exchange "
-            "matches Megatron-LM's own runs on megatron-core 0.16 and is not yet correct on 0.17 and newer; "
-            "allowed: megatron-core 0.16, or drop --slimpipe-vocab-parallel (megatron-slim train runs it)"
-        ),
-    ),
-    Rule(
         "packing-tp-cp-megatron-core",
         (LAUNCHER,),
         lambda s: s.packing != "none" and (s.tp > 1 or s.cp > 1) and _newer_than_checked(s),
