@@ -5,7 +5,8 @@ difference <= 1e-5, fp32): pp2 with untied and tied embeddings (tied: Megatron's
 still sums the first and last stages' copies), and (slow tier) pp4, whose middle stages hold
 replicas (untied: their vocabulary shard of each weight; tied: whole, collected by the last
 stage's copy). Each rank's parameter count, as Megatron logs it, and its saved model
-(``--ckpt-format torch``: the same keys and shapes, values within fp32 round-off) are Megatron's:
+(``--ckpt-format torch``: the same keys and shapes, values within fp32 round-off as Adam amplifies it)
+are Megatron's:
 the replicas the exchange adds are not model parameters.
 """
 
@@ -19,22 +20,24 @@ import torch
 
 from tests.real_megatron.harness import (
     TINY,
-    installed_megatron_core,
     megatron_args,
     relative_difference,
     run_pretrain,
     write_corpus,
 )
 
-pytestmark = [
-    pytest.mark.real_megatron,
-    pytest.mark.skipif(
-        installed_megatron_core() >= (0, 17),
-        reason="refused at start-up on megatron-core 0.17+: tests/plan/test_startup_checked_versions.py",
-    ),
-]
+pytestmark = pytest.mark.real_megatron
 TOLERANCE = 1e-5
-PARAMETERS = re.compile(r"number of parameters on \(tensor, pipeline\) model parallel rank \((\d+), (\d+)\): (\d+)")
+# Adam's normalised step turns fp32 round-off in a gradient that nearly cancels into a visible
+# weight difference: on megatron-core 0.19 plain SlimPipe slices (no vocabulary exchange) already
+# differ from 1F1B by 3.8e-6 in one linear_proj element. A wrong or missing saved weight is off by
+# about a whole step (lr 0.01 in TINY) per iteration, so a hundredth of a step still tells them apart.
+WEIGHT_ATOL = 0.01 * 0.01
+# megatron-core 0.16: "(tensor, pipeline) model parallel rank (t, p): n";
+# 0.19: "(tensor, gtp_weight_remat, pipeline) model parallel rank (t, r, p): n".
+PARAMETERS = re.compile(
+    r"number of parameters on \(tensor, (?:\w+, )?pipeline\) model parallel rank \((\d+), (?:\d+, )?(\d+)\): (\d+)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,7 @@ def _assert_same_models(ours: list[dict], reference: list[dict]) -> None:
         assert list(mine) == list(theirs)
         for name, value in theirs.items():
             if torch.is_tensor(value):
-                torch.testing.assert_close(mine[name], value, rtol=1e-4, atol=1e-6, msg=name)
+                torch.testing.assert_close(mine[name], value, rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
 
 
 def _parameter_counts(log: str) -> dict[tuple[int, int], int]:

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "run the word embedding, output layer and loss on every pipeline rank, each on a part of the "
             "vocabulary (docs/vocab-parallel.md); needs --use-slimpipe, fp32 parameters, "
             "--tensor-model-parallel-size 1, --context-parallel-size 1, no virtual pipeline and no "
-            "--slimpipe-packing, megatron-core 0.16 (megatron-slim train runs more)"
+            "--slimpipe-packing (megatron-slim train runs more)"
         ),
     )
     g.add_argument(

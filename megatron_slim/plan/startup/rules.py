@@ -18,10 +18,9 @@ from megatron_slim.plan.startup.rules_cp import CP_ENGINE_RULES as CP_ENGINE_RUL
 from megatron_slim.plan.startup.rules_packing import PACKING_RULES as PACKING_RULES
 from megatron_slim.plan.startup.rules_slimpipe import SLIMPIPE_RULES as SLIMPIPE_RULES
 from megatron_slim.plan.startup.rules_train import TRAIN_RULES as TRAIN_RULES
-from megatron_slim.plan.startup.rules_versions import VERSION_RULES as VERSION_RULES
 from megatron_slim.plan.startup.settings import INPUTS, Settings
 
-RULES: list[Rule] = TRAIN_RULES + CP_ENGINE_RULES + PACKING_RULES + SLIMPIPE_RULES + VERSION_RULES
+RULES: list[Rule] = TRAIN_RULES + CP_ENGINE_RULES + PACKING_RULES + SLIMPIPE_RULES
 
 
 def broken_rule(settings: Settings, caller: str, rules: Optional[list[Rule]] = None) -> Optional[Rule]:

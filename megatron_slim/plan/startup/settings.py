@@ -17,9 +17,6 @@ NO_CP_ENGINE = "te"  # Megatron's own context parallelism: no megatron-slim engi
 
 # from here pretrain_gpt.get_batch hands the last pipeline stage labels and loss mask only (no tokens)
 TOKENLESS_LAST_STAGE_MEGATRON_CORE = (0, 18)
-# The launcher's vocabulary exchange and packing under tp/cp are checked against Megatron-LM's own runs
-# on core_v0.16.1 only; on 0.19 they failed that check (2026-11-26), so newer megatron-cores are refused.
-CHECKED_BELOW_MEGATRON_CORE = (0, 17)
 
 
 def last_stage_reads_tokens(megatron_core: Optional[tuple[int, int]]) -> bool:
