@@ -7,12 +7,15 @@ the softmax's sums.
 Cases: pp2, pp4 (forward and backward pairs on every rank), pp2 x vpp2 (pairs across model
 chunks), pp2 x cp2 (SlimPipe's zigzag query-out CP: no ``--cp-engine``, each CP rank ships its
 shard) and pp2 under Megatron's ``--recompute-granularity full --recompute-method block
---recompute-num-layers 2`` (half of each stage's layers rebuilt in backward; a recomputed forward
-is not paired, so the counts are the plan's as without recomputation). The sequence is 512 tokens
+--recompute-num-layers 2`` (half of each stage's layers rebuilt in backward) and pp2 under
+``--recompute-granularity selective --recompute-modules core_attn mlp`` (a recomputed forward is not
+paired, so the counts are the plan's for the flags), pp2 x tp2 (each pair between the same TP rank of
+both stages; every TP rank of a stage ships the same rows, its own heads of them) and pp2 x tp2 with
+``--sequence-parallel`` (attention sees the gathered sequence). The sequence is 512 tokens
 (4 slices of 128): with the tiny model's 64-token default the timed pairing
 (``timed_exchange_schedule`` on the flags' recipe, the one ``megatron-slim simulate`` and ``train``
 use) finds no pair worth its transfers. Each rank reports what its exchange did in the first
-training call; they must equal, rank by rank (pipeline rank = global rank // cp), what the pairing
+training call; they must equal, rank by rank (pipeline rank = global rank // (tp * cp)), what the pairing
 planned for the run's flags (``expected_reports``, from the plan value alone): K/V shipped by
 senders, blocks served by peers.
 """
