@@ -1,6 +1,7 @@
 """Context exchange at start-up: ``megatron-slim train`` and the Megatron-LM launcher run
-``exchange`` (uniform slices plus context exchange), each refusing by name what it does not run it
-with; ``megatron-args`` emits the flag for the launcher (train's own rules: ``test_startup_rules_exchange.py``)."""
+``exchange`` (uniform slices plus context exchange; the launcher with any vpp and tp, query-out CP,
+full or selective recomputation), each refusing by name what it does not run it with;
+``megatron-args`` emits the flag for the launcher (train's own rules: ``test_startup_rules_exchange.py``)."""
 
 import argparse
 
@@ -56,21 +57,36 @@ def test_the_megatron_launcher_runs_context_exchange_under_query_out_cp_and_full
     assert flags[flags.index("--recompute-granularity") + 1] == "full"
 
 
-@pytest.mark.parametrize(
-    "bad, named",
-    [
-        (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size 2"),
-        (dict(recompute_granularity="selective"), "--recompute-granularity selective"),
-        (dict(slimpipe_vocab_parallel=True), "--slimpipe-vocab-parallel"),
-    ],
-)
-def test_the_megatron_launcher_refuses_context_exchange_where_it_does_not_run(bad, named):
-    refused = _refusal(check_megatron_args, argparse.Namespace(**{**EXCHANGE, **bad}))
-    assert refused.startswith("--slimpipe-slice-policy exchange with --tensor-model-parallel-size ")
-    assert named in refused and refused.endswith(
-        "allowed: --tensor-model-parallel-size 1, --recompute-granularity full or drop --recompute-granularity, "
-        "drop --slimpipe-vocab-parallel, or --slimpipe-slice-policy uniform or balanced"
+def test_the_megatron_launcher_runs_context_exchange_under_tensor_parallelism_and_selective_recompute():
+    tp2 = {**EXCHANGE, "tensor_model_parallel_size": 2}
+    check_megatron_args(argparse.Namespace(**tp2))  # each pair runs between the same TP rank of both stages
+    check_megatron_args(argparse.Namespace(**{**tp2, "sequence_parallel": True}))
+    check_megatron_args(argparse.Namespace(**tp2, virtual_pipeline_model_parallel_size=2))
+    check_megatron_args(argparse.Namespace(**{**tp2, "context_parallel_size": 2}))
+    selective = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    check_megatron_args(argparse.Namespace(**{**EXCHANGE, **selective}))  # a recomputed forward is not paired
+    check_megatron_args(argparse.Namespace(**{**tp2, **selective}))
+    sets = ["parallel.pp=2", "parallel.tp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]
+    flags = recipe_to_megatron_args(load_recipe("tiny-cpu", [*sets, "train.recompute=selective"]))
+    assert flags[flags.index("--tensor-model-parallel-size") + 1] == "2"
+    assert flags[flags.index("--recompute-granularity") + 1] == "selective"
+    assert flags[flags.index("--slimpipe-slice-policy") + 1] == "exchange"
+
+
+def test_the_megatron_launcher_refuses_context_exchange_with_the_vocabulary_exchange():
+    flags = {**EXCHANGE, "slimpipe_vocab_parallel": True}
+    assert broken_rule(settings_from_megatron_args(argparse.Namespace(**flags)), LAUNCHER).name == (
+        "slice-policy-exchange"
     )
+    assert _refusal(check_megatron_args, argparse.Namespace(**flags)) == (
+        "--slimpipe-slice-policy exchange with --slimpipe-vocab-parallel: under Megatron-LM's launcher context "
+        "exchange runs (with any vpp, tensor parallelism, SlimPipe's query-out context parallelism or activation "
+        "recomputation) without the vocabulary exchange; allowed: drop --slimpipe-vocab-parallel, or "
+        "--slimpipe-slice-policy uniform or balanced"
+    )
+    sets = ["parallel.pp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange", "schedule.vocab_parallel=true"]
+    refused = _refusal(recipe_to_megatron_args, load_recipe("tiny-cpu", sets))
+    assert refused.endswith("allowed: schedule.vocab_parallel=false, or schedule.slice_policy=uniform or balanced")
 
 
 @pytest.mark.parametrize("engine", ["ring", "zeppelin", "ulysses"])

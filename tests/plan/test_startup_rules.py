@@ -39,8 +39,8 @@ SHARED = {
         {TRAIN: CP_RECIPE + ["train.micro_batch_size=2", "train.global_batch_size=4"]},
     ),
     "slice-policy-exchange": (
-        {**SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange", "tensor_model_parallel_size": 2},
-        {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.slice_policy=exchange", "parallel.tp=2"]},
+        {**SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange", "slimpipe_vocab_parallel": True},
+        {MEGATRON_ARGS: ["schedule.num_slices=2", "schedule.slice_policy=exchange", "schedule.vocab_parallel=true"]},
     ),
     "slice-policy-exchange-cp-engine": (
         {**SLIMPIPE_FLAGS, "slimpipe_slice_policy": "exchange", "context_parallel_size": 2, "cp_engine": "zeppelin"},

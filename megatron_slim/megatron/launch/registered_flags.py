@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=(
             "uniform: equal slices; balanced: equal forward+backward work under the causal mask; exchange: "
             "uniform slices plus attention context exchange between pipeline ranks, paired as megatron-slim "
-            "simulate and train pair it (tensor parallel size 1; context parallelism as SlimPipe's query-out "
-            "CP, no --cp-engine; full or no recomputation; no --slimpipe-packing; docs/context-exchange.md)"
+            "simulate and train pair it (any tensor parallel size; context parallelism as SlimPipe's query-out "
+            "CP, no --cp-engine; full, selective or no recomputation; no --slimpipe-packing or "
+            "--slimpipe-vocab-parallel; docs/context-exchange.md)"
         ),
     )
     g.add_argument(

@@ -46,10 +46,6 @@ def _engine_slices_got(s: Settings, i: Inputs) -> str:
     return f"{engine_input(s, i)} with {i.setting('slimpipe', True)}, {', '.join(got)}"
 
 
-def _selective_or_vocab(s: Settings) -> bool:
-    return s.recompute == "selective" or s.vocab_parallel
-
-
 def _vocab_exchange_refused_by_launcher(s: Settings) -> bool:
     return not s.slimpipe or s.tp > 1 or s.cp > 1 or s.vpp > 1 or s.precision != "fp32" or s.packing != "none"
 
@@ -71,16 +67,12 @@ SLIMPIPE_RULES = [
     Rule(
         "slice-policy-exchange",
         (LAUNCHER, MEGATRON_ARGS),
-        lambda s: s.slimpipe and s.slice_policy == "exchange" and (s.tp > 1 or _selective_or_vocab(s)),
+        lambda s: s.slimpipe and s.slice_policy == "exchange" and s.vocab_parallel,
         lambda s, i: (
-            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('tp', s.tp)}, "
-            f"{i.setting('recompute', s.recompute or 'none')}"
-            f"{' and ' + i.setting('vocab_parallel', True) if s.vocab_parallel else ''}: "
-            "under Megatron-LM's launcher context exchange runs (with any vpp, SlimPipe's query-out context "
-            "parallelism or full recomputation) without tensor parallelism, selective recomputation or the "
-            f"vocabulary exchange; allowed: {i.setting('tp', 1)}, {i.setting('recompute', 'full')} or "
-            f"{i.unset('recompute', 'none')}, {i.unset('vocab_parallel', 'false')}, or "
-            f"{i.setting('slice_policy', 'uniform')} or balanced"
+            f"{i.setting('slice_policy', s.slice_policy)} with {i.setting('vocab_parallel', True)}: under "
+            "Megatron-LM's launcher context exchange runs (with any vpp, tensor parallelism, SlimPipe's query-out "
+            "context parallelism or activation recomputation) without the vocabulary exchange; allowed: "
+            f"{i.unset('vocab_parallel', 'false')}, or {i.setting('slice_policy', 'uniform')} or balanced"
         ),
     ),
     Rule(
