@@ -13,15 +13,13 @@ the pairing holds backward pairs (under recomputation these meet on the graph a 
 unpaired forward built). The CLI then trains pp2 x cp2 with exchange to the losses of the pp1, cp1,
 unsliced run."""
 
-import functools
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.reference import UNPIPELINED_UNSLICED
+from tests.train._exchange_workers import slimpipe_exchange_step
 from tests.train.test_train_exchange import COMMON, EXCHANGE
 from tests.train.test_train_job import _train
 
@@ -44,14 +42,7 @@ def exchange_step(rank, world_size, pp, cp, recompute, seed=1234):
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
     from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.megatron.model.recompute import recompute_config
-    from megatron_slim.megatron.slimpipe.call_plan import planned_schedule
-    from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
-    from megatron_slim.runtime.pipeline.slice_context import SliceContext
-    from megatron_slim.train.loop import pipeline_settings
-    from megatron_slim.train.microbatch import forward_step
-    from megatron_slim.train.packed import zigzag_cp_forward_step
-    from megatron_slim.train.step import average_data_parallel, sum_tied_embedding_grads
     from tests.oracle import reference
     from tests.runtime.pipeline._workers import make_batches
 
@@ -60,30 +51,16 @@ def exchange_step(rank, world_size, pp, cp, recompute, seed=1234):
     groups = init_model_parallel(pp=pp, cp=cp)
     solo = reference.solo_groups(rank, world_size)
     batches = make_batches(recipe.model, MICROBATCHES, micro_batch=1, seed=seed)
-    settings = pipeline_settings(recipe)
     recomputed = recompute_config(recipe.train.recompute_plan)
     chunks = build_rank_chunks(recipe.model, groups, core_attention=SliceCoreAttention, seed=seed, **recomputed)
-    fb = make_forward_backward_func(settings, context=SliceContext(documents_on_every_tp_rank=True))
-    reports = fb(
-        forward_step_func=functools.partial(zigzag_cp_forward_step, groups.cp) if cp > 1 else forward_step,
-        data_iterator=[iter(batches)],
-        model=chunks,
-        num_microbatches=MICROBATCHES,
-        seq_length=SEQ,
-        micro_batch_size=1,
-    )
-    sum_tied_embedding_grads(chunks, groups.embd)
-    average_data_parallel([p for c in chunks for p in c.parameters()], groups.dp_cp, cp)
-    pair = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
-    if groups.pp_rank == pp - 1:
-        dist.all_reduce(pair, group=groups.cp)
+    fb, pair, pairing = slimpipe_exchange_step(recipe, groups, chunks, batches, MICROBATCHES, SEQ)
     out = {
         "pp_rank": groups.pp_rank,
         "cp_rank": groups.cp_rank,
         "grads": {n: g for c in chunks for n, g in global_grads(c).items()},
         "pair": pair,
         "sent": fb.stats.exchanged_tokens,
-        "pairing": planned_schedule(settings, pp, 1, MICROBATCHES).exchange,
+        "pairing": pairing,
     }
     if rank == 0:
         ref_reports, ref_grads = reference.unsliced_step(recipe.model, solo, batches, seed)

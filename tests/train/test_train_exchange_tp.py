@@ -13,15 +13,13 @@ stage's peer ends. The CLI then trains pp2 x tp2 with exchange to the losses of 
 Sequence parallelism is CUDA-only on CPU ranks (``parallel.sequence_parallel`` is refused there).
 """
 
-import functools
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.reference import UNPIPELINED_UNSLICED
+from tests.train._exchange_workers import slimpipe_exchange_step
 from tests.train.test_train_exchange import COMMON, EXCHANGE
 from tests.train.test_train_job import _train
 
@@ -58,35 +56,14 @@ def exchange_step(rank, world_size, pp, tp, cp, ref):
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads, global_named_parameters
     from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.megatron.model.weights import tp_shard
-    from megatron_slim.megatron.slimpipe.call_plan import planned_schedule
-    from megatron_slim.megatron.slimpipe.schedule import make_forward_backward_func
     from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
-    from megatron_slim.runtime.pipeline.slice_context import SliceContext
-    from megatron_slim.train.loop import pipeline_settings
-    from megatron_slim.train.microbatch import forward_step
-    from megatron_slim.train.packed import zigzag_cp_forward_step
-    from megatron_slim.train.step import average_data_parallel, sum_tied_embedding_grads
     from tests.runtime.pipeline._workers import make_batches
 
     recipe = _recipe(pp, tp, cp)
     groups = init_model_parallel(tp=tp, pp=pp, cp=cp, seed=SEED)
     batches = make_batches(recipe.model, MICROBATCHES, micro_batch=1, seed=SEED)
-    settings = pipeline_settings(recipe)
     chunks = build_rank_chunks(recipe.model, groups, core_attention=SliceCoreAttention, seed=SEED)
-    fb = make_forward_backward_func(settings, context=SliceContext(documents_on_every_tp_rank=True))
-    reports = fb(
-        forward_step_func=functools.partial(zigzag_cp_forward_step, groups.cp) if cp > 1 else forward_step,
-        data_iterator=[iter(batches)],
-        model=chunks,
-        num_microbatches=MICROBATCHES,
-        seq_length=SEQ,
-        micro_batch_size=1,
-    )
-    sum_tied_embedding_grads(chunks, groups.embd)
-    average_data_parallel([p for c in chunks for p in c.parameters()], groups.dp_cp, cp)
-    pair = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
-    if groups.pp_rank == pp - 1:
-        dist.all_reduce(pair, group=groups.cp)
+    fb, pair, pairing = slimpipe_exchange_step(recipe, groups, chunks, batches, MICROBATCHES, SEQ)
     params = {n: p for c in chunks for n, p in global_named_parameters(c).items()}
     return {
         "rank": (groups.pp_rank, groups.tp_rank, groups.cp_rank),
@@ -95,7 +72,7 @@ def exchange_step(rank, world_size, pp, tp, cp, ref):
         "want": {n: tp_shard(ref[1][n], p, groups.tp_rank, tp) for n, p in params.items()},
         "sent": fb.stats.exchanged_tokens,
         "served": fb.stats.served_blocks,
-        "pairing": planned_schedule(settings, pp, 1, MICROBATCHES).exchange,
+        "pairing": pairing,
     }
 
 
