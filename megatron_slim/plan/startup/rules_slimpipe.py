@@ -47,7 +47,7 @@ def _engine_slices_got(s: Settings, i: Inputs) -> str:
 
 
 def _vocab_exchange_refused_by_launcher(s: Settings) -> bool:
-    return not s.slimpipe or s.tp > 1 or s.cp > 1 or s.vpp > 1 or s.precision != "fp32" or s.packing != "none"
+    return not s.slimpipe or s.tp > 1 or s.cp > 1 or s.precision != "fp32" or s.packing != "none"
 
 
 def _packing(s: Settings, i: Inputs) -> str:
