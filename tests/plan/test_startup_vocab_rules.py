@@ -18,18 +18,19 @@ def test_vocab_parallel_runs_under_the_megatron_launcher_with_slimpipe_alone():
     assert parsed.slimpipe_vocab_parallel is True
     vocab = {**FLAGS, **SLIMPIPE_FLAGS, "slimpipe_vocab_parallel": True}
     check_megatron_args(argparse.Namespace(**vocab))  # SlimPipe, tp=1, cp=1, vpp=1, fp32: it runs
+    interleaved_flags = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
+    check_megatron_args(argparse.Namespace(**{**vocab, **interleaved_flags}))  # several chunks per rank
     refused = _refusal(check_megatron_args, argparse.Namespace(**{**vocab, "bf16": True}))
     assert refused == (
         "--slimpipe-vocab-parallel with --tensor-model-parallel-size 1, --context-parallel-size 1, "
-        "--virtual-pipeline-model-parallel-size 1, bf16 parameters, --slimpipe-packing none: under Megatron-LM's "
-        "launcher the vocabulary exchange runs in the SlimPipe schedule, on fp32 parameters, without tensor or "
-        "context parallelism and with one model chunk per pipeline rank (megatron-slim train runs more); "
+        "bf16 parameters, --slimpipe-packing none: under Megatron-LM's launcher the vocabulary exchange runs "
+        "in the SlimPipe schedule (any number of model chunks per pipeline rank), on fp32 parameters, without "
+        "tensor or context parallelism (megatron-slim train runs more); "
         "allowed: --use-slimpipe, --tensor-model-parallel-size 1, --context-parallel-size 1, "
-        "--virtual-pipeline-model-parallel-size 1, drop --bf16 or --fp16, --slimpipe-packing none, or drop "
-        "--slimpipe-vocab-parallel"
+        "drop --bf16 or --fp16, --slimpipe-packing none, or drop --slimpipe-vocab-parallel"
     )
     for bad in (
-        {"virtual_pipeline_model_parallel_size": 2},
+        {"tensor_model_parallel_size": 2},
         {"context_parallel_size": 2},
         {"slimpipe_packing": "slimpack"},
         {"use_slimpipe": False},
@@ -39,9 +40,12 @@ def test_vocab_parallel_runs_under_the_megatron_launcher_with_slimpipe_alone():
     recipe = load_recipe("tiny-cpu", ["parallel.pp=2", "schedule.num_slices=2", "schedule.vocab_parallel=true"])
     check_trainable(recipe)  # megatron-slim train runs it
     assert "--slimpipe-vocab-parallel" in recipe_to_megatron_args(recipe)
-    interleaved = load_recipe("tiny-cpu", ["parallel.pp=2", "parallel.vpp=2", "schedule.vocab_parallel=true"])
-    assert "allowed: schedule.kind=slimpipe, parallel.tp=1, parallel.cp=1, parallel.vpp=1, train.precision=fp32, " in (
-        _refusal(recipe_to_megatron_args, interleaved)
+    interleaved = ["parallel.pp=2", "parallel.vpp=2", "schedule.vocab_parallel=true"]
+    sliced = load_recipe("tiny-cpu", [*interleaved, "schedule.kind=slimpipe", "schedule.num_slices=2"])
+    assert "--num-layers-per-virtual-pipeline-stage" in recipe_to_megatron_args(sliced)
+    megatrons = load_recipe("tiny-cpu", [*interleaved, "schedule.kind=interleaved", "schedule.num_slices=1"])
+    assert "allowed: schedule.kind=slimpipe, parallel.tp=1, parallel.cp=1, train.precision=fp32, " in (
+        _refusal(recipe_to_megatron_args, megatrons)
     )
     flags = recipe_to_megatron_args(load_recipe("tiny-cpu", ["schedule.num_slices=2"]))
     assert "--slimpipe-vocab-parallel" not in flags

@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=(
             "run the word embedding, output layer and loss on every pipeline rank, each on a part of the "
             "vocabulary (docs/vocab-parallel.md); needs --use-slimpipe, fp32 parameters, "
-            "--tensor-model-parallel-size 1, --context-parallel-size 1, no virtual pipeline and no "
-            "--slimpipe-packing (megatron-slim train runs more)"
+            "--tensor-model-parallel-size 1, --context-parallel-size 1 and no --slimpipe-packing; any "
+            "virtual pipeline size (megatron-slim train runs more)"
         ),
     )
     g.add_argument(

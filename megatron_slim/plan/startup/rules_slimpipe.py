@@ -47,7 +47,7 @@ def _engine_slices_got(s: Settings, i: Inputs) -> str:
 
 
 def _vocab_exchange_refused_by_launcher(s: Settings) -> bool:
-    return not s.slimpipe or s.tp > 1 or s.cp > 1 or s.vpp > 1 or s.precision != "fp32" or s.packing != "none"
+    return not s.slimpipe or s.tp > 1 or s.cp > 1 or s.precision != "fp32" or s.packing != "none"
 
 
 def _packing(s: Settings, i: Inputs) -> str:
@@ -128,12 +128,11 @@ SLIMPIPE_RULES = [
         lambda s: s.vocab_parallel and _vocab_exchange_refused_by_launcher(s),
         lambda s, i: (
             f"{i.setting('vocab_parallel', True)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)}, "
-            f"{i.setting('vpp', s.vpp)}, {s.precision} parameters{_packing(s, i)}: under Megatron-LM's launcher "
-            "the vocabulary exchange runs in the SlimPipe schedule, on fp32 parameters, without tensor or "
-            "context parallelism and with one model chunk per pipeline rank (megatron-slim train runs more); "
+            f"{s.precision} parameters{_packing(s, i)}: under Megatron-LM's launcher the vocabulary exchange "
+            "runs in the SlimPipe schedule (any number of model chunks per pipeline rank), on fp32 parameters, "
+            "without tensor or context parallelism (megatron-slim train runs more); "
             f"allowed: {i.setting('slimpipe', True)}, {i.setting('tp', 1)}, {i.setting('cp', 1)}, "
-            f"{i.setting('vpp', 1)}, {i.unset('precision', 'fp32')}{_packing_off(i)}, or "
-            f"{i.unset('vocab_parallel', 'false')}"
+            f"{i.unset('precision', 'fp32')}{_packing_off(i)}, or {i.unset('vocab_parallel', 'false')}"
         ),
     ),
     Rule(
