@@ -53,13 +53,24 @@ def test_vocab_parallel_runs_under_the_megatron_launcher_with_slimpipe_alone():
 
 def test_train_refuses_vocab_parallel_where_the_exchange_does_not_run():
     vocab = ["parallel.pp=2", "schedule.vocab_parallel=true"]
-    refused = _refusal(check_trainable, load_recipe("tiny-cpu", [*vocab, "schedule.num_slices=2", "parallel.tp=2"]))
+    check_trainable(load_recipe("tiny-cpu", [*vocab, "schedule.num_slices=2", "parallel.tp=2"]))  # TP shards
+    refused = _refusal(check_trainable, load_recipe("tiny-cpu", [*CP_RECIPE, *vocab, "parallel.tp=2"]))
     assert refused == (
-        "schedule.vocab_parallel=true with parallel.tp=2, parallel.cp=1, parallel.vpp=1: the pipeline's "
-        "vocabulary exchange runs without tensor parallelism, and with context parallelism under a CP engine "
-        "with one model chunk per rank; allowed: parallel.tp=1, and parallel.cp=1 or parallel.vpp=1, or "
-        "schedule.vocab_parallel=false"
+        "schedule.vocab_parallel=true with parallel.tp=2, parallel.cp=2, parallel.vpp=1, "
+        "parallel.sequence_parallel=false: the pipeline's vocabulary exchange runs with context parallelism only "
+        "under a CP engine, with one model chunk per rank and without tensor parallelism, and with tensor "
+        "parallelism on one model chunk per rank and whole (not sequence-parallel) hidden states; allowed: "
+        "parallel.cp=1, or parallel.vpp=1 and parallel.tp=1; with parallel.tp > 1 parallel.vpp=1 and "
+        "parallel.sequence_parallel=false; or schedule.vocab_parallel=false"
     )
+    # tp > 1 with several chunks per rank has no exactness test; sequence-parallel hidden states are
+    # sequence shards, which the exchange does not gather (train refuses them on CPU anyway: GPU ranks)
+    for untested in (
+        Settings(pp=2, tp=2, vpp=2, vocab_parallel=True),
+        Settings(pp=2, tp=2, sequence_parallel=True, vocab_parallel=True),
+    ):
+        assert "vocab-parallel-train" in [r.name for r in RULES if TRAIN in r.callers and r.broken(untested)]
+    assert broken_rule(Settings(pp=2, tp=2, vocab_parallel=True), TRAIN) is None
     check_trainable(load_recipe("tiny-cpu", [*vocab, "schedule.num_slices=2", "parallel.vpp=2"]))  # interleaved
     check_trainable(load_recipe("tiny-cpu", [*CP_RECIPE, *vocab]))  # under a CP engine
     recipe = load_recipe("tiny-cpu", [*CP_RECIPE, *vocab, "schedule.kind=interleaved", "parallel.vpp=2"])

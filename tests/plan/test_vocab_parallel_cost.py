@@ -94,3 +94,14 @@ def test_simulation_lowers_the_bubble_and_the_last_ranks_peak():
 def test_the_recipe_field_takes_only_booleans():
     with pytest.raises(ConfigError, match="schedule.vocab_parallel"):
         load_recipe("llama2-7b-64k", ["schedule.vocab_parallel=maybe"])
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_rank_carries_a_vocab_over_pp_times_tp_share_of_the_output_layer(tp):
+    # megatron-slim train runs the exchange over each TP rank's vocabulary shard (docs/vocab-parallel.md)
+    sp = f"parallel.sequence_parallel={str(tp > 1).lower()}"
+    cost = CostModel(load_recipe("llama2-7b-64k", [*BASE, f"parallel.tp={tp}", sp, "schedule.vocab_parallel=true"]))
+    work = cost.shape.output_forward_work(T).scale(cost.vocab.share)
+    assert work.gemm_flops == pytest.approx(2 * T * H * V / (PP * tp))
+    for rank in range(PP):
+        assert cost.vocab.rank_params(rank) == pytest.approx(2 * V * H / (PP * tp) + H)

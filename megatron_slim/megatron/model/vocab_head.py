@@ -22,25 +22,27 @@ def build_vocab_head(chunks: list, groups) -> VocabHead:
     Untied, the replicas hold only this rank's vocabulary shard, and ``embedding`` holds the word
     embedding's copies (the first stage's own, replicas of this rank's shard elsewhere: each rank
     looks up only its shard's ids, ``runtime/pipeline/vocab_embedding.py``). Tied, the replicas stay
-    whole (the first and last stages' owned copies are both whole, and ``refresh`` broadcasts)."""
+    whole (the first and last stages' owned copies are both whole, and ``refresh`` broadcasts).
+    Under tensor parallelism "whole" is this TP rank's vocabulary shard, from ``offset``."""
     first, last = chunks[0], chunks[-1]
     first_pre, _, tied = _roles(first)
     _, last_post, _ = _roles(last)
     ranks = dist.get_process_group_ranks(groups.pp) if groups.pp_size > 1 else [dist.get_rank()]
-    rows = bounds_of(last.vocab_size, len(ranks), groups.pp_rank)
+    vocab, tp = _tp_shard(last.vocab_size, groups)
+    rows = bounds_of(vocab, len(ranks), groups.pp_rank)
     if tied and first_pre:
         weight, owned = first.embedding.word_embeddings.weight, True
     elif last_post:
         weight, owned = last.output_layer.weight, True
     else:
-        weight, owned = _replica(last, last.vocab_size if tied else rows[1] - rows[0]), False
+        weight, owned = _replica(last, vocab if tied else rows[1] - rows[0]), False
     embedding = None
     if not tied:  # the word embedding's own copies: the first stage's, shard replicas elsewhere
         if first_pre:
             weight_e, owned_e = first.embedding.word_embeddings.weight, True
         else:
             weight_e, owned_e = _replica(last, rows[1] - rows[0]), False
-        embedding = VocabHead(weight_e, owned_e, groups.pp, ranks, source=0, vocab_size=last.vocab_size, sharded=True)
+        embedding = VocabHead(weight_e, owned_e, groups.pp, ranks, source=0, vocab_size=vocab, sharded=True, **tp)
     cp_group = groups.cp if groups.cp_size > 1 else None
     head = VocabHead(
         weight,
@@ -48,12 +50,21 @@ def build_vocab_head(chunks: list, groups) -> VocabHead:
         groups.pp,
         ranks,
         embedding=embedding,
-        vocab_size=last.vocab_size,
+        vocab_size=vocab,
         sharded=not tied,
         cp_group=cp_group,
+        **tp,
     )
     head.refresh()
     return head
+
+
+def _tp_shard(vocab_size: int, groups) -> tuple[int, dict]:
+    """This TP rank's rows of the vocabulary (Megatron's vocabulary-parallel split) and the
+    ``VocabHead`` fields that place them; groups without TP fields (the launcher's) are tp=1."""
+    size = getattr(groups, "tp_size", 1)
+    rows = vocab_size // size
+    return rows, dict(offset=getattr(groups, "tp_rank", 0) * rows, tp_group=groups.tp if size > 1 else None)
 
 
 def _roles(chunk) -> tuple[bool, bool, bool]:

@@ -138,13 +138,21 @@ SLIMPIPE_RULES = [
     Rule(
         "vocab-parallel-train",
         (TRAIN,),
-        lambda s: s.vocab_parallel and (s.tp > 1 or (s.cp > 1 and (not s.cp_engine_runs or s.vpp > 1))),
+        lambda s: (
+            s.vocab_parallel
+            and (
+                (s.cp > 1 and (not s.cp_engine_runs or s.vpp > 1 or s.tp > 1))
+                or (s.tp > 1 and (s.vpp > 1 or s.sequence_parallel))
+            )
+        ),
         lambda s, i: (
             f"{i.setting('vocab_parallel', True)} with {i.setting('tp', s.tp)}, {i.setting('cp', s.cp)}, "
-            f"{i.setting('vpp', s.vpp)}: the pipeline's vocabulary exchange runs without tensor "
-            f"parallelism, and with context parallelism under a CP engine with one model chunk per rank; "
-            f"allowed: {i.name('tp')}=1, and {i.name('cp')}=1 or {i.name('vpp')}=1, or "
-            f"{i.unset('vocab_parallel', 'false')}"
+            f"{i.setting('vpp', s.vpp)}, {i.setting('sequence_parallel', s.sequence_parallel)}: the pipeline's "
+            "vocabulary exchange runs with context parallelism only under a CP engine, with one model chunk per "
+            "rank and without tensor parallelism, and with tensor parallelism on one model chunk per rank and "
+            "whole (not sequence-parallel) hidden states; "
+            f"allowed: {i.name('cp')}=1, or {i.name('vpp')}=1 and {i.name('tp')}=1; with {i.name('tp')} > 1 "
+            f"{i.name('vpp')}=1 and {i.name('sequence_parallel')}=false; or {i.unset('vocab_parallel', 'false')}"
         ),
     ),
     Rule(

@@ -111,14 +111,14 @@ class VocabExchange:
             cp = dist.get_world_size(self.head.cp_group)
             dist.all_reduce(total, group=self.head.cp_group)
         scale = cp / (torch.clamp(total, min=1) * self.num_microbatches)
-        lo, _ = self.head.rows_of(self.head.index)
+        lo, _ = self.head.ids_of(self.head.index)
         loss_sum = torch.zeros(())
         my_grads = []
         for hidden, labels, mask in slices:
             part = hidden.detach().requires_grad_(not self.forward_only)
             with torch.set_grad_enabled(not self.forward_only):
                 losses, surrogate = vocab_parallel_cross_entropy(
-                    F.linear(part, self.head.shard()), labels.t() - lo, self.head.group
+                    F.linear(part, self.head.shard()), labels.t() - lo, self.head.group, self.head.tp_group
                 )
             weights = mask.t().to(losses.dtype)
             if not self.forward_only:
@@ -145,26 +145,37 @@ class VocabExchange:
                 buf = torch.empty_like(grad)
                 receive(buf, ranks[r], group, self._tag(_GRAD, microbatch, j))
                 total += buf
-            self.grads[(microbatch, j)] = total + grad
+            total += grad
+            if self.head.tp_group is not None:  # the other TP ranks' vocabulary shards' parts
+                dist.all_reduce(total, group=self.head.tp_group)
+            self.grads[(microbatch, j)] = total
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, group: Optional[dist.ProcessGroup]
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    tp_group: Optional[dist.ProcessGroup] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross entropy over logits whose vocabulary is split over ``group``: this rank's ``logits``
+    """Cross entropy over logits whose vocabulary is split over ``group`` (and ``tp_group``, if
+    any, each of whose ranks holds another split of the vocabulary over its own ``group``): this rank's ``logits``
     ``[tokens, b, rows]`` and the ``targets`` ``[tokens, b]`` counted from its first row (outside
     ``[0, rows)`` on the other ranks). Returns ``(losses, surrogate)``: the per-token losses (no
     gradient, the same on every rank) and a per-token term whose gradient with respect to
     ``logits`` is this rank's part of the loss gradient, ``softmax - one_hot``."""
     logits = logits.float()
     peak = logits.detach().max(-1).values
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    _all_reduce(peak, dist.ReduceOp.MAX, group, tp_group)
     exp_sum = torch.exp(logits - peak.unsqueeze(-1)).sum(-1)
     mine = (targets >= 0) & (targets < logits.shape[-1])
     target = logits.gather(-1, targets.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * mine
     totals = torch.stack([exp_sum.detach(), target.detach()])
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(totals, group=group)
+    _all_reduce(totals, dist.ReduceOp.SUM, group, tp_group)
     losses = torch.log(totals[0]) + peak - totals[1]
     return losses, exp_sum / totals[0] - target
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any, *groups: Optional[dist.ProcessGroup]) -> None:
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(tensor, op=op, group=group)

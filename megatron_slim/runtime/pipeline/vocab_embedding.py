@@ -17,6 +17,10 @@ and each rank back-propagates it into its shard's rows (an embedding backward: r
 their tokens' gradients; other tokens add zero). ``VocabHead.reduce_grads`` then gives the owner the
 whole gradient.
 
+Under tensor parallelism each TP rank's pipeline group does all of this over that TP rank's
+vocabulary shard (``VocabHead.offset``), and stage 0 sums its TP ranks' rows (as Megatron's
+``VocabParallelEmbedding`` all-reduces them); the gradient of the sum is the same on every TP rank.
+
 Exact: every token's row is looked up by one rank, with the same weight values; the sum adds
 exact zeros from the others, and each row's gradient sums the same contributions (only their
 order of addition differs).
@@ -39,22 +43,26 @@ Key = tuple[int, int]  # (microbatch, slice)
 
 
 class _SummedParts(torch.autograd.Function):
-    """The ranks' partial rows summed; backward hands the rows' gradient to ``keep`` for the others."""
+    """The ranks' partial rows summed (over ``tp_group`` too, if any); backward hands the rows'
+    gradient to ``keep`` for the others."""
 
     @staticmethod
-    def forward(ctx, keep, local, *remote):
+    def forward(ctx, keep, tp_group, local, *remote):
         ctx.keep = keep
-        return sum(remote, local.clone())
+        rows = sum(remote, local.clone())
+        if tp_group is not None:
+            dist.all_reduce(rows, group=tp_group)
+        return rows
 
     @staticmethod
     def backward(ctx, grad):
         ctx.keep(grad.contiguous())
-        return (None, grad, *(None for _ in range(len(ctx.needs_input_grad) - 2)))
+        return (None, None, grad, *(None for _ in range(len(ctx.needs_input_grad) - 3)))
 
 
 def shard_lookup(head: VocabHead, ids: torch.Tensor) -> torch.Tensor:
     """The rows of ``ids`` in this rank's vocabulary shard; zero rows for the other ids."""
-    lo, hi = head.rows_of(head.index)
+    lo, hi = head.ids_of(head.index)
     mine = (ids >= lo) & (ids < hi)
     rows = F.embedding((ids - lo).clamp(0, hi - lo - 1), head.shard())
     return rows * mine.unsqueeze(-1).to(rows.dtype)
@@ -122,9 +130,14 @@ class EmbeddingExchange:
             remote.append(rows)
         for work in works:
             work.wait()
-        if self.forward_only or self.head.size == 1:
-            return sum(remote, local)
-        return _SummedParts.apply(lambda grad: self.outgoing.__setitem__(join.lookup, grad), local, *remote)
+        tp_group = self.head.tp_group
+        if self.forward_only or (self.head.size == 1 and tp_group is None):
+            return _SummedParts.apply(None, tp_group, local, *remote) if tp_group is not None else sum(remote, local)
+        keep = (lambda grad: None) if self.head.size == 1 else self._keep(join.lookup)
+        return _SummedParts.apply(keep, tp_group, local, *remote)
+
+    def _keep(self, key: Key) -> Callable[[torch.Tensor], None]:
+        return lambda grad: self.outgoing.__setitem__(key, grad)
 
     def _hand_grads(self, keys: Sequence[Key]) -> list:
         works = []

@@ -8,6 +8,11 @@ vocabulary-parallel cross entropy (``runtime/pipeline/vocab.py``) and the sharde
 (``runtime/pipeline/vocab_embedding.py``) read. Replicas take the owners'
 values before every step (``refresh``); after it, the owners get the sum of every copy's gradient
 (``reduce_grads``).
+
+Under tensor parallelism every copy is of this TP rank's vocabulary shard (Megatron's
+``VocabParallelEmbedding`` / ``ColumnParallelLinear`` rows, from ``offset``): the pipeline group
+(the same TP rank of every stage) shares it as above, and the loss and lookups sum over
+``tp_group`` the shards the TP ranks' pipeline groups computed.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class VocabHead:
     vocab_size: int = 0  # rows of the whole weight; with ``sharded``, required
     sharded: bool = False  # replicas hold only their shard's rows (owned copies stay whole)
     cp_group: Optional[dist.ProcessGroup] = None  # context parallelism: the loss tokens are counted over it
+    offset: int = 0  # the vocabulary id of the whole weight's first row (this TP rank's first)
+    tp_group: Optional[dist.ProcessGroup] = None  # tensor parallelism: the other TP ranks' vocabulary shards
 
     @property
     def size(self) -> int:
@@ -47,6 +54,11 @@ class VocabHead:
     def rows_of(self, index: int) -> tuple[int, int]:
         """``[lo, hi)``: the vocabulary rows of pipeline rank ``index``'s shard."""
         return bounds_of(self.vocab_size or self.weight.shape[0], self.size, index)
+
+    def ids_of(self, index: int) -> tuple[int, int]:
+        """``[lo, hi)``: the vocabulary ids of pipeline rank ``index``'s shard (its rows from ``offset``)."""
+        lo, hi = self.rows_of(index)
+        return self.offset + lo, self.offset + hi
 
     def shard(self) -> torch.Tensor:
         """This rank's rows of the weight (a view of a whole copy)."""
