@@ -15,7 +15,7 @@ STAMP312 := $(VENV312)/.installed-stamp
 # parsing only; each is installed beside the venv's 0.19 and put first on PYTHONPATH by the tests.
 EXTRA_MCORE := core_v0.17.1=$(VENV312)/mcore-0.17.1,core_v0.18.2=$(VENV312)/mcore-0.18.2
 
-.PHONY: install demo train-demo simulate-demo test test-plan test-slow test-all test-megatron test-megatron-py312 lint check-wheel clean
+.PHONY: install demo train-demo simulate-demo test test-plan test-slow test-all test-megatron test-megatron-py312 test-megatron-py312-slow lint check-wheel clean
 
 # torch is pinned: the local CPU wheel; any other spec pulls several GB of CUDA packages.
 $(STAMP): pyproject.toml
@@ -43,9 +43,10 @@ simulate-demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu and (not real_megatron or smoke)" --durations=25
 
-# The contract tier against Megatron-LM core_v0.16.1 (megatron-core 0.16.1, Python 3.11), every case.
+# The contract tier against Megatron-LM core_v0.16.1 (megatron-core 0.16.1, Python 3.11); its slow
+# cases run in `make test-slow`.
 test-megatron: $(STAMP)
-	$(BIN)/python -m pytest -q -m "real_megatron and not gpu"
+	$(BIN)/python -m pytest -q -m "real_megatron and not gpu and not slow"
 
 # The pure planning tier (tests/conftest.py assigns the plan / single / multi markers): no torch, no
 # ranks. Collected from tests/plan only, where the tier lives: collecting the other folders imports torch.
@@ -74,7 +75,11 @@ $(STAMP312):
 	touch $(STAMP312)
 
 test-megatron-py312: $(STAMP312)
-	PYTHONPATH=$(CURDIR) MEGATRON_SLIM_EXTRA_MCORE=$(EXTRA_MCORE) $(VENV312)/bin/python -m pytest -q -m real_megatron
+	PYTHONPATH=$(CURDIR) MEGATRON_SLIM_EXTRA_MCORE=$(EXTRA_MCORE) $(VENV312)/bin/python -m pytest -q -m "real_megatron and not slow"
+
+# The same tier's slow cases on Python 3.12 (not in .ci/run).
+test-megatron-py312-slow: $(STAMP312)
+	PYTHONPATH=$(CURDIR) MEGATRON_SLIM_EXTRA_MCORE=$(EXTRA_MCORE) $(VENV312)/bin/python -m pytest -q -m "real_megatron and slow"
 
 # ruff (lint, then formatting) and mypy (strict on megatron_slim.plan), configured in pyproject.toml.
 lint: $(STAMP)

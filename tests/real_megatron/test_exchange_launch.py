@@ -104,9 +104,9 @@ def _flags(pp: int, vpp: int, cp: int, recompute: str, policy: str, tp: int = 1,
         (2, 2, 1, "", 1, False),
         (2, 1, 2, "", 1, False),
         (2, 1, 1, "block", 1, False),
-        (2, 1, 1, "selective", 1, False),
+        pytest.param(2, 1, 1, "selective", 1, False, marks=pytest.mark.slow),  # block covers the recompute path
         (2, 1, 1, "", 2, False),
-        (2, 1, 1, "", 2, True),
+        pytest.param(2, 1, 1, "", 2, True, marks=pytest.mark.slow),  # pp2xtp2 covers the TP pairs
     ],
     ids=[
         "pp2", "pp4", "pp2xvpp2", "pp2xcp2", "pp2-recompute-block", "pp2-recompute-selective", "pp2xtp2",

@@ -85,7 +85,7 @@ def _reference_schedule(pp: int, vpp: int) -> tuple[list[str], list[str]]:
         (2, 1, False),
         (2, 1, True),
         (2, 2, False),
-        (2, 2, True),
+        pytest.param(2, 2, True, marks=pytest.mark.slow),  # pp2-tied and pp2xvpp2-untied cover its pieces
         *(pytest.param(4, 1, tied, marks=pytest.mark.slow) for tied in (False, True)),
         pytest.param(4, 2, False, marks=pytest.mark.slow),
     ],
