@@ -20,11 +20,11 @@ from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.reference import UNPIPELINED_UNSLICED
 from tests.train._exchange_workers import slimpipe_exchange_step
+from tests.train._tp_grads import TOL, assert_tp_shard_grads
 from tests.train.test_train_exchange import COMMON, EXCHANGE
 from tests.train.test_train_job import _train
 
 MICROBATCHES, SEQ, SEED = 4, 128, 1234
-TOL = dict(atol=2e-5, rtol=1e-4)
 
 
 def _recipe(pp: int, tp: int, cp: int):
@@ -78,15 +78,7 @@ def exchange_step(rank, world_size, pp, tp, cp, ref):
 
 def _check_exactness(results, ref, pp, tp, cp):
     ref_loss, ref_grads = ref
-    covered = set()
-    for r in results:
-        assert r["grads"].keys() == r["want"].keys() and r["grads"]
-        for name, want in r["want"].items():
-            got, where = r["grads"][name], f"{r['rank']} {name}"
-            assert got is not None and got.shape == want.shape, where
-            torch.testing.assert_close(got, want, **TOL, msg=lambda m, where=where: f"{where}: {m}")
-        covered |= r["want"].keys()
-    assert covered == ref_grads.keys()  # every parameter of the model, on some rank
+    assert_tp_shard_grads(results, ref_grads)
     last = [r for r in results if r["rank"][0] == pp - 1]
     assert len(last) == tp * cp
     for r in last:  # every TP rank reports the whole loss; CP ranks sum their tokens

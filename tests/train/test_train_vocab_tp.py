@@ -15,11 +15,11 @@ import torch
 
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.reference import UNPIPELINED_UNSLICED
+from tests.train._tp_grads import TOL, assert_tp_shard_grads
 from tests.train.test_train_job import _train
 from tests.train.test_train_vocab import COMMON, VOCAB_PP2
 
 MICROBATCHES, SEQ, SEED, PP, TP = 4, 128, 1234, 2, 2
-TOL = dict(atol=2e-5, rtol=1e-4)
 
 
 def _recipe(tied: bool):
@@ -93,15 +93,7 @@ def test_vocab_parallel_step_under_tp_matches_the_single_process_reference(tied)
     assert model.num_query_groups % TP == 0 and model.num_query_groups < model.num_attention_heads  # GQA, split
     ref = run_ranks(reference_step, 1, tied)[0]
     results = run_ranks(vocab_step, PP * TP, tied, ref, timeout_s=900)
-    covered = set()
-    for r in results:
-        assert r["grads"].keys() == r["want"].keys() and r["grads"]
-        for name, want in r["want"].items():
-            got, where = r["grads"][name], f"{r['rank']} {name}"
-            assert got is not None and got.shape == want.shape, where
-            torch.testing.assert_close(got, want, **TOL, msg=lambda m, where=where: f"{where}: {m}")
-        covered |= r["want"].keys()
-    assert covered == ref[1].keys()  # every parameter of the model, on some rank
+    assert_tp_shard_grads(results, ref[1])
     for r in results:  # only the last stage reports; every TP rank of it the whole loss
         assert (r["pair"] is not None) == (r["rank"][0] == PP - 1)
         if r["pair"] is not None:
