@@ -40,7 +40,7 @@ import slimpipe_exchange_multiway as mw  # noqa: E402
 
 from megatron_slim.plan.recipe import load_recipe  # noqa: E402
 from megatron_slim.plan.schedule.exchange import unit_timeline  # noqa: E402
-from megatron_slim.plan.schedule.exchange_pairs import RankAction  # noqa: E402
+from megatron_slim.plan.schedule.exchange_blocks import RankAction  # noqa: E402
 from megatron_slim.plan.schedule.generators import generate  # noqa: E402
 from megatron_slim.plan.schedule.ir import Kind, Schedule  # noqa: E402
 from megatron_slim.plan.schedule.lower import lower  # noqa: E402

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_slim.plan.recipe import Recipe, load_recipe  # noqa: E402
 from megatron_slim.plan.schedule.exchange import _steps, unit_timeline  # noqa: E402
-from megatron_slim.plan.schedule.exchange_pairs import RankAction  # noqa: E402
+from megatron_slim.plan.schedule.exchange_blocks import RankAction  # noqa: E402
 from megatron_slim.plan.schedule.generators import generate  # noqa: E402
 from megatron_slim.plan.schedule.ir import Action, Schedule  # noqa: E402
 from megatron_slim.plan.schedule.lower import lower  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 from megatron_slim.plan.cost.slicing import uniform_slices
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schedule import ScheduleError, validate
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.plan.schedule.executable import executable_with_exchange
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.sim.exchange_timing import timed_exchange_schedule
@@ -44,11 +44,11 @@ def _runs_to_the_end(schedule: Schedule) -> bool:
             a = head(rank)
             if a is None or (a.kind in (Kind.RECV_F, Kind.RECV_B) and _message(schedule, rank, a) not in sent):
                 continue
-            partner = plan.partner(rank, a)
-            if partner is not None:
-                if head(partner[0]) != partner[1]:
-                    continue
-                heads[partner[0]] += 1
+            others = [m for m in plan.group_of(rank, a) if m != (rank, a)]
+            if any(head(r) != other for r, other in others):
+                continue
+            for r, _ in others:
+                heads[r] += 1
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
                 sent.add(_message(schedule, rank, a))
             heads[rank] += 1
@@ -73,30 +73,30 @@ def _timed(shape) -> Schedule:
 def test_the_interleaved_pairing_runs_to_the_end(shape, pairing):
     schedule = pairing(shape)
     plan = ExchangePlan.from_text(schedule.exchange)
-    assert plan.pairs and validate(schedule) is schedule
+    assert plan.blocks and validate(schedule) is schedule
     assert _runs_to_the_end(schedule)
-    for p in plan.pairs:  # both ends are actions of their ranks' own lowered schedules
-        assert p.sender_action in schedule.ranks[p.sender] and p.peer_action in schedule.ranks[p.peer]
+    for p in plan.blocks:  # both ends are actions of their ranks' own lowered schedules
+        assert p.sender_action in schedule.ranks[p.sender] and p.taker_action in schedule.ranks[p.taker]
 
 
 def test_a_pairing_that_cannot_run_is_caught_by_the_independent_walk():
     schedule = _unit((2, 2, 4, 4))
     # rank 1 reaches 1F3.3 only after rank 0 has long passed F0.0
-    crossed = "0 1 1F3.3 0 F0.0 64\n"
+    crossed = "0 1 1F3.3 0 F0.0 0 64\n"
     broken = Schedule.from_text(schedule.to_text().replace(schedule.exchange, crossed))
     assert broken.exchange == crossed and not _runs_to_the_end(broken)
-    with pytest.raises(ScheduleError, match="context-exchange partner"):
+    with pytest.raises(ScheduleError, match="context-exchange group member"):
         validate(broken)
 
 
 @pytest.mark.parametrize("pairing", [_unit, _timed], ids=["unit", "timed"])
 def test_the_pairing_covers_both_chunks(pairing):
-    pairs = ExchangePlan.from_text(pairing((4, 2, 4, 4)).exchange).pairs
+    pairs = ExchangePlan.from_text(pairing((4, 2, 4, 4)).exchange).blocks
     for backward in (False, True):
         of_pass = [p for p in pairs if p.sender_action.kind.is_backward == backward]
         assert {p.sender_action.chunk for p in of_pass} == {0, 1}, backward
-        assert {p.peer_action.chunk for p in of_pass} == {0, 1}, backward
-    assert any(p.sender_action.chunk != p.peer_action.chunk for p in pairs)
+        assert {p.taker_action.chunk for p in of_pass} == {0, 1}, backward
+    assert any(p.sender_action.chunk != p.taker_action.chunk for p in pairs)
 
 
 def test_one_hand_checked_interleaved_pair():
@@ -104,4 +104,4 @@ def test_one_hand_checked_interleaved_pair():
     # rank 0's F1.0 (prefix 0), the only forward step of two ranks (the steady state runs a forward beside a
     # backward); causal pairs 64*192 + 2080 vs 2080: moving m tokens leaves 64*|192 - 2m| apart, 64*64 for
     # m = 64 or 128, and the smaller move wins. The pair couples chunk 1 with chunk 0.
-    assert _unit((2, 2, 4, 4)).exchange == "8 1 1F0.3 0 F1.0 64\n"
+    assert _unit((2, 2, 4, 4)).exchange == "8 1 1F0.3 0 F1.0 0 64\n"

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_slim.plan.schedule import Action, ScheduleError, generate, lower, validate
 from megatron_slim.plan.schedule.exchange import drop_deadlocks, unit_timeline, with_exchange
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePair, ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangeBlock, ExchangePlan
 from megatron_slim.plan.schedule.ir import Kind, Schedule
 
 SHAPES = [(2, 1, 2, 4), (3, 1, 3, 6), (4, 1, 4, 8), (3, 2, 3, 3), (4, 2, 4, 8), (2, 3, 2, 4)]
@@ -26,17 +26,17 @@ def _work(tokens, prefix):
 def test_pairs_are_distinct_ranks_of_one_pass_moving_at_most_the_senders_prefix(shape):
     schedule, lengths = _paired(shape)
     plan = ExchangePlan.from_text(schedule.exchange)
-    assert plan.pairs, shape
-    assert len(plan.by_action) == 2 * len(plan.pairs)  # no action in two pairs
+    assert plan.blocks, shape
+    assert len(plan.groups) == 2 * len(plan.blocks)  # no action in two pairs
     slots = unit_timeline(schedule)
-    for p in plan.pairs:
-        assert p.sender != p.peer
-        assert p.sender_action.kind.is_backward == p.peer_action.kind.is_backward
-        assert Kind.W not in (p.sender_action.kind, p.peer_action.kind)
+    for p in plan.blocks:
+        assert p.sender != p.taker
+        assert p.sender_action.kind.is_backward == p.taker_action.kind.is_backward
+        assert Kind.W not in (p.sender_action.kind, p.taker_action.kind)
         sender_prefix = sum(lengths[: p.sender_action.slice])
-        assert sum(lengths[: p.peer_action.slice]) < sender_prefix
-        assert 0 < p.moved_tokens <= sender_prefix and p.moved_tokens % lengths[0] == 0  # whole oldest slices
-        assert slots[(p.sender, p.sender_action)][0] == slots[(p.peer, p.peer_action)][0]  # same unit step
+        assert sum(lengths[: p.taker_action.slice]) < sender_prefix
+        assert 0 < p.tokens <= sender_prefix and p.tokens % lengths[0] == 0  # whole oldest slices
+        assert slots[(p.sender, p.sender_action)][0] == slots[(p.taker, p.taker_action)][0]  # same unit step
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -50,26 +50,26 @@ def test_a_steady_state_pair_balances_causal_work_within_one_moved_slice():
     schedule, lengths = _paired((4, 1, 8, 8), slice_len=16)
     plan = ExchangePlan.from_text(schedule.exchange)
     t = lengths[0]
-    steady = [p for p in plan.pairs if p.sender_action.microbatch >= 2 and p.sender_action.microbatch <= 5]
+    steady = [p for p in plan.blocks if p.sender_action.microbatch >= 2 and p.sender_action.microbatch <= 5]
     assert len(steady) > 10
     for p in steady:
-        sender = _work(t, t * p.sender_action.slice) - t * p.moved_tokens
-        peer = _work(t, t * p.peer_action.slice) + t * p.moved_tokens
-        before = _work(t, t * p.sender_action.slice) - _work(t, t * p.peer_action.slice)
+        sender = _work(t, t * p.sender_action.slice) - t * p.tokens
+        peer = _work(t, t * p.taker_action.slice) + t * p.tokens
+        before = _work(t, t * p.sender_action.slice) - _work(t, t * p.taker_action.slice)
         assert abs(sender - peer) <= t * t, p  # one slice more or less would move t*t pairs each way
         assert abs(sender - peer) < before
 
 
 def test_a_pairing_that_deadlocks_is_reported_and_dropped():
     base = lower(generate("slimpipe", 2, 1, 2, 4))
-    good = ExchangePlan.from_text(with_exchange(base, [4] * 4).exchange).pairs
+    good = ExchangePlan.from_text(with_exchange(base, [4] * 4).exchange).blocks
     # rank 1 reaches F1.3 only after rank 0 has run far past its F0.0: a cycle
-    bad = ExchangePair(0, 1, Action.parse("F1.3"), 0, Action.parse("F0.0"), 4)
+    bad = ExchangeBlock(0, 1, Action.parse("F1.3"), 0, Action.parse("F0.0"), 0, 4)
     broken = dataclasses.replace(base, exchange=ExchangePlan((bad, *good)).to_text())
-    with pytest.raises(ScheduleError, match="context-exchange partner F1.3 on rank 1"):
+    with pytest.raises(ScheduleError, match="context-exchange group member F1.3 on rank 1"):
         validate(broken)
     fixed = drop_deadlocks(broken)
-    assert set(ExchangePlan.from_text(fixed.exchange).pairs) == set(good)
+    assert set(ExchangePlan.from_text(fixed.exchange).blocks) == set(good)
     validate(fixed)
 
 
@@ -86,13 +86,15 @@ def test_one_hand_checked_pairing():
     # slimpipe pp2 m2 n4, unit time: slot 4 runs rank 1's F0.3 (prefix 12) beside rank 0's F1.0 (prefix 0);
     # causal work 4*12+10 vs 10: moving 4 or 8 tokens leaves 16 apart, the smaller move wins
     schedule, _ = _paired((2, 1, 2, 4))
-    assert schedule.exchange == "4 1 F0.3 0 F1.0 4\n"
+    assert schedule.exchange == "4 1 F0.3 0 F1.0 0 4\n"
 
 
-def test_bad_pairs_are_refused():
+def test_bad_blocks_are_refused():
     with pytest.raises(ValueError, match="both rank 1"):
-        ExchangePair(0, 1, Action.parse("F0.3"), 1, Action.parse("F0.0"), 4)
-    with pytest.raises(ValueError, match="forward with a backward"):
-        ExchangePair(0, 1, Action.parse("F0.3"), 0, Action.parse("B0.0"), 4)
+        ExchangeBlock(0, 1, Action.parse("F0.3"), 1, Action.parse("F0.0"), 0, 4)
+    with pytest.raises(ValueError, match="kv_start < kv_end"):
+        ExchangeBlock(0, 1, Action.parse("F0.3"), 0, Action.parse("B0.0"), 4, 4)
+    with pytest.raises(ValueError, match="W action"):
+        ExchangeBlock(0, 1, Action.parse("F0.3"), 0, Action.parse("W0.0"), 0, 4)
     with pytest.raises(ValueError, match="lowered"):
         with_exchange(generate("slimpipe", 2, 1, 2, 4), [4] * 4)

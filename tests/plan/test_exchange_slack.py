@@ -8,7 +8,7 @@ import pytest
 
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schedule.exchange import with_exchange
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.plan.schedule.executable import executable
 from megatron_slim.plan.schedule.ir import Action
 from megatron_slim.plan.sim.costs import RecipeCosts
@@ -51,8 +51,8 @@ def test_each_pair_alone_shortens_its_sender_and_keeps_its_peer_in_time(tiny_pp4
     assert pairs
     prefixes = {sum(costs.lengths[:k]) for k in range(1, len(costs.lengths))}
     for pair in pairs[:5]:
-        sender, peer = (pair.sender, pair.sender_action), (pair.peer, pair.peer_action)
-        assert pair.moved_tokens in prefixes and pair.moved_tokens <= sum(costs.lengths[: pair.sender_action.slice])
+        sender, peer = (pair.sender, pair.sender_action), (pair.taker, pair.taker_action)
+        assert pair.tokens in prefixes and pair.tokens <= sum(costs.lengths[: pair.sender_action.slice])
         alone = simulate(dataclasses.replace(schedule, exchange=ExchangePlan((pair,)).to_text()), costs)
         paired = _compute(alone)
         assert paired[sender][0] == pytest.approx(spans[sender][0])
@@ -72,7 +72,7 @@ def test_losing_pairs_are_those_whose_sender_took_no_less_than_unpaired(tiny_pp4
     unpaired = {ra: e - s for ra, (s, e) in _compute(simulate(schedule, costs)).items()}
     unit = simulate(with_exchange(schedule, costs.lengths), costs)  # pairs on unit time: some senders wait
     paired = {ra: e - s for ra, (s, e) in _compute(unit).items()}
-    pairs = ExchangePlan.from_text(unit.schedule.exchange).pairs
+    pairs = ExchangePlan.from_text(unit.schedule.exchange).blocks
     expected = {p for p in pairs if paired[(p.sender, p.sender_action)] >= unpaired[(p.sender, p.sender_action)]}
     assert expected and expected != set(pairs)
     assert losing_pairs(unit, costs) == expected

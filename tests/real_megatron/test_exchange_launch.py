@@ -29,7 +29,7 @@ import re
 import pytest
 
 from megatron_slim.megatron.launch.args import recipe_from_megatron_args
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.plan.sim.exchange_timing import timed_exchange_schedule
 from tests.real_megatron.harness import (
     TINY,
@@ -82,9 +82,9 @@ def expected_reports(
     uniform = (SEQ // SLICES,) * SLICES
     plan = ExchangePlan.from_text(timed_exchange_schedule(recipe_from_megatron_args(args), 4, uniform).exchange)
     layers, counts = 8 // (pp * vpp), {rank: [0, 0] for rank in range(pp)}
-    for pair in plan.pairs:
-        counts[pair.sender][0] += pair.moved_tokens // cp * layers
-        counts[pair.peer][1] += layers
+    for pair in plan.blocks:
+        counts[pair.sender][0] += pair.tokens // cp * layers
+        counts[pair.taker][1] += layers
     # Megatron's rank order is tp-cp-dp-pp: the pipeline rank is global rank // (tp * cp)
     return {rank: tuple(counts[rank // (tp * cp)]) for rank in range(pp * cp * tp)}  # type: ignore[misc]
 

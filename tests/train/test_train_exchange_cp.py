@@ -16,7 +16,7 @@ unsliced run."""
 import pytest
 import torch
 
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.reference import UNPIPELINED_UNSLICED
 from tests.train._exchange_workers import slimpipe_exchange_step
@@ -89,10 +89,10 @@ def _check_pairs_ran(results, pp, cp):
     assert pairing and all(r["pairing"] == pairing for r in results), "ranks planned different pairs"
     plan = ExchangePlan.from_text(pairing)
     layers = _recipe(pp, cp, "none").model.num_layers // pp
-    shipped = [sum(p.moved_tokens // cp * layers for p in plan.pairs if p.sender == s) for s in range(pp)]
+    shipped = [sum(p.tokens // cp * layers for p in plan.blocks if p.sender == s) for s in range(pp)]
     sent = {(r["pp_rank"], r["cp_rank"]): r["sent"] for r in results}
     assert sent == {(s, c): shipped[s] for s in range(pp) for c in range(cp)} and sum(shipped) > 0
-    assert any(p.sender_action.kind.is_backward for p in plan.pairs), "no backward pair exercised"
+    assert any(p.sender_action.kind.is_backward for p in plan.blocks), "no backward pair exercised"
 
 
 @pytest.mark.multi

@@ -16,7 +16,7 @@ Sequence parallelism is CUDA-only on CPU ranks (``parallel.sequence_parallel`` i
 import pytest
 import torch
 
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.reference import UNPIPELINED_UNSLICED
 from tests.train._exchange_workers import slimpipe_exchange_step
@@ -90,8 +90,8 @@ def _check_pairs_ran(results, pp, tp, cp):
     assert pairing and all(r["pairing"] == pairing for r in results), "ranks planned different pairs"
     plan = ExchangePlan.from_text(pairing)
     layers = _recipe(pp, tp, cp).model.num_layers // pp
-    shipped = [sum(p.moved_tokens // cp * layers for p in plan.pairs if p.sender == s) for s in range(pp)]
-    served = [sum(layers for p in plan.pairs if p.peer == s) for s in range(pp)]
+    shipped = [sum(p.tokens // cp * layers for p in plan.blocks if p.sender == s) for s in range(pp)]
+    served = [sum(layers for p in plan.blocks if p.taker == s) for s in range(pp)]
     assert {r["rank"]: r["sent"] for r in results} == {
         (s, t, c): shipped[s] for s in range(pp) for t in range(tp) for c in range(cp)
     }
@@ -99,7 +99,7 @@ def _check_pairs_ran(results, pp, tp, cp):
         (s, t, c): served[s] for s in range(pp) for t in range(tp) for c in range(cp)
     }
     assert sum(shipped) > 0 and sum(served) > 0
-    assert any(p.sender_action.kind.is_backward for p in plan.pairs), "no backward pair exercised"
+    assert any(p.sender_action.kind.is_backward for p in plan.blocks), "no backward pair exercised"
 
 
 @pytest.mark.multi

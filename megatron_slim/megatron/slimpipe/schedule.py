@@ -61,7 +61,7 @@ from megatron_slim.megatron.slimpipe.stage import (
     stage_ops,
     syncs,
 )
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.plan.schedule.executable import executable_forward_only
 from megatron_slim.plan.schedule.ir import Schedule
 from megatron_slim.plan.schedule.vocab import vocab_joins

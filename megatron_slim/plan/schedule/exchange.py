@@ -28,7 +28,7 @@ import dataclasses
 from itertools import accumulate
 from typing import Mapping, Optional, Sequence
 
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePair, ExchangePlan, RankAction
+from megatron_slim.plan.schedule.exchange_blocks import ExchangeBlock, ExchangePlan, RankAction
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.walk import Walker
 
@@ -82,7 +82,7 @@ def _pair_step(
     lengths: Sequence[int],
     prefixes: Sequence[int],
     timeline: Mapping[RankAction, Interval],
-) -> list[ExchangePair]:
+) -> list[ExchangeBlock]:
     ordered = sorted(members, key=lambda m: (-prefixes[m[1].slice], m[0]))
     pairs = []
     for i in range(len(ordered) // 2):
@@ -91,7 +91,7 @@ def _pair_step(
             continue  # the sender would wait for a peer that has not started yet
         moved = moved_tokens(prefixes, (lengths[s_act.slice], s_act.slice), (lengths[p_act.slice], p_act.slice))
         if moved > 0:
-            pairs.append(ExchangePair(step, s_rank, s_act, p_rank, p_act, moved))
+            pairs.append(ExchangeBlock(step, s_rank, s_act, p_rank, p_act, 0, moved))
     return pairs
 
 
@@ -134,17 +134,17 @@ def plan_exchange(
 
 
 def drop_deadlocks(schedule: Schedule) -> Schedule:
-    """``schedule`` without the pairs its ranks cannot run: each pass walks it, and a pair whose
-    end is where a rank got stuck is dropped, until the walk completes or no pair blocks it."""
+    """``schedule`` without the blocks its ranks cannot run: each pass walks it, and a block with
+    an end where a rank got stuck is dropped (``ExchangePlan.without``), until the walk completes
+    or no block blocks it."""
     while schedule.exchange:
         walker = Walker(schedule)
-        stuck = walker.run(lambda rank, a, ready: 0.0)
+        stuck = {(r, schedule.ranks[r][i]) for r, i in walker.run(lambda rank, a, ready: 0.0).items()}
         plan = walker.exchange
-        blocking = {plan.by_action.get((r, schedule.ranks[r][i])) for r, i in stuck.items()} - {None}
+        blocking = {b for b in plan.blocks if b.sender_end in stuck or b.taker_end in stuck}
         if not blocking:
             return schedule  # done, or stuck for another reason (the validator reports it)
-        kept = ExchangePlan(tuple(p for p in plan.pairs if p not in blocking))
-        schedule = dataclasses.replace(schedule, exchange=kept.to_text())
+        schedule = dataclasses.replace(schedule, exchange=plan.without(blocking).to_text())
     return schedule
 
 

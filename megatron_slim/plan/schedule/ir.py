@@ -91,7 +91,7 @@ class Schedule:
     num_slices: int
     ranks: tuple[tuple[Action, ...], ...]
     forward_only: bool = False
-    # context exchange pairing in ``exchange_pairs.ExchangePlan`` text form ("": none). Lowering
+    # context exchange pairing in ``exchange_blocks.ExchangePlan`` text form ("": none). Lowering
     # passes rebuild the rows and drop it: a pairing names actions of one exact schedule.
     exchange: str = ""
 

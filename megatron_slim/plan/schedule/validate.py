@@ -146,7 +146,7 @@ def _waits_for(walker: Walker, rank: int, a: Action) -> str:
     reasons = [describe(walker.schedule, f) + suffix for f in walker.unmet(rank, a)]
     partner = walker.waiting_partner(rank, a)
     if partner is not None:
-        reasons.append(f"its context-exchange partner {partner[1]} on rank {partner[0]}")
+        reasons.append(f"its context-exchange group member {partner[1]} on rank {partner[0]}")
     return "; ".join(reasons)
 
 

@@ -20,10 +20,11 @@ An action may run when every fact it requires is available:
   runtime does. Where waiting would deadlock (every rank stuck), the walk lets such a send go
   unbounded instead (``Walker._release_a_window``; ``bounded_sends`` lists the others).
 
-Context exchange (``Schedule.exchange``) couples two compute actions on two ranks: a pair runs as
-one rendezvous, once both are next on their ranks and both are ready (the sender cannot finish
-without the peer's block, the peer cannot compute it before the sender's Q and K/V arrive), so a
-pairing whose actions never stand ready together is a deadlock the validator reports.
+Context exchange (``Schedule.exchange``) couples compute actions on several ranks: each block's
+sender cannot finish without its taker's block, and the taker cannot compute it before the
+sender's Q and K/V arrive, layer by layer. So the actions linked by blocks (``ExchangePlan.groups``)
+run as one rendezvous, once every member is next on its rank and ready; a plan whose group never
+stands ready together is a deadlock the validator reports.
 
 ``Walker.run`` advances every rank as far as the rules allow, in one fixed order, and records
 each fact with the time the caller's ``step`` says it became available (the validator has no
@@ -37,13 +38,13 @@ from typing import Any, Callable, Optional
 
 from megatron_slim.plan.progress import EVERY, Progress, report
 from megatron_slim.plan.schedule.deps import compute_dependencies, key
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan, RankAction
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 
 Fact = tuple[Any, ...]  # a compute action's ``deps.Key``, or a comm fact (see above)
 Step = Callable[[int, Action, float], float]  # (rank, action, ready time) -> time its fact is available
-# (rank, action, ready, partner rank, partner action, partner ready) -> (action's time, partner's time)
-PairStep = Callable[[int, Action, float, int, Action, float], tuple[float, float]]
+# [(rank, action, ready)] of one exchange group -> each member's time, in the same order
+GroupStep = Callable[[list[tuple[int, Action, float]]], list[float]]
 
 _RECV_FOR = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}
 _SEND_FOR_RECV = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
@@ -140,15 +141,14 @@ class Walker:
         waits = self.window.get((rank, a))
         return facts if waits is None else facts + [waits]
 
-    def waiting_partner(self, rank: int, a: Action) -> Optional[tuple[int, Action]]:
-        """``a``'s exchange partner while it is not next and ready on its rank, else None."""
-        partner = self.exchange.partner(rank, a)
-        if partner is None:
-            return None
-        p_rank, p_action = partner
-        row = self.schedule.ranks[p_rank]
-        at_head = self.pos[p_rank] < len(row) and row[self.pos[p_rank]] == p_action
-        return None if at_head and self.ready_time(p_rank, p_action) is not None else partner
+    def waiting_partner(self, rank: int, a: Action) -> Optional[RankAction]:
+        """A member of ``a``'s exchange group that is not next and ready on its rank, else None."""
+        for p_rank, p_action in self.exchange.group_of(rank, a):
+            row = self.schedule.ranks[p_rank]
+            at_head = self.pos[p_rank] < len(row) and row[self.pos[p_rank]] == p_action
+            if not (at_head and self.ready_time(p_rank, p_action) is not None):
+                return (p_rank, p_action)
+        return None
 
     def _advance(self, rank: int, a: Action, t: float) -> None:
         self.done[produced(self.schedule, rank, a)] = t
@@ -186,10 +186,10 @@ class Walker:
         step: Step,
         progress: Optional[Progress] = None,
         phase: str = "walking",
-        pair_step: Optional[PairStep] = None,
+        group_step: Optional[GroupStep] = None,
     ) -> dict[int, int]:
         """Run ``step`` on each action once it is ready; return ``{rank: step}`` where ranks stuck.
-        An exchange pair runs through ``pair_step`` (default: ``step`` on each end).
+        An exchange group runs through ``group_step`` (default: ``step`` on each member).
         ``progress(phase, actions run, actions)`` at the start and every ``EVERY`` actions."""
         rows = self.schedule.ranks
         total = sum(len(row) for row in rows)
@@ -204,13 +204,13 @@ class Walker:
                     ready = self.ready_time(rank, a)
                     if ready is None or self.waiting_partner(rank, a) is not None:
                         break
-                    partner = self.exchange.partner(rank, a)
-                    if partner is None:
+                    group = self.exchange.group_of(rank, a)
+                    if not group:
                         self._advance(rank, a, step(rank, a, ready))
                         ran = 1
                     else:
-                        ran = 2
-                        self._run_pair(step, pair_step, rank, a, ready, *partner)
+                        ran = len(group)
+                        self._run_group(step, group_step, group)
                     progressed = True
                     for _ in range(ran):
                         steps += 1
@@ -218,14 +218,13 @@ class Walker:
                             report(progress, phase, steps, total)
         return {r: self.pos[r] for r, row in enumerate(rows) if self.pos[r] < len(row)}
 
-    def _run_pair(
-        self, step: Step, pair_step: Optional[PairStep], rank: int, a: Action, ready: float, p_rank: int, pa: Action
-    ) -> None:
-        p_ready = self.ready_time(p_rank, pa)
-        assert p_ready is not None  # waiting_partner checked it
-        if pair_step is None:
-            t, p_t = step(rank, a, ready), step(p_rank, pa, p_ready)
-        else:
-            t, p_t = pair_step(rank, a, ready, p_rank, pa, p_ready)
-        self._advance(rank, a, t)
-        self._advance(p_rank, pa, p_t)
+    def _run_group(self, step: Step, group_step: Optional[GroupStep], group: tuple[RankAction, ...]) -> None:
+        members = []
+        for rank, a in group:
+            ready = self.ready_time(rank, a)
+            assert ready is not None  # waiting_partner checked it
+            members.append((rank, a, ready))
+        by_member = group_step or (lambda ms: [step(rank, a, ready) for rank, a, ready in ms])
+        times = by_member(members)
+        for (rank, a, _), t in zip(members, times):
+            self._advance(rank, a, t)

@@ -22,19 +22,22 @@ Memory per rank, over time:
   input, priced as its activations);
 * static: weights, gradients and optimizer state, constant.
 
-Context exchange (``Schedule.exchange``, ``schedule/exchange.py``): a pair's two compute actions
-start together in the readiness walk, each at its own rank's ready time. The moved block's
-attention time leaves the sender's duration and joins the peer's; the peer cannot compute it
-before the sender's Q and K/V have crossed (``over``), and the sender cannot finish before the
-block's result is back (``back``), so
+Context exchange (``Schedule.exchange``, ``schedule/exchange_blocks.py``): the compute actions
+linked by blocks (a group) start together in the readiness walk, each at its own rank's ready
+time. A block's attention time (``block``, priced in its sender's pass) leaves the sender's
+duration and joins its taker's. A taker computes its blocks one after another in plan order, each
+as soon as the sender's Q and K/V have crossed (``over``) and the previous block is done; a
+sender cannot finish before each block's result is back (``back``):
 
-    peer end   = max(peer start + peer work + block, sender start + over + block)
-    sender end = max(sender start + own work - block, max(peer start, sender start + over) + block + back)
+    block end  = max(previous block end (first: taker start), sender start + over) + block
+    taker end  = max(taker start + own work + its blocks, last block end)
+    sender end = max(sender start + own work - its blocks, every block end + back)
 
-with ``over``/``back`` the pair's bytes over the PP link between the two ranks plus one latency a
-layer each way. Transfers run beside compute and do not occupy the pipeline's activation links
-(contention there is not modelled); busy time counts work only, not the sender's wait. The peer
-holds one layer's moved K/V (backward: with its dK/dV) from its start to its end, counted as K/V.
+with ``over``/``back`` the block's bytes over the PP link between the two ranks plus one latency a
+layer each way. A single block is the mirrored pair of earlier versions. Transfers run beside
+compute and do not occupy the pipeline's activation links (contention there is not modelled);
+busy time counts work only, not the sender's wait. A taker holds one layer's K/V of each of its
+blocks (backward: with their dK/dV) from its start to its end, counted as K/V.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, cast
 
 from megatron_slim.plan.progress import Progress
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schedule.recv_posts import posted_before
@@ -176,24 +179,34 @@ class _Run:
         self._account_memory(rank, a, stage, start, end)
         return end
 
-    def _pair(self, rank: int, a: Action, ready: float, p_rank: int, pa: Action, p_ready: float) -> tuple[float, float]:
-        """A context-exchange pair (see the module docstring); returns (``a``'s end, ``pa``'s end)."""
-        pair = self.exchange.by_action[(rank, a)]
-        if pair.sender != rank:
-            p_end, end = self._pair(p_rank, pa, p_ready, rank, a, ready)
-            return end, p_end
-        stage, p_stage = self.schedule.stage(rank, a.chunk), self.schedule.stage(p_rank, pa.chunk)
+    def _group(self, members: list[tuple[int, Action, float]]) -> list[float]:
+        """A context-exchange group (see the module docstring); each member's end, in order."""
         costs = cast(ExchangeCosts, self.costs)
-        work = costs.exchange(stage, a.microbatch, a.slice, pair.moved_tokens, a.kind.is_backward)
-        link = self.costs.link(rank, p_rank)
-        over = work.out_bytes / link.bandwidth + work.messages * link.latency
-        back = work.back_bytes / link.bandwidth + work.messages * link.latency
-        start, p_start = max(self.free[rank], ready), max(self.free[p_rank], p_ready)
-        own, p_own = self._duration(stage, a) - work.block_s, self._duration(p_stage, pa) + work.block_s
-        p_end = max(p_start + p_own, start + over + work.block_s)
-        end = max(start + own, max(p_start, start + over) + work.block_s + back)
-        self.mem[p_rank] += [(p_start, 0.0, work.peer_bytes), (p_end, 0.0, -work.peer_bytes)]
-        return self._record(rank, a, start, end, own), self._record(p_rank, pa, p_start, p_end, p_own)
+        start = {(r, a): max(self.free[r], ready) for r, a, ready in members}
+        own = {(r, a): self._duration(self.schedule.stage(r, a.chunk), a) for r, a, _ in members}
+        end = dict(start)
+        cursor = dict(start)
+        held: dict[tuple[int, Action], float] = {}
+        for b in self.exchange.blocks_among(start):
+            a = b.sender_action
+            work = costs.exchange(self.schedule.stage(b.sender, a.chunk), a.microbatch, a.slice, b.tokens, b.backward)
+            link = self.costs.link(b.sender, b.taker)
+            over = work.out_bytes / link.bandwidth + work.messages * link.latency
+            back = work.back_bytes / link.bandwidth + work.messages * link.latency
+            own[b.sender_end] -= work.block_s
+            own[b.taker_end] += work.block_s
+            cursor[b.taker_end] = max(cursor[b.taker_end], start[b.sender_end] + over) + work.block_s
+            end[b.sender_end] = max(end[b.sender_end], cursor[b.taker_end] + back)
+            end[b.taker_end] = max(end[b.taker_end], cursor[b.taker_end])
+            held[b.taker_end] = held.get(b.taker_end, 0.0) + work.peer_bytes
+        out = []
+        for r, a, _ in members:
+            ra = (r, a)
+            finish = max(end[ra], start[ra] + own[ra])
+            if ra in held:
+                self.mem[r] += [(start[ra], 0.0, held[ra]), (finish, 0.0, -held[ra])]
+            out.append(self._record(r, a, start[ra], finish, own[ra]))
+        return out
 
     def _account_memory(self, rank: int, a: Action, stage: int, start: float, end: float) -> None:
         mb, j, costs, n = a.microbatch, a.slice, self.costs, self.schedule.num_slices
@@ -240,7 +253,7 @@ class _Run:
         return self.free[rank]
 
     def run(self, progress: Optional[Progress] = None) -> None:
-        if Walker(self.schedule).run(self._step, progress, "simulating", self._pair):
+        if Walker(self.schedule).run(self._step, progress, "simulating", self._group):
             raise RuntimeError("simulation stalled on a schedule the validator accepted")  # invariant
 
 

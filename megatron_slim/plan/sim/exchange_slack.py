@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence, cast
 
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePair, ExchangePlan, RankAction
+from megatron_slim.plan.schedule.exchange_blocks import ExchangeBlock, ExchangePlan, RankAction
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.sim.costs import ExchangeCosts, PipelineCosts
 from megatron_slim.plan.sim.engine import SimResult, compute_time
@@ -142,28 +142,28 @@ def _candidates(
 
 def slack_pairs(
     result: SimResult, costs: PipelineCosts, lengths: Sequence[int], step: int, taken: ExchangePlan
-) -> list[ExchangePair]:
+) -> list[ExchangeBlock]:
     """New pairs among the actions of ``result`` that no pair of ``taken`` holds (``step``: their round)."""
     prefixes = [0, *accumulate(lengths)]
-    timed = {ra: t for ra, t in timed_actions(result, costs).items() if ra not in taken.by_action}
+    timed = {ra: t for ra, t in timed_actions(result, costs).items() if not taken.group_of(*ra)}
     used: set[RankAction] = set()
     pairs = []
     for _gain, sender, peer, moved in sorted(_candidates(result.schedule, costs, prefixes, timed), reverse=True):
         if sender in used or peer in used:
             continue
         used |= {sender, peer}
-        pairs.append(ExchangePair(step, sender[0], sender[1], peer[0], peer[1], moved))
+        pairs.append(ExchangeBlock(step, sender[0], sender[1], peer[0], peer[1], 0, moved))
     return pairs
 
 
-def losing_pairs(result: SimResult, costs: PipelineCosts) -> set[ExchangePair]:
+def losing_pairs(result: SimResult, costs: PipelineCosts) -> set[ExchangeBlock]:
     """The pairs of ``result`` whose sender took at least as long as it would have unpaired: they
     only lengthen their peer."""
     schedule = result.schedule
     spans = {(e.rank, e.name): e.end - e.start for e in result.events if e.stream == "compute"}
     return {
         p
-        for p in ExchangePlan.from_text(schedule.exchange).pairs
+        for p in ExchangePlan.from_text(schedule.exchange).blocks
         if spans[(p.sender, str(p.sender_action))]
         >= compute_time(costs, schedule.stage(p.sender, p.sender_action.chunk), p.sender_action)
     }

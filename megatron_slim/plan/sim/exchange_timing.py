@@ -29,7 +29,7 @@ from typing import Optional
 from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schedule.exchange import drop_deadlocks, with_exchange
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan, RankAction
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan, RankAction
 from megatron_slim.plan.schedule.executable import PLANS_KEPT, executable
 from megatron_slim.plan.schedule.ir import Action, Schedule
 from megatron_slim.plan.schedule.validate import check_link_order, validate
@@ -71,13 +71,13 @@ def _with_slack_pairs(
     result = best
     for _ in range(rounds):
         losing = losing_pairs(result, costs)
-        pairs = ExchangePlan.from_text(result.schedule.exchange).pairs
+        pairs = ExchangePlan.from_text(result.schedule.exchange).blocks
         taken = ExchangePlan(tuple(p for p in pairs if p not in losing))
-        step = max((p.step for p in taken.pairs), default=-1) + 1
+        step = max((p.step for p in taken.blocks), default=-1) + 1
         added = slack_pairs(result, costs, lengths, step, taken)
         if not added and not losing:
             break
-        plan = ExchangePlan(tuple(sorted(taken.pairs + tuple(added))))
+        plan = ExchangePlan(tuple(sorted(taken.blocks + tuple(added))))
         schedule = drop_deadlocks(dataclasses.replace(result.schedule, exchange=plan.to_text()))
         result = simulate(schedule, costs, progress)
         if result.bubble_ratio < best.bubble_ratio:

@@ -1,7 +1,7 @@
 """Context exchange at run time: this rank's side of the schedule's pairs (``Schedule.exchange``).
 
 A pair couples a compute action of a *sender* (the rank whose slice has the longer K/V prefix)
-with one of a *peer* (``plan/schedule/exchange_pairs.py``). Both actions run their chunk's
+with one of a *peer* (``plan/schedule/exchange_blocks.py``). Both actions run their chunk's
 layers in the same order (forward: first to last; backward: last to first), and at every
 attention layer the two ends meet once:
 
@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.plan.schedule.ir import Action
 
 TAG_BASE = 2**30  # above the schedule's tags and the vocabulary exchange's (both far below)
@@ -71,6 +71,16 @@ class ExchangeRole:
     query_rows: int  # rows of the sender's slice on this CP rank (the whole slice without CP)
     moved: int  # oldest K/V tokens of the sender's prefix the peer attends to
     moved_rows: int  # of them, the rows this CP rank holds and ships
+
+
+def _refuse_beyond_pairs(plan: ExchangePlan, block) -> None:
+    """This runtime meets one block per action, both ends in one pass (a mirrored pair)."""
+    single = len(plan.group_of(*block.sender_end)) == 2
+    if not single or block.backward != block.taker_action.kind.is_backward:
+        raise NotImplementedError(
+            f"context exchange: block {block} is not a same-pass pair (an action in several blocks, or a "
+            "block served in the other pass); this runtime runs mirrored pairs only"
+        )
 
 
 def paired_role(exchange: Optional["ContextExchange"], packed: bool, recompute: bool) -> Optional[ExchangeRole]:
@@ -109,12 +119,13 @@ class ContextExchange:
         ``shards``: the CP size (each CP rank ships its shard of the slice's queries and moved K/V)."""
         self.group, self.pp_ranks, self.shards = group, list(pp_ranks), shards
         self._roles: dict[Action, ExchangeRole] = {}
-        for i, p in enumerate(plan.pairs):
-            rows, moved = lengths[p.sender_action.slice] // shards, p.moved_tokens
+        for i, p in enumerate(plan.blocks):
+            _refuse_beyond_pairs(plan, p)
+            rows, moved = lengths[p.sender_action.slice] // shards, p.tokens
             if p.sender == rank:
-                self._roles[p.sender_action] = ExchangeRole(True, p.peer, i, rows, moved, moved // shards)
-            elif p.peer == rank:
-                self._roles[p.peer_action] = ExchangeRole(False, p.sender, i, rows, moved, moved // shards)
+                self._roles[p.sender_action] = ExchangeRole(True, p.taker, i, rows, moved, moved // shards)
+            elif p.taker == rank:
+                self._roles[p.taker_action] = ExchangeRole(False, p.sender, i, rows, moved, moved // shards)
         self._current: Optional[ExchangeRole] = None
         self._action: Optional[Action] = None
         self._layer = 0

@@ -3,12 +3,12 @@ rank ships its rows of the query slice and of the moved whole slices), and the r
 
 import pytest
 
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.plan.schedule.ir import Action
 from megatron_slim.runtime.pipeline.context_exchange import ContextExchange, paired_role
 
 # pp2 x vpp2, 64-token slices: rank 1's chunk 1 sends slice 3 of microbatch 0 to rank 0's chunk 0
-PLAN = ExchangePlan.from_text("8 1 1F0.3 0 F1.0 128\n")
+PLAN = ExchangePlan.from_text("8 1 1F0.3 0 F1.0 0 128\n")
 LENGTHS = (64, 64, 64, 64)
 
 

@@ -11,7 +11,7 @@ model chunks; pp2 pairs forwards only, so pp4 x cp2 (8 ranks) checks backward pa
 
 import pytest
 
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.models import TINY_GQA_8L
 from tests.runtime.pipeline import _cp_workers
@@ -32,13 +32,13 @@ def _check_moved(results, pp, configs):
         layers = TINY_GQA_8L["num_layers"] // (pp * vpp)
         sent = [r[index][4] for r in results]
         # megatron's rank order is tp-cp-dp-pp: global rank = pp rank * cp + cp rank (tp = dp = 1)
-        shipped = [sum(p.moved_tokens // CP * layers for p in plan.pairs if p.sender == stage) for stage in range(pp)]
+        shipped = [sum(p.tokens // CP * layers for p in plan.blocks if p.sender == stage) for stage in range(pp)]
         expected = [shipped[rank // CP] for rank in range(pp * CP)]
         assert sent == expected and sum(sent) > 0, (sent, expected)
         if vpp > 1:
-            assert any(p.sender_action.chunk != p.peer_action.chunk for p in plan.pairs)
+            assert any(p.sender_action.chunk != p.taker_action.chunk for p in plan.blocks)
         if pp == 4:
-            assert any(p.sender_action.kind.is_backward for p in plan.pairs), "no backward pair exercised"
+            assert any(p.sender_action.kind.is_backward for p in plan.blocks), "no backward pair exercised"
 
 
 # pp2 x cp2 moves forward blocks only; pp4 x cp2 (default tier) moves forward and backward ones.

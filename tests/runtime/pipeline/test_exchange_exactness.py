@@ -17,7 +17,7 @@ import pytest
 
 from megatron_slim.plan.cost.slicing import uniform_slices
 from megatron_slim.plan.recipe import load_recipe
-from megatron_slim.plan.schedule.exchange_pairs import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.plan.sim.exchange_timing import timed_exchange_schedule
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.models import TINY_GQA_8L
@@ -40,12 +40,12 @@ PP4_VPP2 = [(2, 4, uniform_slices(SEQ, 4), None)]
 
 def _check_pairs(plan: ExchangePlan, pp: int, vpp: int) -> None:
     if pp == 4:
-        assert any(p.sender_action.kind.is_backward for p in plan.pairs), "no backward pair exercised"
+        assert any(p.sender_action.kind.is_backward for p in plan.blocks), "no backward pair exercised"
     if vpp > 1:
-        assert any(p.sender_action.chunk != p.peer_action.chunk for p in plan.pairs), "no cross-chunk pair"
+        assert any(p.sender_action.chunk != p.taker_action.chunk for p in plan.blocks), "no cross-chunk pair"
     if vpp > 1 and pp == 4:
-        for end in ("sender_action", "peer_action"):
-            assert {getattr(p, end).chunk for p in plan.pairs} == set(range(vpp)), end
+        for end in ("sender_action", "taker_action"):
+            assert {getattr(p, end).chunk for p in plan.blocks} == set(range(vpp)), end
 
 
 def _check_moved(results, pp, configs):
@@ -54,7 +54,7 @@ def _check_moved(results, pp, configs):
         plan = ExchangePlan.from_text(results[0][cfg_index][4])
         assert all(r[cfg_index][4] == results[0][cfg_index][4] for r in results), "ranks planned different pairs"
         sent = [r[cfg_index][3] for r in results]
-        expected = [sum(p.moved_tokens * layers for p in plan.pairs if p.sender == rank) for rank in range(pp)]
+        expected = [sum(p.tokens * layers for p in plan.blocks if p.sender == rank) for rank in range(pp)]
         assert sent == expected and sum(sent) > 0, (sent, expected)
         _check_pairs(plan, pp, vpp)
         if timing is not None:  # what ran is the pairing megatron-slim simulate prices
