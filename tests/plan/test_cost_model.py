@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from megatron_slim.plan.cost.calibration import Calibration, Measurement, load_calibration
@@ -5,6 +7,8 @@ from megatron_slim.plan.cost.layer import causal_pairs
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schema import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gemm_flops_match_six_n_d_for_short_sequences():
@@ -74,17 +78,34 @@ def test_calibration_interpolates_in_log_work_and_overrides_the_profile(tmp_path
         load_calibration(path)
 
 
+def test_optimizer_time_reads_the_memory_bound_rate_at_the_bytes_adam_moves():
+    """A calibration's small memory-bound points are launch-bound; Adam streams gigabytes."""
+    r = load_recipe("llama2-7b-64k")
+    slow_small, fast_large = Measurement("memory_bound", 1e3, 1e3 / 1e10), Measurement("memory_bound", 1e6, 1e6 / 2e12)
+    cal = Calibration("h100", (slow_small, fast_large))
+    cm = CostModel(r, calibration=cal)
+    nbytes = cm.rank_params(1) / (r.parallel.dp * r.parallel.cp) * 36
+    assert nbytes > 1e6
+    assert cm.optimizer_time(1) == pytest.approx(nbytes / 2e12)
+    assert CostModel(r).optimizer_time(1) == pytest.approx(nbytes / (3.35e12 * 0.80))  # h100 profile
+
+
 def test_shipped_hopper_calibrations_load_by_name_and_hold_measured_rates():
     """The measured H200 files (benchmarks/results/gpu_calibration_h200.md): GEMMs at 65-90% of the
-    989 TFLOP/s bf16 peak at large sizes, cuDNN attention faster than torch's flash kernel, and no
-    memory-bound points (the H200's HBM is not the H100's)."""
+    989 TFLOP/s bf16 peak at large sizes, cuDNN attention faster than torch's flash kernel; the
+    memory-bound points are the H100's (the H200's HBM is faster), byte for byte its raw file's."""
     from megatron_slim.plan.cost.calibration import shipped_calibrations
 
     assert {"hopper-cudnn", "hopper-sdpa"} <= set(shipped_calibrations())
     cudnn, sdpa = load_calibration("hopper-cudnn"), load_calibration("hopper-sdpa")
+    h100 = load_calibration(ROOT / "benchmarks/results/gpu_measure_h100/calibration-sdpa.yaml").measurements
     for cal in (cudnn, sdpa):
         assert 0.65 < cal.rate("gemm", 1e13) / 989.4e12 < 0.9
-        assert cal.rate("memory_bound", 1e9) is None
+        assert cal.rate("memory_bound", 1e10) == pytest.approx(6442450944 / 0.0020961599349975588)
+        assert 0.9 < cal.rate("memory_bound", 1e10) / 3.35e12 < 0.93  # H100 HBM3 spec: 3.35 TB/s
+        assert cal.rate("memory_bound", 1e6) < 0.5 * cal.rate("memory_bound", 1e10)  # launch-bound
+        points = [m for m in cal.measurements if m.op == "memory_bound"]
+        assert [(m.work, m.seconds) for m in points] == [(m.work, m.seconds) for m in h100 if m.op == "memory_bound"]
     for op in ("attention_forward", "attention_backward"):
         assert cudnn.rate(op, 1e13) > 1.3 * sdpa.rate(op, 1e13)
         assert cudnn.rate(op, 1e8) < 0.1 * cudnn.rate(op, 1e13)  # small blocks: launch-bound

@@ -256,8 +256,10 @@ class CostModel:
     def optimizer_time(self, rank: int) -> float:
         p, t = self.recipe.parallel, self.recipe.train
         shards = p.dp * p.cp if t.distributed_optimizer else 1
-        # Adam reads and writes param, grad, master, exp_avg, exp_avg_sq (~36 bytes per param).
-        return self.rank_params(rank) / shards * 36 / self._rate("memory_bound", 1.0)
+        # Adam reads and writes param, grad, master, exp_avg, exp_avg_sq (~36 bytes per param). The
+        # rate is looked up at the real byte count: a calibration's small-kernel points are launch-bound.
+        nbytes = self.rank_params(rank) / shards * 36
+        return nbytes / self._rate("memory_bound", nbytes) if nbytes else 0.0
 
     def model_flops(self, tokens: float) -> float:
         """Model FLOPs (forward + 2x backward, no recompute) of one microbatch on one GPU's share
