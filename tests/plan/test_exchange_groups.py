@@ -64,6 +64,36 @@ def test_a_two_rank_slot_moves_the_tokens_that_equalise_it(granule, tokens):
     assert [(b.sender, b.taker, b.taker_action, b.kv_start, b.kv_end) for b in found] == expected
 
 
+class EvenDurations:
+    """Forward of slice j: 2 + j s, j of them movable: every forward's fixed part is 2 s."""
+
+    def full(self, rank, a):
+        return 2.0 + a.slice
+
+    def movable(self, rank, a):
+        return float(a.slice)
+
+
+def test_senders_split_their_excess_by_the_takers_deficits_and_are_served_in_start_order():
+    # slimpipe pp4, unit slot 3: F0.3, F0.2, F0.1, F0.0 on ranks 0-3, all fixed parts 2 s, movable
+    # 3+2+1+0 = 6: level 3.5, shares 1.5 each. Rank 0 gives 1.5 of 3 s (prefix 12), rank 1 0.5 of 2 s
+    # (prefix 8); deficits 0.5 (rank 2) and 1.5 (rank 3). Rank 0: 1.5 x 0.5/2 = 0.375 s -> 12 x
+    # 0.375 / 3 = 1.5 -> 2 tokens (half up), then 6 in all; rank 1: 0.5 tokens -> 1, then 2 in all.
+    schedule = lower(generate("slimpipe", 4, 1, 4, 4))
+    f = [Action(Kind.F, 0, 0, j) for j in range(4)]
+    expected = [(0, 2, 0, 2), (0, 3, 2, 6), (1, 2, 0, 1), (1, 3, 1, 2)]
+    plan = plan_group_exchange(schedule, [4] * 4, EvenDurations())
+    senders = {(0, f[3]), (1, f[2])}
+    found = [(b.sender, b.taker, b.kv_start, b.kv_end) for b in plan.blocks if b.sender_end in senders]
+    assert found == expected
+    assert {b.taker_action for b in plan.blocks if b.sender_end in senders} == {f[1], f[0]}
+    starts = {(r, a): 0.0 for r, row in enumerate(schedule.ranks) for a in row if a.kind.is_compute}
+    starts[(1, f[2])] = -1.0  # rank 1 starts first: its blocks come first, so takers serve it first
+    plan = plan_group_exchange(schedule, [4] * 4, EvenDurations(), starts=starts)
+    found = [(b.sender, b.taker, b.kv_start, b.kv_end) for b in plan.blocks if b.sender_end in senders]
+    assert found == expected[2:] + expected[:2]
+
+
 @pytest.mark.parametrize("granule", [1, 16, 3000])
 def test_blocks_cover_each_senders_prefix_from_zero_on_granule_bounds(granule):
     schedule, costs = _small()

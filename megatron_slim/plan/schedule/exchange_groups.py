@@ -17,8 +17,9 @@ seconds / movable``), rounded to ``granule`` tokens (the runtime's zigzag CP nee
 lists blocks by group, then by sender in the order of ``starts``. On the unit timeline a slot's
 members tie (so do they when every member lasts its balanced duration): the order that matters
 comes from the messages' times, which only a simulation knows (``plan/sim/exchange_timing.py``
-re-plans with simulated starts; a taker that serves a late sender first holds up the early ones). The costs come in as a
-``GroupDurations`` (``plan/sim/exchange_durations.py`` answers it from ``PipelineCosts``).
+re-plans with simulated starts; a taker that serves a late sender first holds up the early ones).
+The costs come in as a ``GroupDurations`` (``plan/sim/exchange_durations.py`` answers it from
+``PipelineCosts``).
 ``with_group_exchange`` stores the plan after ``drop_deadlocks``.
 """
 
