@@ -9,7 +9,8 @@ Prints the simulated bubble of: uniform slices without exchange; the shipped pai
 (``simulate_with_exchange``, minutes: ``--skip-shipped`` leaves it out); the group plan, priced by
 the simulator (``simulate_with_group_exchange``) for each granule (default 1 and 2 x cp, the
 zigzag-CP multiple); the closed form (p - 1) / (n v m + p - 1). With each plan: blocks, the most
-senders one taker serves, and stage 0's peak activation bytes against the uniform run's.
+senders one taker serves, stage 0's peak activation bytes and the highest rank's peak memory
+(takers hold the moved K/V) against the uniform run's.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ def line(label: str, result: SimResult, uniform: SimResult, seconds: float) -> s
     plan = ExchangePlan.from_text(result.schedule.exchange)
     senders = max((len({b.sender_end for b in blocks}) for blocks in plan.served.values()), default=0)
     act, base = result.ranks[0].peak_activation_bytes, uniform.ranks[0].peak_activation_bytes
+    peak = max(r.peak_memory_bytes for r in result.ranks)
     return (
         f"{label:<28} bubble {result.bubble_ratio:6.2%} ({result.pipeline_time_s:.2f} s); "
         f"{len(plan.blocks)} blocks, <= {senders} senders/taker; stage-0 activations "
-        f"{act / 2**30:.2f} GiB ({act / base:.3f}x uniform); {seconds:.0f} s"
+        f"{act / 2**30:.2f} GiB ({act / base:.3f}x uniform); peak memory {peak / 2**30:.2f} GiB "
+        f"({peak / max(r.peak_memory_bytes for r in uniform.ranks):.3f}x); {seconds:.0f} s"
     )
 
 
