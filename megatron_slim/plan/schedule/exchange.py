@@ -95,25 +95,32 @@ def _pair_step(
     return pairs
 
 
+def concurrent(members: list[tuple[Interval, RankAction]]) -> list[list[RankAction]]:
+    """Groups of ``members`` ((start, end), (rank, action)) on distinct ranks that all run at one
+    moment: a sweep in start order closes a group when the next action starts after a member has
+    ended or its rank is already in it."""
+    groups: list[list[RankAction]] = []
+    group: list[RankAction] = []
+    ends: list[float] = []
+    for (start, end), ra in sorted(members, key=lambda m: (m[0][0], m[1][0])):
+        if group and (start >= min(ends) or ra[0] in {r for r, _ in group}):
+            groups.append(group)
+            group, ends = [], []
+        group.append(ra)
+        ends.append(end)
+    if group:
+        groups.append(group)
+    return groups
+
+
 def _steps(timeline: Mapping[RankAction, Interval]) -> list[list[RankAction]]:
-    """Groups of compute actions of one class (forward, backward) on distinct ranks that all run
-    at one moment: a sweep in start order closes a group when the next action starts after a
-    member has ended or its rank is already in it."""
+    """``concurrent`` groups of compute actions of one class (forward, backward)."""
     steps: list[list[RankAction]] = []
     for backward in (False, True):
         members = [
             (t, ra) for ra, t in timeline.items() if ra[1].kind is not Kind.W and ra[1].kind.is_backward == backward
         ]
-        group: list[RankAction] = []
-        ends: list[float] = []
-        for (start, end), ra in sorted(members, key=lambda m: (m[0][0], m[1][0])):
-            if group and (start >= min(ends) or ra[0] in {r for r, _ in group}):
-                steps.append(group)
-                group, ends = [], []
-            group.append(ra)
-            ends.append(end)
-        if group:
-            steps.append(group)
+        steps += concurrent(members)
     return steps
 
 
