@@ -226,7 +226,7 @@ class ContextExchange(PairMessages):
         for block in role.blocks:
             rows = slice(block.kv_start, block.kv_end)
             k, v = k_moved[:, rows], v_moved[:, rows]
-            buffers = (torch.empty_like(q), torch.empty(b, hq, s, dtype=torch.float32, device=q.device))
+            buffers = (q.new_empty(q.shape), torch.empty(b, hq, s, dtype=torch.float32, device=q.device))
             pending.append(self._ship(block, layer, Header.of(q, k, scale), (q, k, v), buffers))
         return pending
 

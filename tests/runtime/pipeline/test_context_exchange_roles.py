@@ -113,8 +113,9 @@ def test_a_move_that_is_not_whole_cached_slices_is_refused():
 
 @pytest.mark.parametrize("rank,action,shards", [(0, "F1.0", 2), (1, "1F0.3", 1), (1, "1F0.3", 2)])
 def test_an_exchanging_action_that_runs_no_attention_is_refused(rank, action, shards):
-    with pytest.raises(RuntimeError, match="ran no attention layer"), _exchange(rank, shards).scope(
-        Action.parse(action)
+    with (
+        pytest.raises(RuntimeError, match="ran no attention layer"),
+        _exchange(rank, shards).scope(Action.parse(action)),
     ):
         pass
 
