@@ -251,7 +251,8 @@ class _Run:
         plan = ExchangePlan.from_text(self.schedule.exchange)
         lengths = self.settings.slice_lengths
         group = exchange_group(self.group)
-        return ContextExchange(plan, self.group.rank(), group, ranks, lengths, shards=chunks.cp)
+        device = chunks.first_param.device
+        return ContextExchange(plan, self.group.rank(), group, ranks, lengths, shards=chunks.cp, device=device)
 
     def _p2p(self, device: torch.device) -> Optional[P2P]:
         """The send/receive pairs between pipeline stages; none for a single stage."""

@@ -1,90 +1,117 @@
-"""Context exchange at run time: this rank's side of the schedule's pairs (``Schedule.exchange``).
+"""Context exchange at run time: this rank's side of the schedule's blocks (``Schedule.exchange``).
 
-A pair couples a compute action of a *sender* (the rank whose slice has the longer K/V prefix)
-with one of a *peer* (``plan/schedule/exchange_blocks.py``). Both actions run their chunk's
-layers in the same order (forward: first to last; backward: last to first), and at every
-attention layer the two ends meet once:
+A block couples a compute action of a *sender* with one of a *taker* on another rank
+(``plan/schedule/exchange_blocks.py``): the taker attends the sender's slice to the token range
+``[kv_start, kv_end)`` of the sender's K/V prefix, unmasked (it precedes the slice). A sender's
+blocks cover ``[0, m)``; it runs its own causal attention over ``[m, prefix)`` plus the slice. Both
+ends' actions run chunks of equally many layers (recipes split layers evenly over pp x vpp chunks),
+and the sender's ``j``-th attention layer meets each of its blocks' ``j``-th service:
 
-* forward: the sender ships its slice's Q and the oldest ``moved`` tokens of its K/V prefix; the
-  peer attends Q to them without a mask and returns ``(out, lse)``; the sender merges that with
-  its own causal attention over the rest of the prefix by log-sum-exp;
-* backward: the sender ships ``dout``, Q, the merged ``out`` and ``lse`` and the moved K/V; the
-  peer returns fp32 ``dQ`` (added to the sender's) and ``dK``/``dV`` of the moved block (added
-  into the sender's K/V cache accumulators).
+* forward: the sender ships its slice's Q and each block's K/V rows; each taker returns
+  ``(out, lse)``; the sender merges them with its own by log-sum-exp;
+* backward: the sender ships ``dout``, Q, the merged ``out`` and ``lse`` and each block's K/V rows;
+  each taker returns fp32 ``dQ`` (summed into the sender's) and ``dK``/``dV`` of its rows (added into
+  the sender's K/V cache accumulators, rows that need not align with cached slices).
 
-The sender posts its receives together with its sends, before its own attention, and the peer
-serves before its own, so one layer's meeting needs no third party; the readiness walk ran the
-pair as one rendezvous (``drop_deadlocks``), so neither end waits for the other behind a message
-it has not sent yet. Messages are tagged in their own range, above the schedule's and the
-vocabulary exchange's tags, by (pair, layer, message): gloo matches them by tag, so they never
-take the place of an activation on the same link. With interleaving (vpp > 1) a pair may couple
-two model chunks: attention has no weights, so the peer needs only the sender's Q/K/V, and since an
-action names its chunk and sits in one pair at most, two chunks' meetings never share a tag. Both
-ends run one chunk's layers each, equally many (recipes split layers evenly over pp x vpp chunks).
-Under query-out context parallelism each CP rank pairs with the same CP rank of the peer stage
-and ships its own shards (``shards``: the CP size; ``runtime/pipeline/cp_exchange.py``). NCCL
-ignores tags and matches in posting order, which activation receives posted ahead would break, so
-there ``group`` must carry nothing else (``megatron/slimpipe/exchange_group.py`` makes one).
+Without CP (``shards == 1``) a taker's blocks, of either pass, are served by a :class:`BlockServer`
+(``exchange_server.py``) started when the taker's action begins and joined when it ends, each block
+as soon as its bytes arrive; the taker's own attention runs locally. The sender posts its receives
+with its sends, before its own attention. The readiness walk ran the actions linked by blocks as
+one rendezvous (``drop_deadlocks``), so no end waits behind a message not yet sent.
+
+Under query-out context parallelism (``shards``: the CP size; ``cp_exchange.py``) only mirrored
+pairs run (one block per action, both ends in one pass; ``exchange_pairs.py``): each CP rank pairs
+with the same CP rank of the peer stage, ships its own shards, and the peer stage serves at its
+own layers, where its CP ranks meet for the block's collectives. Other plans are refused by name.
+
+Messages are tagged by (block, layer, message) in their own range (``exchange_wire.py``). With
+interleaving a block may couple two model chunks: attention has no weights. NCCL ignores tags and
+matches in posting order, so there ``group`` must carry nothing else
+(``megatron/slimpipe/exchange_group.py`` makes one).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangeBlock, ExchangePlan
 from megatron_slim.plan.schedule.ir import Action
-
-TAG_BASE = 2**30  # above the schedule's tags and the vocabulary exchange's (both far below)
-_MESSAGES = 16  # message kinds per layer (forward 5, backward 9)
-_TAG_SPAN = 2**30 - _MESSAGES  # every tag stays below 2**31 - 1
-_LAYERS = 4096  # layer slots per pair
+from megatron_slim.runtime.pipeline.exchange_pairs import Attend, Gradients, PairMessages, Pending, unmasked
+from megatron_slim.runtime.pipeline.exchange_server import BlockServer, ServedBlock
+from megatron_slim.runtime.pipeline.exchange_wire import Header, done_header, layer_tag
 
 Tensor = torch.Tensor
-Attend = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]  # (q, k, v) -> the block's (out, lse)
-Gradients = Callable[..., tuple[Tensor, Tensor, Tensor]]  # (dout, q, out, lse, k, v) -> (dq, dk, dv)
+__all__ = ["Attend", "ContextExchange", "ExchangeRole", "Gradients", "Pending", "paired_role", "unmasked"]
 
 
-def unmasked(backend, scale: float) -> tuple[Attend, Gradients]:
-    """The block's forward and backward without context parallelism: plain unmasked attention."""
+@dataclass(frozen=True)
+class BlockEnd:
+    """One block as one of its ends sees it."""
 
-    def attend(q, k, v):
-        return backend.forward(q, k, v, causal=False, softmax_scale=scale)
+    index: int  # in the plan's order: the same on both ends
+    other: int  # pipeline rank of the block's other end
+    kv_start: int  # the block's K/V tokens in the sender's prefix: [kv_start, kv_end)
+    kv_end: int
+    backward: bool  # the block's pass (its sender's)
 
-    def gradients(dout, q, out, lse, k, v):
-        return backend.backward(dout, q, k, v, out, lse, causal=False, softmax_scale=scale)
-
-    return attend, gradients
+    @property
+    def tokens(self) -> int:
+        return self.kv_end - self.kv_start
 
 
 @dataclass(frozen=True)
 class ExchangeRole:
-    """What a paired action on this rank does at each of its attention layers."""
+    """What an exchanging action on this rank does at each of its attention layers."""
 
     sender: bool
-    other: int  # pipeline rank of the pair's other end
-    pair_index: int  # in the plan's order: the same on both ends
-    query_rows: int  # rows of the sender's slice on this CP rank (the whole slice without CP)
-    moved: int  # oldest K/V tokens of the sender's prefix the peer attends to
-    moved_rows: int  # of them, the rows this CP rank holds and ships
+    blocks: tuple[BlockEnd, ...]  # a sender's, or a taker's served blocks, in plan order
+    query_rows: int  # rows of the (first) sender's slice on this CP rank (the whole slice without CP)
+    shards: int = 1  # the CP size
+
+    @property
+    def other(self) -> int:
+        """The pipeline rank of the first block's other end (a pair's only one)."""
+        return self.blocks[0].other
+
+    @property
+    def pair_index(self) -> int:
+        return self.blocks[0].index
+
+    @property
+    def moved(self) -> int:
+        """K/V tokens of the sender's prefix the blocks cover (a sender's ``m``)."""
+        return sum(b.tokens for b in self.blocks)
+
+    @property
+    def moved_rows(self) -> int:
+        """Of them, the rows this CP rank holds and ships."""
+        return self.moved // self.shards
 
 
-def _refuse_beyond_pairs(plan: ExchangePlan, block) -> None:
-    """This runtime meets one block per action, both ends in one pass (a mirrored pair)."""
+def _refuse_beyond_pairs(plan: ExchangePlan, block: ExchangeBlock, shards: int) -> None:
+    """Under CP the exchange meets one block per action, both ends in one pass (a mirrored pair)."""
     single = len(plan.group_of(*block.sender_end)) == 2
     if not single or block.backward != block.taker_action.kind.is_backward:
         raise NotImplementedError(
-            f"context exchange: block {block} is not a same-pass pair (an action in several blocks, or a "
-            "block served in the other pass); this runtime runs mirrored pairs only"
+            f"context exchange under context parallelism (cp={shards}): block {block} is not a same-pass "
+            "pair (an action in several blocks, or a block served in the other pass); allowed: mirrored "
+            "pairs (one block per action, both ends in one pass) with cp > 1, or any block plan with cp=1"
         )
 
 
+def _role(rank: int, sender: bool, items: list, lengths: Sequence[int], shards: int) -> ExchangeRole:
+    ends = tuple(BlockEnd(i, b.taker if sender else b.sender, b.kv_start, b.kv_end, b.backward) for i, b in items)
+    return ExchangeRole(sender, ends, lengths[items[0][1].sender_action.slice] // shards, shards)
+
+
 def paired_role(exchange: Optional["ContextExchange"], packed: bool, recompute: bool) -> Optional[ExchangeRole]:
-    """The current action's role at this layer (None: not paired); refuses packed documents.
+    """What the current action's attention does at this layer (None: nothing exchanged); refuses
+    packed documents. A taker without CP gets None: its server serves its blocks.
 
     ``recompute``: a forward rebuilt inside a backward action (activation recomputation) is never
     paired: its attention runs over the whole cached prefix locally. The backward needs only the
@@ -96,151 +123,147 @@ def paired_role(exchange: Optional["ContextExchange"], packed: bool, recompute: 
             "schedule.slice_policy=exchange: context exchange does not run packed documents; allowed: "
             "unpacked batches (data.packing=none), or schedule.slice_policy=uniform"
         )
-    return None if recompute else role
+    if role is None or recompute:
+        return None
+    if not role.sender and exchange is not None and exchange.serves_in_thread:
+        return None  # its blocks are served beside its layers (``exchange_server``); its attention is its own
+    return role
 
 
-class Pending:
-    """A sender's messages of one layer in flight; ``wait`` returns what the peer sent back."""
-
-    def __init__(self, sends: list, receives: list, buffers: tuple[torch.Tensor, ...]) -> None:
-        self._sends, self._receives, self._buffers = sends, receives, buffers
-
-    def wait(self) -> tuple[torch.Tensor, ...]:
-        for work in self._receives + self._sends:
-            work.wait()
-        return self._buffers
-
-
-class ContextExchange:
+class ContextExchange(PairMessages):
     def __init__(
-        self, plan: ExchangePlan, rank: int, group, pp_ranks: Sequence[int], lengths: Sequence[int], shards: int = 1
+        self,
+        plan: ExchangePlan,
+        rank: int,
+        group,
+        pp_ranks: Sequence[int],
+        lengths: Sequence[int],
+        shards: int = 1,
+        device: Optional[torch.device] = None,
     ) -> None:
         """``pp_ranks[i]``: the global rank of pipeline rank ``i`` in ``group``; ``lengths``: slice lengths;
-        ``shards``: the CP size (each CP rank ships its shard of the slice's queries and moved K/V)."""
+        ``shards``: the CP size (each CP rank ships its shard of the slice's queries and moved K/V);
+        ``device``: where the served blocks' buffers go (cp = 1; default CPU)."""
         self.group, self.pp_ranks, self.shards = group, list(pp_ranks), shards
-        self._roles: dict[Action, ExchangeRole] = {}
-        for i, p in enumerate(plan.blocks):
-            _refuse_beyond_pairs(plan, p)
-            rows, moved = lengths[p.sender_action.slice] // shards, p.tokens
-            if p.sender == rank:
-                self._roles[p.sender_action] = ExchangeRole(True, p.taker, i, rows, moved, moved // shards)
-            elif p.taker == rank:
-                self._roles[p.taker_action] = ExchangeRole(False, p.sender, i, rows, moved, moved // shards)
+        self.device = device if device is not None else torch.device("cpu")
+        self.backend = None  # this rank's attention backend, recorded by its attention layers (serving uses it)
+        sent: dict[Action, list] = {}
+        served: dict[Action, list] = {}
+        for i, b in enumerate(plan.blocks):
+            if shards > 1:
+                _refuse_beyond_pairs(plan, b, shards)
+            if b.sender == rank:
+                sent.setdefault(b.sender_action, []).append((i, b))
+            elif b.taker == rank:
+                served.setdefault(b.taker_action, []).append((i, b))
+        self._roles = {a: _role(rank, True, items, lengths, shards) for a, items in sent.items()}
+        self._roles.update({a: _role(rank, False, items, lengths, shards) for a, items in served.items()})
         self._current: Optional[ExchangeRole] = None
         self._action: Optional[Action] = None
         self._layer = 0
         self.sent_tokens = 0  # K/V rows this rank moved to peers (its CP shard), summed over layers and passes
-        self.served_blocks = 0  # attention blocks this rank computed for senders
+        self.served_blocks = 0  # attention blocks this rank computed for senders (one per layer)
 
     @property
     def role(self) -> Optional[ExchangeRole]:
-        """The current action's role, None outside a paired action."""
+        """The current action's role, None outside an exchanging action."""
         return self._current
+
+    @property
+    def serves_in_thread(self) -> bool:
+        """Without CP a taker's blocks are served by a :class:`BlockServer` beside its own layers."""
+        return self.shards == 1
 
     @contextmanager
     def scope(self, action: Action) -> Iterator[None]:
-        """Run ``action``: its attention layers meet its partner's, if it is paired."""
+        """Run ``action``: its attention layers meet its blocks' other ends, if it exchanges."""
         self._current, self._action, self._layer = self._roles.get(action), action, 0
+        server = self._start_server(self._current)
         try:
             yield
-            if self._current is not None and self._layer == 0:
-                raise RuntimeError(f"context exchange: paired action {action} ran no attention layer")
+            self._finish(action, server)
         finally:
             self._current, self._action = None, None
 
-    def moved_chunks(self, chunk_lengths: Sequence[int]) -> int:
-        """How many of the oldest cached chunks (``chunk_lengths`` local rows each) the pair moves."""
-        role, total = self._role(), 0
-        for count, length in enumerate(chunk_lengths, start=1):
-            total += length * self.shards
-            if total == role.moved:
-                return count
-        raise RuntimeError(
-            f"context exchange: {self._action} moves {role.moved} tokens, not a whole number of its "
-            f"cached slices ({list(chunk_lengths)})"
-        )
+    def _start_server(self, role: Optional[ExchangeRole]) -> Optional[BlockServer]:
+        if role is None or role.sender or not self.serves_in_thread:
+            return None
+        blocks = [ServedBlock(b.index, self.pp_ranks[b.other], b.backward) for b in role.blocks]
+        server = BlockServer(blocks, self.group, self.device, self._backend_for)
+        server.start()
+        return server
 
-    # ---- the sender ---------------------------------------------------------------------------
-    def send_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Pending:
-        """Ship Q and the moved K/V; ``wait()`` -> the block's (out, lse)."""
-        role, tag = self._role(), self._next_layer()
+    def _backend_for(self, head: Header):
+        if self.backend is not None:
+            return self.backend
+        from megatron_slim.runtime.attention import select_backend
+
+        return select_backend(None, self.device, head.dtype)
+
+    def _finish(self, action: Action, server: Optional[BlockServer]) -> None:
+        """A sender tells its takers it is done; a taker waits for its server (and its errors)."""
+        role = self._current
+        if role is None:
+            return
+        if server is not None:
+            self.served_blocks += server.join()
+            return
+        if self._layer == 0:
+            raise RuntimeError(f"context exchange: exchanging action {action} ran no attention layer")
+        if role.sender and self.serves_in_thread:
+            done = done_header(self.device)
+            ends = [(self.pp_ranks[b.other], layer_tag(b.index, self._layer)) for b in role.blocks]
+            for work in [dist.isend(done, other, self.group, tag) for other, tag in ends]:
+                work.wait()
+
+    # ---- a sender without CP: several blocks, any token ranges ---------------------------------
+    def ship_forward(self, q: Tensor, k_moved: Tensor, v_moved: Tensor, scale: float) -> list["Pending"]:
+        """Ship Q and each block's K/V rows (of ``k_moved``/``v_moved``: the prefix's first ``m`` tokens);
+        each ``wait()`` -> that block's (out, lse)."""
+        role, layer = self._role(), self._next_layer_index()
         b, s, hq, _ = q.shape
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
-        self.sent_tokens += role.moved_rows
-        return self._exchange(role, tag, (q, k, v), (out, lse))
+        pending = []
+        for block in role.blocks:
+            rows = slice(block.kv_start, block.kv_end)
+            k, v = k_moved[:, rows], v_moved[:, rows]
+            buffers = (q.new_empty(q.shape), torch.empty(b, hq, s, dtype=torch.float32, device=q.device))
+            pending.append(self._ship(block, layer, Header.of(q, k, scale), (q, k, v), buffers))
+        return pending
 
-    def send_backward(self, dout, q, out, lse, k, v) -> Pending:
-        """Ship what the block's backward needs; ``wait()`` -> fp32 (dQ, dK, dV) of the block."""
-        role, tag = self._role(), self._next_layer()
-        grads = (torch.empty(q.shape, dtype=torch.float32, device=q.device),) + tuple(
-            torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)
-        )
-        self.sent_tokens += role.moved_rows
-        return self._exchange(role, tag, (dout, q, out, lse, k, v), grads)
+    def ship_backward(self, dout, q, out, lse, k_moved: Tensor, v_moved: Tensor, scale: float) -> list["Pending"]:
+        """Ship what each block's backward needs; each ``wait()`` -> fp32 (dQ, dK, dV) of that block."""
+        role, layer = self._role(), self._next_layer_index()
+        pending = []
+        for block in role.blocks:
+            rows = slice(block.kv_start, block.kv_end)
+            k, v = k_moved[:, rows], v_moved[:, rows]
+            grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+            pending.append(self._ship(block, layer, Header.of(q, k, scale), (dout, q, out, lse, k, v), grads))
+        return pending
 
-    def _exchange(self, role: ExchangeRole, tag: int, payload: tuple, buffers: tuple) -> Pending:
-        other = self.pp_ranks[role.other]
-        sends = [dist.isend(t.detach().contiguous(), other, self.group, tag + i) for i, t in enumerate(payload)]
-        first = tag + len(payload)
+    def _ship(self, block: BlockEnd, layer: int, head: Header, payload: tuple, buffers: tuple) -> "Pending":
+        other, tag = self.pp_ranks[block.other], layer_tag(block.index, layer)
+        sends = [dist.isend(head.encode(self.device), other, self.group, tag)]
+        sends += [dist.isend(t.detach().contiguous(), other, self.group, tag + 1 + i) for i, t in enumerate(payload)]
+        first = tag + 1 + len(payload)
         receives = [dist.irecv(t, other, self.group, first + i) for i, t in enumerate(buffers)]
+        self.sent_tokens += block.tokens
         return Pending(sends, receives, buffers)
 
-    # ---- the peer -----------------------------------------------------------------------------
-    def serve_forward(self, q_like: Tensor, kv_like: Tensor, attend: Attend) -> None:
-        """Attend the sender's Q to its moved K/V, unmasked (``attend``), and return (out, lse)."""
-        role, tag = self._role(), self._next_layer()
-        kv_shape = self._kv_shape(role, kv_like)
-        q, k, v = self._receive(role, tag, (self._q_shape(role, q_like), kv_shape, kv_shape), q_like)
-        out, lse = attend(q, k, v)
-        self._reply(role, tag + 3, (out, lse.float()))
-
-    def serve_backward(self, q_like: Tensor, kv_like: Tensor, gradients: Gradients) -> None:
-        """The block's backward for the sender (``gradients``): fp32 (dQ, dK, dV) go back."""
-        role, tag = self._role(), self._next_layer()
-        q_shape, kv_shape = self._q_shape(role, q_like), self._kv_shape(role, kv_like)
-        b, s, hq, _ = q_shape
-        shapes = (q_shape, q_shape, q_shape, (b, hq, s), kv_shape, kv_shape)
-        dout, q, out, lse, k, v = self._receive(role, tag, shapes, q_like, lse_at=3)
-        dq, dk, dv = gradients(dout, q, out, lse, k, v)
-        self._reply(role, tag + 6, (dq.float(), dk.float(), dv.float()))
-
-    def _receive(self, role, tag: int, shapes, like: torch.Tensor, lse_at: int = -1) -> list[torch.Tensor]:
-        other, got = self.pp_ranks[role.other], []
-        for i, shape in enumerate(shapes):
-            dtype = torch.float32 if i == lse_at else like.dtype
-            buffer = torch.empty(tuple(shape), dtype=dtype, device=like.device)
-            dist.recv(buffer, other, self.group, tag + i)
-            got.append(buffer)
-        self.served_blocks += 1
-        return got
-
-    def _reply(self, role: ExchangeRole, tag: int, tensors: tuple) -> None:
-        other = self.pp_ranks[role.other]
-        works = [dist.isend(t.detach().contiguous(), other, self.group, tag + i) for i, t in enumerate(tensors)]
-        for work in works:  # the sender posted these receives with its sends
-            assert work is not None  # None only for a rank outside the group
-            work.wait()
-
-    @staticmethod
-    def _q_shape(role: ExchangeRole, q_like: torch.Tensor) -> tuple[int, ...]:
-        b, _, hq, d = q_like.shape
-        return (b, role.query_rows, hq, d)
-
-    @staticmethod
-    def _kv_shape(role: ExchangeRole, kv_like: torch.Tensor) -> tuple[int, ...]:
-        b, _, hkv, d = kv_like.shape
-        return (b, role.moved_rows, hkv, d)
-
     # ---- bookkeeping --------------------------------------------------------------------------
+    def current_role(self) -> ExchangeRole:
+        """The running action's role; refuses outside an exchanging action."""
+        return self._role()
+
     def _role(self) -> ExchangeRole:
         if self._current is None:
-            raise RuntimeError("context exchange: no paired action is running")
+            raise RuntimeError("context exchange: no exchanging action is running")
         return self._current
 
     def _next_layer(self) -> int:
-        """The first tag of the current layer's messages; moves on to the next layer."""
-        role = self._role()
-        tag = TAG_BASE + ((role.pair_index * _LAYERS + self._layer) * _MESSAGES) % _TAG_SPAN
+        """The first tag of the current layer's messages (a CP pair's); moves on to the next layer."""
+        return layer_tag(self._role().pair_index, self._next_layer_index())
+
+    def _next_layer_index(self) -> int:
         self._layer += 1
-        return tag
+        return self._layer - 1

@@ -16,7 +16,7 @@ are the same sample's later tokens. At every attention layer:
   the head rows' gradient, the earlier slices' rows into their cache accumulators.
 
 Messages are tagged by (transfer, layer, kind) in a range of their own, below the context exchange's
-(``context_exchange.TAG_BASE``), so gloo never matches two of them crosswise.
+(``exchange_wire.TAG_BASE``), so gloo never matches two of them crosswise.
 """
 
 from __future__ import annotations

@@ -15,12 +15,10 @@ sequence per document touched (bottom-right causal per document: its queries are
 keys). Cached chunks wholly before that start get no dK/dV from this slice; the chunk holding it
 gets zeros for its rows before it.
 
-Context exchange (``exchange``, ``runtime/pipeline/context_exchange.py``): in a paired action the
-sender's oldest cached chunks go to the peer, which attends the slice's queries to them unmasked;
-the sender's own call covers the rest of the prefix (still bottom-right causal: its queries are
-the last of those keys) and merges the two by log-sum-exp. Backward passes the merged out and lse
-to both blocks, so each block's gradient is exact; the peer's dK/dV add into the moved chunks'
-buffers. The peer serves its sender before its own attention, forward and backward.
+Context exchange (``exchange``, ``runtime/pipeline/context_exchange.py``): a sender's blocks of its
+K/V prefix go to their takers; its own call covers the rest and merges the blocks by log-sum-exp,
+and their dK/dV go into the cached slices' accumulators at their rows (``exchange_sender.py``). A
+taker's blocks are served beside its own layers (``exchange_server.py``); its own attention is plain.
 """
 
 from __future__ import annotations
@@ -31,16 +29,10 @@ from typing import Optional
 import torch
 
 from megatron_slim.runtime.attention import AttentionBackend
-from megatron_slim.runtime.attention.merge import merge
-from megatron_slim.runtime.pipeline.context_exchange import (
-    ContextExchange,
-    ExchangeRole,
-    Pending,
-    paired_role,
-    unmasked,
-)
+from megatron_slim.runtime.pipeline.context_exchange import ContextExchange, ExchangeRole, paired_role
 from megatron_slim.runtime.pipeline.documents import SliceDocuments
 from megatron_slim.runtime.pipeline.dp_merge import MergeLink
+from megatron_slim.runtime.pipeline.exchange_sender import sender_backward, sender_forward
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceInfo
 
@@ -128,44 +120,46 @@ def _role(exchange: Optional[ContextExchange], info: SliceInfo, documents, backw
     return paired_role(exchange, documents is not None, info.recompute and not backward)
 
 
-def _moved(prefix: list, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The oldest ``first`` cached chunks' K and V, joined: what the peer attends to."""
-    return torch.cat([k_i for k_i, _ in prefix[:first]], dim=1), torch.cat([v_i for _, v_i in prefix[:first]], dim=1)
-
-
 def _attend(
     backend, q, k, v, scale: float, store: KVCacheStore, info: SliceInfo, layer: int, documents, exchange, dp_merge=None
 ):
-    """(out, lse) of the slice; a paired sender's oldest chunks are attended to by its peer, whose
-    block merges with the sender's own causal attention over the rest (module docstring); ``dp_merge``:
+    """(out, lse) of the slice; an exchange sender's blocks are attended to by their takers and merge
+    with the sender's own causal attention over the rest (module docstring); ``dp_merge``:
     DP-merge heads sent, tails' foreign K/V joined (``dp_merge.MergeLink``)."""
     prefix = store.prefix(info.microbatch, layer, info.slice)
     if dp_merge is not None:
         dp_merge.send_heads(info, layer, prefix, k, v)
     role = _role(exchange, info, documents)
     if role is not None and role.sender:
-        first = exchange.moved_chunks([k_i.shape[1] for k_i, _ in prefix])
-        pending = exchange.send_forward(q, *_moved(prefix, first))
-        keys, values = _joined(prefix, k, v, _Keys(first, 0))
-        out, lse = backend.forward(q, keys, values, causal=True, softmax_scale=scale)
-        return merge(out, lse, *pending.wait())
-    if role is not None:
-        exchange.serve_forward(q, k, unmasked(backend, scale)[0])
+        return sender_forward(backend, q, k, v, scale, prefix, exchange)
     keys, values = _joined(prefix, k, v, _keys_of(prefix, documents))
     if dp_merge is not None:
         keys, values, documents, _ = dp_merge.join_foreign(info, layer, keys, values, documents)
     return _forward(backend, q, keys, values, scale, documents)
 
 
-def _add_moved_gradients(pending: Pending, dq, store: KVCacheStore, info: SliceInfo, layer: int, moved: list):
-    """The peer's block gradients: dK/dV into the moved chunks' accumulators; returns dQ plus its dQ."""
-    dq_block, dk_block, dv_block = pending.wait()
+def _local_backward(backend, dout, q, k, v, out, lse, scale, prefix, span: _Keys, documents, dp_merge, info, layer):
+    """Gradients of the slice's attention over ``span`` of its prefix (packed documents and DP-merge
+    foreign keys included): (dQ, the prefix chunks' dK/dV from ``span.first`` on, the slice's own dK/dV)."""
+    keys, values = _joined(prefix, k, v, span)
+    spots: list = []
+    if dp_merge is not None:
+        keys, values, documents, spots = dp_merge.join_foreign(info, layer, keys, values, documents)
+    dq, dkeys, dvalues = _backward(backend, dout, q, keys, values, out, lse, scale, documents)
+    if spots:
+        dkeys, dvalues = dp_merge.strip_foreign(info, layer, dkeys, dvalues, spots)
+    dkeys, dvalues = _with_skipped_rows(dkeys, span.skip), _with_skipped_rows(dvalues, span.skip)
+    kept = dkeys.shape[1] - k.shape[1]
+    return dq, dkeys[:, :kept], dvalues[:, :kept], dkeys[:, kept:], dvalues[:, kept:]
+
+
+def _accumulate_prefix(store: KVCacheStore, info: SliceInfo, layer: int, prefix: list, first: int, dk, dv) -> None:
+    """Rows of ``dk``/``dv`` into the accumulators of cached chunks ``first ..``, in order."""
     start = 0
-    for i, (k_i, _) in enumerate(moved):
-        rows = slice(start, start + k_i.shape[1])
-        store.accumulate(info.microbatch, layer, i, dk_block[:, rows], dv_block[:, rows])
+    for i in range(first, len(prefix)):
+        rows = slice(start, start + prefix[i][0].shape[1])
+        store.accumulate(info.microbatch, layer, i, dk[:, rows], dv[:, rows])
         start = rows.stop
-    return (dq.float() + dq_block).to(dq.dtype)
 
 
 class _SliceAttention(torch.autograd.Function):
@@ -195,29 +189,16 @@ class _SliceAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         backend, scale, store, info, layer, documents, exchange, dp_merge = ctx.meta
         prefix = store.prefix(info.microbatch, layer, info.slice)
-        span, dout, pending = _keys_of(prefix, documents), dout.contiguous(), None
+        dout = dout.contiguous()
         role = _role(exchange, info, documents, backward=True)
         if role is not None and role.sender:
-            span = _Keys(exchange.moved_chunks([k_i.shape[1] for k_i, _ in prefix]), 0)
-            pending = exchange.send_backward(dout, q, out, lse, *_moved(prefix, span.first))
-        elif role is not None:
-            exchange.serve_backward(q, k, unmasked(backend, scale)[1])
-        keys, values = _joined(prefix, k, v, span)
-        spots: list = []
-        if dp_merge is not None:
-            keys, values, documents, spots = dp_merge.join_foreign(info, layer, keys, values, documents)
-        dq, dkeys, dvalues = _backward(backend, dout, q, keys, values, out, lse, scale, documents)
-        if spots:
-            dkeys, dvalues = dp_merge.strip_foreign(info, layer, dkeys, dvalues, spots)
-        if pending is not None:
-            dq = _add_moved_gradients(pending, dq, store, info, layer, prefix[: span.first])
-        dkeys, dvalues = _with_skipped_rows(dkeys, span.skip), _with_skipped_rows(dvalues, span.skip)
-        start = 0
-        for i in range(span.first, len(prefix)):
-            rows = slice(start, start + prefix[i][0].shape[1])
-            store.accumulate(info.microbatch, layer, i, dkeys[:, rows], dvalues[:, rows])
-            start = rows.stop
-        dk, dv = dkeys[:, start:], dvalues[:, start:]
+            first, grads = 0, sender_backward(backend, dout, q, k, v, out, lse, scale, prefix, exchange)
+        else:
+            span = _keys_of(prefix, documents)
+            meta = (scale, prefix, span, documents, dp_merge, info, layer)
+            first, grads = span.first, _local_backward(backend, dout, q, k, v, out, lse, *meta)
+        dq, dk_prefix, dv_prefix, dk, dv = grads
+        _accumulate_prefix(store, info, layer, prefix, first, dk_prefix, dv_prefix)
         if dp_merge is not None:
             dk, dv = dp_merge.add_head_grads(info, layer, store, prefix, dk, dv)
         later = store.take_gradient(info.microbatch, layer, info.slice)
@@ -251,6 +232,8 @@ def sliced_attention(
     view would keep the whole fused QKV projection output alive with them.
     """
     k, v = k.contiguous(), v.contiguous()
+    if exchange is not None:
+        exchange.backend = backend  # what this rank's exchange server computes blocks with
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
         with torch.no_grad():
             out, _ = _attend(backend, q, k, v, softmax_scale, store, info, layer, documents, exchange, dp_merge)

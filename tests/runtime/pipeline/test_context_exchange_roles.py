@@ -1,34 +1,108 @@
 """``ContextExchange`` bookkeeping in one process: each end's role, the CP shard arithmetic (a CP
-rank ships its rows of the query slice and of the moved whole slices), and the refusals."""
+rank ships its rows of the query slice and of the moved whole slices), the server a taker without
+CP starts (stubbed: no process group here), and the refusals."""
 
 import pytest
 
 from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.plan.schedule.ir import Action
+from megatron_slim.runtime.pipeline import context_exchange
 from megatron_slim.runtime.pipeline.context_exchange import ContextExchange, paired_role
+from megatron_slim.runtime.pipeline.exchange_server import ServedBlock
+from megatron_slim.runtime.pipeline.exchange_wire import DONE, layer_tag
 
 # pp2 x vpp2, 64-token slices: rank 1's chunk 1 sends slice 3 of microbatch 0 to rank 0's chunk 0
 PLAN = ExchangePlan.from_text("8 1 1F0.3 0 F1.0 0 128\n")
 LENGTHS = (64, 64, 64, 64)
+# pp3: rank 2's B0.3 splits [0, 100) over two takers (a boundary inside slice 1); rank 0's F1.0
+# serves it and rank 1's F0.3 too (a backward block served by a forward action)
+BLOCKS = ExchangePlan.from_text("5 2 B0.3 0 F1.0 0 40\n5 2 B0.3 1 F2.1 40 100\n5 1 F0.3 0 F1.0 0 64\n")
 
 
-def _exchange(rank, shards=1):
-    return ContextExchange(PLAN, rank, group=None, pp_ranks=[0, 1], lengths=LENGTHS, shards=shards)
+class _StubServer:
+    """Records what a taker's server would serve; ``join`` reports two layers per block."""
+
+    started: list = []
+
+    def __init__(self, blocks, group, device, backend_for) -> None:
+        self.blocks = list(blocks)
+
+    def start(self) -> None:
+        _StubServer.started.append(self.blocks)
+
+    def join(self) -> int:
+        return 2 * len(self.blocks)
+
+
+class _Sent:
+    def wait(self) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def stub_server(monkeypatch):
+    _StubServer.started = []
+    monkeypatch.setattr(context_exchange, "BlockServer", _StubServer)
+    return _StubServer
+
+
+@pytest.fixture(autouse=True)
+def sent(monkeypatch):
+    """(destination, tag, header batch) of every message a sender posts (no process group here)."""
+    messages: list = []
+
+    def isend(tensor, dst, group, tag):
+        messages.append((dst, tag, int(tensor[0])))
+        return _Sent()
+
+    monkeypatch.setattr(context_exchange.dist, "isend", isend)
+    return messages
+
+
+def _exchange(rank, shards=1, plan=PLAN, pp_ranks=(0, 1), lengths=LENGTHS):
+    return ContextExchange(plan, rank, group=None, pp_ranks=list(pp_ranks), lengths=lengths, shards=shards)
 
 
 @pytest.mark.parametrize("shards", [1, 2, 4])
-def test_each_end_knows_its_role_and_its_cp_shard(shards):
+def test_each_end_knows_its_role_and_its_cp_shard(shards, stub_server, sent):
     sender, peer = _exchange(1, shards), _exchange(0, shards)
     with sender.scope(Action.parse("1F0.3")):
         role = sender.role
         assert (role.sender, role.other, role.query_rows, role.moved_rows) == (True, 0, 64 // shards, 128 // shards)
         assert sender.moved_chunks([64 // shards] * 3) == 2  # the two oldest whole slices
-        sender._layer = 1  # as if a layer ran
+        sender._layer = 3  # as if three layers ran
     with peer.scope(Action.parse("F1.0")):
         assert (peer.role.sender, peer.role.other, peer.role.moved_rows) == (False, 1, 128 // shards)
         peer._layer = 1
+    assert sent == ([(0, layer_tag(0, 3), DONE)] if shards == 1 else [])  # cp=1: the block's end, after layer 2
+    assert stub_server.started == ([[ServedBlock(0, 1, False)]] if shards == 1 else [])
+    assert peer.served_blocks == (2 if shards == 1 else 0)
     with sender.scope(Action.parse("F0.3")):  # chunk 0's action is another action: not paired
         assert sender.role is None
+
+
+def test_a_sender_with_several_blocks_and_a_taker_serving_several_senders(stub_server):
+    sender = _exchange(2, plan=BLOCKS, pp_ranks=(10, 11, 12), lengths=(64, 64, 64, 64))
+    role = sender._roles[Action.parse("B0.3")]
+    assert role.sender and role.moved == 100
+    assert [(b.index, b.other, b.kv_start, b.kv_end, b.backward) for b in role.blocks] == [
+        (0, 0, 0, 40, True),
+        (1, 1, 40, 100, True),
+    ]
+    taker = _exchange(0, plan=BLOCKS, pp_ranks=(10, 11, 12))
+    with taker.scope(Action.parse("F1.0")):
+        assert paired_role(taker, False, False) is None  # its own attention is plain; the server serves
+    assert stub_server.started == [[ServedBlock(0, 12, True), ServedBlock(2, 11, False)]]  # global ranks
+    assert taker.served_blocks == 4
+
+
+def test_cp_refuses_a_plan_beyond_mirrored_pairs_by_name():
+    with pytest.raises(NotImplementedError, match=r"cp=2.*allowed: mirrored pairs"):
+        _exchange(0, shards=2, plan=BLOCKS, pp_ranks=(0, 1, 2))
+    cross_pass = ExchangePlan.from_text("8 1 1B0.3 0 F1.0 0 128\n")
+    with pytest.raises(NotImplementedError, match="not a same-pass pair"):
+        _exchange(0, shards=2, plan=cross_pass)
+    assert _exchange(0, plan=cross_pass)._roles[Action.parse("F1.0")].blocks[0].backward  # cp=1 runs it
 
 
 def test_a_move_that_is_not_whole_cached_slices_is_refused():
@@ -37,16 +111,23 @@ def test_a_move_that_is_not_whole_cached_slices_is_refused():
         sender.moved_chunks([48, 48, 48])
 
 
-def test_a_paired_action_that_runs_no_attention_is_refused():
-    with pytest.raises(RuntimeError, match="ran no attention layer"), _exchange(0).scope(Action.parse("F1.0")):
+@pytest.mark.parametrize("rank,action,shards", [(0, "F1.0", 2), (1, "1F0.3", 1), (1, "1F0.3", 2)])
+def test_an_exchanging_action_that_runs_no_attention_is_refused(rank, action, shards):
+    with (
+        pytest.raises(RuntimeError, match="ran no attention layer"),
+        _exchange(rank, shards).scope(Action.parse(action)),
+    ):
         pass
 
 
-def test_packed_documents_are_refused_and_a_recomputed_forward_is_not_paired():
-    peer = _exchange(0)
-    assert paired_role(None, True, True) is None and paired_role(peer, True, True) is None  # outside a pair
+@pytest.mark.parametrize("rank,action,shards", [(0, "F1.0", 2), (0, "F1.0", 1), (1, "1F0.3", 1)])
+def test_packed_documents_are_refused_and_a_recomputed_forward_is_not_paired(rank, action, shards):
+    end = _exchange(rank, shards)
+    assert paired_role(None, True, True) is None and paired_role(end, True, True) is None  # outside a pair
     packed = pytest.raises(ValueError, match="allowed: unpacked batches")
-    with packed, peer.scope(Action.parse("F1.0")):
-        assert paired_role(peer, False, False) is peer.role and peer.role is not None
-        assert paired_role(peer, False, True) is None  # a forward rebuilt inside a backward runs locally
-        paired_role(peer, True, False)
+    with packed, end.scope(Action.parse(action)):
+        end._layer = 1
+        expected = None if (shards, end.role.sender) == (1, False) else end.role  # cp=1 takers: the server
+        assert paired_role(end, False, False) is expected and end.role is not None
+        assert paired_role(end, False, True) is None  # a forward rebuilt inside a backward runs locally
+        paired_role(end, True, False)
