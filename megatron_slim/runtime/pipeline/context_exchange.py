@@ -41,9 +41,10 @@ import torch.distributed as dist
 
 from megatron_slim.plan.schedule.exchange_blocks import ExchangeBlock, ExchangePlan
 from megatron_slim.plan.schedule.ir import Action
+from megatron_slim.runtime.attention import AttentionBackend
 from megatron_slim.runtime.pipeline.exchange_pairs import Attend, Gradients, PairMessages, Pending, unmasked
 from megatron_slim.runtime.pipeline.exchange_server import BlockServer, ServedBlock
-from megatron_slim.runtime.pipeline.exchange_wire import Header, done_header, layer_tag
+from megatron_slim.runtime.pipeline.exchange_wire import Header, done_header, layer_tag, wait_all
 
 Tensor = torch.Tensor
 __all__ = ["Attend", "ContextExchange", "ExchangeRole", "Gradients", "Pending", "paired_role", "unmasked"]
@@ -146,7 +147,7 @@ class ContextExchange(PairMessages):
         ``device``: where the served blocks' buffers go (cp = 1; default CPU)."""
         self.group, self.pp_ranks, self.shards = group, list(pp_ranks), shards
         self.device = device if device is not None else torch.device("cpu")
-        self.backend = None  # this rank's attention backend, recorded by its attention layers (serving uses it)
+        self.backend: Optional[AttentionBackend] = None  # recorded by this rank's attention layers; serving uses it
         sent: dict[Action, list] = {}
         served: dict[Action, list] = {}
         for i, b in enumerate(plan.blocks):
@@ -213,8 +214,7 @@ class ContextExchange(PairMessages):
         if role.sender and self.serves_in_thread:
             done = done_header(self.device)
             ends = [(self.pp_ranks[b.other], layer_tag(b.index, self._layer)) for b in role.blocks]
-            for work in [dist.isend(done, other, self.group, tag) for other, tag in ends]:
-                work.wait()
+            wait_all([dist.isend(done, other, self.group, tag) for other, tag in ends])
 
     # ---- a sender without CP: several blocks, any token ranges ---------------------------------
     def ship_forward(self, q: Tensor, k_moved: Tensor, v_moved: Tensor, scale: float) -> list["Pending"]:

@@ -10,7 +10,7 @@ counters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,12 +50,12 @@ class Pending:
 class PairMessages:
     """The sender's and the peer's per-layer messages of a pair (one block ``[0, moved)``)."""
 
-    group: object
+    group: Any
     pp_ranks: list[int]
     shards: int
     sent_tokens: int
     served_blocks: int
-    _action: object
+    _action: Any
 
     def _role(self) -> "ExchangeRole":  # supplied by ContextExchange
         raise NotImplementedError

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_slim.runtime.pipeline.exchange_wire import Header, empty_header, layer_tag
+from megatron_slim.runtime.pipeline.exchange_wire import Header, empty_header, layer_tag, wait_all
 
 Tensor = torch.Tensor
 
@@ -103,12 +103,9 @@ class BlockServer:
             torch.empty(shape, dtype=torch.float32 if i == lse_at else dtype, device=self.device)
             for i, shape in enumerate(shapes)
         ]
-        works = [dist.irecv(t, block.sender, self.group, tag + i) for i, t in enumerate(buffers)]
-        for work in works:
-            work.wait()
+        wait_all([dist.irecv(t, block.sender, self.group, tag + i) for i, t in enumerate(buffers)])
         return buffers
 
     def _reply(self, block: ServedBlock, tag: int, tensors: tuple[Tensor, ...]) -> None:
-        works = [dist.isend(t.contiguous(), block.sender, self.group, tag + i) for i, t in enumerate(tensors)]
-        for work in works:  # the sender posted these receives with its sends
-            work.wait()
+        # the sender posted these receives with its sends
+        wait_all([dist.isend(t.contiguous(), block.sender, self.group, tag + i) for i, t in enumerate(tensors)])

@@ -83,3 +83,10 @@ def empty_header(device: torch.device) -> torch.Tensor:
 
 def done_header(device: torch.device) -> torch.Tensor:
     return Header(DONE, 0, 0, 0, 0, 0, torch.float32, 0.0).encode(device)
+
+
+def wait_all(works) -> None:
+    """Wait for point-to-point works (``None`` only for a rank outside the group: never here)."""
+    for work in works:
+        assert work is not None
+        work.wait()
