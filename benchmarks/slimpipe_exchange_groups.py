@@ -3,12 +3,12 @@
 13B-class 256K, t1 c8 p8 v5 n16, 8 microbatches, uniform slices (figures in
 ``benchmarks/results/slimpipe_exchange.md``).
 
-    python benchmarks/slimpipe_exchange_groups.py [--skip-shipped] [--granule N ...]
+    python benchmarks/slimpipe_exchange_groups.py [--granule N ...]
 
-Prints the simulated bubble of: uniform slices without exchange; the shipped pairing
-(``simulate_with_exchange``, minutes: ``--skip-shipped`` leaves it out); the group plan, priced by
-the simulator (``simulate_with_group_exchange``) for each granule (default 1 and 2 x cp, the
-zigzag-CP multiple); the closed form (p - 1) / (n v m + p - 1). With each plan: blocks, the most
+Prints the simulated bubble of: uniform slices without exchange; the group plan, priced by the
+simulator (``simulate_with_group_exchange``, granule 1 is what ``simulate`` and ``train`` plan) for
+each granule (default 1 and 2 x cp, the zigzag-CP multiple); the earlier timed pairing is gone from
+the product (its 7.98% stays in the results file); the closed form (p - 1) / (n v m + p - 1). With each plan: blocks, the most
 senders one taker serves, stage 0's peak activation bytes and the highest rank's peak memory
 (takers hold the moved K/V) against the uniform run's.
 """
@@ -31,7 +31,7 @@ from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan  # noqa: E4
 from megatron_slim.plan.schedule.executable import executable  # noqa: E402
 from megatron_slim.plan.sim.costs import RecipeCosts  # noqa: E402
 from megatron_slim.plan.sim.engine import SimResult, simulate  # noqa: E402
-from megatron_slim.plan.sim.exchange_timing import simulate_with_exchange, simulate_with_group_exchange  # noqa: E402
+from megatron_slim.plan.sim.exchange_timing import simulate_with_group_exchange  # noqa: E402
 
 
 def line(label: str, result: SimResult, uniform: SimResult, seconds: float) -> str:
@@ -49,7 +49,6 @@ def line(label: str, result: SimResult, uniform: SimResult, seconds: float) -> s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--skip-shipped", action="store_true", help="leave out the shipped pairing (minutes)")
     parser.add_argument("--granule", type=int, nargs="+", help="block bounds in multiples of N tokens")
     args = parser.parse_args()
     recipe = load_recipe("llama2-13b-128k", SETS)
@@ -59,10 +58,6 @@ def main() -> None:
     t0 = time.perf_counter()
     uniform = simulate(schedule, costs)
     print(line("uniform, no exchange", uniform, uniform, time.perf_counter() - t0), flush=True)
-    if not args.skip_shipped:
-        t0 = time.perf_counter()
-        shipped = simulate_with_exchange(schedule, costs, costs.lengths)
-        print(line("shipped pairing", shipped, uniform, time.perf_counter() - t0), flush=True)
     for granule in args.granule or [1, 2 * p.cp]:
         t0 = time.perf_counter()
         groups = simulate_with_group_exchange(schedule, costs, costs.lengths, granule)

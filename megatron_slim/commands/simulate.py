@@ -17,7 +17,7 @@ from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.sim.costs import RecipeCosts
 from megatron_slim.plan.sim.engine import SimResult, simulate
-from megatron_slim.plan.sim.exchange_timing import simulate_with_exchange
+from megatron_slim.plan.sim.exchange_timing import simulate_with_group_exchange
 from megatron_slim.plan.variants import schedule_variant
 
 _GIB = 2**30
@@ -55,7 +55,7 @@ def run_one(recipe: Recipe, calibration: Calibration | None = None, progress: Pr
     schedule = generate(recipe.schedule.kind, p.pp, p.vpp, recipe.num_microbatches, recipe.schedule.num_slices)
     if recipe.schedule.kind == "slimpipe" and recipe.schedule.slice_policy == "exchange" and p.pp > 1:
         return Simulated(
-            recipe, costs, simulate_with_exchange(lower(schedule), costs, costs.lengths, progress=progress)
+            recipe, costs, simulate_with_group_exchange(lower(schedule), costs, costs.lengths, progress=progress)
         )
     return Simulated(recipe, costs, simulate(schedule, costs, progress))
 
