@@ -7,10 +7,10 @@
 
 Prints the simulated bubble of: uniform slices without exchange; the group plan, priced by the
 simulator (``simulate_with_group_exchange``, granule 1 is what ``simulate`` and ``train`` plan) for
-each granule (default 1 and 2 x cp, the zigzag-CP multiple); the earlier timed pairing is gone from
-the product (its 7.98% stays in the results file); the closed form (p - 1) / (n v m + p - 1). With each plan: blocks, the most
-senders one taker serves, stage 0's peak activation bytes and the highest rank's peak memory
-(takers hold the moved K/V) against the uniform run's.
+each granule (default 1 and 2 x cp, the zigzag-CP multiple); the closed form (p - 1) / (n v m + p - 1).
+The earlier timed pairing is gone from the product (its 7.98% stays in the results file). With each
+plan: blocks, the most senders one taker serves, stage 0's peak activation bytes and the highest
+rank's peak memory (takers hold the moved K/V) against the uniform run's.
 """
 
 from __future__ import annotations

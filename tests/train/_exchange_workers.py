@@ -23,7 +23,7 @@ def slimpipe_exchange_step(recipe, groups, chunks, batches, microbatches: int, s
     fb = make_forward_backward_func(settings, context=SliceContext(documents_on_every_tp_rank=True))
     reports = fb(
         forward_step_func=functools.partial(zigzag_cp_forward_step, groups.cp) if cp > 1 else forward_step,
-        data_iterator=[iter(batches)],
+        data_iterator=[iter(batches) for _ in chunks],
         model=chunks,
         num_microbatches=microbatches,
         seq_length=seq,
@@ -34,4 +34,4 @@ def slimpipe_exchange_step(recipe, groups, chunks, batches, microbatches: int, s
     pair = torch.stack([r["lm loss"] for r in reports]).sum(0) if reports else torch.zeros(2)
     if groups.pp_rank == pp - 1:
         dist.all_reduce(pair, group=groups.cp)
-    return fb, pair, planned_schedule(settings, pp, 1, microbatches).exchange
+    return fb, pair, planned_schedule(settings, pp, recipe.parallel.vpp, microbatches).exchange

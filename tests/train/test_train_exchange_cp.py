@@ -1,17 +1,18 @@
 """Context exchange in ``megatron-slim train`` under context parallelism (``Recipe.exchange_cp``) and
-under activation recomputation.
+under activation recomputation, with and without interleaving.
 
 pp2 x cp2 (4 gloo ranks; pp4 x cp2, 8 ranks, and pp4 with ``train.recompute=full``, 4 ranks, in the
-slow tier), tiny-cpu's model: one SlimPipe step through the training job's own pieces --
-``pipeline_settings`` (the pairing ``megatron-slim simulate`` prices), SlimPipe's slice attention on
-every chunk (Megatron's recomputation around it), ``packed.zigzag_cp_forward_step`` (each slice of a
-plain causal window split zigzag-wise over the CP ranks), the data x context gradient average --
-equals the single-process, unpipelined, unsliced, un-CP reference in the loss and in EVERY
-parameter gradient (fp32; RoPE, RMSNorm, SwiGLU, GQA). Not vacuous: every rank's shipped K/V rows
-equal the pairing's moved tokens / cp x layers over its stage's sender ends, some are positive, and
-the pairing holds backward pairs (under recomputation these meet on the graph a recomputed,
-unpaired forward built). The CLI then trains pp2 x cp2 with exchange to the losses of the pp1, cp1,
-unsliced run."""
+slow tier) and pp2 x vpp2 with ``train.recompute=full`` and ``selective`` (2 ranks; block plans in
+both passes, some across model chunks), tiny-cpu's model: one SlimPipe step through the training
+job's own pieces -- ``pipeline_settings`` (the plan ``megatron-slim simulate`` prices), SlimPipe's
+slice attention on every chunk (Megatron's recomputation around it), ``packed.zigzag_cp_forward_step``
+(each slice of a plain causal window split zigzag-wise over the CP ranks), the data x context
+gradient average -- equals the single-process, unpipelined, unsliced, un-CP reference in the loss and
+in EVERY parameter gradient (fp32; RoPE, RMSNorm, SwiGLU, GQA). Not vacuous: every rank's shipped K/V
+rows equal the plan's block tokens / cp x layers of a model chunk over its stage's sender ends, some
+are positive, and the plan holds backward blocks (under recomputation these meet on the graph a
+recomputed, unexchanged forward built). The CLI then trains pp2 x cp2 with exchange to the losses of
+the pp1, cp1, unsliced run."""
 
 import pytest
 import torch
@@ -27,16 +28,22 @@ MICROBATCHES, SEQ = 4, 128
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
-def _recipe(pp: int, cp: int, recompute: str):
+def _recipe(pp: int, cp: int, recompute: str, vpp: int = 1):
     from megatron_slim.plan.recipe import load_recipe
 
-    sizes = [f"parallel.pp={pp}", f"parallel.cp={cp}", f"model.seq_length={SEQ}", "parallel.dp=1"]
+    sizes = [
+        f"parallel.pp={pp}",
+        f"parallel.vpp={vpp}",
+        f"parallel.cp={cp}",
+        f"model.seq_length={SEQ}",
+        "parallel.dp=1",
+    ]
     batch = [f"train.global_batch_size={MICROBATCHES}", "train.micro_batch_size=1", "train.precision=fp32"]
     return load_recipe("tiny-cpu", [*sizes, *batch, f"train.recompute={recompute}", *EXCHANGE])
 
 
-def exchange_step(rank, world_size, pp, cp, recompute, seed=1234):
-    """One train-path SlimPipe step with exchange on pp x cp (``train.recompute=recompute``); returns
+def exchange_step(rank, world_size, pp, cp, recompute, vpp=1, seed=1234):
+    """One train-path SlimPipe step with exchange on pp x vpp x cp (``train.recompute=recompute``); returns
     this rank's DDP-averaged grads by global name, the (loss sum, token count) over the CP group (last
     stage), the K/V rows it shipped and the pairing; on rank 0 also the reference (loss, grads)."""
     from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
@@ -46,9 +53,9 @@ def exchange_step(rank, world_size, pp, cp, recompute, seed=1234):
     from tests.oracle import reference
     from tests.runtime.pipeline._workers import make_batches
 
-    recipe = _recipe(pp, cp, recompute)
+    recipe = _recipe(pp, cp, recompute, vpp)
     assert recipe.exchange_cp == recipe.query_out_cp == (cp > 1)
-    groups = init_model_parallel(pp=pp, cp=cp)
+    groups = init_model_parallel(pp=pp, cp=cp, vpp=vpp)
     solo = reference.solo_groups(rank, world_size)
     batches = make_batches(recipe.model, MICROBATCHES, micro_batch=1, seed=seed)
     recomputed = recompute_config(recipe.train.recompute_plan)
@@ -84,31 +91,35 @@ def _check_exactness(results, pp, cp):
         torch.testing.assert_close(r["pair"][0] / r["pair"][1], ref_loss, **TOL)
 
 
-def _check_pairs_ran(results, pp, cp):
+def _check_pairs_ran(results, pp, cp, vpp=1):
     pairing = results[0]["pairing"]
     assert pairing and all(r["pairing"] == pairing for r in results), "ranks planned different pairs"
     plan = ExchangePlan.from_text(pairing)
-    layers = _recipe(pp, cp, "none").model.num_layers // pp
+    layers = _recipe(pp, cp, "none", vpp).model.num_layers // (pp * vpp)  # attention layers of one model chunk
     shipped = [sum(p.tokens // cp * layers for p in plan.blocks if p.sender == s) for s in range(pp)]
     sent = {(r["pp_rank"], r["cp_rank"]): r["sent"] for r in results}
     assert sent == {(s, c): shipped[s] for s in range(pp) for c in range(cp)} and sum(shipped) > 0
     assert any(p.sender_action.kind.is_backward for p in plan.blocks), "no backward pair exercised"
+    if vpp > 1:
+        assert any(p.sender_action.chunk != p.taker_action.chunk for p in plan.blocks), "no cross-chunk block"
 
 
 @pytest.mark.multi
 @pytest.mark.parametrize(
-    "pp,cp,recompute",
+    "pp,cp,recompute,vpp",
     [
-        (2, 2, "none"),
-        pytest.param(4, 2, "none", marks=pytest.mark.slow),
-        pytest.param(4, 1, "full", marks=pytest.mark.slow),  # backward pairs on a recomputed forward's graph
+        (2, 2, "none", 1),
+        pytest.param(4, 2, "none", 1, marks=pytest.mark.slow),
+        pytest.param(4, 1, "full", 1, marks=pytest.mark.slow),  # backward pairs on a recomputed forward's graph
+        (2, 1, "full", 2),  # group plans across model chunks, served beside recomputed layers
+        (2, 1, "selective", 2),
     ],
-    ids=["pp2xcp2", "pp4xcp2", "pp4-recompute-full"],
+    ids=["pp2xcp2", "pp4xcp2", "pp4-recompute-full", "pp2xvpp2-recompute-full", "pp2xvpp2-recompute-selective"],
 )
-def test_train_step_with_exchange_matches_the_single_process_reference(pp, cp, recompute):
-    results = run_ranks(exchange_step, pp * cp, pp, cp, recompute, timeout_s=900)
+def test_train_step_with_exchange_matches_the_single_process_reference(pp, cp, recompute, vpp):
+    results = run_ranks(exchange_step, pp * cp, pp, cp, recompute, vpp, timeout_s=900)
     _check_exactness(results, pp, cp)
-    _check_pairs_ran(results, pp, cp)
+    _check_pairs_ran(results, pp, cp, vpp)
 
 
 @pytest.mark.multi

@@ -33,10 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="uniform",
         help=(
             "uniform: equal slices; balanced: equal forward+backward work under the causal mask; exchange: "
-            "uniform slices plus attention context exchange between pipeline ranks, paired as megatron-slim "
-            "simulate and train pair it (any tensor parallel size; context parallelism as SlimPipe's query-out "
-            "CP, no --cp-engine; full, selective or no recomputation; no --slimpipe-packing or "
-            "--slimpipe-vocab-parallel; docs/context-exchange.md)"
+            "uniform slices plus attention context exchange between pipeline ranks: blocks of K/V moved so the "
+            "ranks of each schedule slot end together, the plan megatron-slim simulate prices and train runs "
+            "(any tensor parallel size; context parallelism as SlimPipe's query-out CP, no --cp-engine; full, "
+            "selective or no recomputation; no --slimpipe-packing or --slimpipe-vocab-parallel; "
+            "docs/context-exchange.md)"
         ),
     )
     g.add_argument(
