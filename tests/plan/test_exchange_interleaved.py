@@ -1,11 +1,10 @@
-"""Context exchange on the interleaved SlimPipe schedule (vpp > 1): the pairing runs to the end
-under a rendezvous walk written here independently of ``walk.py`` and ``validate``, and it covers
-both model chunks.
+"""Context exchange on the interleaved SlimPipe schedule (vpp > 1): the unit-time pairing and the
+group plan ``megatron-slim train`` runs ("timed") run to the end under a rendezvous walk written
+here independently of ``walk.py`` and ``validate``, and they cover both model chunks.
 
-A pair may couple actions of different model chunks: the peer attends to the sender's Q/K/V of
+A block may couple actions of different model chunks: the taker attends to the sender's Q/K/V of
 the sender's own layer (attention has no weights), so chunk identity only has to keep messages
-apart, which the runtime does by pair (each action is in one pair at most, and an action names
-its chunk)."""
+apart, which the runtime does by block (an action either sends or takes, and names its chunk)."""
 
 import pytest
 

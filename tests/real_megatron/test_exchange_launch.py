@@ -12,12 +12,11 @@ shard) and pp2 under Megatron's ``--recompute-granularity full --recompute-metho
 paired, so the counts are the plan's for the flags), pp2 x tp2 (each pair between the same TP rank of
 both stages; every TP rank of a stage ships the same rows, its own heads of them) and pp2 x tp2 with
 ``--sequence-parallel`` (attention sees the gathered sequence). The sequence is 512 tokens
-(4 slices of 128): with the tiny model's 64-token default the timed pairing
-(``timed_exchange_schedule`` on the flags' recipe, the one ``megatron-slim simulate`` and ``train``
-use) finds no pair worth its transfers. Each rank reports what its exchange did in the first
-training call; they must equal, rank by rank (pipeline rank = global rank // (tp * cp)), what the pairing
-planned for the run's flags (``expected_reports``, from the plan value alone): K/V shipped by
-senders, blocks served by peers.
+(4 slices of 128), so the group plan (``timed_exchange_schedule`` on the flags' recipe, the one
+``megatron-slim simulate`` and ``train`` use) moves blocks worth their transfers. Each rank reports
+what its exchange did in the first training call; they must equal, rank by rank (pipeline rank =
+global rank // (tp * cp)), what the plan holds for the run's flags (``expected_reports``, from the
+plan value alone): K/V shipped by senders, blocks served by takers.
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ def expected_reports(
     pp: int, vpp: int = 1, cp: int = 1, recompute: str = "", tp: int = 1, sp: bool = False
 ) -> dict[int, tuple[int, int]]:
     """Per global rank, (K/V tokens shipped, attention blocks served) in one training call of the
-    pairing ``timed_exchange_schedule`` plans for this run's flags: every pair meets once per
+    block plan ``timed_exchange_schedule`` makes for this run's flags: every block meets once per
     attention layer of a model chunk, each CP rank shipping its ``1/cp`` of the moved K/V and every
     TP rank of a stage the same rows (its own heads of them). Megatron
     pads NullTokenizer's vocabulary (up to core 0.16 the eod id comes after it) to a multiple of 128,
@@ -82,9 +81,9 @@ def expected_reports(
     uniform = (SEQ // SLICES,) * SLICES
     plan = ExchangePlan.from_text(timed_exchange_schedule(recipe_from_megatron_args(args), 4, uniform).exchange)
     layers, counts = 8 // (pp * vpp), {rank: [0, 0] for rank in range(pp)}
-    for pair in plan.blocks:
-        counts[pair.sender][0] += pair.tokens // cp * layers
-        counts[pair.taker][1] += layers
+    for block in plan.blocks:
+        counts[block.sender][0] += block.tokens // cp * layers
+        counts[block.taker][1] += layers
     # Megatron's rank order is tp-cp-dp-pp: the pipeline rank is global rank // (tp * cp)
     return {rank: tuple(counts[rank // (tp * cp)]) for rank in range(pp * cp * tp)}  # type: ignore[misc]
 
