@@ -20,6 +20,4 @@ def test_exchange_trains_the_unpipelined_model(tmp_path, data_cache, pipeline):
     assert run["loss_iterations"] == reference["loss_iterations"] == [1, 2, 3]
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-6, abs=0)
     assert max(reference["losses"]) - min(reference["losses"]) > 0.02  # updates move the loss past the tolerance
-    assert any(stage["exchanged_tokens"] > 0 for stage in run["stages"])
-    if pipeline == ["parallel.pp=4"]:  # pp2 x vpp2 pairs one forward a call: rank 1 sends, rank 0 serves
-        assert all(stage["exchanged_tokens"] > 0 for stage in run["stages"])
+    assert all(stage["exchanged_tokens"] > 0 for stage in run["stages"])  # group plans: every stage sends

@@ -130,4 +130,4 @@ def test_cli_trains_pp2_cp2_with_exchange_to_the_unpipelined_losses(tmp_path, da
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-6, abs=0)
     assert max(reference["losses"]) - min(reference["losses"]) > 0.02  # updates move the loss past the tolerance
     assert run["cp"] == {"size": 2, "engine": None, "attention": "slimpipe-query-out", "document_masking": False}
-    assert run["stages"][1]["exchanged_tokens"] > 0  # pp2 pairs one forward: stage 1 sends, stage 0 serves
+    assert run["stages"][1]["exchanged_tokens"] > 0  # stage 1 sends forward blocks
