@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 def slimpipe_settings(args) -> "SlimPipeSettings":
     """The slice plan a Megatron run uses, from its flags (balanced slices need the cost model).
-    ``--slimpipe-slice-policy exchange``: training calls run the context-exchange pairing timed with
-    the flags' recipe, the one ``megatron-slim simulate`` and ``megatron-slim train`` use for it."""
+    ``--slimpipe-slice-policy exchange``: training calls run the context-exchange group plan made with
+    the flags' recipe's costs, the one ``megatron-slim simulate`` and ``megatron-slim train`` use for it."""
     from megatron_slim.megatron.launch.args import recipe_from_megatron_args
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings
     from megatron_slim.plan.cost.calibration import load_calibration

@@ -21,7 +21,7 @@ class SlimPipeSettings:
     # ``runtime/pipeline/stage_lengths``)
     share_documents: bool = False
     exchange: bool = False  # context exchange (schedule.slice_policy: exchange) in training calls
-    # the recipe whose cost model times the exchange pairing (``plan.sim.exchange_timing``: the one
+    # the recipe whose cost model plans the exchange blocks (``plan.sim.exchange_timing``: the one
     # ``megatron-slim simulate`` prices); None: the unit-time pairing, which needs no costs
     exchange_recipe: Optional[Recipe] = None
 

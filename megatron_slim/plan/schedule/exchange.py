@@ -13,9 +13,11 @@ timeline ((start, end) per action; ``_steps``). Forwards pair with forwards and 
 started by the time the sender starts, since the sender waits for the peer's block. The default
 timeline, ``unit_timeline`` (every compute one time unit, messages none), depends on the lowered
 schedule alone, and its slot grid is the schedule's own lock-step (its bubble matches the closed
-form), so the simulator and a runtime read the same pairing whatever the costs. Real actions last
-1x to 6x each other under uniform slices, so ``plan/sim/exchange_timing.py`` passes the simulated
-timeline instead; the pairing is a value in the schedule either way, not recomputed by readers.
+form), so the simulator and a runtime read the same pairing whatever the costs. A caller may pass
+another timeline (real actions last 1x to 6x each other under uniform slices); the pairing is a
+value in the schedule either way, not recomputed by readers. ``megatron-slim simulate`` and
+``train`` plan with the group planner instead (``exchange_groups.py``, ``plan/sim/exchange_timing.py``);
+this pairing serves callers without a recipe's cost model (``executable_with_exchange``).
 
 ``with_exchange`` stores the pairing in ``Schedule.exchange`` (and so in its digest), after
 ``drop_deadlocks`` has removed any pair the shared readiness walk cannot run.

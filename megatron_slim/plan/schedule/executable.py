@@ -14,8 +14,8 @@ lengths and model sizes do not enter a schedule, only the interpreter's tensors.
 ``executable_with_exchange`` adds the context-exchange pairing (``exchange.with_exchange`` on the
 unit-time timeline, which depends on the schedule and the slice lengths alone, so every rank
 derives the same pairs without a cost model) and checks the result the same way. ``megatron-slim
-train`` runs the simulated-timeline pairing instead (``plan/sim/exchange_timing.py``), the one
-``megatron-slim simulate`` prices; this one serves callers without a recipe's cost model.
+train`` runs the group plan instead (``plan/sim/exchange_timing.py``), the one ``megatron-slim
+simulate`` prices; this one serves callers without a recipe's cost model.
 """
 
 from __future__ import annotations
