@@ -214,6 +214,8 @@ class _Run:
         try:
             with distributed_lookup(models[0], vocab.embedding if vocab is not None else None):
                 run_timed(interpreter, config)
+            if context.exchange is not None:
+                context.exchange.drain()  # servers still serving this call's last blocks
         finally:
             for hook in hooks:
                 hook.remove()

@@ -138,7 +138,8 @@ class ContextExchange:
         self._action: Optional[Action] = None
         self._layer = 0
         self.sent_tokens = 0  # K/V rows this rank moved to peers (its CP shard), summed over layers and passes
-        self.served_blocks = 0  # attention blocks this rank computed for senders (one per layer)
+        self.served_blocks = 0  # attention blocks this rank computed for senders (one per layer), after drain()
+        self._servers: list[BlockServer] = []  # started, not yet drained
 
     @property
     def role(self) -> Optional[ExchangeRole]:
@@ -165,9 +166,20 @@ class ContextExchange:
         elif self.cp_group is None:
             raise ValueError(f"context exchange under cp={self.shards}: a taker needs cp_group (its stage's CP group)")
         else:
-            server = CPBlockServer(blocks, self.group, self.device, self._backend_for, self.cp_group)
+            previous = next((s for s in reversed(self._servers) if isinstance(s, CPBlockServer)), None)
+            server = CPBlockServer(blocks, self.group, self.device, self._backend_for, self.cp_group, previous)
         server.start()
+        self._servers.append(server)
         return server
+
+    def drain(self) -> None:
+        """Wait for every taker server this rank started (its senders' actions have all run by the
+        end of a schedule); count what they served and raise the first error. A taker's action does
+        not wait for its server: its own next action may start while its last block is served, as the
+        simulator prices it (``plan/sim/engine.py``)."""
+        servers, self._servers = self._servers, []
+        for server in servers:
+            self.served_blocks += server.join()
 
     def _backend_for(self, head: Header):
         if self.backend is not None:
@@ -177,12 +189,9 @@ class ContextExchange:
         return select_backend(None, self.device, head.dtype)
 
     def _finish(self, action: Action, server: Optional[BlockServer]) -> None:
-        """A sender tells its takers it is done; a taker waits for its server (and its errors)."""
+        """A sender tells its takers it is done; a taker's server runs on (``drain``)."""
         role = self._current
-        if role is None:
-            return
-        if server is not None:
-            self.served_blocks += server.join()
+        if role is None or server is not None:
             return
         if self._layer == 0:
             raise RuntimeError(f"context exchange: exchanging action {action} ran no attention layer")

@@ -25,7 +25,7 @@ order), so the server's travel on a second group over the same CP ranks.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,11 +81,19 @@ def block_attention(backend, scale: float, group) -> tuple[Attend, Gradients]:
 
 class CPBlockServer(BlockServer):
     def __init__(
-        self, blocks: Sequence[ServedBlock], group, device: torch.device, backend_for: Callable, cp_group
+        self,
+        blocks: Sequence[ServedBlock],
+        group,
+        device: torch.device,
+        backend_for: Callable,
+        cp_group,
+        after: Optional["CPBlockServer"] = None,
     ) -> None:
-        """``cp_group``: the exchange's own group over the taker stage's CP ranks."""
+        """``cp_group``: the exchange's own group over the taker stage's CP ranks; ``after``: the
+        rank's previous CP server, which this one waits for before its first collective (two
+        servers' collectives on one group must not interleave)."""
         super().__init__(blocks, group, device, backend_for)
-        self.cp_group, self._blocks = cp_group, list(blocks)
+        self.cp_group, self._blocks, self._after = cp_group, list(blocks), after
         self._threads = [threading.Thread(target=self._serve_all, name="exchange-cp-blocks", daemon=True)]
 
     def _kernels(self, backend, scale: float) -> tuple[Attend, Gradients]:
@@ -95,6 +103,8 @@ class CPBlockServer(BlockServer):
         """Layer by layer, every block whose sender is not done, in plan order."""
         active = list(enumerate(self._blocks))
         layer, current = 0, self._blocks[0]
+        if self._after is not None:
+            self._after.wait_threads()
         try:
             with torch.no_grad(), self._on_stream():
                 while active:

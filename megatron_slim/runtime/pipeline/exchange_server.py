@@ -69,6 +69,11 @@ class BlockServer:
         for thread in self._threads:
             thread.start()
 
+    def wait_threads(self) -> None:
+        """Wait until every thread has ended (errors stay for :meth:`join`)."""
+        for thread in self._threads:
+            thread.join()
+
     def join(self) -> int:
         """Wait until every block's sender is done; re-raise a thread's error; the layers served."""
         for thread in self._threads:

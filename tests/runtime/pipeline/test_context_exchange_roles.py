@@ -25,8 +25,8 @@ class _StubServer:
     started: list = []
     cp_groups: list = []
 
-    def __init__(self, blocks, group, device, backend_for, cp_group=None) -> None:
-        self.blocks = list(blocks)
+    def __init__(self, blocks, group, device, backend_for, cp_group=None, after=None) -> None:
+        self.blocks, self.after = list(blocks), after
         _StubServer.cp_groups.append(cp_group)
 
     def start(self) -> None:
@@ -83,7 +83,9 @@ def test_each_end_knows_its_role_and_its_server(shards, stub_server, sent):
     assert sent == [(0, layer_tag(0, 3), DONE)]  # the block's end, after layer 2
     assert stub_server.started == [[ServedBlock(0, 1, False)]]
     assert stub_server.cp_groups == [CP_GROUP if shards > 1 else None]
-    assert peer.served_blocks == 2
+    assert peer.served_blocks == 0  # the server runs on past the taker's action ...
+    peer.drain()
+    assert peer.served_blocks == 2  # ... until the schedule's end
     with sender.scope(Action.parse("F0.3")):  # chunk 0's action is another action: not paired
         assert sender.role is None
 
@@ -100,6 +102,7 @@ def test_a_sender_with_several_blocks_and_a_taker_serving_several_senders(stub_s
     with taker.scope(Action.parse("F1.0")):
         assert paired_role(taker, False, False) is None  # its own attention is plain; the server serves
     assert stub_server.started == [[ServedBlock(0, 12, True), ServedBlock(2, 11, False)]]  # global ranks
+    taker.drain()
     assert taker.served_blocks == 4
 
 
@@ -134,3 +137,17 @@ def test_packed_documents_are_refused_and_a_recomputed_forward_is_not_paired(ran
         assert paired_role(end, False, False) is expected and end.role is not None
         assert paired_role(end, False, True) is None  # a forward rebuilt inside a backward runs locally
         paired_role(end, True, False)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_taker_moves_on_while_its_server_runs_and_cp_servers_queue(shards, stub_server):
+    plan = ExchangePlan.from_text("5 1 F0.3 0 F1.0 0 64\n6 1 F0.4 0 B0.0 0 64\n")
+    taker = _exchange(0, shards=shards, plan=plan, pp_ranks=(0, 1))
+    for action in ("F1.0", "B0.0"):
+        with taker.scope(Action.parse(action)):
+            pass
+    first, second = taker._servers
+    assert second.after is (first if shards > 1 else None)  # CP collectives of one server at a time
+    assert taker.served_blocks == 0
+    taker.drain()
+    assert taker.served_blocks == 4 and taker._servers == []
