@@ -1,12 +1,14 @@
 """The group context-exchange messages travel on (``megatron/slimpipe/exchange_group.py``): the
 pipeline group itself under gloo; its own group over the same ranks elsewhere (NCCL matches by
 posting order). The separate group is made collectively by every rank, for every pipeline group;
-checked here on 4 gloo ranks with two pipelines (ranks 0-1 and 2-3) by asking for it explicitly."""
+checked here on 4 gloo ranks with two pipelines (ranks 0-1 and 2-3) by asking for it explicitly.
+The served blocks' CP group (``exchange_cp_group``) is a second group over a CP group's ranks on
+every backend, gloo included (checked with the same rank sets standing for CP groups)."""
 
 import torch
 import torch.distributed as dist
 
-from megatron_slim.megatron.slimpipe.exchange_group import exchange_group
+from megatron_slim.megatron.slimpipe.exchange_group import exchange_cp_group, exchange_group
 from megatron_slim.runtime.spawn import run_ranks
 
 PIPELINES = ([0, 1], [2, 3])
@@ -23,7 +25,13 @@ def _worker(rank: int, world_size: int) -> tuple:
     works = [dist.isend(sent, other, separate, tag=7), dist.irecv(got, other, separate, tag=7)]
     for work in works:
         work.wait()
+    cp = exchange_cp_group(mine)
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=cp)
     return (
+        cp is not mine and cp is not separate and exchange_cp_group(mine) is cp,
+        dist.get_process_group_ranks(cp),
+        total.item(),
         exchange_group(mine) is mine,  # gloo: the pipeline group itself
         separate is not mine and again is separate,
         dist.get_process_group_ranks(separate),
@@ -33,8 +41,9 @@ def _worker(rank: int, world_size: int) -> tuple:
 
 def test_a_separate_exchange_group_spans_each_pipelines_ranks_and_carries_messages():
     results = run_ranks(_worker, 4, timeout_s=120)
-    for rank, (same, made_once, ranks, got) in enumerate(results):
+    for rank, (cp_own, cp_ranks, total, same, made_once, ranks, got) in enumerate(results):
         other = PIPELINES[rank // 2][1 - rank % 2]
+        assert cp_own and cp_ranks == PIPELINES[rank // 2] and total == float(sum(PIPELINES[rank // 2]))
         assert same and made_once
         assert ranks == PIPELINES[rank // 2]
         assert got == [float(other)] * 3

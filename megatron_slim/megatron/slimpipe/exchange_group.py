@@ -12,6 +12,11 @@ Making a group is collective over every rank of the job (NCCL splits the new com
 default one, and a split needs all its ranks), so every rank makes every pipeline group's exchange
 group, in one order: in the first training call that runs exchange, which every rank makes, since
 all pipelines run one kind of schedule from the same flags.
+
+Under context parallelism a taker stage's CP ranks compute served blocks together, by collectives
+from a server thread (``runtime/pipeline/exchange_cp_server.py``) while the main thread runs its own
+attention's CP collectives; collectives match by order, so the server's get a second group over
+the same CP ranks (``exchange_cp_group``, on every backend, gloo included), made the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-_GROUPS: dict[tuple[str, tuple[int, ...]], Any] = {}
+_GROUPS: dict[tuple[str, str, tuple[int, ...]], Any] = {}
 
 
 def exchange_group(pipeline_group: Any, separate: Optional[bool] = None) -> Any:
@@ -29,17 +34,26 @@ def exchange_group(pipeline_group: Any, separate: Optional[bool] = None) -> Any:
     backend = str(dist.get_backend(pipeline_group))
     if not (backend != "gloo" if separate is None else separate):
         return pipeline_group
-    ranks = tuple(dist.get_process_group_ranks(pipeline_group))
-    if (backend, ranks) not in _GROUPS:
-        _make_all(backend, ranks)
-    return _GROUPS[(backend, ranks)]
+    return _own_group("pipeline", pipeline_group)
 
 
-def _make_all(backend: str, ranks: tuple[int, ...]) -> None:
-    """Every pipeline group's exchange group, made by every rank of the job in one order."""
+def exchange_cp_group(cp_group: Any) -> Any:
+    """A second group over ``cp_group``'s ranks, for the collectives of served blocks; made once per process."""
+    return _own_group("cp", cp_group)
+
+
+def _own_group(kind: str, like: Any) -> Any:
+    backend, ranks = str(dist.get_backend(like)), tuple(dist.get_process_group_ranks(like))
+    if (kind, backend, ranks) not in _GROUPS:
+        _make_all(kind, backend, ranks)
+    return _GROUPS[(kind, backend, ranks)]
+
+
+def _make_all(kind: str, backend: str, ranks: tuple[int, ...]) -> None:
+    """Every such group (each rank's ``ranks``), made by every rank of the job in one order."""
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, ranks)
     for members in sorted(set(everyone)):
         group = dist.new_group(list(members), backend=backend)
         if members == ranks:
-            _GROUPS[(backend, ranks)] = group
+            _GROUPS[(kind, backend, ranks)] = group

@@ -45,7 +45,7 @@ from megatron_slim.megatron.slimpipe.call_plan import (
     refuse_unsupported_call,
     tensor_group,
 )
-from megatron_slim.megatron.slimpipe.exchange_group import exchange_group
+from megatron_slim.megatron.slimpipe.exchange_group import exchange_cp_group, exchange_group
 from megatron_slim.megatron.slimpipe.offload_layers import attach_offload
 from megatron_slim.megatron.slimpipe.settings import ForwardBackwardFunc, RunStats, SlimPipeSettings
 from megatron_slim.megatron.slimpipe.stage import (
@@ -214,6 +214,8 @@ class _Run:
         try:
             with distributed_lookup(models[0], vocab.embedding if vocab is not None else None):
                 run_timed(interpreter, config)
+            if context.exchange is not None:
+                context.exchange.drain()  # servers still serving this call's last blocks
         finally:
             for hook in hooks:
                 hook.remove()
@@ -249,10 +251,12 @@ class _Run:
             return None
         ranks = dist.get_process_group_ranks(self.group)
         plan = ExchangePlan.from_text(self.schedule.exchange)
-        lengths = self.settings.slice_lengths
-        group = exchange_group(self.group)
-        device = chunks.first_param.device
-        return ContextExchange(plan, self.group.rank(), group, ranks, lengths, shards=chunks.cp, device=device)
+        group, device, cp_group = exchange_group(self.group), chunks.first_param.device, None
+        if chunks.cp > 1:
+            from megatron.core import parallel_state
+
+            cp_group = exchange_cp_group(parallel_state.get_context_parallel_group())
+        return ContextExchange(plan, self.group.rank(), group, ranks, chunks.cp, device, cp_group)
 
     def _p2p(self, device: torch.device) -> Optional[P2P]:
         """The send/receive pairs between pipeline stages; none for a single stage."""

@@ -13,16 +13,17 @@ and the sender's ``j``-th attention layer meets each of its blocks' ``j``-th ser
   each taker returns fp32 ``dQ`` (summed into the sender's) and ``dK``/``dV`` of its rows (added into
   the sender's K/V cache accumulators, rows that need not align with cached slices).
 
-Without CP (``shards == 1``) a taker's blocks, of either pass, are served by a :class:`BlockServer`
-(``exchange_server.py``) started when the taker's action begins and joined when it ends, each block
-as soon as its bytes arrive; the taker's own attention runs locally. The sender posts its receives
-with its sends, before its own attention. The readiness walk ran the actions linked by blocks as
-one rendezvous (``drop_deadlocks``), so no end waits behind a message not yet sent.
-
-Under query-out context parallelism (``shards``: the CP size; ``cp_exchange.py``) only mirrored
-pairs run (one block per action, both ends in one pass; ``exchange_pairs.py``): each CP rank pairs
-with the same CP rank of the peer stage, ships its own shards, and the peer stage serves at its
-own layers, where its CP ranks meet for the block's collectives. Other plans are refused by name.
+A taker's blocks, of either pass, are served beside its own layers by a server started when the
+taker's action begins and joined when it ends; the taker's own attention runs as without exchange.
+Without CP (``shards == 1``) a :class:`BlockServer` (``exchange_server.py``) serves each block as
+soon as its bytes arrive. Under query-out context parallelism (``shards``: the CP size) each CP
+rank of the sender stage ships its query shard and its own rows of each block's K/V range
+(``cp_exchange.py``: ranges need not align with cached slices or zigzag chunks) to the CP rank of
+the same index on the taker stage, whose CP ranks compute the block together on ``cp_group``; a
+:class:`CPBlockServer` (``exchange_cp_server.py``) serves them in one thread, in plan order. The
+sender posts its receives with its sends, before its own attention. The readiness walk ran the
+actions linked by blocks as one rendezvous (``drop_deadlocks``), so no end waits behind a message
+not yet sent.
 
 Messages are tagged by (block, layer, message) in their own range (``exchange_wire.py``). With
 interleaving a block may couple two model chunks: attention has no weights. NCCL ignores tags and
@@ -39,15 +40,15 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_slim.plan.schedule.exchange_blocks import ExchangeBlock, ExchangePlan
+from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.plan.schedule.ir import Action
 from megatron_slim.runtime.attention import AttentionBackend
-from megatron_slim.runtime.pipeline.exchange_pairs import Attend, Gradients, PairMessages, Pending, unmasked
+from megatron_slim.runtime.pipeline.exchange_cp_server import CPBlockServer
 from megatron_slim.runtime.pipeline.exchange_server import BlockServer, ServedBlock
-from megatron_slim.runtime.pipeline.exchange_wire import Header, done_header, layer_tag, wait_all
+from megatron_slim.runtime.pipeline.exchange_wire import Header, Pending, done_header, layer_tag, post, wait_all
 
 Tensor = torch.Tensor
-__all__ = ["Attend", "ContextExchange", "ExchangeRole", "Gradients", "Pending", "paired_role", "unmasked"]
+KV = tuple[Tensor, Tensor]
 
 
 @dataclass(frozen=True)
@@ -71,43 +72,21 @@ class ExchangeRole:
 
     sender: bool
     blocks: tuple[BlockEnd, ...]  # a sender's, or a taker's served blocks, in plan order
-    query_rows: int  # rows of the (first) sender's slice on this CP rank (the whole slice without CP)
-    shards: int = 1  # the CP size
 
     @property
     def other(self) -> int:
-        """The pipeline rank of the first block's other end (a pair's only one)."""
+        """The pipeline rank of the first block's other end."""
         return self.blocks[0].other
-
-    @property
-    def pair_index(self) -> int:
-        return self.blocks[0].index
 
     @property
     def moved(self) -> int:
         """K/V tokens of the sender's prefix the blocks cover (a sender's ``m``)."""
         return sum(b.tokens for b in self.blocks)
 
-    @property
-    def moved_rows(self) -> int:
-        """Of them, the rows this CP rank holds and ships."""
-        return self.moved // self.shards
 
-
-def _refuse_beyond_pairs(plan: ExchangePlan, block: ExchangeBlock, shards: int) -> None:
-    """Under CP the exchange meets one block per action, both ends in one pass (a mirrored pair)."""
-    single = len(plan.group_of(*block.sender_end)) == 2
-    if not single or block.backward != block.taker_action.kind.is_backward:
-        raise NotImplementedError(
-            f"context exchange under context parallelism (cp={shards}): block {block} is not a same-pass "
-            "pair (an action in several blocks, or a block served in the other pass); allowed: mirrored "
-            "pairs (one block per action, both ends in one pass) with cp > 1, or any block plan with cp=1"
-        )
-
-
-def _role(rank: int, sender: bool, items: list, lengths: Sequence[int], shards: int) -> ExchangeRole:
-    ends = tuple(BlockEnd(i, b.taker if sender else b.sender, b.kv_start, b.kv_end, b.backward) for i, b in items)
-    return ExchangeRole(sender, ends, lengths[items[0][1].sender_action.slice] // shards, shards)
+def _role(sender: bool, items: list) -> ExchangeRole:
+    ends = (BlockEnd(i, b.taker if sender else b.sender, b.kv_start, b.kv_end, b.backward) for i, b in items)
+    return ExchangeRole(sender, tuple(ends))
 
 
 def paired_role(exchange: Optional["ContextExchange"], packed: bool, recompute: bool) -> Optional[ExchangeRole]:
@@ -126,54 +105,46 @@ def paired_role(exchange: Optional["ContextExchange"], packed: bool, recompute: 
         )
     if role is None or recompute:
         return None
-    if not role.sender and exchange is not None and exchange.serves_in_thread:
-        return None  # its blocks are served beside its layers (``exchange_server``); its attention is its own
-    return role
+    return role if role.sender else None  # a taker's blocks are served beside its layers; its attention is its own
 
 
-class ContextExchange(PairMessages):
+class ContextExchange:
     def __init__(
         self,
         plan: ExchangePlan,
         rank: int,
         group,
         pp_ranks: Sequence[int],
-        lengths: Sequence[int],
         shards: int = 1,
         device: Optional[torch.device] = None,
+        cp_group=None,
     ) -> None:
-        """``pp_ranks[i]``: the global rank of pipeline rank ``i`` in ``group``; ``lengths``: slice lengths;
-        ``shards``: the CP size (each CP rank ships its shard of the slice's queries and moved K/V);
-        ``device``: where the served blocks' buffers go (cp = 1; default CPU)."""
-        self.group, self.pp_ranks, self.shards = group, list(pp_ranks), shards
+        """``pp_ranks[i]``: the global rank of pipeline rank ``i`` in ``group``; ``shards``: the CP size
+        (each CP rank ships its own rows); ``device``: where the served blocks' buffers go (default
+        CPU); ``cp_group``: the exchange's own group over this stage's CP ranks (``shards > 1``)."""
+        self.group, self.pp_ranks, self.shards, self.cp_group = group, list(pp_ranks), shards, cp_group
         self.device = device if device is not None else torch.device("cpu")
         self.backend: Optional[AttentionBackend] = None  # recorded by this rank's attention layers; serving uses it
         sent: dict[Action, list] = {}
         served: dict[Action, list] = {}
         for i, b in enumerate(plan.blocks):
-            if shards > 1:
-                _refuse_beyond_pairs(plan, b, shards)
             if b.sender == rank:
                 sent.setdefault(b.sender_action, []).append((i, b))
             elif b.taker == rank:
                 served.setdefault(b.taker_action, []).append((i, b))
-        self._roles = {a: _role(rank, True, items, lengths, shards) for a, items in sent.items()}
-        self._roles.update({a: _role(rank, False, items, lengths, shards) for a, items in served.items()})
+        self._roles = {a: _role(True, items) for a, items in sent.items()}
+        self._roles.update({a: _role(False, items) for a, items in served.items()})
         self._current: Optional[ExchangeRole] = None
         self._action: Optional[Action] = None
         self._layer = 0
         self.sent_tokens = 0  # K/V rows this rank moved to peers (its CP shard), summed over layers and passes
-        self.served_blocks = 0  # attention blocks this rank computed for senders (one per layer)
+        self.served_blocks = 0  # attention blocks this rank computed for senders (one per layer), after drain()
+        self._servers: list[BlockServer] = []  # started, not yet drained
 
     @property
     def role(self) -> Optional[ExchangeRole]:
         """The current action's role, None outside an exchanging action."""
         return self._current
-
-    @property
-    def serves_in_thread(self) -> bool:
-        """Without CP a taker's blocks are served by a :class:`BlockServer` beside its own layers."""
-        return self.shards == 1
 
     @contextmanager
     def scope(self, action: Action) -> Iterator[None]:
@@ -187,12 +158,28 @@ class ContextExchange(PairMessages):
             self._current, self._action = None, None
 
     def _start_server(self, role: Optional[ExchangeRole]) -> Optional[BlockServer]:
-        if role is None or role.sender or not self.serves_in_thread:
+        if role is None or role.sender:
             return None
         blocks = [ServedBlock(b.index, self.pp_ranks[b.other], b.backward) for b in role.blocks]
-        server = BlockServer(blocks, self.group, self.device, self._backend_for)
+        if self.shards == 1:
+            server = BlockServer(blocks, self.group, self.device, self._backend_for)
+        elif self.cp_group is None:
+            raise ValueError(f"context exchange under cp={self.shards}: a taker needs cp_group (its stage's CP group)")
+        else:
+            previous = next((s for s in reversed(self._servers) if isinstance(s, CPBlockServer)), None)
+            server = CPBlockServer(blocks, self.group, self.device, self._backend_for, self.cp_group, previous)
         server.start()
+        self._servers.append(server)
         return server
+
+    def drain(self) -> None:
+        """Wait for every taker server this rank started (its senders' actions have all run by the
+        end of a schedule); count what they served and raise the first error. A taker's action does
+        not wait for its server: its own next action may start while its last block is served, as the
+        simulator prices it (``plan/sim/engine.py``)."""
+        servers, self._servers = self._servers, []
+        for server in servers:
+            self.served_blocks += server.join()
 
     def _backend_for(self, head: Header):
         if self.backend is not None:
@@ -202,52 +189,43 @@ class ContextExchange(PairMessages):
         return select_backend(None, self.device, head.dtype)
 
     def _finish(self, action: Action, server: Optional[BlockServer]) -> None:
-        """A sender tells its takers it is done; a taker waits for its server (and its errors)."""
+        """A sender tells its takers it is done; a taker's server runs on (``drain``)."""
         role = self._current
-        if role is None:
-            return
-        if server is not None:
-            self.served_blocks += server.join()
+        if role is None or server is not None:
             return
         if self._layer == 0:
             raise RuntimeError(f"context exchange: exchanging action {action} ran no attention layer")
-        if role.sender and self.serves_in_thread:
-            done = done_header(self.device)
-            ends = [(self.pp_ranks[b.other], layer_tag(b.index, self._layer)) for b in role.blocks]
-            wait_all([dist.isend(done, other, self.group, tag) for other, tag in ends])
+        done = done_header(self.device)
+        ends = [(self.pp_ranks[b.other], layer_tag(b.index, self._layer)) for b in role.blocks]
+        wait_all([dist.isend(done, other, self.group, tag) for other, tag in ends])
 
-    # ---- a sender without CP: several blocks, any token ranges ---------------------------------
-    def ship_forward(self, q: Tensor, k_moved: Tensor, v_moved: Tensor, scale: float) -> list["Pending"]:
-        """Ship Q and each block's K/V rows (of ``k_moved``/``v_moved``: the prefix's first ``m`` tokens);
+    # ---- a sender: several blocks, any token ranges ---------------------------------------------
+    def ship_forward(self, q: Tensor, kvs: Sequence[KV], scale: float) -> list[Pending]:
+        """Ship Q and each block's K/V rows (``kvs[i]``: the rows of block ``i`` this rank holds);
         each ``wait()`` -> that block's (out, lse)."""
         role, layer = self._role(), self._next_layer_index()
         b, s, hq, _ = q.shape
         pending = []
-        for block in role.blocks:
-            rows = slice(block.kv_start, block.kv_end)
-            k, v = k_moved[:, rows], v_moved[:, rows]
+        for block, (k, v) in zip(role.blocks, kvs, strict=True):
             buffers = (q.new_empty(q.shape), torch.empty(b, hq, s, dtype=torch.float32, device=q.device))
             pending.append(self._ship(block, layer, Header.of(q, k, scale), (q, k, v), buffers))
         return pending
 
-    def ship_backward(self, dout, q, out, lse, k_moved: Tensor, v_moved: Tensor, scale: float) -> list["Pending"]:
+    def ship_backward(self, dout, q, out, lse, kvs: Sequence[KV], scale: float) -> list[Pending]:
         """Ship what each block's backward needs; each ``wait()`` -> fp32 (dQ, dK, dV) of that block."""
         role, layer = self._role(), self._next_layer_index()
         pending = []
-        for block in role.blocks:
-            rows = slice(block.kv_start, block.kv_end)
-            k, v = k_moved[:, rows], v_moved[:, rows]
+        for block, (k, v) in zip(role.blocks, kvs, strict=True):
             grads = tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
             pending.append(self._ship(block, layer, Header.of(q, k, scale), (dout, q, out, lse, k, v), grads))
         return pending
 
-    def _ship(self, block: BlockEnd, layer: int, head: Header, payload: tuple, buffers: tuple) -> "Pending":
+    def _ship(self, block: BlockEnd, layer: int, head: Header, payload: tuple, buffers: tuple) -> Pending:
         other, tag = self.pp_ranks[block.other], layer_tag(block.index, layer)
         sends = [dist.isend(head.encode(self.device), other, self.group, tag)]
-        sends += [dist.isend(t.detach().contiguous(), other, self.group, tag + 1 + i) for i, t in enumerate(payload)]
-        first = tag + 1 + len(payload)
-        receives = [dist.irecv(t, other, self.group, first + i) for i, t in enumerate(buffers)]
-        self.sent_tokens += block.tokens
+        sends += post(dist.isend, [t.detach().contiguous() for t in payload], other, self.group, tag + 1)
+        receives = post(dist.irecv, buffers, other, self.group, tag + 1 + len(payload))
+        self.sent_tokens += head.kv_rows
         return Pending(sends, receives, buffers)
 
     # ---- bookkeeping --------------------------------------------------------------------------
@@ -259,10 +237,6 @@ class ContextExchange(PairMessages):
         if self._current is None:
             raise RuntimeError("context exchange: no exchanging action is running")
         return self._current
-
-    def _next_layer(self) -> int:
-        """The first tag of the current layer's messages (a CP pair's); moves on to the next layer."""
-        return layer_tag(self._role().pair_index, self._next_layer_index())
 
     def _next_layer_index(self) -> int:
         self._layer += 1

@@ -1,118 +1,135 @@
-"""Context exchange under query-out context parallelism (:mod:`cp_slice_attention`, zigzag shards).
+"""A context-exchange sender under query-out context parallelism (:mod:`cp_slice_attention`, zigzag shards).
 
-Each CP rank of the sender stage pairs with the CP rank of the same index on the peer stage (they
-share a pipeline group) and ships *its own shards*: its rows of the slice's queries and its shard
-of the moved (oldest, whole) cached slices. So the pipeline link carries 1/cp of the slice's Q and
-of the moved K/V per CP rank, as ``plan/cost/exchange.py`` prices it.
+Each CP rank caches its zigzag shard of every earlier slice: cached slice ``i`` (``L_i`` tokens,
+starting at token ``o_i`` of the prefix) holds the tokens ``o_i + layout_i.positions(rank)``. A
+block covers the prefix tokens ``[kv_start, kv_end)``, which need not align with cached slices or
+zigzag chunks, so each CP rank selects *its* rows of the range by position (its count differs per
+rank, and may be zero) and ships them with its query rows to the CP rank of the same index on the
+taker stage (``exchange_cp_server.py`` computes the block there). So the pipeline link carries 1/cp
+of the slice's Q and about 1/cp of the moved K/V per CP rank, as ``plan/cost/exchange.py`` prices it.
 
-The peer stage's CP ranks then run the moved block query-out among themselves, as the sender
-stage would have: all-gather the shipped query shards, attend every query to the local moved
-K/V shard without a mask, and all-to-all the partials back to the rank whose queries they are,
-merged by log-sum-exp (forward); all-gather (q, dout, out, lse), the block's exact gradients from
-the merged statistics, reduce-scatter (sum) of dQ (backward). Every CP rank of the peer stage
-serves the same pair at the same layer (CP ranks run one schedule), so the collectives line up;
-they need only the senders' messages, which the senders post before their own collectives.
-
-Row order inside the block does not matter (no mask): queries stay rank-major, never reordered
-to positions. The sender merges the returned (out, lse) of its rows into its own combined rows
-(forward) and adds the returned dQ to its reduce-scattered dQ and dK/dV to the moved slices'
-accumulators (backward), exactly as without CP.
+Its own query-out attention then runs over its rows at positions ``>= m`` (the blocks cover
+``[0, m)``) plus the slice, as without exchange; the blocks' (out, lse) merge into its combined rows
+by log-sum-exp (forward). Backward: the blocks' fp32 dQ add to the reduce-scattered dQ; their dK/dV,
+and those of its kept rows, go back into exactly their rows of each cached slice's accumulator.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from megatron_slim.runtime.attention import AttentionBackend
-from megatron_slim.runtime.pipeline.context_exchange import Attend, ContextExchange, Gradients, Pending, paired_role
-from megatron_slim.runtime.pipeline.cp_collectives import all_gather, combine_partials, reduce_scatter_sum
+from megatron_slim.runtime.attention import merge_
+from megatron_slim.runtime.pipeline.context_exchange import ContextExchange, paired_role
+from megatron_slim.runtime.pipeline.exchange_wire import Pending
+from megatron_slim.runtime.pipeline.zigzag import ZigzagLayout
 
 Tensor = torch.Tensor
-Opened = tuple[int, Optional[Pending]]  # (cached slices the sender moved, what its peer sends back)
+Prefix = Sequence[tuple[Tensor, Tensor]]
+Accumulate = Callable[[int, Tensor, Tensor], None]  # (cached slice, dk, dv) into its accumulator
 
 
-def _joined(gathered: Tensor) -> Tensor:
-    """``[cp, b, rows, ...]`` -> ``[b, cp * rows, ...]``, rank-major."""
-    return gathered.movedim(0, 1).flatten(1, 2)
+def prefix_positions(prefix: Prefix, cp: int, rank: int) -> list[Tensor]:
+    """Per cached slice, the prefix token positions of this CP rank's rows, in local order."""
+    offset, positions = 0, []
+    for k_i, _ in prefix:
+        length = k_i.shape[1] * cp
+        positions.append(offset + ZigzagLayout(cp, length).positions(rank).to(k_i.device))
+        offset += length
+    return positions
 
 
-def _split(x: Tensor, cp: int, dim: int) -> Tensor:
-    """Inverse of :func:`_joined` along ``dim``: ``[cp, ...]``, entry ``i`` holding rank ``i``'s rows."""
-    return x.unflatten(dim, (cp, x.shape[dim] // cp)).movedim(dim, 0)
+def _within(positions: list[Tensor], start: int, end: int) -> list[Tensor]:
+    return [torch.nonzero((p >= start) & (p < end)).flatten() for p in positions]
 
 
-def block_attention(backend: AttentionBackend, scale: float, group) -> tuple[Attend, Gradients]:
-    """The peer stage's query-out forward and backward of a shipped block on ``group`` (its CP group)."""
-    cp = torch.distributed.get_world_size(group)
+class Opened:
+    """One layer's exchange on a CP rank: which cached rows stay, what was shipped, what comes back.
+    Not a sender (``kept`` None): every cached row stays, nothing comes back."""
 
-    def attend(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        q_all = _joined(all_gather([q], group)[0])
-        out, lse = backend.forward(q_all, k, v, causal=False, softmax_scale=scale)
-        acc = torch.promote_types(out.dtype, torch.float32)
-        mine = combine_partials(_split(out.to(acc), cp, 1), _split(lse.float(), cp, 2), group)
-        return mine[0].to(q.dtype), mine[1]
+    def __init__(
+        self,
+        prefix: Prefix,
+        kept: Optional[list[Tensor]] = None,
+        blocks: Sequence[list[Tensor]] = (),
+        pending: Sequence[Pending] = (),
+    ) -> None:
+        self.prefix, self._kept, self._blocks, self._pending = prefix, kept, list(blocks), list(pending)
+        self._grads: dict[int, tuple[Tensor, Tensor]] = {}
 
-    def gradients(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, k: Tensor, v: Tensor):
-        q_all, dout_all, out_all, lse_all = all_gather([q, dout, out, lse], group)
-        dq, dk, dv = backend.backward(
-            _joined(dout_all),
-            _joined(q_all),
-            k,
-            v,
-            _joined(out_all),
-            lse_all.movedim(0, 2).flatten(2, 3),  # [cp, b, h, rows] -> [b, h, cp * rows]
-            causal=False,
-            softmax_scale=scale,
-        )
-        return reduce_scatter_sum(_split(dq.float(), cp, 1), group), dk, dv
+    def kept(self) -> Iterator[tuple[int, Tensor, Tensor]]:
+        """``(cached slice, its K rows, its V rows)`` this rank attends to itself (none empty)."""
+        for i, (k_i, v_i) in enumerate(self.prefix):
+            if self._kept is None:
+                yield i, k_i, v_i
+            elif self._kept[i].numel():
+                yield i, k_i.index_select(1, self._kept[i]), v_i.index_select(1, self._kept[i])
 
-    return attend, gradients
+    def close_forward(self, out: Tensor, lse: Tensor) -> None:
+        """Merge every block's (out, lse) into this rank's combined rows."""
+        for work in self._pending:
+            merge_(out, lse, *work.wait())
+
+    def accumulate(self, i: int, dk: Tensor, dv: Tensor, into: Accumulate) -> None:
+        """dK/dV of :meth:`kept`'s rows of cached slice ``i``."""
+        if self._kept is None:
+            into(i, dk, dv)
+        else:
+            self._add(i, self._kept[i], dk, dv)
+
+    def close_backward(self, into: Accumulate):
+        """The blocks' dK/dV into their rows, every touched slice's gradient into ``into``; the blocks' fp32 dQ."""
+        dq: Tensor | int = 0
+        for rows, work in zip(self._blocks, self._pending, strict=True):
+            dq_block, dk, dv = work.wait()
+            start = 0
+            for i, idx in enumerate(rows):
+                n = idx.numel()
+                self._add(i, idx, dk[:, start : start + n], dv[:, start : start + n])
+                start += n
+            dq = dq + dq_block
+        for i, (gk, gv) in sorted(self._grads.items()):
+            into(i, gk, gv)
+        return dq
+
+    def _add(self, i: int, idx: Tensor, dk: Tensor, dv: Tensor) -> None:
+        if idx.numel() == 0:
+            return
+        if i not in self._grads:
+            k_i = self.prefix[i][0]
+            self._grads[i] = (
+                torch.zeros(k_i.shape, dtype=torch.float32, device=k_i.device),
+                torch.zeros(self.prefix[i][1].shape, dtype=torch.float32, device=k_i.device),
+            )
+        gk, gv = self._grads[i]
+        gk.index_add_(1, idx, dk.float())
+        gv.index_add_(1, idx, dv.float())
 
 
-def moved_kv(prefix: Sequence[tuple[Tensor, Tensor]], first: int) -> tuple[Tensor, Tensor]:
-    """This rank's shards of the oldest ``first`` cached slices, joined: what it ships to its peer."""
-    return torch.cat([k for k, _ in prefix[:first]], dim=1), torch.cat([v for _, v in prefix[:first]], dim=1)
+def _select(prefix: Prefix, exchange: ContextExchange, rank: int) -> tuple[list[Tensor], list[list[Tensor]], list]:
+    """This rank's kept rows per cached slice, each block's rows per cached slice, each block's (K, V) rows."""
+    role = exchange.current_role()
+    positions = prefix_positions(prefix, exchange.shards, rank)
+    blocks = [_within(positions, b.kv_start, b.kv_end) for b in role.blocks]
+    kvs = [
+        tuple(torch.cat([t.index_select(1, idx) for (t, idx) in zip(side, rows)], dim=1) for side in zip(*prefix))
+        for rows in blocks
+    ]
+    return _within(positions, role.moved, 2**62), blocks, kvs
 
 
-def moved_count(exchange: ContextExchange, prefix: Sequence[tuple[Tensor, Tensor]]) -> int:
-    """How many of the oldest cached slices the current pair moves."""
-    return exchange.moved_chunks([k.shape[1] for k, _ in prefix])
-
-
-def open_forward(exchange: Optional[ContextExchange], setup, q: Tensor, k: Tensor, prefix, recompute: bool) -> Opened:
-    """A paired forward's first step at one layer: the sender ships its shards (returns how many cached
-    slices moved and what comes back); the peer serves the block before its own attention."""
+def open_forward(exchange: Optional[ContextExchange], setup, q: Tensor, prefix: Prefix, recompute: bool) -> Opened:
+    """A sender's first step at one layer: ship its query rows and each block's K/V rows."""
     if exchange is None or paired_role(exchange, setup.documents is not None, recompute) is None:
-        return 0, None
-    assert exchange.role is not None
-    if exchange.role.sender:
-        first = moved_count(exchange, prefix)
-        return first, exchange.send_forward(q, *moved_kv(prefix, first))
-    exchange.serve_forward(q, k, block_attention(setup.backend, setup.scale, setup.group)[0])
-    return 0, None
+        return Opened(prefix)
+    kept, blocks, kvs = _select(prefix, exchange, setup.rank)
+    return Opened(prefix, kept, blocks, exchange.ship_forward(q, kvs, setup.scale))
 
 
-def open_backward(exchange: Optional[ContextExchange], setup, dout, q, out, lse, k, prefix) -> Opened:
-    """:func:`open_forward` for the backward: the sender ships (dout, q, out, lse) and its moved shards."""
+def open_backward(exchange: Optional[ContextExchange], setup, dout, q, out, lse, prefix: Prefix) -> Opened:
+    """:func:`open_forward` for the backward: the sender ships (dout, q, out, lse) and each block's rows."""
     if exchange is None or paired_role(exchange, setup.documents is not None, False) is None:
-        return 0, None
-    assert exchange.role is not None
-    if exchange.role.sender:
-        first = moved_count(exchange, prefix)
-        return first, exchange.send_backward(dout, q, out, lse, *moved_kv(prefix, first))
-    exchange.serve_backward(q, k, block_attention(setup.backend, setup.scale, setup.group)[1])
-    return 0, None
-
-
-def close_backward(pending: Pending, prefix, accumulate) -> Tensor:
-    """The peer's block gradients: dK/dV into the moved slices' accumulators (``accumulate(i, dk, dv)``);
-    returns the block's fp32 dQ of this rank's query rows."""
-    dq, dk, dv = pending.wait()
-    start = 0
-    for i, (k_i, _) in enumerate(prefix):
-        rows = slice(start, start + k_i.shape[1])
-        accumulate(i, dk[:, rows], dv[:, rows])
-        start = rows.stop
-    return dq
+        return Opened(prefix)
+    kept, blocks, kvs = _select(prefix, exchange, setup.rank)
+    return Opened(prefix, kept, blocks, exchange.ship_backward(dout, q, out, lse, kvs, setup.scale))

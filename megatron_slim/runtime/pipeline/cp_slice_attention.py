@@ -26,7 +26,7 @@ backward of slice j (slices run in reverse)
 Memory per rank: K/V cache and dK/dV buffers are 1/cp of the unsharded ones; transient buffers are
 one slice's queries, out and lse for all cp ranks (no K/V is ever gathered). Every CP rank of a
 pipeline stage runs the same schedule, so the collectives of (microbatch, slice, layer) line up.
-Context exchange: a paired sender's oldest cached slices are attended on the peer stage (``cp_exchange``).
+Context exchange: a sender's blocks of its cached rows are attended on their taker stages (``cp_exchange``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from megatron_slim.runtime.pipeline.cp_document_attention import (
     pieces_backward,
     pieces_forward,
 )
-from megatron_slim.runtime.pipeline.cp_exchange import close_backward, open_backward, open_forward
+from megatron_slim.runtime.pipeline.cp_exchange import open_backward, open_forward
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
 from megatron_slim.runtime.pipeline.slice_context import SliceInfo
 from megatron_slim.runtime.pipeline.zigzag import ZigzagLayout
@@ -152,21 +152,18 @@ def _combine(s: _Setup, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _forward(s: _Setup, q: Tensor, k: Tensor, v: Tensor, cached: CachedSlice) -> tuple[Tensor, Tensor]:
-    prefix = cached.prefix()
-    moved, pending = open_forward(s.exchange, s, q, k, prefix, cached.recompute)  # a sender ships `moved` slices
+    opened = open_forward(s.exchange, s, q, cached.prefix(), cached.recompute)  # a sender ships its blocks' rows
     q_all = _from_ranks(all_gather([q], s.group)[0], s.layout, 1)
-    out, lse = _partial_forward(s, q_all, k, v, prefix[moved:])
+    out, lse = _partial_forward(s, q_all, k, v, [(k_i, v_i) for _, k_i, v_i in opened.kept()])
     out, lse = _combine(s, out, lse)
-    if pending is not None:
-        merge_(out, lse, *pending.wait())
+    opened.close_forward(out, lse)
     return out.to(q.dtype), lse
 
 
 def _backward(
     s: _Setup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cached: CachedSlice
 ) -> tuple[Tensor, Tensor, Tensor]:
-    prefix = cached.prefix()
-    moved, pending = open_backward(s.exchange, s, dout, q, out, lse, k, prefix)
+    opened = open_backward(s.exchange, s, dout, q, out, lse, cached.prefix())
     q_all, dout_all, out_all, lse_all = all_gather([q, dout, out, lse], s.group)
     qp, doutp, outp = (_from_ranks(t, s.layout, 1) for t in (q_all, dout_all, out_all))
     lsep = _from_ranks(lse_all, s.layout, 2)
@@ -174,10 +171,10 @@ def _backward(
         return _document_backward(s, qp, doutp, outp, lsep, k, v, cached)
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(qp.shape, dtype=acc, device=q.device)
-    for i, (k_i, v_i) in list(enumerate(prefix))[moved:]:
+    for i, k_i, v_i in opened.kept():
         dq_i, dk_i, dv_i = s.backend.backward(doutp, qp, k_i, v_i, outp, lsep, causal=False, softmax_scale=s.scale)
         dq += dq_i
-        cached.accumulate(i, dk_i, dv_i)
+        opened.accumulate(i, dk_i, dv_i, cached.accumulate)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     c = s.layout.chunk
@@ -196,7 +193,7 @@ def _backward(
         _rows(dq, first, n).add_(dq_b)
         _rows(dk, t * c, c).add_(dk_b)
         _rows(dv, t * c, c).add_(dv_b)
-    dq_moved = close_backward(pending, prefix[:moved], cached.accumulate) if pending is not None else 0
+    dq_moved = opened.close_backward(cached.accumulate)
     later = cached.take_gradient()
     if later is not None:
         dk += later[0]

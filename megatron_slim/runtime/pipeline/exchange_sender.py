@@ -26,10 +26,15 @@ def _cut(prefix: list, k: Tensor, v: Tensor, moved: int) -> tuple[Tensor, Tensor
     return keys[:, :moved], values[:, :moved], keys[:, moved:].contiguous(), values[:, moved:].contiguous()
 
 
+def _per_block(exchange: ContextExchange, k_moved: Tensor, v_moved: Tensor) -> list[tuple[Tensor, Tensor]]:
+    rows = [slice(b.kv_start, b.kv_end) for b in exchange.current_role().blocks]
+    return [(k_moved[:, r], v_moved[:, r]) for r in rows]
+
+
 def sender_forward(backend, q: Tensor, k: Tensor, v: Tensor, scale: float, prefix: list, exchange: ContextExchange):
     """The slice's (out, lse): its blocks shipped, its own causal part, all merged by log-sum-exp."""
     k_moved, v_moved, keys, values = _cut(prefix, k, v, exchange.current_role().moved)
-    pending = exchange.ship_forward(q, k_moved, v_moved, scale)
+    pending = exchange.ship_forward(q, _per_block(exchange, k_moved, v_moved), scale)
     out, lse = backend.forward(q, keys, values, causal=True, softmax_scale=scale)
     merged = (out, lse) if len(pending) == 1 else (out.float(), lse)  # several partials: accumulate in fp32
     for block in pending:
@@ -41,7 +46,7 @@ def sender_backward(backend, dout, q, k, v, out, lse, scale: float, prefix: list
     """(dQ with every block's added, the whole prefix's fp32 dK and dV, the slice's own dK and dV)."""
     role = exchange.current_role()
     k_moved, v_moved, keys, values = _cut(prefix, k, v, role.moved)
-    pending = exchange.ship_backward(dout, q, out, lse, k_moved, v_moved, scale)
+    pending = exchange.ship_backward(dout, q, out, lse, _per_block(exchange, k_moved, v_moved), scale)
     dq, dkeys, dvalues = backend.backward(dout, q, keys, values, out, lse, causal=True, softmax_scale=scale)
     kept = dkeys.shape[1] - k.shape[1]  # prefix rows of the sender's own call
     shape = (dkeys.shape[0], role.moved + kept, *dkeys.shape[2:])

@@ -16,6 +16,9 @@ tags), and the sender's ``DONE`` header, sent when its action ends, ends the thr
 that never comes fails with the process group's own timeout, and the error is raised on the main
 thread by ``join`` (at the end of the taker's action), never swallowed.
 
+Under context parallelism the taker stage's CP ranks compute each block together, by collectives
+(``exchange_cp_server.py``), so there one thread serves the blocks in plan order instead.
+
 NCCL (untested here, no GPU): the code is device-agnostic; each thread runs on its own CUDA
 stream, and ``group`` must be the exchange's own group (``megatron/slimpipe/exchange_group.py``)
 so its messages never queue behind the pipeline's activations.
@@ -31,7 +34,15 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_slim.runtime.pipeline.exchange_wire import Header, empty_header, layer_tag, wait_all
+from megatron_slim.runtime.pipeline.exchange_wire import (
+    Attend,
+    Gradients,
+    Header,
+    empty_header,
+    layer_tag,
+    post,
+    wait_all,
+)
 
 Tensor = torch.Tensor
 
@@ -58,6 +69,11 @@ class BlockServer:
         for thread in self._threads:
             thread.start()
 
+    def wait_threads(self) -> None:
+        """Wait until every thread has ended (errors stay for :meth:`join`)."""
+        for thread in self._threads:
+            thread.join()
+
     def join(self) -> int:
         """Wait until every block's sender is done; re-raise a thread's error; the layers served."""
         for thread in self._threads:
@@ -69,10 +85,24 @@ class BlockServer:
             ) from error
         return sum(self.layers)
 
+    def _kernels(self, backend, scale: float) -> tuple[Attend, Gradients]:
+        """The block's forward and backward: plain unmasked attention (no CP)."""
+
+        def attend(q, k, v):
+            return backend.forward(q, k, v, causal=False, softmax_scale=scale)
+
+        def gradients(dout, q, out, lse, k, v):
+            return backend.backward(dout, q, k, v, out, lse, causal=False, softmax_scale=scale)
+
+        return attend, gradients
+
+    def _on_stream(self):
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
     def _run(self, i: int, block: ServedBlock) -> None:
         try:
-            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else nullcontext():
+            with torch.no_grad(), self._on_stream():
                 while self._serve_layer(block, self.layers[i]):
                     self.layers[i] += 1
         except BaseException as error:  # noqa: BLE001 - handed to the main thread by join()
@@ -86,15 +116,15 @@ class BlockServer:
         head = Header.decode(buffer)
         if head.done:
             return False
-        backend = self._backend_for(head)
+        attend, gradients = self._kernels(self._backend_for(head), head.scale)
         if block.backward:
             shapes = (head.q_shape, head.q_shape, head.q_shape, head.lse_shape, head.kv_shape, head.kv_shape)
             dout, q, out, lse, k, v = self._receive(block, tag + 1, shapes, head.dtype, lse_at=3)
-            grads = backend.backward(dout, q, k, v, out, lse, causal=False, softmax_scale=head.scale)
+            grads = gradients(dout, q, out, lse, k, v)
             self._reply(block, tag + 7, tuple(g.float() for g in grads))
         else:
             q, k, v = self._receive(block, tag + 1, (head.q_shape, head.kv_shape, head.kv_shape), head.dtype)
-            out, lse = backend.forward(q, k, v, causal=False, softmax_scale=head.scale)
+            out, lse = attend(q, k, v)
             self._reply(block, tag + 4, (out, lse.float()))
         return True
 
@@ -103,9 +133,9 @@ class BlockServer:
             torch.empty(shape, dtype=torch.float32 if i == lse_at else dtype, device=self.device)
             for i, shape in enumerate(shapes)
         ]
-        wait_all([dist.irecv(t, block.sender, self.group, tag + i) for i, t in enumerate(buffers)])
+        wait_all(post(dist.irecv, buffers, block.sender, self.group, tag))
         return buffers
 
     def _reply(self, block: ServedBlock, tag: int, tensors: tuple[Tensor, ...]) -> None:
         # the sender posted these receives with its sends
-        wait_all([dist.isend(t.contiguous(), block.sender, self.group, tag + i) for i, t in enumerate(tensors)])
+        wait_all(post(dist.isend, [t.contiguous() for t in tensors], block.sender, self.group, tag))

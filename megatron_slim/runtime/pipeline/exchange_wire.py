@@ -8,12 +8,15 @@ A block's sender opens every layer (cp = 1) with a header: the shapes and dtype 
 so the taker's server needs nothing from its own layers to receive it. A header with no batch rows
 (``DONE``) ends the block: the sender has run all its attention layers.
 Layer slot layout: 0 header; forward 1-3 (q, k, v) and 4-5 (out, lse) back; backward 1-6
-(dout, q, out, lse, k, v) and 7-9 (dq, dk, dv) back.
+(dout, q, out, lse, k, v) and 7-9 (dq, dk, dv) back. Under CP a CP rank may hold none of a block's
+K/V rows (zigzag shards): an empty tensor is never posted, on either end (both know its shape from
+the header), and keeps its slot.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -23,6 +26,9 @@ TAG_SPAN = 2**30 - MESSAGES  # every tag stays below 2**31 - 1
 LAYERS = 4096  # layer slots per block
 DONE = 0  # a header's batch size that ends the block
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+Tensor = torch.Tensor
+Attend = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]  # (q, k, v) -> the block's (out, lse)
+Gradients = Callable[..., tuple[Tensor, Tensor, Tensor]]  # (dout, q, out, lse, k, v) -> (dq, dk, dv)
 
 
 def layer_tag(block_index: int, layer: int) -> int:
@@ -90,3 +96,19 @@ def wait_all(works) -> None:
     for work in works:
         assert work is not None
         work.wait()
+
+
+def post(op, tensors, peer: int, group, tag: int) -> list:
+    """``op`` (``dist.isend``/``dist.irecv``) of ``tensors[i]`` at ``tag + i``, skipping empty ones."""
+    return [op(t, peer, group, tag + i) for i, t in enumerate(tensors) if t.numel() > 0]
+
+
+class Pending:
+    """A sender's messages of one block at one layer in flight; ``wait`` returns what came back."""
+
+    def __init__(self, sends: list, receives: list, buffers: tuple[Tensor, ...]) -> None:
+        self._sends, self._receives, self._buffers = sends, receives, buffers
+
+    def wait(self) -> tuple[Tensor, ...]:
+        wait_all(self._receives + self._sends)
+        return self._buffers

@@ -38,36 +38,39 @@ def _first(moments: list[list], forwards: int, pp: int) -> list:
     raise AssertionError(f"no moment with {forwards} forwards among {pp} members")
 
 
-def _split(step: int, members: list, length: int) -> list[ExchangeBlock]:
+def _split(step: int, members: list, length: int, cut: int, trim: int) -> list[ExchangeBlock]:
     (s_rank, s_act), (r2, a2), (r3, a3), (r4, a4) = members
     prefix = s_act.slice * length
-    cut, moved = length // 2, prefix - length // 4
+    moved = prefix - trim
     blocks = [
         ExchangeBlock(step, s_rank, s_act, r4, a4, 0, cut),
         ExchangeBlock(step, s_rank, s_act, r3, a3, cut, moved),
     ]
     if not a2.kind.is_backward:  # the second sender: the shortest member serves two
-        blocks.append(ExchangeBlock(step, r2, a2, r4, a4, 0, a2.slice * length - length // 4))
+        blocks.append(ExchangeBlock(step, r2, a2, r4, a4, 0, a2.slice * length - trim))
     return blocks
 
 
-def _cross(step: int, members: list, length: int) -> list[ExchangeBlock]:
+def _cross(step: int, members: list, length: int, trim: int) -> list[ExchangeBlock]:
     forwards = [m for m in members if not m[1].kind.is_backward]
     backwards = [m for m in members if m[1].kind.is_backward]
     blocks = []
     for (s_rank, s_act), (t_rank, t_act) in ((backwards[0], forwards[-1]), (forwards[0], backwards[-1])):
-        blocks.append(ExchangeBlock(step, s_rank, s_act, t_rank, t_act, 0, s_act.slice * length - length // 4))
+        blocks.append(ExchangeBlock(step, s_rank, s_act, t_rank, t_act, 0, s_act.slice * length - trim))
     return blocks
 
 
-def block_plan(schedule: Schedule, length: int) -> ExchangePlan:
-    """The plan above for uniform slices of ``length`` tokens (pp4)."""
+def block_plan(schedule: Schedule, length: int, cut: int = 0, trim: int = 0) -> ExchangePlan:
+    """The plan above for uniform slices of ``length`` tokens (pp4): a split sender's blocks are
+    ``[0, cut)`` and ``[cut, prefix - trim)``, every other block ``[0, prefix - trim)`` (defaults:
+    ``length // 2`` and ``length // 4``)."""
     moments, pp = _moments(schedule), schedule.pp
-    blocks = _split(0, _first(moments, pp, pp), length)
-    blocks += _cross(1, _first(moments, 2, pp), length)
-    blocks += _split(2, _first(moments, 0, pp), length)
+    cut, trim = cut or length // 2, trim or length // 4
+    blocks = _split(0, _first(moments, pp, pp), length, cut, trim)
+    blocks += _cross(1, _first(moments, 2, pp), length, trim)
+    blocks += _split(2, _first(moments, 0, pp), length, cut, trim)
     return ExchangePlan(tuple(blocks))
 
 
-def with_blocks(schedule: Schedule, length: int) -> Schedule:
-    return dataclasses.replace(schedule, exchange=block_plan(schedule, length).to_text())
+def with_blocks(schedule: Schedule, length: int, cut: int = 0, trim: int = 0) -> Schedule:
+    return dataclasses.replace(schedule, exchange=block_plan(schedule, length, cut, trim).to_text())

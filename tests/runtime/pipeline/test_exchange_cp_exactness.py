@@ -2,8 +2,9 @@
 (RoPE, RMSNorm, SwiGLU, GQA) over gloo: the loss and every parameter gradient equal the
 single-process, unpipelined, unsliced, un-CP reference (``test_slimpipe_cp_exactness``'s check and
 tolerance). Each CP rank of a sender stage ships its own shards (its query rows, its shard of the
-moved K/V) to the CP rank of the same index on the peer stage, whose CP group runs the moved block
-query-out (``runtime/pipeline/cp_exchange.py``).
+moved K/V) to the CP rank of the same index on the peer stage, whose CP ranks run the moved block
+query-out (``runtime/pipeline/cp_exchange.py``, ``exchange_cp_server.py``). Block plans beyond
+pairs: ``test_exchange_blocks_cp_exactness.py``.
 
 Not vacuous: every rank's shipped K/V rows equal the pairing's moved tokens / cp x layers per
 chunk over its stage's sender ends, and some are positive; the vpp2 config has a pair across
