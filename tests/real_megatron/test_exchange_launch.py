@@ -30,6 +30,7 @@ import pytest
 from megatron_slim.megatron.launch.args import recipe_from_megatron_args
 from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.plan.sim.exchange_timing import timed_exchange_schedule
+from tests.oracle.zigzag_rows import zigzag_rows
 from tests.real_megatron.harness import (
     TINY,
     VOCAB,
@@ -65,7 +66,8 @@ def expected_reports(
 ) -> dict[int, tuple[int, int]]:
     """Per global rank, (K/V tokens shipped, attention blocks served) in one training call of the
     block plan ``timed_exchange_schedule`` makes for this run's flags: every block meets once per
-    attention layer of a model chunk, each CP rank shipping its ``1/cp`` of the moved K/V and every
+    attention layer of a model chunk, each CP rank shipping the block's tokens in its zigzag chunks
+    (``oracle/zigzag_rows``) and every
     TP rank of a stage the same rows (its own heads of them). Megatron
     pads NullTokenizer's vocabulary (up to core 0.16 the eod id comes after it) to a multiple of 128,
     and the cost model reads the padded size."""
@@ -80,12 +82,12 @@ def expected_reports(
     )  # fmt: skip
     uniform = (SEQ // SLICES,) * SLICES
     plan = ExchangePlan.from_text(timed_exchange_schedule(recipe_from_megatron_args(args), 4, uniform).exchange)
-    layers, counts = 8 // (pp * vpp), {rank: [0, 0] for rank in range(pp)}
-    for block in plan.blocks:
-        counts[block.sender][0] += block.tokens // cp * layers
-        counts[block.taker][1] += layers
-    # Megatron's rank order is tp-cp-dp-pp: the pipeline rank is global rank // (tp * cp)
-    return {rank: tuple(counts[rank // (tp * cp)]) for rank in range(pp * cp * tp)}  # type: ignore[misc]
+    layers, reports = 8 // (pp * vpp), {}
+    for rank in range(pp * cp * tp):  # Megatron's rank order is tp-cp-dp-pp
+        stage, cp_rank = rank // (tp * cp), rank // tp % cp
+        sent = [zigzag_rows(cp_rank, cp, SEQ // SLICES, b.kv_start, b.kv_end) for b in plan.blocks if b.sender == stage]
+        reports[rank] = (sum(sent) * layers, sum(layers for b in plan.blocks if b.taker == stage))
+    return reports
 
 
 def _flags(pp: int, vpp: int, cp: int, recompute: str, policy: str, tp: int = 1, sp: bool = False) -> list[str]:

@@ -9,7 +9,8 @@ slice attention on every chunk (Megatron's recomputation around it), ``packed.zi
 (each slice of a plain causal window split zigzag-wise over the CP ranks), the data x context
 gradient average -- equals the single-process, unpipelined, unsliced, un-CP reference in the loss and
 in EVERY parameter gradient (fp32; RoPE, RMSNorm, SwiGLU, GQA). Not vacuous: every rank's shipped K/V
-rows equal the plan's block tokens / cp x layers of a model chunk over its stage's sender ends, some
+rows equal the block tokens in its zigzag chunks (``oracle/zigzag_rows``) x layers of a model chunk
+over its stage's sender ends, some
 are positive, and the plan holds backward blocks (under recomputation these meet on the graph a
 recomputed, unexchanged forward built). The CLI then trains pp2 x cp2 with exchange to the losses of
 the pp1, cp1, unsliced run."""
@@ -20,11 +21,13 @@ import torch
 from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.reference import UNPIPELINED_UNSLICED
+from tests.oracle.zigzag_rows import zigzag_rows
 from tests.train._exchange_workers import slimpipe_exchange_step
 from tests.train.test_train_exchange import COMMON, EXCHANGE
 from tests.train.test_train_job import _train
 
 MICROBATCHES, SEQ = 4, 128
+EXCHANGE_SLICES = 4  # test_train_exchange.EXCHANGE's schedule.num_slices
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
@@ -96,9 +99,14 @@ def _check_pairs_ran(results, pp, cp, vpp=1):
     assert pairing and all(r["pairing"] == pairing for r in results), "ranks planned different pairs"
     plan = ExchangePlan.from_text(pairing)
     layers = _recipe(pp, cp, "none", vpp).model.num_layers // (pp * vpp)  # attention layers of one model chunk
-    shipped = [sum(p.tokens // cp * layers for p in plan.blocks if p.sender == s) for s in range(pp)]
+    length = SEQ // EXCHANGE_SLICES  # uniform slices
+    shipped = {
+        (s, c): sum(zigzag_rows(c, cp, length, p.kv_start, p.kv_end) * layers for p in plan.blocks if p.sender == s)
+        for s in range(pp)
+        for c in range(cp)
+    }
     sent = {(r["pp_rank"], r["cp_rank"]): r["sent"] for r in results}
-    assert sent == {(s, c): shipped[s] for s in range(pp) for c in range(cp)} and sum(shipped) > 0
+    assert sent == shipped and sum(shipped.values()) > 0
     assert any(p.sender_action.kind.is_backward for p in plan.blocks), "no backward pair exercised"
     if vpp > 1:
         assert any(p.sender_action.chunk != p.taker_action.chunk for p in plan.blocks), "no cross-chunk block"

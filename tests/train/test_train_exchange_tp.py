@@ -7,9 +7,10 @@ slow tier), tiny-cpu's model (RoPE, RMSNorm, SwiGLU, GQA with 2 query groups, sp
 SlimPipe step through the training job's own pieces equals the single-process, unpipelined,
 unsliced reference (run in a world of its own: Megatron's vocab-parallel loss reads the global TP
 group) in the loss and in every parameter gradient (each TP rank against its shard of the whole
-gradient). Not vacuous: every rank's shipped K/V rows equal the pairing's moved tokens / cp x
-layers over its stage's sender ends, and every rank served one block per layer of each of its
-stage's peer ends. The CLI then trains pp2 x tp2 with exchange to the losses of the unsliced run.
+gradient). Not vacuous: every rank's shipped K/V rows equal the plan's block tokens it holds
+(``oracle/zigzag_rows``: all of them at cp = 1) x layers over its stage's sender ends, and every
+rank served one block per layer of each of its stage's taker ends. The CLI then trains pp2 x tp2
+with exchange to the losses of the unsliced run.
 Sequence parallelism is CUDA-only on CPU ranks (``parallel.sequence_parallel`` is refused there).
 """
 
@@ -19,6 +20,7 @@ import torch
 from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.reference import UNPIPELINED_UNSLICED
+from tests.oracle.zigzag_rows import zigzag_rows
 from tests.train._exchange_workers import slimpipe_exchange_step
 from tests.train._tp_grads import TOL, assert_tp_shard_grads
 from tests.train.test_train_exchange import COMMON, EXCHANGE
@@ -90,15 +92,20 @@ def _check_pairs_ran(results, pp, tp, cp):
     assert pairing and all(r["pairing"] == pairing for r in results), "ranks planned different pairs"
     plan = ExchangePlan.from_text(pairing)
     layers = _recipe(pp, tp, cp).model.num_layers // pp
-    shipped = [sum(p.tokens // cp * layers for p in plan.blocks if p.sender == s) for s in range(pp)]
+    length = SEQ // 4  # test_train_exchange.EXCHANGE: 4 uniform slices
+    shipped = {
+        (s, c): sum(zigzag_rows(c, cp, length, p.kv_start, p.kv_end) * layers for p in plan.blocks if p.sender == s)
+        for s in range(pp)
+        for c in range(cp)
+    }
     served = [sum(layers for p in plan.blocks if p.taker == s) for s in range(pp)]
     assert {r["rank"]: r["sent"] for r in results} == {
-        (s, t, c): shipped[s] for s in range(pp) for t in range(tp) for c in range(cp)
+        (s, t, c): shipped[s, c] for s in range(pp) for t in range(tp) for c in range(cp)
     }
     assert {r["rank"]: r["served"] for r in results} == {
         (s, t, c): served[s] for s in range(pp) for t in range(tp) for c in range(cp)
     }
-    assert sum(shipped) > 0 and sum(served) > 0
+    assert sum(shipped.values()) > 0 and sum(served) > 0
     assert any(p.sender_action.kind.is_backward for p in plan.blocks), "no backward pair exercised"
 
 
