@@ -110,3 +110,20 @@ def test_offload_bandwidth_script_writes_every_mode_and_load(tmp_path):
         assert all(row[f"{d}_gbps"] > 0 for d in directions) and row["aggregate_gbps"] > 0
         under_gemm = row["load"] == "gemm"
         assert (row["gemm_slowdown"] is not None) == under_gemm and (row["gemms"] > 0) == under_gemm
+
+
+def test_served_overlap_script_times_both_passes_and_key_ranges(tmp_path):
+    out = tmp_path / "overlap.json"
+    args = ["--device", "cpu", "--tokens", "32", "--repeats", "1"]
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "measure_served_overlap.py"), *args, "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["block_keys"], r["block_pass"]) for r in rows} == {
+        (k, p) for k in (8, 64) for p in ("forward", "backward")
+    }
+    for row in rows:
+        assert min(row["own_s"], row["block_s"], row["overlapped_s"]) > 0
+        assert row["overlapped_over_sum"] == row["overlapped_s"] / (row["own_s"] + row["block_s"])
