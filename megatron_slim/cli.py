@@ -114,7 +114,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="search tp/cp/pp/vpp/dp, schedule, slices and recompute for the fastest fit (SlimPipe vs Megatron)",
         description="Autotune a recipe's model, sequence length and global batch on --gpus GPUs of its "
         "hardware profile: the fastest configuration that fits memory under the cost model, for "
-        "SlimPipe and for the best Megatron-LM baseline (1f1b or interleaved, any recompute), side by "
+        "SlimPipe (uniform, balanced or context-exchange slices) and for the best Megatron-LM baseline "
+        "(1f1b or interleaved, any recompute), side by "
         "side with the MFU ratio. The recipe's own parallel, schedule and recompute settings are "
         "replaced (they must still pass the recipe's checks after --set); micro-batch size, precision "
         "and the optimizer are kept.",

@@ -13,11 +13,10 @@ from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.recipe import Recipe, load_recipe
 from megatron_slim.plan.recipe_note import world_size_note
 from megatron_slim.plan.schedule.generators import generate
-from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.sim.costs import RecipeCosts
-from megatron_slim.plan.sim.engine import SimResult, simulate
-from megatron_slim.plan.sim.exchange_timing import simulate_with_group_exchange
+from megatron_slim.plan.sim.engine import SimResult
+from megatron_slim.plan.sim.exchange_timing import simulate_as_planned
 from megatron_slim.plan.variants import schedule_variant
 
 _GIB = 2**30
@@ -53,11 +52,7 @@ def run_one(recipe: Recipe, calibration: Calibration | None = None, progress: Pr
     costs = RecipeCosts(recipe, CostModel(recipe, calibration=calibration))
     p = recipe.parallel
     schedule = generate(recipe.schedule.kind, p.pp, p.vpp, recipe.num_microbatches, recipe.schedule.num_slices)
-    if recipe.schedule.kind == "slimpipe" and recipe.schedule.slice_policy == "exchange" and p.pp > 1:
-        return Simulated(
-            recipe, costs, simulate_with_group_exchange(lower(schedule), costs, costs.lengths, progress=progress)
-        )
-    return Simulated(recipe, costs, simulate(schedule, costs, progress))
+    return Simulated(recipe, costs, simulate_as_planned(schedule, costs, progress))
 
 
 def schedule_progress(line: ProgressLine, recipe: Recipe, index: int, count: int) -> Progress:

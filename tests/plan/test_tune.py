@@ -8,15 +8,18 @@ import pytest
 import yaml
 
 from megatron_slim.cli import main
+from megatron_slim.commands.simulate import run_one
 from megatron_slim.plan.cost.slicing import splits_uniformly
 from megatron_slim.plan.paths import config_dir
 from megatron_slim.plan.recipe import Recipe, recipe_from_dict
 from megatron_slim.plan.schedule.generators import generate
+from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schema import ConfigError, apply_overrides
 from megatron_slim.plan.sim.engine import simulate
+from megatron_slim.plan.sim.exchange_timing import simulate_with_group_exchange
 from megatron_slim.plan.tune import tune
 from megatron_slim.plan.tune.bounds import first_backward_memory, memory_lower_bound, time_bounds
-from megatron_slim.plan.tune.report import payload
+from megatron_slim.plan.tune.report import chosen, payload
 from megatron_slim.plan.tune.search import costs_of, search
 from megatron_slim.plan.tune.space import FAMILIES, Layout, candidate_recipe, candidates, layouts, recompute_options
 
@@ -67,7 +70,8 @@ def test_every_candidate_is_a_valid_recipe_on_the_gpus(tmp_path):
     assert {c.kind for c in cands} == {"1f1b", "interleaved", "slimpipe"}
     granularities = {dict(c.recompute)["recompute"] for c in cands}
     assert granularities == {"none", "selective", "full"}
-    assert {c.slice_policy for c in cands if c.kind == "slimpipe"} == {"uniform", "balanced"}  # no exchange
+    assert {c.slice_policy for c in cands if c.kind == "slimpipe"} == {"uniform", "balanced", "exchange"}
+    assert all(c.pp > 1 for c in cands if c.slice_policy == "exchange")  # on one rank it is uniform slices
     for c in cands:
         chunk = recipe.model.num_layers // (c.pp * c.vpp)
         assert c.recompute in recompute_options(chunk, offload=c.kind == "slimpipe")
@@ -83,14 +87,22 @@ def test_every_candidate_is_a_valid_recipe_on_the_gpus(tmp_path):
     assert len(set(cands)) == len(cands)
 
 
+def simulate_candidate(costs):
+    """A candidate's simulation as ``megatron-slim simulate`` runs it: context exchange with its group plan."""
+    p, s = costs.recipe.parallel, costs.recipe.schedule
+    schedule = generate(s.kind, p.pp, p.vpp, costs.recipe.num_microbatches, s.num_slices)
+    if s.slice_policy == "exchange":
+        return simulate_with_group_exchange(lower(schedule), costs, costs.lengths)
+    return simulate(schedule, costs)
+
+
 def brute_force(recipe, cands):
     """Simulate every candidate; (fastest fit's time, every (candidate, time, peak))."""
     cap = recipe.hardware_profile.usable_hbm_bytes
     runs = []
     for c in cands:
         costs = costs_of(candidate_recipe(recipe, c), recipe.hardware_profile)
-        p, s = costs.recipe.parallel, costs.recipe.schedule
-        res = simulate(generate(s.kind, p.pp, p.vpp, costs.recipe.num_microbatches, s.num_slices), costs)
+        res = simulate_candidate(costs)
         runs.append((c, costs, res.iteration_time_s, max(r.peak_memory_bytes for r in res.ranks)))
     fits = [t for _, _, t, peak in runs if peak <= cap]
     return (min(fits) if fits else None), runs
@@ -104,6 +116,7 @@ def test_choice_is_no_worse_than_any_candidate(tmp_path, family):
     fastest, runs = brute_force(recipe, cands)
     cap = recipe.hardware_profile.usable_hbm_bytes
     assert fastest is not None and any(peak > cap for *_, peak in runs)  # memory matters in this space
+    assert family == "megatron" or any(c.slice_policy == "exchange" for c, *_ in runs)
     for c, costs, seconds, peak in runs:  # the bounds hold for every candidate
         cheap, full = time_bounds(costs), time_bounds(costs, every_stage=True)
         assert cheap.lower <= full.lower <= seconds * (1 + 1e-9) and cheap.estimate <= full.estimate, c.label
@@ -135,18 +148,53 @@ def test_plan_json_holds_both_choices_and_the_speedup(tmp_path, capsys):
 
 
 def test_the_reported_set_keys_rebuild_the_choice_and_its_figures(tmp_path):
+    """The reported ``--set`` keys rebuild a recipe whose ``megatron-slim simulate`` figures are the chosen ones."""
     recipe = small_recipe(tmp_path)
     result = tune(recipe, 4)
     for name, family in result.families.items():
-        chosen = payload(result)[name]
-        rebuilt = recipe_from_dict(apply_overrides(recipe.to_dict(), chosen["set"], Recipe))
-        costs = costs_of(rebuilt, recipe.hardware_profile)
-        p, s = rebuilt.parallel, rebuilt.schedule
-        res = simulate(generate(s.kind, p.pp, p.vpp, rebuilt.num_microbatches, s.num_slices), costs)
-        assert res.mfu == pytest.approx(chosen["mfu"]) and res.iteration_time_s == pytest.approx(
+        picked = payload(result)[name]
+        rebuilt = recipe_from_dict(apply_overrides(recipe.to_dict(), picked["set"], Recipe))
+        res = run_one(rebuilt).result
+        assert res.mfu == pytest.approx(picked["mfu"]) and res.iteration_time_s == pytest.approx(
             family.best.iteration_time_s
         )
-        assert max(r.peak_memory_bytes for r in res.ranks) == pytest.approx(chosen["peak_memory_bytes"], abs=1)
+        assert max(r.peak_memory_bytes for r in res.ranks) == pytest.approx(picked["peak_memory_bytes"], abs=1)
+
+
+def test_exchange_is_searched_with_its_group_plan_and_beats_the_other_policies(tmp_path):
+    """On the small recipe's 4 GPUs, exchange is the exact optimum of SlimPipe's space (no recompute),
+    the search reports its group plan's figures (not those of the uniform slices it starts from),
+    and the reported ``--set`` keys rebuild a recipe ``megatron-slim simulate`` prints them for."""
+    recipe = small_recipe(tmp_path)
+    space = candidates(recipe, 4, FAMILIES["slimpipe"], max_slices=8)
+    cands = [c for c in space if dict(c.recompute)["recompute"] == "none"]
+    exact = search(recipe, cands, max_simulations=None)
+    best = exact.best.candidate
+    assert best.slice_policy == "exchange" and best.pp > 1
+    costs = costs_of(candidate_recipe(recipe, best), recipe.hardware_profile)
+    grouped = simulate_candidate(costs)
+    p, s = costs.recipe.parallel, costs.recipe.schedule
+    plain = simulate(generate(s.kind, p.pp, p.vpp, costs.recipe.num_microbatches, s.num_slices), costs)
+    assert exact.best.iteration_time_s == pytest.approx(grouped.iteration_time_s, rel=1e-12)
+    assert grouped.iteration_time_s < plain.iteration_time_s  # the plan moved work
+    rebuilt = recipe_from_dict(apply_overrides(recipe.to_dict(), chosen(exact.best, exact)["set"], Recipe))
+    printed = run_one(rebuilt).result
+    assert printed.iteration_time_s == pytest.approx(exact.best.iteration_time_s, rel=1e-12)
+    assert max(r.peak_memory_bytes for r in printed.ranks) == pytest.approx(exact.best.peak_memory_bytes, abs=1)
+    for policy in ("uniform", "balanced"):
+        rival = search(recipe, [c for c in cands if c.slice_policy == policy], max_simulations=None).best
+        assert rival is None or rival.iteration_time_s > exact.best.iteration_time_s
+
+
+@pytest.mark.parametrize("setting", ["schedule.vocab_parallel=true", "data.packing=slimpack"])
+def test_exchange_is_not_searched_where_train_and_the_launcher_refuse_it(tmp_path, setting):
+    base = small_recipe(tmp_path)
+    data = apply_overrides(base.to_dict(), [setting], Recipe)
+    if setting.startswith("data."):
+        data["data"]["path"] = ["/unused/prefix"]
+    recipe = recipe_from_dict(data)
+    cands = candidates(recipe, 4, FAMILIES["slimpipe"], max_slices=8)
+    assert cands and {c.slice_policy for c in cands} == {"uniform", "balanced"}
 
 
 def test_gpu_count_no_layout_uses_names_it_and_the_nearest(capsys):

@@ -26,6 +26,7 @@ from megatron_slim.plan.schedule.exchange_blocks import RankAction
 from megatron_slim.plan.schedule.exchange_groups import with_group_exchange
 from megatron_slim.plan.schedule.executable import PLANS_KEPT, executable
 from megatron_slim.plan.schedule.ir import Action, Schedule
+from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schedule.validate import check_link_order, validate
 from megatron_slim.plan.sim.costs import PipelineCosts, RecipeCosts
 from megatron_slim.plan.sim.engine import SimResult, simulate
@@ -61,6 +62,16 @@ def simulate_with_group_exchange(
         starts = _starts(result)
     assert best is not None
     return best
+
+
+def simulate_as_planned(schedule: Schedule, costs: RecipeCosts, progress: Optional[Progress] = None) -> SimResult:
+    """``schedule`` (generated for ``costs.recipe``) simulated as ``megatron-slim simulate`` prints and
+    ``megatron-slim plan`` ranks it: a context-exchange recipe on several pipeline ranks with its
+    group plan, any other as generated."""
+    recipe = costs.recipe
+    if recipe.schedule.kind == "slimpipe" and recipe.schedule.slice_policy == "exchange" and recipe.parallel.pp > 1:
+        return simulate_with_group_exchange(lower(schedule), costs, costs.lengths, progress=progress)
+    return simulate(schedule, costs, progress)
 
 
 @functools.lru_cache(maxsize=PLANS_KEPT)

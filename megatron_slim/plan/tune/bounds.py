@@ -5,7 +5,8 @@ one action after another; its first forward waits for the first forward of stage
 (each on another rank), and after its last backward the backwards of stages ``r-1 .. 0`` still
 run; gradient sync and the optimizer follow the pipeline. Communication only adds. For one chunk
 and one slice this is the 1F1B closed form ``(m + p - 1)(f + b)``; with slices and chunks it is the
-SlimPipe one, the cheapest slice's forward and backward in place of the average.
+SlimPipe one, the cheapest slice's forward and backward in place of the average. Under context
+exchange (attention moved between ranks) the ranks' mean takes the place of the slowest rank.
 
 ``first_backward_memory`` is a cruder memory bound that needs no schedule: when a rank runs its first
 backward, every slice of that microbatch's chunk is still held (its backward waits for the later
@@ -78,13 +79,24 @@ def time_bounds(costs: RecipeCosts, every_stage: bool = False) -> TimeBounds:
     def of(stage: int) -> StageTimes:
         return times[1 if cheap else _stage_class(stage, num_stages)]
 
-    pipeline = 0.0
-    for r in ranks:
+    def span(r: int) -> float:  # rank r's own work, plus the first forwards before it and last backwards after
         busy = m * sum(of(c * p + r).forward_backward for c in range(v))
-        head_tail = sum(of(s).min_forward + of(s).min_backward for s in range(r))
-        pipeline = max(pipeline, head_tail + busy)
-    lower = pipeline + max(costs.after_pipeline(r) for r in range(p))
+        return sum(of(s).min_forward + of(s).min_backward for s in range(r)) + busy
+
+    after = [costs.after_pipeline(r) for r in range(p)]
+    if recipe.schedule.slice_policy == "exchange" and p > 1:
+        return _exchange_bounds([span(r) for r in range(p)], max(span(r) for r in ranks), after)
+    lower = max(span(r) for r in ranks) + max(after)
     return TimeBounds(lower, lower + (p - 1) * v * max(t.spread for t in times.values()))
+
+
+def _exchange_bounds(spans: list[float], slowest: float, after: list[float]) -> TimeBounds:
+    """Context exchange moves attention between ranks, so one rank's span is no bound; the work is
+    conserved (the taker's gain is the sender's loss), the first slice, whose forwards head the
+    pipeline and whose backwards close it, has no prefix to move, and each rank still runs its actions
+    one after another: the ranks' mean span bounds the slowest. Its estimate is the uniform lower bound
+    without the unequal-slice penalty (the exchange evens out the slots)."""
+    return TimeBounds(sum(spans) / len(spans) + min(after), slowest + max(after))
 
 
 def _unit_bytes(costs: RecipeCosts, num_stages: int) -> dict[tuple[int, int], tuple[float, float]]:

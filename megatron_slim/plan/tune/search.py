@@ -4,7 +4,8 @@ Candidates whose schedule-free memory bound (``first_backward_memory``) exceeds 
 dropped; the rest are taken best time estimate first (``bounds.time_bounds``: a cheap form for
 all, refined to every stage when a candidate comes up). In that order each is checked against the
 cap with ``memory_lower_bound`` (the simulator's memory accounting on the generated schedule) and,
-if it fits, simulated exactly. The search stops when no candidate left has a time lower bound
+if it fits, simulated exactly as ``megatron-slim simulate`` does (context exchange with the group
+plan that simulate prices and train runs). The search stops when no candidate left has a time lower bound
 below the fastest simulated fit (nothing later can win). With a budget (``max_simulations``) it
 also stops after that many simulations, or once the next estimate is no better than the fastest
 simulated fit; ``None``: no budget, the exact optimum of the candidates. Everything is
@@ -25,7 +26,7 @@ from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.schedule.ir import Schedule
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.sim.costs import RecipeCosts
-from megatron_slim.plan.sim.engine import simulate
+from megatron_slim.plan.sim.exchange_timing import simulate_as_planned
 from megatron_slim.plan.tune.bounds import TimeBounds, first_backward_memory, memory_lower_bound, time_bounds
 from megatron_slim.plan.tune.space import Candidate, candidate_recipe
 
@@ -73,7 +74,8 @@ def costs_of(recipe: Recipe, hardware: HardwareProfile, calibration: Optional[Ca
 
 
 def evaluate(candidate: Candidate, costs: RecipeCosts, schedule: Schedule) -> Evaluated:
-    result = simulate(schedule, costs)
+    """The figures ``megatron-slim simulate`` prints for the candidate (exchange: its group plan)."""
+    result = simulate_as_planned(schedule, costs)
     peak = max(r.peak_memory_bytes for r in result.ranks)
     return Evaluated(candidate, costs.recipe, result.iteration_time_s, result.mfu, result.bubble_ratio, peak)
 

@@ -59,9 +59,15 @@ def _fields(r: Recompute) -> RecomputeOption:
     return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in r.train_fields().items())
 
 
-# Context exchange runs in `megatron-slim train` only (the Megatron-LM launcher refuses it): a search
-# picks what the emitted flags run.
-SLICE_POLICIES: tuple[str, ...] = tuple(p for p in get_args(SlicePolicy) if p != "exchange")
+SLICE_POLICIES: tuple[str, ...] = get_args(SlicePolicy)
+
+
+def exchange_runs(recipe: Recipe, layout: Layout) -> bool:
+    """Whether a context-exchange candidate is worth searching and runs as emitted: it needs several
+    pipeline ranks (on one it is uniform slices), and train and the launcher refuse it with
+    ``schedule.vocab_parallel`` or packed windows (``plan/startup/rules_slimpipe.py``)."""
+    return layout.pp > 1 and not recipe.schedule.vocab_parallel and recipe.data.packing == "none"
+
 
 FAMILIES: dict[str, tuple[str, ...]] = {"slimpipe": ("slimpipe",), "megatron": ("1f1b", "interleaved")}
 
@@ -141,9 +147,11 @@ def _schedules(recipe: Recipe, layout: Layout, kind: str, max_slices: int) -> It
     elif kind == "interleaved":
         yield from ((v, 1, "uniform") for v in vpps if v >= 2 and layout.pp > 1)
     else:
+        exchange = exchange_runs(recipe, layout)
+        policies = [x for x in SLICE_POLICIES if exchange or x != "exchange"]
         for v in vpps if layout.pp > 1 else [1]:
             for n in slice_counts(recipe.model.seq_length, layout, max_slices):
-                yield from ((v, n, policy) for policy in SLICE_POLICIES)
+                yield from ((v, n, policy) for policy in policies)
 
 
 def candidates(
