@@ -138,7 +138,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         type=_positive_int,
         default=DEFAULT_MAX_SIMULATIONS,
         metavar="K",
-        help="at most K exact simulations per family, in the order of the closed-form estimate; the "
+        help="at most K exact simulations per family, in the order of the closed-form estimate (a "
+        "context-exchange candidate counts as the 3 its group plan runs); the "
         f"search stops sooner once no candidate left can beat the best (default: {DEFAULT_MAX_SIMULATIONS})",
     )
     plan.set_defaults(run="megatron_slim.commands.plan")

@@ -52,15 +52,19 @@ class CostModel:
         self.layers_per_stage = recipe.model.num_layers // self.num_stages
         self.recompute = recipe.train.recompute_plan
         # Everything a decoder layer's time depends on: the autotuner prices tens of thousands of
-        # recipes that differ only in what does not enter it (recompute, slices, pp), so the times
-        # are shared between cost models (not under a calibration, which is not hashable).
-        self._layer_key = (
-            None
-            if calibration is not None
-            else _LAYER_KEYS.setdefault(
-                (self.shape, self.hw, p, recipe.schedule.kind, recipe.train.micro_batch_size, self.element_bytes),
-                len(_LAYER_KEYS),
-            )
+        # recipes that differ only in what does not enter it (recompute, slices, slice policy, pp), so
+        # the times are shared between cost models (a calibration is a frozen value: part of the key).
+        self._layer_key = _LAYER_KEYS.setdefault(
+            (
+                self.shape,
+                self.hw,
+                p,
+                recipe.schedule.kind,
+                recipe.train.micro_batch_size,
+                self.element_bytes,
+                calibration,
+            ),
+            len(_LAYER_KEYS),
         )
         sliced = recipe.schedule.kind == "slimpipe" and recipe.schedule.num_slices > 1
         self.chunk = ChunkActivations(self.shape, self.recompute, self.layers_per_stage, kv_cached=sliced)
@@ -150,8 +154,6 @@ class CostModel:
         return serial, overlapped
 
     def _layer_time(self, tokens: float, prefix: float, backward: bool) -> float:
-        if self._layer_key is None:
-            return self._price_layer(tokens, prefix, backward)
         key = (self._layer_key, tokens, prefix, backward)
         t = _LAYER_TIMES.get(key)
         if t is None:

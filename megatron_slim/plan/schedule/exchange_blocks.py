@@ -25,7 +25,7 @@ e.g. ``41 5 1F2.9 2 3B1.1 0 24576``. It rides in ``Schedule.exchange`` and so in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Iterable
 
 from megatron_slim.plan.schedule.ir import Action, Kind
@@ -111,7 +111,8 @@ class ExchangePlan:
 
     @classmethod
     def from_text(cls, text: str) -> "ExchangePlan":
-        return cls(tuple(ExchangeBlock.parse(ln) for ln in text.splitlines() if ln.strip()))
+        """Parsed once per text (the walk, the validator and the simulator each read a plan)."""
+        return _parsed(text)
 
     @cached_property
     def sent(self) -> dict[RankAction, tuple[ExchangeBlock, ...]]:
@@ -185,3 +186,8 @@ class ExchangePlan:
         for b in blocks:
             out.setdefault(b.sender_end, []).append(b)
         return out
+
+
+@lru_cache(maxsize=16)
+def _parsed(text: str) -> ExchangePlan:
+    return ExchangePlan(tuple(ExchangeBlock.parse(ln) for ln in text.splitlines() if ln.strip()))

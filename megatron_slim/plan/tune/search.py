@@ -5,15 +5,18 @@ dropped; the rest are taken best time estimate first (``bounds.time_bounds``: a 
 all, refined to every stage when a candidate comes up). In that order each is checked against the
 cap with ``memory_lower_bound`` (the simulator's memory accounting on the generated schedule) and,
 if it fits, simulated exactly as ``megatron-slim simulate`` does (context exchange with the group
-plan that simulate prices and train runs). The search stops when no candidate left has a time lower bound
-below the fastest simulated fit (nothing later can win). With a budget (``max_simulations``) it
-also stops after that many simulations, or once the next estimate is no better than the fastest
-simulated fit; ``None``: no budget, the exact optimum of the candidates. Everything is
+plan that simulate prices and train runs). The search stops when no candidate left has a time
+lower bound below the fastest simulated fit (nothing later can win). With a budget
+(``max_simulations``) it also stops after that many simulations (a context-exchange candidate
+counts as the ``1 + GROUP_ROUNDS`` it runs, and is skipped when they would overrun the budget), or
+once the next estimate is no better than the fastest simulated fit; ``None``: no budget, the exact
+optimum of the candidates. Everything is
 deterministic: ties break on the candidate's fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 from typing import Optional
@@ -26,7 +29,7 @@ from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.schedule.ir import Schedule
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.sim.costs import RecipeCosts
-from megatron_slim.plan.sim.exchange_timing import simulate_as_planned
+from megatron_slim.plan.sim.exchange_timing import GROUP_ROUNDS, simulate_as_planned
 from megatron_slim.plan.tune.bounds import TimeBounds, first_backward_memory, memory_lower_bound, time_bounds
 from megatron_slim.plan.tune.space import Candidate, candidate_recipe
 
@@ -80,6 +83,12 @@ def evaluate(candidate: Candidate, costs: RecipeCosts, schedule: Schedule) -> Ev
     return Evaluated(candidate, costs.recipe, result.iteration_time_s, result.mfu, result.bubble_ratio, peak)
 
 
+def simulations_of(recipe: Recipe) -> int:
+    """Simulations one evaluation runs: a context-exchange plan is re-planned ``GROUP_ROUNDS`` times."""
+    s = recipe.schedule
+    return 1 + GROUP_ROUNDS if s.kind == "slimpipe" and s.slice_policy == "exchange" and recipe.parallel.pp > 1 else 1
+
+
 def schedule_of(recipe: Recipe, shapes: dict[tuple[str, int, int, int, int], Schedule]) -> Schedule:
     """The generated (compute-only) schedule, generated once per shape within one search."""
     p, s = recipe.parallel, recipe.schedule
@@ -96,13 +105,17 @@ def ranked(
     candidate) of those that cannot fit."""
     hardware = base.hardware_profile
     out, too_big = [], []
+    floors: dict[Candidate, float] = {}  # exchange keeps uniform slices' memory: one floor for both
     for c in cands:
         try:
             recipe = candidate_recipe(base, c)
         except ConfigError:  # a choice a recipe rule refuses (the space only enumerates valid ones today)
             continue
         costs = costs_of(recipe, hardware, calibration)
-        floor = first_backward_memory(costs)
+        twin = dataclasses.replace(c, slice_policy="uniform") if c.slice_policy == "exchange" else c
+        floor = floors.get(twin)
+        if floor is None:
+            floor = floors[twin] = first_backward_memory(costs)
         if floor > cap:
             too_big.append((floor, c))
         else:
@@ -174,6 +187,9 @@ def search(
             break
         if max_simulations is not None and (simulated >= max_simulations or best.beats(bounds.estimate)):
             break
+        runs = simulations_of(costs.recipe)
+        if max_simulations is not None and simulated + runs > max_simulations:
+            continue  # an exchange plan's simulations would overrun the budget
         schedule = schedule_of(costs.recipe, shapes)
         floor = memory_lower_bound(costs, schedule)
         if floor > cap:
@@ -181,7 +197,7 @@ def search(
             best.too_big(floor, c, simulated=False)
             continue
         run = evaluate(c, costs, schedule)
-        simulated += 1
+        simulated += runs
         if run.peak_memory_bytes > cap:
             best.too_big(run.peak_memory_bytes, c, simulated=True)
         else:
