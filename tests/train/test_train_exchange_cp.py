@@ -2,7 +2,7 @@
 under activation recomputation, with and without interleaving.
 
 pp2 x cp2 (4 gloo ranks; pp4 x cp2, 8 ranks, and pp4 with ``train.recompute=full``, 4 ranks, in the
-slow tier) and pp2 x vpp2 with ``train.recompute=full`` and ``selective`` (2 ranks; block plans in
+slow tier) and pp2 x vpp2 with ``train.recompute=full`` (and ``selective``, slow tier; 2 ranks; block plans in
 both passes, some across model chunks), tiny-cpu's model: one SlimPipe step through the training
 job's own pieces -- ``pipeline_settings`` (the plan ``megatron-slim simulate`` prices), SlimPipe's
 slice attention on every chunk (Megatron's recomputation around it), ``packed.zigzag_cp_forward_step``
@@ -120,7 +120,7 @@ def _check_pairs_ran(results, pp, cp, vpp=1):
         pytest.param(4, 2, "none", 1, marks=pytest.mark.slow),
         pytest.param(4, 1, "full", 1, marks=pytest.mark.slow),  # backward pairs on a recomputed forward's graph
         (2, 1, "full", 2),  # group plans across model chunks, served beside recomputed layers
-        (2, 1, "selective", 2),
+        pytest.param(2, 1, "selective", 2, marks=pytest.mark.slow),  # the full case covers vpp with recompute
     ],
     ids=["pp2xcp2", "pp4xcp2", "pp4-recompute-full", "pp2xvpp2-recompute-full", "pp2xvpp2-recompute-selective"],
 )
