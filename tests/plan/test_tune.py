@@ -9,6 +9,7 @@ import yaml
 
 from megatron_slim.cli import main
 from megatron_slim.commands.simulate import run_one
+from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
 from megatron_slim.plan.cost.slicing import splits_uniformly
 from megatron_slim.plan.paths import config_dir
 from megatron_slim.plan.recipe import Recipe, recipe_from_dict
@@ -17,9 +18,11 @@ from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schema import ConfigError, apply_overrides
 from megatron_slim.plan.sim.engine import simulate
 from megatron_slim.plan.sim.exchange_timing import simulate_with_group_exchange
+from megatron_slim.plan.startup import LAUNCHER, check
 from megatron_slim.plan.tune import tune
 from megatron_slim.plan.tune.bounds import first_backward_memory, memory_lower_bound, time_bounds
 from megatron_slim.plan.tune.report import chosen, payload
+from megatron_slim.plan.tune.runnable import launch_settings
 from megatron_slim.plan.tune.search import costs_of, search, simulations_of
 from megatron_slim.plan.tune.space import FAMILIES, Layout, candidate_recipe, candidates, layouts, recompute_options
 
@@ -231,3 +234,20 @@ def test_plan_prices_both_families_with_a_calibration(tmp_path):
         assert calibrated.families[name].best.iteration_time_s > 5 * plain.families[name].best.iteration_time_s
     assert payload(calibrated, calibration_source="test: 5% of peak")["kernel_rates"] == "test: 5% of peak"
     assert payload(plain)["kernel_rates"].startswith("hardware profile efficiencies")
+
+
+def test_the_choice_is_what_megatron_args_and_the_launcher_accept(tmp_path):
+    # 4 GiB: unconstrained, the fastest fit is SlimPipe with cp=2 and offload, which megatron-args refuses
+    recipe = small_recipe(tmp_path, hbm_gib=4.0, seq=32768)
+    cands = [c for c in candidates(recipe, 8, ("slimpipe",)) if c.pp == 1]
+    free = search(recipe, cands, None, callers=())
+    assert free.best is not None and free.best.candidate.cp > 1 and dict(free.best.candidate.recompute)["offload_ratio"]
+    with pytest.raises(ConfigError, match="train.offload_ratio"):
+        recipe_to_megatron_args(free.best.recipe)
+    runs = search(recipe, cands, None)
+    assert runs.best is not None and runs.best.iteration_time_s >= free.best.iteration_time_s
+    recipe_to_megatron_args(runs.best.recipe)  # accepted
+    check(launch_settings(runs.best.recipe), LAUNCHER)
+    offload = [c for c in cands if dict(c.recompute)["offload_ratio"]]
+    recompute_cp = [c for c in cands if c not in offload and c.cp > 1 and dict(c.recompute)["recompute"] != "none"]
+    assert runs.refused == {"megatron-offload": len(offload), "slimpipe-recompute": len(recompute_cp)}

@@ -17,16 +17,12 @@ from typing import Any
 from megatron_slim.plan.recipe import TrainConfig
 from megatron_slim.plan.recompute import DEFAULT_RECOMPUTE_MODULES, MODULES_MEGATRON_REFUSES_ON_LLAMA
 from megatron_slim.plan.schema import ConfigError
+from megatron_slim.plan.startup import MEGATRON_ARGS, Settings, check
+from megatron_slim.plan.startup.rules_recompute import RECOMPUTE_RULES
 
 
 def refuse_what_megatron_cannot_recompute(t: TrainConfig) -> None:
-    if t.offload_ratio:
-        raise ConfigError(
-            f"train.offload_ratio: got {t.offload_ratio}; Megatron-LM 0.16-0.19 has no per-slice activation "
-            "offload ratio (its --cpu-offloading-num-layers moves whole layers and refuses pipeline "
-            "parallelism and recomputation; --fine-grained-activation-offloading moves named modules' "
-            "inputs), so megatron-args cannot express it; allowed: 0 (the simulator prices other ratios)"
-        )
+    check(Settings(offload_ratio=t.offload_ratio), MEGATRON_ARGS, RECOMPUTE_RULES)
     refused = [m for m in t.recompute_plan.modules if m in MODULES_MEGATRON_REFUSES_ON_LLAMA]
     if refused:
         raise ConfigError(

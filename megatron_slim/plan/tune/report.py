@@ -36,8 +36,13 @@ def chosen(run: Evaluated, family: FamilyResult) -> dict[str, Any]:
     }
 
 
-def search_counts(family: FamilyResult) -> dict[str, int]:
-    return {"candidates": family.candidates, "simulated": family.simulated, "memory_pruned": family.memory_pruned}
+def search_counts(family: FamilyResult) -> dict[str, Any]:
+    return {
+        "candidates": family.candidates,
+        "refused": family.refused,  # by the start-up rule that refuses them (plan/tune/runnable.py)
+        "simulated": family.simulated,
+        "memory_pruned": family.memory_pruned,
+    }
 
 
 def payload(

@@ -1,5 +1,7 @@
 """Branch and bound over the candidates of one schedule family.
 
+Candidates the product would refuse to launch (``runnable.py``: the start-up rules of
+``megatron-args`` and the launcher) are dropped first, so the choice is always a plan that runs.
 Candidates whose schedule-free memory bound (``first_backward_memory``) exceeds the cap are
 dropped; the rest are taken best time estimate first (``bounds.time_bounds``: a cheap form for
 all, refined to every stage when a candidate comes up). In that order each is checked against the
@@ -31,6 +33,7 @@ from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.sim.costs import RecipeCosts
 from megatron_slim.plan.sim.exchange_timing import GROUP_ROUNDS, simulate_as_planned
 from megatron_slim.plan.tune.bounds import TimeBounds, first_backward_memory, memory_lower_bound, time_bounds
+from megatron_slim.plan.tune.runnable import LAUNCH_CALLERS, Runnable
 from megatron_slim.plan.tune.space import Candidate, candidate_recipe
 
 DEFAULT_MAX_SIMULATIONS = 4
@@ -70,6 +73,7 @@ class FamilyResult:
     simulated: int
     memory_pruned: int
     smallest: Optional[Smallest]
+    refused: dict[str, int] = dataclasses.field(default_factory=dict)  # candidates a start-up rule refuses, by rule
 
 
 def costs_of(recipe: Recipe, hardware: HardwareProfile, calibration: Optional[Calibration] = None) -> RecipeCosts:
@@ -99,10 +103,14 @@ def schedule_of(recipe: Recipe, shapes: dict[tuple[str, int, int, int, int], Sch
 
 
 def ranked(
-    base: Recipe, cands: list[Candidate], cap: float, calibration: Optional[Calibration] = None
+    base: Recipe,
+    cands: list[Candidate],
+    cap: float,
+    calibration: Optional[Calibration] = None,
+    runnable: Optional[Runnable] = None,
 ) -> tuple[list[Ranked], list[tuple[float, Candidate]]]:
-    """Candidates that may fit, with their cheap time bounds; and the (memory lower bound,
-    candidate) of those that cannot fit."""
+    """Candidates that run as launched (``runnable``: all by default) and may fit, with their cheap
+    time bounds; and the (memory lower bound, candidate) of those that cannot fit."""
     hardware = base.hardware_profile
     out, too_big = [], []
     floors: dict[Candidate, float] = {}  # exchange keeps uniform slices' memory: one floor for both
@@ -110,6 +118,8 @@ def ranked(
         try:
             recipe = candidate_recipe(base, c)
         except ConfigError:  # a choice a recipe rule refuses (the space only enumerates valid ones today)
+            continue
+        if runnable is not None and runnable.refusal(recipe) is not None:
             continue
         costs = costs_of(recipe, hardware, calibration)
         twin = dataclasses.replace(c, slice_policy="uniform") if c.slice_policy == "exchange" else c
@@ -172,11 +182,14 @@ def search(
     cands: list[Candidate],
     max_simulations: Optional[int] = DEFAULT_MAX_SIMULATIONS,
     calibration: Optional[Calibration] = None,
+    callers: tuple[str, ...] = LAUNCH_CALLERS,
 ) -> FamilyResult:
+    """The fastest fit among ``cands`` that the start-up rules of ``callers`` accept (``()``: all)."""
     cap = float(base.hardware_profile.usable_hbm_bytes)
+    runnable = Runnable(callers)
     shapes: dict[tuple[str, int, int, int, int], Schedule] = {}
     best = _Best()
-    candidates, too_big = ranked(base, cands, cap, calibration)
+    candidates, too_big = ranked(base, cands, cap, calibration, runnable)
     for floor, c in too_big:
         best.too_big(floor, c, simulated=False)
     simulated, pruned = 0, len(too_big)
@@ -202,4 +215,4 @@ def search(
             best.too_big(run.peak_memory_bytes, c, simulated=True)
         else:
             best.offer(run)
-    return FamilyResult(best.fit, cap, len(cands), simulated, pruned, best.smallest)
+    return FamilyResult(best.fit, cap, len(cands), simulated, pruned, best.smallest, dict(runnable.refused))

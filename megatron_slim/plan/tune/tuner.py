@@ -53,7 +53,9 @@ def check_gpus(recipe: Recipe, gpus: int) -> None:
 def nothing_fits(name: str, result: FamilyResult) -> str:
     cap = f"{result.cap_bytes / _GIB:.1f} GiB"
     if result.smallest is None:
-        return f"{name}: no candidate in the search space for this recipe and GPU count"
+        refused = ", ".join(f"{n} ({k})" for n, k in sorted(result.refused.items()))
+        why = f" that the start-up rules accept (refused by: {refused})" if refused else ""
+        return f"{name}: no candidate in the search space{why} for this recipe and GPU count"
     s = result.smallest
     kind = "simulated" if s.simulated else "lower bound"
     return (

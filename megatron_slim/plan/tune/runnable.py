@@ -1,0 +1,59 @@
+"""Which candidates ``megatron-slim plan`` may choose: those the product launches as planned.
+
+A plan priced on a GPU profile is launched on GPUs, and the one GPU path is the recipe turned into
+Megatron-LM flags (``megatron-args``), which Megatron-LM's launcher checks again inside
+``validate_args``. So a candidate is runnable when the start-up rules of both callers,
+``MEGATRON_ARGS`` and ``LAUNCHER`` (``plan/startup/rules.py``), pass on what those flags stand for:
+
+- SlimPipe: ``megatron_args_settings`` as it is (``--use-slimpipe``; ``cp.engine=ring`` is SlimPipe's
+  own zigzag query-out CP). This refuses per-slice activation offload (Megatron-LM has no flag for
+  it) and recomputation with ``parallel.cp > 1``.
+- Megatron baseline: the same view with Megatron-LM's own context parallelism (no megatron-slim CP
+  engine), the attention the cost model prices the baseline with.
+
+``megatron-slim train`` is not the reference: it is the CPU training loop, and its device rules
+(fp32 only, no sequence parallelism) refuse every bf16 GPU recipe. The rules read a few fields, so
+each distinct ``Settings`` is checked once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Optional
+
+from megatron_slim.plan.recipe import Recipe
+from megatron_slim.plan.startup import LAUNCHER, MEGATRON_ARGS, Settings, broken_rule
+from megatron_slim.plan.startup.from_recipe import megatron_args_settings
+from megatron_slim.plan.startup.settings import NO_CP_ENGINE
+
+LAUNCH_CALLERS = (MEGATRON_ARGS, LAUNCHER)
+
+
+def launch_settings(recipe: Recipe) -> Settings:
+    """What the launched flags stand for (the Megatron baseline: Megatron-LM's own CP attention)."""
+    settings = megatron_args_settings(recipe)
+    if recipe.schedule.kind == "slimpipe":
+        return settings
+    return dataclasses.replace(settings, cp_engine=NO_CP_ENGINE, cp_remap=False)
+
+
+class Runnable:
+    """The start-up rule each recipe breaks under ``callers`` (``None``: it runs), one check per
+    distinct ``Settings``; ``refused`` counts the refusals by rule name."""
+
+    def __init__(self, callers: tuple[str, ...] = LAUNCH_CALLERS) -> None:
+        self.callers = callers
+        self.verdicts: dict[Settings, Optional[str]] = {}
+        self.refused: Counter[str] = Counter()
+
+    def refusal(self, recipe: Recipe) -> Optional[str]:
+        settings = launch_settings(recipe)
+        if settings not in self.verdicts:
+            rules = (broken_rule(settings, caller) for caller in self.callers)
+            rule = next((r for r in rules if r is not None), None)
+            self.verdicts[settings] = None if rule is None else rule.name
+        name = self.verdicts[settings]
+        if name is not None:
+            self.refused[name] += 1
+        return name
