@@ -126,11 +126,11 @@ def test_choice_is_no_worse_than_any_candidate(tmp_path, family):
         p, s = costs.recipe.parallel, costs.recipe.schedule
         schedule = generate(s.kind, p.pp, p.vpp, costs.recipe.num_microbatches, s.num_slices)
         assert first_backward_memory(costs) <= memory_lower_bound(costs, schedule) <= peak * (1 + 1e-9), c.label
-    exact = search(recipe, cands, max_simulations=None)
+    exact = search(recipe, cands, max_simulations=None, callers=())  # the bound, on every candidate
     assert exact.best is not None and exact.best.iteration_time_s == pytest.approx(fastest, rel=1e-12)
     brute = sum(simulations_of(costs.recipe) for _, costs, *_ in runs)  # an exchange plan runs 3
     assert exact.best.peak_memory_bytes <= cap and exact.simulated < brute
-    budgeted = search(recipe, cands, max_simulations=2)
+    budgeted = search(recipe, cands, max_simulations=2, callers=())
     assert budgeted.simulated <= 2 and budgeted.best.peak_memory_bytes <= cap
 
 
@@ -172,7 +172,7 @@ def test_exchange_is_searched_with_its_group_plan_and_beats_the_other_policies(t
     recipe = small_recipe(tmp_path)
     space = candidates(recipe, 4, FAMILIES["slimpipe"], max_slices=8)
     cands = [c for c in space if dict(c.recompute)["recompute"] == "none"]
-    exact = search(recipe, cands, max_simulations=None)
+    exact = search(recipe, cands, max_simulations=None, callers=())  # the bound, on every candidate
     best = exact.best.candidate
     assert best.slice_policy == "exchange" and best.pp > 1
     costs = costs_of(candidate_recipe(recipe, best), recipe.hardware_profile)
