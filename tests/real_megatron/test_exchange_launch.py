@@ -69,12 +69,13 @@ def expected_reports(
     attention layer of a model chunk, each CP rank shipping the block's tokens in its zigzag chunks
     (``oracle/zigzag_rows``) and every
     TP rank of a stage the same rows (its own heads of them). Megatron
-    pads NullTokenizer's vocabulary (up to core 0.16 the eod id comes after it) to a multiple of 128,
-    and the cost model reads the padded size."""
+    pads NullTokenizer's vocabulary (up to core 0.16 the eod id comes after it) to a multiple of 128
+    times the tensor-parallel size, and the cost model reads the padded size."""
     vocab = VOCAB + (1 if installed_megatron_core() < (0, 17) else 0)
+    multiple = 128 * tp  # Megatron's --make-vocab-size-divisible-by default, per TP rank
     args = argparse.Namespace(
         num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
-        group_query_attention=True, padded_vocab_size=128 * math.ceil(vocab / 128), seq_length=SEQ,
+        group_query_attention=True, padded_vocab_size=multiple * math.ceil(vocab / multiple), seq_length=SEQ,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp, sequence_parallel=sp, **RECOMPUTE_ARGS[recompute],
         global_batch_size=4, micro_batch_size=1, slimpipe_hardware="cpu", slimpipe_num_slices=SLICES,
