@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import slimpipe_exchange_multiway as mw  # noqa: E402
 
 from megatron_slim.plan.recipe import load_recipe  # noqa: E402
-from megatron_slim.plan.schedule.exchange import unit_timeline  # noqa: E402
+from megatron_slim.plan.schedule.exchange import concurrent, unit_timeline  # noqa: E402
 from megatron_slim.plan.schedule.exchange_blocks import RankAction  # noqa: E402
 from megatron_slim.plan.schedule.generators import generate  # noqa: E402
 from megatron_slim.plan.schedule.ir import Kind, Schedule  # noqa: E402
@@ -51,22 +51,9 @@ Interval = tuple[float, float]
 
 
 def slots(timeline: Mapping[RankAction, Interval]) -> list[list[RankAction]]:
-    """Compute actions of either pass on distinct ranks that all run at one moment: a sweep in
-    start order closes a group when the next action starts after a member has ended or its rank is
-    already in it (``exchange._steps`` without the split by pass)."""
-    groups: list[list[RankAction]] = []
-    group: list[RankAction] = []
-    ends: list[float] = []
-    members = [(t, ra) for ra, t in timeline.items() if ra[1].kind is not Kind.W]
-    for (start, end), ra in sorted(members, key=lambda m: (m[0][0], m[1][0])):
-        if group and (start >= min(ends) or ra[0] in {r for r, _ in group}):
-            groups.append(group)
-            group, ends = [], []
-        group.append(ra)
-        ends.append(end)
-    if group:
-        groups.append(group)
-    return groups
+    """Compute actions of either pass on distinct ranks that all run at one moment
+    (``exchange._steps`` without the split by pass)."""
+    return concurrent([(t, ra) for ra, t in timeline.items() if ra[1].kind is not Kind.W])
 
 
 def group_stats(costs: mw.BalancedCosts, schedule: Schedule, groups: list[list[RankAction]]) -> str:

@@ -2,14 +2,11 @@
 can import it)."""
 
 import dataclasses
-import functools
-
-import torch.distributed as dist
 
 from megatron_slim.plan.recipe import ModelConfig
 from tests.oracle import reference
 from tests.oracle.models import TINY_GQA_8L
-from tests.runtime.pipeline._cp_workers import _batches, _ddp_average, _forward_step
+from tests.runtime.pipeline._cp_workers import _batches, cp_step
 
 
 def run_blocks_cp(rank, world_size, cp, configs, seed=1234):
@@ -17,7 +14,7 @@ def run_blocks_cp(rank, world_size, cp, configs, seed=1234):
     schedule (vpp 1) over ``world_size // cp`` stages x ``cp`` CP ranks. Returns per config (reports
     summed over CP, DDP-averaged grads, tp rank 0, reference on rank 0 else None, K/V rows this rank
     sent, attention blocks it served)."""
-    from megatron_slim.megatron.model.gpt import build_rank_chunks, global_grads
+    from megatron_slim.megatron.model.gpt import build_rank_chunks
     from megatron_slim.megatron.model.parallel import init_model_parallel, teardown
     from megatron_slim.megatron.slimpipe import schedule as slimpipe_schedule
     from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
@@ -39,21 +36,7 @@ def run_blocks_cp(rank, world_size, cp, configs, seed=1234):
         planned = dataclasses.replace(executable("slimpipe", pp, 1, m, len(lengths)), exchange=blocks)
         slimpipe_schedule.planned_schedule = lambda *args, **kwargs: planned  # the hand-built plan
         fb = make_forward_backward_func(SlimPipeSettings(tuple(lengths), exchange=True))
-        reports = fb(
-            forward_step_func=functools.partial(_forward_step, "cp", groups.cp),
-            data_iterator=[iter(batches) for _ in chunks],
-            model=chunks,
-            num_microbatches=m,
-            seq_length=model.seq_length,
-            micro_batch_size=2,
-        )
-        grads = {}
-        for c in chunks:
-            grads.update(global_grads(c))
-        grads = _ddp_average(grads, groups.cp)
-        reports = [r["lm loss"].clone() for r in reports]
-        for r in reports:
-            dist.all_reduce(r, group=groups.cp)
+        reports, grads = cp_step(fb, chunks, batches, m, model.seq_length, "cp", groups.cp)
         results.append((reports, grads, 0, ref, fb.stats.exchanged_tokens, fb.stats.served_blocks))
     teardown()
     return results

@@ -129,6 +129,27 @@ def _ddp_average(grads: dict, cp_group) -> dict:
     return grads
 
 
+def cp_step(fb, chunks, batches, m: int, seq_length: int, loss_kind: str, cp_group):
+    """One SlimPipe call under CP: the CP-summed lm losses and the CP-averaged global gradients."""
+    from megatron_slim.megatron.model.gpt import global_grads
+
+    reports = fb(
+        forward_step_func=functools.partial(_forward_step, loss_kind, cp_group),
+        data_iterator=[iter(batches) for _ in chunks],
+        model=chunks,
+        num_microbatches=m,
+        seq_length=seq_length,
+        micro_batch_size=2,
+    )
+    grads = {}
+    for c in chunks:
+        grads.update(global_grads(c))
+    losses = [r["lm loss"].clone() for r in reports]
+    for loss in losses:
+        dist.all_reduce(loss, group=cp_group)
+    return losses, _ddp_average(grads, cp_group)
+
+
 def _batches(model, m, loss_kind, seed):
     batches = _workers.make_batches(model, m, micro_batch=2, seed=seed + m)
     if loss_kind == "stock":  # megatron's per-rank normalisation equals the reference iff counts match
@@ -168,7 +189,7 @@ def run_slimpipe_cp(rank, world_size, layouts, seed=1234, exchange=False):
 def _run_layout(rank, model, tp, pp, cp, configs, refs, seed, exchange=False):
     import dataclasses
 
-    from megatron_slim.megatron.model.gpt import build_chunk, build_rank_chunks, global_grads, global_named_parameters
+    from megatron_slim.megatron.model.gpt import build_chunk, build_rank_chunks, global_named_parameters
     from megatron_slim.megatron.model.parallel import init_model_parallel
     from megatron_slim.megatron.model.weights import tp_shard
     from megatron_slim.megatron.slimpipe.call_plan import planned_schedule
@@ -198,22 +219,7 @@ def _run_layout(rank, model, tp, pp, cp, configs, refs, seed, exchange=False):
         )
         settings = SlimPipeSettings(tuple(lengths), exchange=exchange)
         fb = make_forward_backward_func(settings)
-        step = functools.partial(_forward_step, loss_kind, groups.cp)
-        reports = fb(
-            forward_step_func=step,
-            data_iterator=[iter(batches) for _ in chunks],
-            model=chunks,
-            num_microbatches=m,
-            seq_length=model.seq_length,
-            micro_batch_size=2,
-        )
-        grads = {}
-        for c in chunks:
-            grads.update(global_grads(c))
-        grads = _ddp_average(grads, groups.cp)
-        reports = [r["lm loss"].clone() for r in reports]
-        for r in reports:
-            dist.all_reduce(r, group=groups.cp)
+        reports, grads = cp_step(fb, chunks, batches, m, model.seq_length, loss_kind, groups.cp)
         if ref is not None and params:
             ref = (ref[0], {n: tp_shard(g, params[n], groups.tp_rank, tp) for n, g in ref[1].items()})
         result = (reports, grads, groups.tp_rank, ref)
