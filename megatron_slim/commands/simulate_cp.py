@@ -18,10 +18,10 @@ from typing import TextIO
 from megatron_slim.commands.output import emit_json, format_table, prepare_outputs
 from megatron_slim.commands.progress import ProgressLine
 from megatron_slim.plan.cost.calibration import Calibration
-from megatron_slim.plan.cp.engines import check_supported, parse_engines
+from megatron_slim.plan.cp.engines import check_supported, megatron_cp_refusal, parse_engines
 from megatron_slim.plan.cp.lengths import SPEC_FORMS, make_packs, parse_lengths
 from megatron_slim.plan.progress import Progress
-from megatron_slim.plan.recipe import Recipe
+from megatron_slim.plan.recipe import MEGATRON_CP_ENGINE, Recipe
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.sim.cp.sim import CPSimResult, cp_setup, simulate_cp
 
@@ -84,6 +84,8 @@ def run(args, recipe: Recipe, calibration: Calibration | None, note: str | None 
         )
     if not args.lengths:
         raise ConfigError(f"--lengths: required with --cp-engine (allowed: {' | '.join(SPEC_FORMS)})")
+    if not args.cp_engine and recipe.cp.engine == MEGATRON_CP_ENGINE:
+        raise megatron_cp_refusal("cp.engine")
     engines = parse_engines(args.cp_engine) if args.cp_engine else (recipe.cp.engine,)
     seed = 0 if args.seed is None else args.seed
     source, topo, costs = check_inputs(recipe, engines, args.lengths, calibration)

@@ -21,6 +21,7 @@ from megatron_slim.plan.pack.dp_merge import merge_runs
 from megatron_slim.plan.paths import config_dir
 from megatron_slim.plan.recipe_sections import (
     MAX_SEED,
+    MEGATRON_CP_ENGINE,
     SLICED_CP_ENGINES,
     CPConfig,
     CPEngine,
@@ -37,6 +38,7 @@ from megatron_slim.plan.schema import ConfigError, apply_overrides, build, fail,
 # The section dataclasses live in recipe_sections; callers import them from here, with the recipe.
 __all__ = [
     "MAX_SEED",
+    "MEGATRON_CP_ENGINE",
     "CPConfig",
     "CPEngine",
     "DataConfig",
@@ -132,7 +134,8 @@ class Recipe:
                 f"one of {', '.join(SLICED_CP_ENGINES)} (ring is the default) with cp.remap=false when "
                 "schedule.kind=slimpipe: megatron-slim train plans each window with the engine and runs every "
                 "slice as query-out attention over that plan and the K/V cache (the Megatron-LM launcher runs "
-                "its own zigzag query-out); the other engines run under 1f1b/interleaved",
+                "its own zigzag query-out); the other engines run under 1f1b/interleaved (megatron: Megatron-LM's own CP, "
+                "whose attention cannot read SlimPipe's K/V cache of earlier slices)",
             )
         allowed = self._allowed_slice_counts()
         if allowed is not None:

@@ -6,14 +6,17 @@ dataclasses that each check their own fields. Rules spanning sections live on ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Final, Literal, Optional
 
 from megatron_slim.plan.recompute import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MODULES, Granularity, Method, Recompute
 from megatron_slim.plan.schema import ConfigError, check_fields, fail
 
 ScheduleKind = Literal["1f1b", "interleaved", "slimpipe"]
 SlicePolicy = Literal["uniform", "balanced", "exchange"]
-CPEngine = Literal["ring", "zeppelin", "ulysses", "a2a+p2p", "allgather", "dynamic"]
+CPEngine = Literal["ring", "zeppelin", "ulysses", "a2a+p2p", "allgather", "dynamic", "megatron"]
+# Megatron-LM's own context parallelism (Transformer Engine's p2p ring, zigzag per window): what
+# megatron-args launches with no --cp-engine, the attention the 1f1b/interleaved cost model prices
+MEGATRON_CP_ENGINE: Final = "megatron"
 # engines whose plans ``megatron-slim train`` runs slice by slice under SlimPipe (plan/cp/slices.py)
 SLICED_CP_ENGINES = ("zeppelin", "ring", "ulysses")
 Packing = Literal["none", "slimpack", "megatron", "bfd"]
@@ -211,6 +214,15 @@ class CPConfig:
 
     engine: CPEngine = "ring"
     remap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.remap and self.engine == MEGATRON_CP_ENGINE:
+            raise fail(
+                "cp.remap",
+                True,
+                f"false with cp.engine={MEGATRON_CP_ENGINE} (Megatron-LM's own CP has no remapping layer; "
+                "cp.engine=zeppelin has one)",
+            )
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from megatron_slim.megatron.launch.registered_flags import (  # noqa: F401  (re-
     SLICE_POLICIES,
     add_arguments,
 )
-from megatron_slim.plan.recipe import MAX_SEED, ModelConfig, Recipe, TrainConfig
+from megatron_slim.plan.recipe import MAX_SEED, MEGATRON_CP_ENGINE, ModelConfig, Recipe, TrainConfig
 from megatron_slim.plan.schema import ConfigError, fail
 from megatron_slim.plan.startup import LAUNCHER, MEGATRON_ARGS, check
 from megatron_slim.plan.startup.from_recipe import megatron_args_settings
@@ -193,9 +193,10 @@ def _schedule_flags(recipe: Recipe) -> list:
             "--slimpipe-hardware",
             recipe.hardware,
         ] + (["--slimpipe-vocab-parallel"] if s.vocab_parallel else [])
-    if p.cp > 1 and (s.kind != "slimpipe" or recipe.cp.engine != "ring"):
+    if p.cp > 1 and recipe.cp.engine != MEGATRON_CP_ENGINE and (s.kind != "slimpipe" or recipe.cp.engine != "ring"):
         # megatron-slim's engines plan each pack of documents: positions and masks reset at each one
-        # (under SlimPipe, ring stands for SlimPipe's own zigzag query-out: no engine flag)
+        # (under SlimPipe, ring stands for SlimPipe's own zigzag query-out: no engine flag; megatron
+        # is Megatron-LM's own CP: --context-parallel-size alone, its default --cp-comm-type p2p)
         out += ["--cp-engine", recipe.cp.engine, "--reset-position-ids", "--reset-attention-mask"]
         out += ["--slimpipe-hardware", recipe.hardware] if s.kind != "slimpipe" else []
         out += ["--cp-remap"] if recipe.cp.remap else []

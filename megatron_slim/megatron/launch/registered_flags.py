@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 
 from megatron_slim.megatron.launch.dynmo_flags import add_dynmo_arguments
-from megatron_slim.plan.recipe import CPEngine, SlicePolicy
+from megatron_slim.plan.recipe import MEGATRON_CP_ENGINE, CPEngine, SlicePolicy
 from megatron_slim.plan.startup.rules_packing import PACKING_METHODS
 
 SLICE_POLICIES: tuple[str, ...] = SlicePolicy.__args__  # type: ignore[attr-defined]
-CP_ENGINES: tuple[str, ...] = ("te",) + CPEngine.__args__  # type: ignore[attr-defined]
+# te: Megatron-LM's own context parallelism, the flags' name for a recipe's cp.engine=megatron
+CP_ENGINES: tuple[str, ...] = ("te",) + tuple(e for e in CPEngine.__args__ if e != MEGATRON_CP_ENGINE)  # type: ignore[attr-defined]
 ATTENTION_BACKENDS = ("auto", "flash", "te", "sdpa", "reference")
 
 
@@ -82,7 +83,7 @@ def _add_slimpipe_cost_and_cp(g) -> None:
         choices=CP_ENGINES,
         default="te",
         help=(
-            "context-parallel attention: te = Megatron's own (default); the others are megatron-slim engines "
+            "context-parallel attention: te = Megatron's own (default; a recipe's cp.engine=megatron); the others are megatron-slim engines "
             "(with --pipeline-model-parallel-size > 1: Megatron's 1F1B, any pp and tp, no virtual stages, no "
             "recomputation; with --use-slimpipe: zeppelin, ring or ulysses plan each window from the "
             "first stage's lengths and every slice follows the plan, any pp and tp, no virtual stages, no "

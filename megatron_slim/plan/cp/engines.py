@@ -15,12 +15,28 @@ from megatron_slim.plan.cp.costs import CPCosts
 from megatron_slim.plan.cp.estimate import ZeppelinLayers
 from megatron_slim.plan.cp.layout import CPPlan
 from megatron_slim.plan.cp.topology import CPTopology
-from megatron_slim.plan.schema import fail
+from megatron_slim.plan.recipe_sections import MEGATRON_CP_ENGINE
+from megatron_slim.plan.schema import ConfigError, fail
 
 ENGINES = ("zeppelin", "ring", "ulysses", "a2a+p2p", "allgather", "dynamic")
 
 
+def megatron_cp_refusal(field: str) -> ConfigError:
+    """Megatron-LM's own CP, as ``megatron-args`` launches it, has no per-pack placement to simulate."""
+    return fail(
+        field,
+        MEGATRON_CP_ENGINE,
+        " | ".join(ENGINES) + " (ring: Transformer Engine's p2p ring, the placement Megatron-LM's own CP gives "
+        "packed documents)",
+        f"{MEGATRON_CP_ENGINE} (Megatron-LM's own CP) attends each window as one causal sequence split zigzag over "
+        "the CP ranks, not per document, so there is no pack to place; `megatron-slim simulate` without "
+        "--lengths prices it in the pipeline schedule",
+    )
+
+
 def check_engine(engine: str) -> str:
+    if engine == MEGATRON_CP_ENGINE:
+        raise megatron_cp_refusal("--cp-engine")
     if engine not in ENGINES:
         raise fail("--cp-engine", engine, " | ".join(ENGINES) + " | all | a comma-separated list")
     return engine

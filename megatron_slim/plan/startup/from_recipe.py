@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_slim.plan.recipe import Recipe
+from megatron_slim.plan.recipe import MEGATRON_CP_ENGINE, Recipe
 from megatron_slim.plan.startup.settings import NO_CP_ENGINE, Settings
 
 
@@ -33,7 +33,8 @@ def _common(recipe: Recipe) -> dict[str, Any]:
 def train_settings(recipe: Recipe) -> Settings:
     """``megatron-slim train`` runs ``cp.engine`` whenever ``parallel.cp > 1``, except for packed
     windows (``Recipe.query_out_cp``: SlimPipe's query-out CP attention, no engine): a slimpipe recipe
-    with one slice runs whole packs under the engine, so only several slices count as SlimPipe slicing."""
+    with one slice runs whole packs under the engine, so only several slices count as SlimPipe slicing.
+    ``cp.engine=megatron`` is kept as named: train cannot run it, and its rule says so."""
     p, s = recipe.parallel, recipe.schedule
     engine_runs = p.cp > 1 and not recipe.query_out_cp
     named = engine_runs or recipe.exchange_cp  # exchange's query-out CP is the one cp.engine=ring names
@@ -47,11 +48,12 @@ def train_settings(recipe: Recipe) -> Settings:
 
 def megatron_args_settings(recipe: Recipe) -> Settings:
     """What ``recipe_to_megatron_args``'s flags stand for: ``--cp-engine`` (and ``--cp-remap``) with
-    ``parallel.cp > 1``; under SlimPipe ``cp.engine=ring`` stands for SlimPipe's own zigzag query-out
-    CP (no ``--cp-engine``), any other engine plans the windows the slices follow."""
+    ``parallel.cp > 1``; ``cp.engine=megatron`` is Megatron-LM's own CP (no ``--cp-engine``); under
+    SlimPipe ``cp.engine=ring`` stands for SlimPipe's own zigzag query-out CP (no ``--cp-engine``),
+    any other engine plans the windows the slices follow."""
     p, s = recipe.parallel, recipe.schedule
     slimpipe = s.kind == "slimpipe"
-    engine_runs = p.cp > 1 and not slimpipe
+    engine_runs = p.cp > 1 and not slimpipe and recipe.cp.engine != MEGATRON_CP_ENGINE
     engine_slices = p.cp > 1 and slimpipe and recipe.cp.engine != "ring"
     return Settings(
         **_common(recipe),

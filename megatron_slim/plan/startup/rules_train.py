@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_slim.plan.recipe_sections import SLICED_CP_ENGINES
+from megatron_slim.plan.recipe_sections import MEGATRON_CP_ENGINE, SLICED_CP_ENGINES, CPEngine
 from megatron_slim.plan.schema import fail
 from megatron_slim.plan.startup.rule import Rule
 from megatron_slim.plan.startup.settings import NO_CP_ENGINE, TRAIN, Settings
@@ -16,7 +16,25 @@ def _cp_attention(s: Settings) -> str:
     return f"cp.engine={s.cp_engine}" if s.cp_engine != NO_CP_ENGINE else "SlimPipe's query-out attention"
 
 
+# what megatron-slim train runs under parallel.cp > 1: megatron-slim's engines
+TRAIN_CP_ENGINES = tuple(e for e in CPEngine.__args__ if e != MEGATRON_CP_ENGINE)  # type: ignore[attr-defined]
+
 TRAIN_RULES = [
+    Rule(
+        "train-megatron-cp",
+        (TRAIN,),
+        lambda s: s.cp > 1 and s.cp_engine == MEGATRON_CP_ENGINE,
+        lambda s, i: str(
+            fail(
+                "cp.engine",
+                s.cp_engine,
+                f"{' | '.join(TRAIN_CP_ENGINES)} with parallel.cp={s.cp}, or parallel.cp=1 (cp.engine=megatron "
+                "launches through megatron-args)",
+                "Megatron-LM's own context parallelism runs in Transformer Engine on GPUs; megatron-core's local "
+                "attention, which megatron-slim train's CPU ranks build, refuses parallel.cp > 1",
+            )
+        ),
+    ),
     Rule(
         "cpu-sequence-parallel",
         (TRAIN,),

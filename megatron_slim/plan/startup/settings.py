@@ -12,7 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron_slim.plan.recipe_sections import MEGATRON_CP_ENGINE
+
 NO_CP_ENGINE = "te"  # Megatron's own context parallelism: no megatron-slim engine runs
+# ... and a recipe's name for it, which megatron-slim train's view keeps so its rule can refuse it
+_NO_ENGINE = (None, NO_CP_ENGINE, MEGATRON_CP_ENGINE)
 
 
 # from here pretrain_gpt.get_batch hands the last pipeline stage labels and loss mask only (no tokens)
@@ -73,12 +77,12 @@ class Settings:
     @property
     def cp_engine_runs(self) -> bool:
         """A megatron-slim CP engine runs the attention (SlimPipe brings its own CP attention)."""
-        return self.cp_engine not in (None, NO_CP_ENGINE) and self.cp > 1 and not self.slimpipe
+        return self.cp_engine not in _NO_ENGINE and self.cp > 1 and not self.slimpipe
 
     @property
     def cp_engine_slices(self) -> bool:
         """SlimPipe slices follow a CP engine's plan of each window (``docs/cp-pipeline.md``)."""
-        return self.cp_engine not in (None, NO_CP_ENGINE) and self.cp > 1 and self.slimpipe
+        return self.cp_engine not in _NO_ENGINE and self.cp > 1 and self.slimpipe
 
     @property
     def cuda_graphs(self) -> bool:

@@ -5,11 +5,12 @@ Megatron-LM flags (``megatron-args``), which Megatron-LM's launcher checks again
 ``validate_args``. So a candidate is runnable when the start-up rules of both callers,
 ``MEGATRON_ARGS`` and ``LAUNCHER`` (``plan/startup/rules.py``), pass on what those flags stand for:
 
-- SlimPipe: ``megatron_args_settings`` as it is (``--use-slimpipe``; ``cp.engine=ring`` is SlimPipe's
-  own zigzag query-out CP). This refuses per-slice activation offload (Megatron-LM has no flag for
-  it) and recomputation with ``parallel.cp > 1``.
-- Megatron baseline: the same view with Megatron-LM's own context parallelism (no megatron-slim CP
-  engine), the attention the cost model prices the baseline with.
+- SlimPipe: ``--use-slimpipe``; ``cp.engine=ring`` is SlimPipe's own zigzag query-out CP. This
+  refuses per-slice activation offload (Megatron-LM has no flag for it) and recomputation with
+  ``parallel.cp > 1``.
+- Megatron baseline: ``cp.engine=megatron`` (``plan/tune/space.py``), Megatron-LM's own context
+  parallelism, the attention the cost model prices the baseline with; its flags carry no
+  ``--cp-engine``.
 
 ``megatron-slim train`` is not the reference: it is the CPU training loop, and its device rules
 (fp32 only, no sequence parallelism) refuse every bf16 GPU recipe. The rules read a few fields, so
@@ -18,24 +19,19 @@ each distinct ``Settings`` is checked once.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from typing import Optional
 
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.startup import LAUNCHER, MEGATRON_ARGS, Settings, broken_rule
 from megatron_slim.plan.startup.from_recipe import megatron_args_settings
-from megatron_slim.plan.startup.settings import NO_CP_ENGINE
 
 LAUNCH_CALLERS = (MEGATRON_ARGS, LAUNCHER)
 
 
 def launch_settings(recipe: Recipe) -> Settings:
-    """What the launched flags stand for (the Megatron baseline: Megatron-LM's own CP attention)."""
-    settings = megatron_args_settings(recipe)
-    if recipe.schedule.kind == "slimpipe":
-        return settings
-    return dataclasses.replace(settings, cp_engine=NO_CP_ENGINE, cp_remap=False)
+    """What the launched flags stand for: the recipe as ``megatron-args`` emits it."""
+    return megatron_args_settings(recipe)
 
 
 class Runnable:

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from typing import Any, Iterator, cast, get_args
 
 from megatron_slim.plan.cost.slicing import slice_alignment, splits_uniformly
-from megatron_slim.plan.recipe import ParallelConfig, Recipe, ScheduleKind, SlicePolicy
+from megatron_slim.plan.recipe import (
+    MEGATRON_CP_ENGINE,
+    CPConfig,
+    CPEngine,
+    ParallelConfig,
+    Recipe,
+    ScheduleKind,
+    SlicePolicy,
+)
 from megatron_slim.plan.recompute import OFFLOAD_RATIOS, Recompute, recompute_choices
 
 MAX_TP = 8  # tensor parallelism stays inside one NVLink node
@@ -172,13 +180,19 @@ def candidates(
 
 
 def candidate_recipe(base: Recipe, c: Candidate) -> Recipe:
-    """``base`` run as ``c``: sequence parallelism with any TP; SlimPipe runs CP itself (ring, no remap)."""
+    """``base`` run as ``c``: sequence parallelism with any TP; SlimPipe runs CP itself (ring, no remap),
+    the Megatron baseline Megatron-LM's own CP (``cp.engine=megatron``), the attention the cost model
+    prices for 1f1b/interleaved."""
     parallel = ParallelConfig(tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, dp=c.dp, sequence_parallel=c.tp > 1)
     kind, policy = cast(ScheduleKind, c.kind), cast(SlicePolicy, c.slice_policy)
     schedule = dataclasses.replace(base.schedule, kind=kind, num_slices=c.num_slices, slice_policy=policy)
     train = dataclasses.replace(base.train, **cast(dict[str, Any], dict(c.recompute)))
-    cp = dataclasses.replace(base.cp, engine="ring", remap=False) if c.kind == "slimpipe" else base.cp
+    cp = CPConfig(engine=cp_engine(c), remap=False)
     return _replace_sections(base, parallel=parallel, schedule=schedule, train=train, cp=cp)
+
+
+def cp_engine(c: Candidate) -> CPEngine:
+    return "ring" if c.kind == "slimpipe" else MEGATRON_CP_ENGINE
 
 
 def _replace_sections(base: Recipe, **sections: object) -> Recipe:
@@ -204,6 +218,8 @@ def settings(c: Candidate) -> dict[str, object]:
         "schedule.kind": c.kind,
         "schedule.num_slices": c.num_slices,
         "schedule.slice_policy": c.slice_policy,
+        "cp.engine": cp_engine(c),
+        "cp.remap": False,
     }
     out.update({f"train.{k}": ",".join(v) if isinstance(v, tuple) else v for k, v in c.recompute})
     return out
