@@ -149,3 +149,57 @@ def test_megatron_args_emits_no_recompute_the_slimpipe_launcher_would_refuse(cap
     assert "allowed with parallel.cp > 1: train.recompute=none and train.offload_ratio=0" in _error(
         capsys, "train", "--set", *under_cp
     )
+
+
+ENGINES = "'ring' | 'zeppelin' | 'ulysses' | 'a2a+p2p' | 'allgather' | 'dynamic' | 'megatron'"
+MEGATRON_CP = ["parallel.cp=2", "parallel.dp=1", "schedule.kind=1f1b", "schedule.num_slices=1", "cp.engine=megatron"]
+
+
+def test_an_unknown_cp_engine_is_refused_with_every_engine_a_recipe_may_name(capsys):
+    err = _error(capsys, "simulate", "--recipe", "tiny-cpu", "--set", "cp.engine=te")
+    assert f"cp.engine: invalid value (got 'te'; allowed: {ENGINES})" in err
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        # train's CPU ranks build megatron-core's local attention, which refuses cp > 1
+        (
+            ["train", "--recipe", "tiny-cpu", "--set", *MEGATRON_CP],
+            "cp.engine: Megatron-LM's own context parallelism runs in Transformer Engine on GPUs; "
+            "megatron-core's local attention, which megatron-slim train's CPU ranks build, refuses parallel.cp > 1 "
+            "(got 'megatron'; allowed: ring | zeppelin | ulysses | a2a+p2p | allgather | dynamic with parallel.cp=2, "
+            "or parallel.cp=1",
+        ),
+        # SlimPipe's slices read a K/V cache Megatron-LM's CP attention has no way to read
+        (
+            ["megatron-args", "--recipe", "tiny-cpu", "--set", "parallel.cp=2", "parallel.dp=1", "cp.engine=megatron"],
+            "cp.engine: invalid value (got 'megatron'; allowed: one of zeppelin, ring, ulysses",
+        ),
+        (
+            ["megatron-args", "--recipe", "tiny-cpu", "--set", *MEGATRON_CP, "cp.remap=true"],
+            "cp.remap: invalid value (got True; allowed: false with cp.engine=megatron",
+        ),
+        # no per-pack placement to simulate, whether named on the command line or by the recipe
+        (
+            ["simulate", "--recipe", "tiny-cpu", "--cp-engine", "megatron", "--lengths", "fixed:length=64"],
+            "--cp-engine: megatron (Megatron-LM's own CP) attends each window as one causal sequence",
+        ),
+        (
+            ["simulate", "--recipe", "tiny-cpu", "--set", *MEGATRON_CP, "--lengths", "fixed:length=64"],
+            "allowed: zeppelin | ring | ulysses | a2a+p2p | allgather | dynamic (ring: Transformer Engine's p2p ring",
+        ),
+    ],
+    ids=["train", "slimpipe", "remap", "simulate-cp-engine", "simulate-recipe-engine"],
+)
+def test_megatrons_own_cp_is_refused_where_it_cannot_run(capsys, argv, expected):
+    assert expected in _error(capsys, *argv)
+
+
+def test_megatrons_own_cp_is_launched_as_megatron_lm_runs_it(capsys):
+    """``--context-parallel-size`` alone: no megatron-slim engine, no document resets, no hardware flag."""
+    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", *MEGATRON_CP]) == 0
+    flags = capsys.readouterr().out.split()
+    assert flags[flags.index("--context-parallel-size") + 1] == "2"
+    assert not {"--cp-engine", "--cp-remap", "--reset-position-ids", "--reset-attention-mask"} & set(flags)
+    assert "--slimpipe-hardware" not in flags

@@ -1,7 +1,9 @@
 """The autotuner (``plan/tune``, ``megatron-slim plan``): its candidate space against the recipe's
 own checks, its bounds and its choice against brute-force simulation of every candidate."""
 
+import argparse
 import json
+from dataclasses import replace
 from itertools import product
 
 import pytest
@@ -9,10 +11,10 @@ import yaml
 
 from megatron_slim.cli import main
 from megatron_slim.commands.simulate import run_one
-from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
+from megatron_slim.megatron.launch.flags import add_arguments, check_megatron_args, recipe_to_megatron_args
 from megatron_slim.plan.cost.slicing import splits_uniformly
 from megatron_slim.plan.paths import config_dir
-from megatron_slim.plan.recipe import Recipe, recipe_from_dict
+from megatron_slim.plan.recipe import CPConfig, Recipe, recipe_from_dict
 from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schema import ConfigError, apply_overrides
@@ -251,3 +253,34 @@ def test_the_choice_is_what_megatron_args_and_the_launcher_accept(tmp_path):
     offload = [c for c in cands if dict(c.recompute)["offload_ratio"]]
     recompute_cp = [c for c in cands if c not in offload and c.cp > 1 and dict(c.recompute)["recompute"] != "none"]
     assert runs.refused == {"megatron-offload": len(offload), "slimpipe-recompute": len(recompute_cp)}
+
+
+def _launcher_namespace(flags: list[str]) -> argparse.Namespace:
+    """``flags`` as the launcher parses them, enough for its start-up checks: megatron-slim's own flags
+    through its parser (defaults included), Megatron-LM's as ``--name value`` or a bare ``--switch``."""
+    args, rest = add_arguments(argparse.ArgumentParser()).parse_known_args(flags)
+    for i, word in enumerate(rest):
+        if word.startswith("--"):
+            value = rest[i + 1] if i + 1 < len(rest) and not rest[i + 1].startswith("--") else True
+            setattr(args, word[2:].replace("-", "_"), int(value) if str(value).isdigit() else value)
+    return args
+
+
+def test_the_baseline_with_cp_is_launched_as_megatrons_own_cp(tmp_path):
+    """The Megatron baseline's recipe names Megatron-LM's own CP, and its megatron-args flags pass the
+    launcher's start-up checks as emitted: no megatron-slim engine beside sequence parallelism."""
+    recipe = small_recipe(tmp_path, seq=32768)
+    cands = [c for c in candidates(recipe, 8, FAMILIES["megatron"]) if c.cp > 1 and c.tp > 1]
+    runs = search(recipe, cands, None)
+    best = runs.best
+    assert best is not None and best.recipe.parallel.sequence_parallel and runs.refused == {}
+    assert best.recipe.cp.engine == "megatron" and "cp.engine=megatron" in chosen(best, runs)["set"]
+    flags = recipe_to_megatron_args(best.recipe)
+    assert not {"--cp-engine", "--reset-position-ids", "--reset-attention-mask", "--slimpipe-hardware"} & set(flags)
+    args = _launcher_namespace(flags)
+    assert args.context_parallel_size == best.candidate.cp and args.cp_engine == "te"
+    check_megatron_args(args)
+    # the same layout with a megatron-slim engine is what the launcher refuses
+    ring = _launcher_namespace(recipe_to_megatron_args(replace(best.recipe, cp=CPConfig(engine="ring"))))
+    with pytest.raises(ConfigError, match="--cp-engine ring with --sequence-parallel and TP > 1"):
+        check_megatron_args(ring)

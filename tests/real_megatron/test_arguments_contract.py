@@ -127,6 +127,23 @@ def test_every_recompute_choice_passes_megatrons_parser_and_validation(tag, tmp_
     assert not failed, failed
 
 
+@pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
+def test_the_autotuners_megatron_baseline_with_cp_passes_megatrons_parser_and_validation(tag, tmp_path):
+    """The chosen Megatron baseline at cp > 1 with sequence parallelism (Megatron-LM's own CP,
+    ``cp.engine=megatron``), as ``megatron-args`` writes it, plus mock data."""
+    from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
+    from megatron_slim.plan.tune.search import search
+    from megatron_slim.plan.tune.space import FAMILIES, candidates
+    from tests.plan.test_tune import small_recipe
+
+    recipe = small_recipe(tmp_path, seq=32768)
+    runs = search(recipe, [c for c in candidates(recipe, 8, FAMILIES["megatron"]) if c.cp > 1 and c.tp > 1], None)
+    assert runs.best is not None and runs.best.recipe.parallel.sequence_parallel
+    argv = recipe_to_megatron_args(runs.best.recipe) + ["--mock-data", "--tokenizer-type", "NullTokenizer"]
+    results = _parse(tag, [{"name": "baseline", "world_size": 8, "argv": argv}], tmp_path)
+    assert results["baseline"].get("ok"), (runs.best.label, results["baseline"])
+
+
 BASE = [
     "--num-layers",
     "4",
