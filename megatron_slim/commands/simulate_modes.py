@@ -17,7 +17,9 @@ def add_mode_args(sim: argparse.ArgumentParser) -> None:
         help="simulate context-parallel attention over variable-length packs instead of the "
         "pipeline: zeppelin | ring | ulysses | a2a+p2p | allgather | dynamic, 'all', or a "
         "comma list (default with --lengths: the recipe's cp.engine); zeppelin keeps, per pack, "
-        "the cheapest of its own placements and the other engines' (the picks are printed)",
+        "the cheapest of its own placements and the other engines' (the picks are printed); a "
+        "recipe's cp.engine=megatron (Megatron-LM's own CP) places no packs and is refused (ring "
+        "is its placement of packed documents)",
     )
     sim.add_argument(
         "--lengths",

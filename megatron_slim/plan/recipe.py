@@ -134,8 +134,8 @@ class Recipe:
                 f"one of {', '.join(SLICED_CP_ENGINES)} (ring is the default) with cp.remap=false when "
                 "schedule.kind=slimpipe: megatron-slim train plans each window with the engine and runs every "
                 "slice as query-out attention over that plan and the K/V cache (the Megatron-LM launcher runs "
-                "its own zigzag query-out); the other engines run under 1f1b/interleaved (megatron: Megatron-LM's own CP, "
-                "whose attention cannot read SlimPipe's K/V cache of earlier slices)",
+                "its own zigzag query-out); the other engines run under 1f1b/interleaved (megatron: "
+                "Megatron-LM's own CP, whose attention cannot read SlimPipe's K/V cache of earlier slices)",
             )
         allowed = self._allowed_slice_counts()
         if allowed is not None:

@@ -83,7 +83,8 @@ def _add_slimpipe_cost_and_cp(g) -> None:
         choices=CP_ENGINES,
         default="te",
         help=(
-            "context-parallel attention: te = Megatron's own (default; a recipe's cp.engine=megatron); the others are megatron-slim engines "
+            "context-parallel attention: te = Megatron's own (default; a recipe's cp.engine=megatron); the "
+            "others are megatron-slim engines "
             "(with --pipeline-model-parallel-size > 1: Megatron's 1F1B, any pp and tp, no virtual stages, no "
             "recomputation; with --use-slimpipe: zeppelin, ring or ulysses plan each window from the "
             "first stage's lengths and every slice follows the plan, any pp and tp, no virtual stages, no "

@@ -127,10 +127,12 @@ class CostModel:
 
         TP collectives are on the critical path. Context parallelism depends on the schedule:
         1F1B/interleaved use Megatron's ring (each step passes this rank's K/V block on, dK/dV back
-        in backward; overlaps attention). SlimPipe uses query-out attention over the K/V-cached
-        slices (``runtime/pipeline/cp_slice_attention.py``): forward all-gathers the slice's Q and
-        all-to-alls fp32 partial outputs and log-sum-exps; backward all-gathers q, dout, out and lse
-        and reduce-scatters fp32 dQ. Those are blocking collectives, independent of the prefix.
+        in backward; overlaps attention): ``cp.engine=megatron``, whatever the recipe's engine
+        (``simulate --cp-engine`` prices megatron-slim's engines per pack). SlimPipe uses query-out
+        attention over the K/V-cached slices (``runtime/pipeline/cp_slice_attention.py``): forward
+        all-gathers the slice's Q and all-to-alls fp32 partial outputs and log-sum-exps; backward
+        all-gathers q, dout, out and lse and reduce-scatters fp32 dQ. Those are blocking
+        collectives, independent of the prefix.
         """
         p = self.recipe.parallel
         serial = 0.0
