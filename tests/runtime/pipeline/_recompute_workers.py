@@ -33,3 +33,42 @@ def run_cases(rank, world_size, cases, lengths, num_microbatches, seed=1234):
         stats = fb.stats
         out[name] = ([r["lm loss"] for r in reports], grads, stats.peak_activation_bytes, stats.offloaded_bytes)
     return out
+
+
+def run_cp_cases(rank, world_size, cp, cases, lengths, num_microbatches, exchange=False, seed=1234):
+    """SlimPipe's zigzag query-out CP over ``world_size // cp`` stages x ``cp`` CP ranks (vpp 1), one
+    training call per case (name, TransformerConfig overrides, offload ratio) on the same weights and
+    batches ("cp" loss). Returns per case name (loss reports summed over CP, CP-averaged gradients,
+    tp rank 0, the single-process reference on rank 0 else None, peak activation bytes, offloaded
+    bytes, K/V rows this rank shipped to exchange peers)."""
+    from megatron_slim.megatron.model.gpt import build_rank_chunks
+    from megatron_slim.megatron.model.parallel import init_model_parallel, teardown
+    from megatron_slim.megatron.slimpipe.schedule import SlimPipeSettings, make_forward_backward_func
+    from megatron_slim.megatron.slimpipe.slicing import SliceCoreAttention
+    from tests.oracle import reference
+    from tests.runtime.pipeline._cp_workers import _batches, cp_step
+
+    model = ModelConfig(**TINY_GQA_8L)
+    batches = _batches(model, num_microbatches, "cp", seed)
+    solo = init_model_parallel()
+    ref = reference.unsliced_step(model, solo, batches, seed) if rank == 0 else None
+    teardown()
+    groups = init_model_parallel(pp=world_size // cp, cp=cp)
+    out = {}
+    for name, overrides, ratio in cases:
+        chunks = build_rank_chunks(model, groups, core_attention=SliceCoreAttention, seed=seed, **overrides)
+        settings = SlimPipeSettings(tuple(lengths), measure_memory=True, offload_ratio=ratio, exchange=exchange)
+        fb = make_forward_backward_func(settings)
+        reports, grads = cp_step(fb, chunks, batches, num_microbatches, model.seq_length, "cp", groups.cp)
+        stats = fb.stats
+        out[name] = (
+            reports,
+            grads,
+            0,
+            ref,
+            stats.peak_activation_bytes,
+            stats.offloaded_bytes,
+            stats.exchanged_tokens,
+        )
+    teardown()
+    return out
