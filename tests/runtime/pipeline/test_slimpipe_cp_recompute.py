@@ -4,6 +4,9 @@ parameter gradient equal the single-process, unpipelined, unsliced, un-CP refere
 (``test_slimpipe_cp_exactness``'s check and tolerance), and bit for bit the same CP run without
 recomputation or offloading (a recomputed slice's CP attention reads the K/V prefix its forward
 cached, gathers its own K/V again over the CP group and appends nothing: ``check_recomputed``).
+Under context exchange a recomputed forward is built without the exchange (the blocks were served
+in the first forward), so the sums run in another order: there the gradients meet the reference
+within round-off, not the run without recomputation bit for bit.
 
 Not vacuous: full recomputation lowers the activation meter's peak, offloading moves bytes off it,
 and under context exchange (pp2 pairs forward blocks) some K/V rows were shipped."""
@@ -36,9 +39,11 @@ CASES = [
 EXCHANGE_CASES = [("none", {}, 0.0), ("full-uniform-1", _full("uniform", 1), 0.0), ("full-block-3", _full("block", 3), 0.0)]
 
 
-def _check_cases(results, cases):
+def _check_cases(results, cases, bitwise=True):
     names = [name for name, _, _ in cases]
     _check([[rank_results[n][:4] for n in names] for rank_results in results], names)
+    if not bitwise:
+        return
     for rank_results in results:
         want_losses, want_grads = rank_results["none"][:2]
         for name in names[1:]:
@@ -62,6 +67,6 @@ def test_full_recompute_under_cp_with_context_exchange_matches_the_reference():
     results = run_ranks(
         _recompute_workers.run_cp_cases, PP * CP, CP, EXCHANGE_CASES, LENGTHS, MICROBATCHES, True, timeout_s=900
     )
-    _check_cases(results, EXCHANGE_CASES)
+    _check_cases(results, EXCHANGE_CASES, bitwise=False)
     assert all(r["full-uniform-1"][6] == r["none"][6] for r in results)
     assert sum(r["none"][6] for r in results) > 0
