@@ -105,9 +105,13 @@ def test_the_megatron_launcher_refuses_context_exchange_under_a_cp_engine(engine
     assert refused.endswith("allowed: cp.engine=ring, parallel.cp=1, or schedule.slice_policy=uniform or balanced")
 
 
-def test_the_megatron_launcher_refuses_context_exchange_with_recompute_under_cp():
-    flags = {**EXCHANGE, **FULL_RECOMPUTE, "context_parallel_size": 2}
-    assert broken_rule(settings_from_megatron_args(argparse.Namespace(**flags)), LAUNCHER).name == "slimpipe-recompute"
+def test_the_megatron_launcher_runs_context_exchange_with_recompute_under_query_out_cp():
+    for recompute in (FULL_RECOMPUTE, {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}):
+        flags = {**EXCHANGE, **recompute, "context_parallel_size": 2}
+        assert broken_rule(settings_from_megatron_args(argparse.Namespace(**flags)), LAUNCHER) is None
+    sets = ["parallel.pp=2", "parallel.cp=2", "schedule.num_slices=4", "schedule.slice_policy=exchange"]
+    flags = recipe_to_megatron_args(load_recipe("tiny-cpu", [*sets, "cp.engine=ring", "train.recompute=full"]))
+    assert "--cp-engine" not in flags and flags[flags.index("--recompute-granularity") + 1] == "full"
 
 
 def test_the_megatron_launcher_refuses_context_exchange_on_packed_windows():

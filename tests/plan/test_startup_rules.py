@@ -76,8 +76,16 @@ SHARED = {
         },
     ),
     "slimpipe-recompute": (
-        {**SLIMPIPE_FLAGS, "recompute_granularity": "full", "context_parallel_size": 2},
-        {MEGATRON_ARGS: ["schedule.num_slices=2", "train.recompute=full", "parallel.cp=2", "parallel.pp=1"]},
+        {**SLIMPIPE_FLAGS, "recompute_granularity": "full", "context_parallel_size": 2, "cp_engine": "zeppelin"},
+        {
+            MEGATRON_ARGS: [
+                "schedule.num_slices=2",
+                "train.recompute=full",
+                "parallel.cp=2",
+                "parallel.pp=1",
+                "cp.engine=zeppelin",
+            ]
+        },
     ),
 }
 RECIPE_ENTRY = {
@@ -205,9 +213,20 @@ def test_train_runs_packed_slimpipe_slices_under_cp_without_an_engine(method):
     check_trainable(recipe)
     settings = train_settings(recipe)
     assert settings.cp_engine == NO_CP_ENGINE and not settings.cp_engine_runs and settings.slimpipe
-    refused = _refusal(check_trainable, load_recipe("tiny-cpu", sets + ["train.recompute=full"]))
-    assert "the context-parallel attention (SlimPipe's query-out attention) is not checked" in refused
+    for kept in (["train.recompute=full"], ["train.recompute=selective"], ["train.offload_ratio=0.5"]):
+        check_trainable(load_recipe("tiny-cpu", sets + kept))  # SlimPipe's query-out CP attention
     assert not load_recipe("tiny-cpu", sets[:3]).query_out_cp  # unpacked: the engine path
+    refused = _refusal(check_trainable, load_recipe("tiny-cpu", sets[:3] + ["train.recompute=full"]))
+    assert broken_rule(train_settings(load_recipe("tiny-cpu", sets[:3] + ["train.offload_ratio=0.5"])), TRAIN).name == (
+        "cpu-recompute-cp"
+    )
+    assert refused == (
+        "train.recompute=full, train.offload_ratio=0.0 with parallel.cp=2: the context-parallel attention "
+        "(cp.engine=ring) is not checked under recomputation or offloading here; allowed with parallel.cp > 1: "
+        "SlimPipe's own query-out CP attention (schedule.kind=slimpipe with schedule.num_slices > 1 and "
+        "data.packing other than none, or schedule.slice_policy=exchange with cp.engine=ring), or "
+        "train.recompute=none and train.offload_ratio=0"
+    )
 
 
 def test_recipe_field_names_and_flags_cover_the_same_settings():
@@ -261,3 +280,19 @@ def test_the_last_stage_reads_tokens_below_megatron_core_018_only():
         False,
         True,
     ]
+
+
+@pytest.mark.parametrize("recompute", [dict(recompute_granularity="full"), dict(recompute_granularity="selective")])
+def test_the_launcher_runs_slimpipe_recomputation_under_query_out_cp_and_refuses_it_on_engine_plans(recompute):
+    query_out = {**FLAGS, **SLIMPIPE_FLAGS, **recompute, "context_parallel_size": 2, "pipeline_model_parallel_size": 2}
+    assert broken_rule(settings_from_megatron_args(argparse.Namespace(**query_out)), LAUNCHER) is None
+    refused = _refusal(check_megatron_args, argparse.Namespace(**{**query_out, "cp_engine": "ring"}))
+    assert refused.endswith(
+        "not on a CP engine's plans; allowed: drop --cp-engine, drop --recompute-granularity, "
+        "--context-parallel-size 1, or Megatron's own schedule (no --use-slimpipe)"
+    ), refused
+    sets = ["parallel.pp=2", "parallel.cp=2", "schedule.num_slices=2", f"train.recompute={recompute['recompute_granularity']}"]
+    recipe_to_megatron_args(load_recipe("tiny-cpu", [*sets, "cp.engine=ring"]))  # SlimPipe's query-out CP
+    assert "allowed: cp.engine=ring, train.recompute=none" in _refusal(
+        recipe_to_megatron_args, load_recipe("tiny-cpu", [*sets, "cp.engine=zeppelin"])
+    )

@@ -252,7 +252,8 @@ def test_the_choice_is_what_megatron_args_and_the_launcher_accept(tmp_path):
     check(launch_settings(runs.best.recipe), LAUNCHER)
     offload = [c for c in cands if dict(c.recompute)["offload_ratio"]]
     recompute_cp = [c for c in cands if c not in offload and c.cp > 1 and dict(c.recompute)["recompute"] != "none"]
-    assert runs.refused == {"megatron-offload": len(offload), "slimpipe-recompute": len(recompute_cp)}
+    assert recompute_cp  # SlimPipe's query-out CP with recomputation: accepted
+    assert runs.refused == {"megatron-offload": len(offload)}
 
 
 def _launcher_namespace(flags: list[str]) -> argparse.Namespace:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from megatron_slim.plan.recipe_sections import MEGATRON_CP_ENGINE, SLICED_CP_ENGINES, CPEngine
 from megatron_slim.plan.schema import fail
 from megatron_slim.plan.startup.rule import Rule
+from megatron_slim.plan.startup.rules_slimpipe import EXCHANGE_CP_ENGINE
 from megatron_slim.plan.startup.settings import NO_CP_ENGINE, TRAIN, Settings
 
 # what megatron-core's selective recomputation runs on CPU with megatron_slim's core attention
@@ -18,6 +19,14 @@ def _cp_attention(s: Settings) -> str:
 
 # what megatron-slim train runs under parallel.cp > 1: megatron-slim's engines
 TRAIN_CP_ENGINES = tuple(e for e in CPEngine.__args__ if e != MEGATRON_CP_ENGINE)  # type: ignore[attr-defined]
+
+
+def _query_out_cp(s: Settings) -> bool:
+    """SlimPipe's own zigzag query-out CP attention runs: packed windows (no engine), or context
+    exchange's (``Recipe.exchange_cp``, which ``cp.engine=ring`` names)."""
+    exchange = s.slimpipe and s.slice_policy == "exchange" and s.cp_engine == EXCHANGE_CP_ENGINE
+    return s.cp_engine == NO_CP_ENGINE or exchange
+
 
 TRAIN_RULES = [
     Rule(
@@ -58,11 +67,13 @@ TRAIN_RULES = [
     Rule(
         "cpu-recompute-cp",
         (TRAIN,),
-        lambda s: s.cp > 1 and (s.recompute is not None or s.offload_ratio > 0),
+        lambda s: s.cp > 1 and (s.recompute is not None or s.offload_ratio > 0) and not _query_out_cp(s),
         lambda s, i: (
             f"train.recompute={s.recompute or 'none'}, train.offload_ratio={s.offload_ratio} with parallel.cp={s.cp}: "
             f"the context-parallel attention ({_cp_attention(s)}) is not checked under recomputation or offloading "
-            "here; allowed with parallel.cp > 1: train.recompute=none and train.offload_ratio=0"
+            "here; allowed with parallel.cp > 1: SlimPipe's own query-out CP attention (schedule.kind=slimpipe "
+            "with schedule.num_slices > 1 and data.packing other than none, or schedule.slice_policy=exchange "
+            f"with cp.engine={EXCHANGE_CP_ENGINE}), or train.recompute=none and train.offload_ratio=0"
         ),
     ),
     Rule(
