@@ -1,6 +1,8 @@
 """Recomputation and activation offloading in ``megatron-slim train`` (pp=2, SlimPipe with 2
-slices): every iteration's loss equals, bit for bit, that of the run without them, so each update
-used the same gradients; offloading moves activations off the meter and lowers its peak."""
+slices; and pp2 x cp2 on packed windows, SlimPipe's query-out CP attention, 4 slices): every
+iteration's loss equals, bit for bit, that of the run without them, so each update used the same
+gradients; offloading moves activations off the meter and lowers its peak. Context exchange under
+CP with recomputation: ``test_train_exchange_cp.py``."""
 
 import pytest
 
@@ -26,6 +28,16 @@ VARIANTS = {
 }
 
 
+# pp2 x cp2: packed windows of short documents run SlimPipe's query-out CP attention (no cp.engine)
+CP_SMALL = [*SMALL, "parallel.cp=2", "data.packing=slimpack", "schedule.num_slices=4"]
+CP_VARIANTS = {
+    "cp2-full-block-1-offload-0.5": VARIANTS["full-block-1-offload-0.5"],
+    "cp2-full-uniform-2": VARIANTS["full-uniform-2"],
+    "cp2-selective-core_attn-mlp": VARIANTS["selective-core_attn-mlp"],
+}
+FAST_CP_VARIANT = "cp2-full-block-1-offload-0.5"  # the rest in the slow tier
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory, data_cache):
     return _train(tmp_path_factory.mktemp("plain"), "plain", data_cache, *SMALL)
@@ -38,6 +50,31 @@ def test_recompute_and_offload_train_exactly_the_same_model(tmp_path, data_cache
     assert run["losses"] == plain["losses"]  # bit-exact: the same sums in the same order
     assert len(set(plain["losses"])) == 3  # every update changed the model
     for stage, base in zip(run["stages"], plain["stages"]):
+        assert base["offloaded_bytes"] == 0
+        assert stage["peak_activation_bytes"] < base["peak_activation_bytes"]
+        assert (stage["offloaded_bytes"] > 0) == ("offload" in case)
+
+
+@pytest.fixture(scope="module")
+def plain_cp(tmp_path_factory, data_cache, short_documents):
+    return _train(tmp_path_factory.mktemp("plain-cp"), "plain-cp", data_cache, *CP_SMALL, f"data.corpus={short_documents}")
+
+
+@pytest.mark.parametrize(
+    "case", [c if c == FAST_CP_VARIANT else pytest.param(c, marks=pytest.mark.slow) for c in CP_VARIANTS]
+)
+def test_recompute_and_offload_under_query_out_cp_train_exactly_the_same_model(
+    tmp_path, data_cache, short_documents, plain_cp, case
+):
+    run = _train(tmp_path, case, data_cache, *CP_SMALL, f"data.corpus={short_documents}", *CP_VARIANTS[case])
+    assert run["cp"] == plain_cp["cp"] == {
+        "size": 2,
+        "engine": None,
+        "attention": "slimpipe-query-out",
+        "document_masking": True,
+    }
+    assert run["losses"] == plain_cp["losses"] and len(set(plain_cp["losses"])) == 3
+    for stage, base in zip(run["stages"], plain_cp["stages"]):
         assert base["offloaded_bytes"] == 0
         assert stage["peak_activation_bytes"] < base["peak_activation_bytes"]
         assert (stage["offloaded_bytes"] > 0) == ("offload" in case)
