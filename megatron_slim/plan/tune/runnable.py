@@ -6,8 +6,8 @@ Megatron-LM flags (``megatron-args``), which Megatron-LM's launcher checks again
 ``MEGATRON_ARGS`` and ``LAUNCHER`` (``plan/startup/rules.py``), pass on what those flags stand for:
 
 - SlimPipe: ``--use-slimpipe``; ``cp.engine=ring`` is SlimPipe's own zigzag query-out CP. This
-  refuses per-slice activation offload (Megatron-LM has no flag for it) and recomputation with
-  ``parallel.cp > 1``.
+  refuses per-slice activation offload (Megatron-LM has no flag for it) and recomputation on a CP
+  engine's plans (recomputation on SlimPipe's query-out CP runs).
 - Megatron baseline: ``cp.engine=megatron`` (``plan/tune/space.py``), Megatron-LM's own context
   parallelism, the attention the cost model prices the baseline with; its flags carry no
   ``--cp-engine``.
