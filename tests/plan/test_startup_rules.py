@@ -291,7 +291,12 @@ def test_the_launcher_runs_slimpipe_recomputation_under_query_out_cp_and_refuses
         "not on a CP engine's plans; allowed: drop --cp-engine, drop --recompute-granularity, "
         "--context-parallel-size 1, or Megatron's own schedule (no --use-slimpipe)"
     ), refused
-    sets = ["parallel.pp=2", "parallel.cp=2", "schedule.num_slices=2", f"train.recompute={recompute['recompute_granularity']}"]
+    sets = [
+        "parallel.pp=2",
+        "parallel.cp=2",
+        "schedule.num_slices=2",
+        f"train.recompute={recompute['recompute_granularity']}",
+    ]
     recipe_to_megatron_args(load_recipe("tiny-cpu", [*sets, "cp.engine=ring"]))  # SlimPipe's query-out CP
     assert "allowed: cp.engine=ring, train.recompute=none" in _refusal(
         recipe_to_megatron_args, load_recipe("tiny-cpu", [*sets, "cp.engine=zeppelin"])

@@ -7,7 +7,8 @@ the softmax's sums.
 Cases: pp2, pp4 (forward and backward pairs on every rank), pp2 x vpp2 (pairs across model
 chunks), pp2 x cp2 (SlimPipe's zigzag query-out CP: no ``--cp-engine``, each CP rank ships its
 shard) and pp2 under Megatron's ``--recompute-granularity full --recompute-method block
---recompute-num-layers 2`` (half of each stage's layers rebuilt in backward) and pp2 under
+--recompute-num-layers 2`` (half of each stage's layers rebuilt in backward; also at pp2 x cp2,
+slow tier) and pp2 under
 ``--recompute-granularity selective --recompute-modules core_attn mlp`` (a recomputed forward is not
 paired, so the counts are the plan's for the flags), pp2 x tp2 (each pair between the same TP rank of
 both stages; every TP rank of a stage ships the same rows, its own heads of them) and pp2 x tp2 with
@@ -106,12 +107,14 @@ def _flags(pp: int, vpp: int, cp: int, recompute: str, policy: str, tp: int = 1,
         (2, 2, 1, "", 1, False),
         (2, 1, 2, "", 1, False),
         (2, 1, 1, "block", 1, False),
+        pytest.param(2, 1, 2, "block", 1, False, marks=pytest.mark.slow),  # query-out CP under recomputation
         pytest.param(2, 1, 1, "selective", 1, False, marks=pytest.mark.slow),  # block covers the recompute path
         (2, 1, 1, "", 2, False),
         pytest.param(2, 1, 1, "", 2, True, marks=pytest.mark.slow),  # pp2xtp2 covers the TP pairs
     ],
     ids=[
-        "pp2", "pp4", "pp2xvpp2", "pp2xcp2", "pp2-recompute-block", "pp2-recompute-selective", "pp2xtp2",
+        "pp2", "pp4", "pp2xvpp2", "pp2xcp2", "pp2-recompute-block", "pp2xcp2-recompute-block",
+        "pp2-recompute-selective", "pp2xtp2",
         "pp2xtp2-sequence-parallel",
     ],
 )  # fmt: skip

@@ -2,7 +2,8 @@
 under activation recomputation, with and without interleaving.
 
 pp2 x cp2 (4 gloo ranks; pp4 x cp2, 8 ranks, and pp4 with ``train.recompute=full``, 4 ranks, and
-pp4 x cp2 with it, 8 ranks, in the slow tier) and pp2 x vpp2 with ``train.recompute=full`` (and ``selective``, slow tier; 2 ranks; block plans in
+pp4 x cp2 with it, 8 ranks, in the slow tier) and pp2 x vpp2 with ``train.recompute=full`` (and
+``selective``, slow tier; 2 ranks; block plans in
 both passes, some across model chunks), tiny-cpu's model: one SlimPipe step through the training
 job's own pieces -- ``pipeline_settings`` (the plan ``megatron-slim simulate`` prices), SlimPipe's
 slice attention on every chunk (Megatron's recomputation around it), ``packed.zigzag_cp_forward_step``
@@ -123,7 +124,14 @@ def _check_pairs_ran(results, pp, cp, vpp=1):
         (2, 1, "full", 2),  # group plans across model chunks, served beside recomputed layers
         pytest.param(2, 1, "selective", 2, marks=pytest.mark.slow),  # the full case covers vpp with recompute
     ],
-    ids=["pp2xcp2", "pp4xcp2", "pp4-recompute-full", "pp4xcp2-recompute-full", "pp2xvpp2-recompute-full", "pp2xvpp2-recompute-selective"],
+    ids=[
+        "pp2xcp2",
+        "pp4xcp2",
+        "pp4-recompute-full",
+        "pp4xcp2-recompute-full",
+        "pp2xvpp2-recompute-full",
+        "pp2xvpp2-recompute-selective",
+    ],
 )
 def test_train_step_with_exchange_matches_the_single_process_reference(pp, cp, recompute, vpp):
     results = run_ranks(exchange_step, pp * cp, pp, cp, recompute, vpp, timeout_s=900)

@@ -35,6 +35,7 @@ CP_VARIANTS = {
     "cp2-full-uniform-2": VARIANTS["full-uniform-2"],
     "cp2-selective-core_attn-mlp": VARIANTS["selective-core_attn-mlp"],
 }
+QUERY_OUT_CP = {"size": 2, "engine": None, "attention": "slimpipe-query-out", "document_masking": True}
 FAST_CP_VARIANT = "cp2-full-block-1-offload-0.5"  # the rest in the slow tier
 
 
@@ -57,7 +58,9 @@ def test_recompute_and_offload_train_exactly_the_same_model(tmp_path, data_cache
 
 @pytest.fixture(scope="module")
 def plain_cp(tmp_path_factory, data_cache, short_documents):
-    return _train(tmp_path_factory.mktemp("plain-cp"), "plain-cp", data_cache, *CP_SMALL, f"data.corpus={short_documents}")
+    return _train(
+        tmp_path_factory.mktemp("plain-cp"), "plain-cp", data_cache, *CP_SMALL, f"data.corpus={short_documents}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -67,12 +70,7 @@ def test_recompute_and_offload_under_query_out_cp_train_exactly_the_same_model(
     tmp_path, data_cache, short_documents, plain_cp, case
 ):
     run = _train(tmp_path, case, data_cache, *CP_SMALL, f"data.corpus={short_documents}", *CP_VARIANTS[case])
-    assert run["cp"] == plain_cp["cp"] == {
-        "size": 2,
-        "engine": None,
-        "attention": "slimpipe-query-out",
-        "document_masking": True,
-    }
+    assert run["cp"] == plain_cp["cp"] == QUERY_OUT_CP
     assert run["losses"] == plain_cp["losses"] and len(set(plain_cp["losses"])) == 3
     for stage, base in zip(run["stages"], plain_cp["stages"]):
         assert base["offloaded_bytes"] == 0

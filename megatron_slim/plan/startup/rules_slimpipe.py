@@ -50,11 +50,6 @@ def _vocab_exchange_refused_by_launcher(s: Settings) -> bool:
     return not s.slimpipe or s.tp > 1 or s.cp > 1 or s.precision != "fp32" or s.packing != "none"
 
 
-def _query_out_cp_input(i: Inputs) -> str:
-    """What selects SlimPipe's own zigzag query-out CP: no CP engine (a recipe names it cp.engine=ring)."""
-    return i.unset("cp_engine", EXCHANGE_CP_ENGINE)
-
-
 def _packing(s: Settings, i: Inputs) -> str:
     """The launcher's ``--slimpipe-packing`` (a recipe's packing is no Megatron-LM flag)."""
     return f", --slimpipe-packing {s.packing}" if i.flags else ""
@@ -210,9 +205,9 @@ SLIMPIPE_RULES = [
             f"{i.name('recompute')}: got {s.recompute!r} with {i.setting('slimpipe', True)}, "
             f"{i.setting('cp', s.cp)} and {engine_input(s, i)}; SlimPipe's recomputation (a recomputed slice "
             "reads its cached K/V prefix) is checked under SlimPipe's own zigzag query-out context parallelism "
-            "only, not on a CP engine's plans; allowed: "
-            f"{_query_out_cp_input(i)}, {i.unset('recompute', 'none')}, {i.setting('cp', 1)}, or Megatron's own "
-            f"schedule ({i.name('megatron_schedule')})"
+            f"only, not on a CP engine's plans; allowed: {i.unset('cp_engine', EXCHANGE_CP_ENGINE)}, "
+            f"{i.unset('recompute', 'none')}, {i.setting('cp', 1)}, or Megatron's own schedule "
+            f"({i.name('megatron_schedule')})"
         ),
     ),
     _on_slimpipe(

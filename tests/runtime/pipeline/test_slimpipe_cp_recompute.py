@@ -36,7 +36,11 @@ CASES = [
     ("offload-0.5", {}, 0.5),
 ]
 # the default tier runs one spawn with every case; exchange runs in the slow tier
-EXCHANGE_CASES = [("none", {}, 0.0), ("full-uniform-1", _full("uniform", 1), 0.0), ("full-block-3", _full("block", 3), 0.0)]
+EXCHANGE_CASES = [
+    ("none", {}, 0.0),
+    ("full-uniform-1", _full("uniform", 1), 0.0),
+    ("full-block-3", _full("block", 3), 0.0),
+]
 
 
 def _check_cases(results, cases, bitwise=True):
