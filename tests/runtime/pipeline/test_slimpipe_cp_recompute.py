@@ -9,7 +9,8 @@ in the first forward), so the sums run in another order: there the gradients mee
 within round-off, not the run without recomputation bit for bit.
 
 Not vacuous: full recomputation lowers the activation meter's peak, offloading moves bytes off it,
-and under context exchange (pp2 pairs forward blocks) some K/V rows were shipped."""
+and under context exchange (pp2 pairs forward blocks) some K/V rows were shipped, as many with
+recomputation or offloading as without."""
 
 import pytest
 import torch
@@ -40,6 +41,8 @@ EXCHANGE_CASES = [
     ("none", {}, 0.0),
     ("full-uniform-1", _full("uniform", 1), 0.0),
     ("full-block-3", _full("block", 3), 0.0),
+    ("selective-core_attn-mlp", SELECTIVE, 0.0),
+    ("offload-0.5", {}, 0.5),
 ]
 
 
@@ -67,10 +70,11 @@ def test_recompute_and_offload_under_cp_match_the_reference():
 
 
 @pytest.mark.slow
-def test_full_recompute_under_cp_with_context_exchange_matches_the_reference():
+def test_recompute_and_offload_under_cp_with_context_exchange_match_the_reference():
     results = run_ranks(
         _recompute_workers.run_cp_cases, PP * CP, CP, EXCHANGE_CASES, LENGTHS, MICROBATCHES, True, timeout_s=900
     )
     _check_cases(results, EXCHANGE_CASES, bitwise=False)
-    assert all(r["full-uniform-1"][6] == r["none"][6] for r in results)
+    assert all(r[name][6] == r["none"][6] for r in results for name, _, _ in EXCHANGE_CASES)
+    assert all(r["offload-0.5"][5] > 0 for r in results)
     assert sum(r["none"][6] for r in results) > 0
