@@ -8,7 +8,8 @@ whole window (CP ranks share a DP rank), Megatron's ``get_batch_on_this_cp_rank`
 zigzag-wise, and SlimPipe's query-out CP attention and ``SliceRotary`` keep to the documents.
 
 Independent check: tp2 x pp2, cp2 x pp2 and tp2 x cp2 compute the same model on the same windows
-as the tp1 x pp2 run, so every iteration's loss and gradient norm must agree up to fp rounding. A
+as the tp1 x pp2 run (cp2 x pp2 also with full recomputation: a recomputed packed slice's CP
+attention reads the K/V prefix and documents its forward read), so every iteration's loss and gradient norm must agree up to fp rounding. A
 rank that attended across documents, restarted no RoPE position, or normalised by anything but the
 global batch's loss tokens would change the loss from iteration 1 on. Megatron seeds pipeline and
 TP ranks apart, so the shim's ``init_by_name`` draws each weight whole from its global name and
@@ -59,8 +60,13 @@ def tp1(corpus, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "layout",
-    [("parallel.tp=2",), ("parallel.cp=2",), ("parallel.tp=2", "parallel.cp=2", "parallel.pp=1")],
-    ids=["tp2xpp2", "cp2xpp2", "tp2xcp2"],
+    [
+        ("parallel.tp=2",),
+        ("parallel.cp=2",),
+        ("parallel.tp=2", "parallel.cp=2", "parallel.pp=1"),
+        ("parallel.cp=2", "train.recompute=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"),
+    ],
+    ids=["tp2xpp2", "cp2xpp2", "tp2xcp2", "cp2xpp2-full-recompute"],
 )
 def test_packed_windows_under_tp_and_cp_train_as_without(layout, corpus, tp1, tmp_path):
     two = run_pretrain(4, _flags(list(layout)), tmp_path / "run", launcher=True, data_prefix=corpus, env=BY_NAME)
