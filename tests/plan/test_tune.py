@@ -79,7 +79,7 @@ def test_every_candidate_is_a_valid_recipe_on_the_gpus(tmp_path):
         chunk = recipe.model.num_layers // (c.pp * c.vpp)
         assert c.recompute in recompute_options(chunk, offload=c.kind == "slimpipe")
         offload = dict(c.recompute)["offload_ratio"]
-        assert offload == 0 or c.kind == "slimpipe"  # Megatron-LM has no per-slice offload
+        assert offload == 0 or c.kind == "slimpipe"  # Megatron-LM's own schedules have no per-slice offload
         r = candidate_recipe(recipe, c)
         assert r.train.recompute_plan.offload_ratio == offload
         assert r.parallel.world_size == 8 and r.model.num_layers % (c.pp * c.vpp) == 0
@@ -237,17 +237,30 @@ def test_plan_prices_both_families_with_a_calibration(tmp_path):
 
 
 def test_the_choice_is_what_megatron_args_and_the_launcher_accept(tmp_path):
-    # 4 GiB: unconstrained, the fastest fit is SlimPipe with cp=2 and offload, which megatron-args refuses
+    # 4 GiB without offload: unconstrained, the fastest fit is SlimPipe with cp=2 and block recompute,
+    # which megatron-args refuses (slimpipe-recompute)
     recipe = small_recipe(tmp_path, hbm_gib=4.0, seq=32768)
     cands = [c for c in candidates(recipe, 8, ("slimpipe",)) if c.pp == 1]
-    free = search(recipe, cands, None, callers=())
-    assert free.best is not None and free.best.candidate.cp > 1 and dict(free.best.candidate.recompute)["offload_ratio"]
-    with pytest.raises(ConfigError, match="train.offload_ratio"):
+    kept = [c for c in cands if not dict(c.recompute)["offload_ratio"]]
+    free = search(recipe, kept, None, callers=())
+    assert (
+        free.best is not None
+        and free.best.candidate.cp > 1
+        and dict(free.best.candidate.recompute)["recompute"] == "full"
+    )
+    with pytest.raises(ConfigError, match="train.recompute"):
         recipe_to_megatron_args(free.best.recipe)
-    runs = search(recipe, cands, None)
-    assert runs.best is not None and runs.best.iteration_time_s >= free.best.iteration_time_s
+    runs = search(recipe, kept, None)
+    assert runs.best is not None and runs.best.iteration_time_s > free.best.iteration_time_s
     recipe_to_megatron_args(runs.best.recipe)  # accepted
     check(launch_settings(runs.best.recipe), LAUNCHER)
-    offload = [c for c in cands if dict(c.recompute)["offload_ratio"]]
-    recompute_cp = [c for c in cands if c not in offload and c.cp > 1 and dict(c.recompute)["recompute"] != "none"]
-    assert runs.refused == {"megatron-offload": len(offload), "slimpipe-recompute": len(recompute_cp)}
+    recompute_cp = [c for c in cands if c.cp > 1 and dict(c.recompute)["recompute"] != "none"]
+    assert runs.refused == {"slimpipe-recompute": len(recompute_cp)}
+    # with offload (--slimpipe-offload-ratio, any cp) the fastest fit offloads at cp=2, and it runs
+    offloading = search(recipe, cands, None)
+    best = offloading.best
+    assert best is not None and best.candidate.cp > 1 and dict(best.candidate.recompute)["offload_ratio"]
+    assert best.iteration_time_s < runs.best.iteration_time_s
+    flags = recipe_to_megatron_args(best.recipe)
+    assert flags[flags.index("--slimpipe-offload-ratio") + 1] == f"{dict(best.candidate.recompute)['offload_ratio']:g}"
+    check(launch_settings(best.recipe), LAUNCHER)

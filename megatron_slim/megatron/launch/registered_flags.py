@@ -62,6 +62,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "to the middle ones)"
         ),
     )
+    g.add_argument(
+        "--slimpipe-offload-ratio",
+        type=float,
+        default=0.0,
+        help=(
+            "share in [0, 1] of each slice's decoder-layer activations held in host memory from its forward to its "
+            "backward (default 0: none; the first round(R * L) of the L layers per model chunk that keep their "
+            "activations, so not under --recompute-method uniform; train.offload_ratio, docs/recompute.md); "
+            "needs --use-slimpipe"
+        ),
+    )
     _add_slimpipe_cost_and_cp(g)
     add_dynmo_arguments(parser)
     return parser
