@@ -63,7 +63,10 @@ def test_offload_trains_as_the_run_without_it_and_moves_activations(
     assert sorted(moved) == list(range(ranks)), offload.log[-3000:]
     assert all(nbytes > 0 for nbytes in moved.values()), moved
     assert "activation offload on rank" not in plain.log
+    layout = (
+        f"pp2xcp{cp}" + (f" {engine} slices" if engine != "ring" else "") + (" block recompute" if recompute else "")
+    )
     report_measurement(
-        f"pp2xcp{cp}{' ' + engine + ' slices' if engine != 'ring' else ''}{' block recompute' if recompute else ''} offload 0.5 vs none: lm loss {loss_diff:.1e}, "
-        f"grad norm {norm_diff:.1e}; bytes held in host memory per rank in the first training call: {moved}"
+        f"{layout} offload 0.5 vs none: lm loss {loss_diff:.1e}, grad norm {norm_diff:.1e}; "
+        f"bytes held in host memory per rank in the first training call: {moved}"
     )
