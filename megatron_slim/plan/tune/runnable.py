@@ -6,8 +6,9 @@ Megatron-LM flags (``megatron-args``), which Megatron-LM's launcher checks again
 ``MEGATRON_ARGS`` and ``LAUNCHER`` (``plan/startup/rules.py``), pass on what those flags stand for:
 
 - SlimPipe: ``megatron_args_settings`` as it is (``--use-slimpipe``; ``cp.engine=ring`` is SlimPipe's
-  own zigzag query-out CP). This refuses per-slice activation offload (Megatron-LM has no flag for
-  it) and recomputation with ``parallel.cp > 1``.
+  own zigzag query-out CP). Per-slice activation offload runs, as megatron-slim's
+  ``--slimpipe-offload-ratio`` (with any ``parallel.cp``; not beside full uniform recomputation, which
+  leaves no layer's activations to move); recomputation with ``parallel.cp > 1`` is refused.
 - Megatron baseline: the same view with Megatron-LM's own context parallelism (no megatron-slim CP
   engine), the attention the cost model prices the baseline with.
 
