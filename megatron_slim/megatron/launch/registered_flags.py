@@ -62,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "to the middle ones)"
         ),
     )
+    _add_slimpipe_offload(g)
+    _add_slimpipe_cost_and_cp(g)
+    add_dynmo_arguments(parser)
+    return parser
+
+
+def _add_slimpipe_offload(g) -> None:
+    """SlimPipe's per-slice activation offload (``train.offload_ratio``): Megatron-LM has no such flag."""
     g.add_argument(
         "--slimpipe-offload-ratio",
         type=float,
@@ -73,9 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "needs --use-slimpipe"
         ),
     )
-    _add_slimpipe_cost_and_cp(g)
-    add_dynmo_arguments(parser)
-    return parser
 
 
 def _add_slimpipe_cost_and_cp(g) -> None:
