@@ -119,7 +119,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "side with the MFU ratio. The recipe's own parallel, schedule and recompute settings are "
         "replaced (they must still pass the recipe's checks after --set); micro-batch size, precision "
         "and the optimizer are kept. Only configurations megatron-args and Megatron-LM's launcher accept "
-        "are chosen (no per-slice offload, no SlimPipe recompute on a CP engine's plans).",
+        "are chosen (SlimPipe's per-slice offload as --slimpipe-offload-ratio; no SlimPipe recompute on a "
+        "CP engine's plans).",
     )
     _add_recipe_args(plan)
     plan.add_argument(

@@ -66,3 +66,33 @@ def test_an_uneven_pipeline_split_is_refused_for_megatron_launches(capsys):
     assert main(["megatron-args", "--recipe", "llama2-7b-64k", "--set", *sets]) == 2
     err = capsys.readouterr().err
     assert "parallel.layers_per_stage" in err and "uneven splits run under `megatron-slim train`" in err
+
+
+def test_offload_becomes_the_slimpipe_offload_flag_and_reads_back(capsys):
+    """``train.offload_ratio`` of a SlimPipe recipe is ``--slimpipe-offload-ratio``; megatron-slim's
+    parser reads it back into the start-up rules' settings and the launcher's recipe."""
+    import argparse
+
+    from megatron_slim.megatron.launch.args import settings_from_megatron_args
+    from megatron_slim.megatron.launch.flags import add_arguments
+    from megatron_slim.megatron.launch.recompute_flags import recompute_from_megatron_args
+
+    sliced = ["schedule.kind=slimpipe", "schedule.num_slices=2"]
+    block = ["train.recompute=full", "train.recompute_method=block", "train.recompute_num_layers=1"]
+    for extra in ([], block):
+        flags = recipe_to_megatron_args(load_recipe("tiny-cpu", [*sliced, *extra, "train.offload_ratio=0.25"]))
+        assert flags[flags.index("--slimpipe-offload-ratio") + 1] == "0.25"
+        args, _ = add_arguments(argparse.ArgumentParser()).parse_known_args(flags)
+        assert args.slimpipe_offload_ratio == 0.25 and settings_from_megatron_args(args).offload_ratio == 0.25
+        assert recompute_from_megatron_args(args)["offload_ratio"] == 0.25
+    assert "--slimpipe-offload-ratio" not in recipe_to_megatron_args(load_recipe("tiny-cpu", sliced))
+
+    one_f_one_b = ["schedule.kind=1f1b", "schedule.num_slices=1", "train.offload_ratio=0.5"]
+    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", *one_f_one_b]) == 2
+    err = capsys.readouterr().err
+    assert "train.offload_ratio: got 0.5 without schedule.kind=slimpipe" in err
+    assert "allowed: schedule.kind=slimpipe, or train.offload_ratio=0" in err
+    full_uniform = [*sliced, "train.recompute=full", "train.offload_ratio=0.5"]
+    assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", *full_uniform]) == 2
+    err = capsys.readouterr().err
+    assert "no layer keeps activations to offload" in err and "train.recompute_method=block" in err

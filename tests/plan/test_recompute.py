@@ -94,8 +94,7 @@ def test_every_choice_round_trips_through_megatrons_flags(choice):
     assert recipe.train.recompute_plan == choice
     args = _megatron_parser().parse_args(_recompute_flags(recipe_to_megatron_args(recipe)))
     fields = recompute_from_megatron_args(args)
-    expected = {k: v for k, v in choice.train_fields().items() if k != "offload_ratio"}
-    assert fields == expected
+    assert fields == choice.train_fields()  # offload 0: no --slimpipe-offload-ratio
     assert load_recipe("llama2-7b-64k", ONE_F_ONE_B + [f"train.{k}={_text(v)}" for k, v in fields.items()]).train == (
         recipe.train
     )
@@ -107,7 +106,11 @@ def _text(value):
 
 def test_the_launcher_reads_megatrons_selective_alias_and_a_whole_namespace():
     alias = _megatron_parser().parse_args(["--recompute-activations"])
-    assert recompute_from_megatron_args(alias) == {"recompute": "selective", "recompute_modules": ["core_attn"]}
+    assert recompute_from_megatron_args(alias) == {
+        "recompute": "selective",
+        "recompute_modules": ["core_attn"],
+        "offload_ratio": 0.0,
+    }
     namespace = argparse.Namespace(
         num_attention_heads=8,
         num_layers=8,
@@ -127,10 +130,14 @@ def test_the_launcher_reads_megatrons_selective_alias_and_a_whole_namespace():
         recompute_num_layers=3,
     )
     assert recipe_from_megatron_args(namespace).train.recompute_plan == Recompute("full", "block", 3)
+    namespace.slimpipe_offload_ratio = 0.5
+    assert recipe_from_megatron_args(namespace).train.recompute_plan == Recompute("full", "block", 3, offload_ratio=0.5)
 
 
 def test_megatron_args_refuses_what_megatron_cannot_run():
-    with pytest.raises(ConfigError, match=r"train.offload_ratio: got 0.5; Megatron-LM 0.16-0.19 has no per-slice"):
+    with pytest.raises(
+        ConfigError, match=r"train.offload_ratio: got 0.5 without schedule.kind=slimpipe; the per-slice"
+    ):
         recipe_to_megatron_args(_recipe("train.offload_ratio=0.5"))
     with pytest.raises(ConfigError, match="train.recompute_modules: got 'moe_act'; Megatron-LM refuses it"):
         recipe_to_megatron_args(_recipe("train.recompute=selective", "train.recompute_modules=core_attn,moe_act"))

@@ -87,6 +87,22 @@ SHARED = {
             ]
         },
     ),
+    "offload-needs-slimpipe": (
+        dict(slimpipe_offload_ratio=0.5),
+        {MEGATRON_ARGS: ["schedule.kind=1f1b", "schedule.num_slices=1", "train.offload_ratio=0.5"]},
+    ),
+    "offload-full-uniform": (
+        {
+            **SLIMPIPE_FLAGS,
+            "slimpipe_offload_ratio": 0.5,
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+        },
+        {
+            caller: ["schedule.num_slices=2", "train.recompute=full", "train.offload_ratio=0.5"]
+            for caller in (TRAIN, MEGATRON_ARGS)
+        },
+    ),
 }
 RECIPE_ENTRY = {
     TRAIN: (check_trainable, train_settings),
@@ -230,8 +246,8 @@ def test_train_runs_packed_slimpipe_slices_under_cp_without_an_engine(method):
 
 
 def test_recipe_field_names_and_flags_cover_the_same_settings():
-    # precision and eval_iters are checked only for the CPU loop; Megatron-LM has no offload-ratio flag
-    assert set(INPUTS[TRAIN].names) == set(INPUTS[LAUNCHER].names) | {"precision", "eval_iters", "offload_ratio"}
+    # eval_iters is checked only for the CPU loop
+    assert set(INPUTS[TRAIN].names) == set(INPUTS[LAUNCHER].names) | {"eval_iters"}
 
 
 @pytest.mark.parametrize("policy", ["uniform", "balanced"])

@@ -24,7 +24,7 @@ from megatron_slim.plan.startup import LAUNCHER, check
 from megatron_slim.plan.tune import tune
 from megatron_slim.plan.tune.bounds import first_backward_memory, memory_lower_bound, time_bounds
 from megatron_slim.plan.tune.report import chosen, payload
-from megatron_slim.plan.tune.runnable import launch_settings
+from megatron_slim.plan.tune.runnable import Runnable, launch_settings
 from megatron_slim.plan.tune.search import costs_of, search, simulations_of
 from megatron_slim.plan.tune.space import FAMILIES, Layout, candidate_recipe, candidates, layouts, recompute_options
 
@@ -81,7 +81,7 @@ def test_every_candidate_is_a_valid_recipe_on_the_gpus(tmp_path):
         chunk = recipe.model.num_layers // (c.pp * c.vpp)
         assert c.recompute in recompute_options(chunk, offload=c.kind == "slimpipe")
         offload = dict(c.recompute)["offload_ratio"]
-        assert offload == 0 or c.kind == "slimpipe"  # Megatron-LM has no per-slice offload
+        assert offload == 0 or c.kind == "slimpipe"  # Megatron-LM's own schedules have no per-slice offload
         r = candidate_recipe(recipe, c)
         assert r.train.recompute_plan.offload_ratio == offload
         assert r.parallel.world_size == 8 and r.model.num_layers % (c.pp * c.vpp) == 0
@@ -239,22 +239,30 @@ def test_plan_prices_both_families_with_a_calibration(tmp_path):
 
 
 def test_the_choice_is_what_megatron_args_and_the_launcher_accept(tmp_path):
-    # 4 GiB: unconstrained, the fastest fit is SlimPipe with cp=2 and offload, which megatron-args refuses
+    # 4 GiB: the fastest fits are SlimPipe at cp=2 with recomputation on its own query-out CP, or with
+    # per-slice offload; megatron-args emits both and the launcher accepts them as emitted
     recipe = small_recipe(tmp_path, hbm_gib=4.0, seq=32768)
     cands = [c for c in candidates(recipe, 8, ("slimpipe",)) if c.pp == 1]
-    free = search(recipe, cands, None, callers=())
-    assert free.best is not None and free.best.candidate.cp > 1 and dict(free.best.candidate.recompute)["offload_ratio"]
-    with pytest.raises(ConfigError, match="train.offload_ratio"):
-        recipe_to_megatron_args(free.best.recipe)
-    runs = search(recipe, cands, None)
-    assert runs.best is not None and runs.best.iteration_time_s >= free.best.iteration_time_s
-    recipe_to_megatron_args(runs.best.recipe)  # accepted
+    kept = [c for c in cands if not dict(c.recompute)["offload_ratio"]]
+    runs = search(recipe, kept, None)
+    assert runs.best is not None and runs.best.candidate.cp > 1 and runs.refused == {}
+    assert dict(runs.best.candidate.recompute)["recompute"] == "full"
+    flags = recipe_to_megatron_args(runs.best.recipe)
+    assert flags[flags.index("--recompute-granularity") + 1] == "full" and "--cp-engine" not in flags
     check(launch_settings(runs.best.recipe), LAUNCHER)
-    offload = [c for c in cands if dict(c.recompute)["offload_ratio"]]
-    recompute_cp = [c for c in cands if c not in offload and c.cp > 1 and dict(c.recompute)["recompute"] != "none"]
-    assert recompute_cp  # SlimPipe's query-out CP with recomputation: accepted
-    assert runs.refused == {"megatron-offload": len(offload)}
-
+    # recomputation on a CP engine's planned windows stays refused, and the search drops it
+    on_engine = replace(runs.best.recipe, cp=CPConfig(engine="zeppelin"))
+    assert Runnable().refusal(on_engine) == "slimpipe-recompute"
+    with pytest.raises(ConfigError, match="train.recompute"):
+        recipe_to_megatron_args(on_engine)
+    # with offload (--slimpipe-offload-ratio, any cp) the fastest fit offloads at cp=2, and it runs
+    offloading = search(recipe, cands, None)
+    best = offloading.best
+    assert best is not None and best.candidate.cp > 1 and dict(best.candidate.recompute)["offload_ratio"]
+    assert best.iteration_time_s < runs.best.iteration_time_s and offloading.refused == {}
+    flags = recipe_to_megatron_args(best.recipe)
+    assert flags[flags.index("--slimpipe-offload-ratio") + 1] == f"{dict(best.candidate.recompute)['offload_ratio']:g}"
+    check(launch_settings(best.recipe), LAUNCHER)
 
 def _launcher_namespace(flags: list[str]) -> argparse.Namespace:
     """``flags`` as the launcher parses them, enough for its start-up checks: megatron-slim's own flags

@@ -1,9 +1,10 @@
 """Parse and validate flag sets with one Megatron-LM tag's real ``arguments.py`` (run as a script).
 
     python parse_flags.py FLAGSETS.json  ->  prints one JSON line per set:
-        {"name": ..., "ok": true} | {"name": ..., "error": "<type>: <message>"}
+        {"name": ..., "ok": true, "values": {...}} | {"name": ..., "error": "<type>: <message>"}
 
-Each set is ``{"name", "world_size", "argv"}``. The launcher's hooks are installed first (as
+Each set is ``{"name", "world_size", "argv"}``, optionally ``"report"``: parsed argument names
+whose values ``values`` returns. The launcher's hooks are installed first (as
 ``python -m megatron_slim.launch`` does), so megatron-slim's flags are registered and its start-up
 checks run inside ``validate_args``; ``WORLD_SIZE`` is faked per set. The tag's folder and the
 harness shim (Megatron's CUDA queries answered on the CPU) must be on ``PYTHONPATH``.
@@ -28,7 +29,8 @@ def main(path: str) -> None:
         try:
             args = arguments.parse_args()
             arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-            result = {"name": flag_set["name"], "ok": True}
+            values = {key: getattr(args, key) for key in flag_set.get("report", [])}
+            result = {"name": flag_set["name"], "ok": True, "values": values}
         except (Exception, SystemExit) as exc:  # report every failure, including argparse's exit
             result = {"name": flag_set["name"], "error": f"{type(exc).__name__}: {exc}"}
         print("RESULT " + json.dumps(result), flush=True)

@@ -144,6 +144,36 @@ def test_the_autotuners_megatron_baseline_with_cp_passes_megatrons_parser_and_va
     assert results["baseline"].get("ok"), (runs.best.label, results["baseline"])
 
 
+@pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
+def test_every_offload_ratio_passes_megatrons_parser_and_validation_and_reads_back(tag, tmp_path):
+    """``train.offload_ratio`` of a SlimPipe recipe as ``megatron-args`` spells it
+    (``--slimpipe-offload-ratio``), alone and beside block recomputation: the launcher's parsed
+    namespace holds the ratio, and the recipe it stands for has it again."""
+    from megatron_slim.plan.recompute import OFFLOAD_RATIOS
+
+    base = ["schedule.kind=slimpipe", "schedule.num_slices=2"]
+    block = ["train.recompute=full", "train.recompute_method=block", "train.recompute_num_layers=2"]
+    flag_sets = [
+        {
+            "name": f"{ratio} {'block' if extra else 'none'}",
+            "world_size": 64,
+            "argv": _sbatch_flags("llama2-7b-64k", " ".join([*base, *extra, f"train.offload_ratio={ratio}"])),
+            "report": ["slimpipe_offload_ratio", "use_slimpipe", "recompute_method"],
+        }
+        for ratio in OFFLOAD_RATIOS
+        if ratio
+        for extra in ([], block)
+    ]
+    assert all("--slimpipe-offload-ratio" in f["argv"] for f in flag_sets)
+    results = _parse(tag, flag_sets, tmp_path)
+    failed = {n: r["error"] for n, r in results.items() if not r.get("ok")}
+    assert not failed, failed
+    for name, result in results.items():
+        ratio, recompute = name.split()
+        assert result["values"]["slimpipe_offload_ratio"] == float(ratio) and result["values"]["use_slimpipe"]
+        assert result["values"]["recompute_method"] == (None if recompute == "none" else "block")
+
+
 BASE = [
     "--num-layers",
     "4",
@@ -193,6 +223,7 @@ SLIMPIPE = ["--use-slimpipe", "--slimpipe-num-slices", "4"]
 SLICED_ZEPPELIN = ["--use-slimpipe", "--slimpipe-num-slices", "2", "--context-parallel-size", "2"]
 SLICED_ZEPPELIN += ["--cp-engine", "zeppelin", "--slimpipe-hardware", "cpu"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+OFFLOAD = ["--slimpipe-offload-ratio", "0.5"]
 ACCEPTED = {
     "dynmo-profile-and-freeze": (1, ["--dynmo-profile", "--dynmo-profile-smoothing", "0.3", "--dynmo-freeze", "2:0-1"]),
     "dynmo-early-exit": (1, ["--dynmo-exit-threshold", "0.5", "--dynmo-exit-from-layer", "2"]),
@@ -205,6 +236,8 @@ ACCEPTED = {
     "slimpipe-pp2": (2, SLIMPIPE + ["--pipeline-model-parallel-size", "2"]),
     "slimpipe-full-recompute": (2, SLIMPIPE + ["--pipeline-model-parallel-size", "2"] + FULL_RECOMPUTE),
     "slimpipe-slices-under-zeppelin": (2, SLICED_ZEPPELIN + ["--reset-position-ids", "--reset-attention-mask"]),
+    "slimpipe-offload": (2, SLIMPIPE + ["--pipeline-model-parallel-size", "2"] + OFFLOAD),
+    "slimpipe-offload-under-cp": (2, SLIMPIPE + ["--context-parallel-size", "2"] + OFFLOAD),
     "cp-engine-zeppelin": (
         2,
         [
@@ -256,6 +289,17 @@ REJECTED = {
         2,
         SLIMPIPE + FULL_RECOMPUTE + ["--context-parallel-size", "2"],
         "drop --recompute-granularity, --context-parallel-size 1",
+    ),
+    "offload-without-slimpipe": (1, OFFLOAD, "--slimpipe-offload-ratio: got 0.5 without --use-slimpipe"),
+    "offload-out-of-range": (
+        1,
+        SLIMPIPE + ["--slimpipe-offload-ratio", "1.5"],
+        "--slimpipe-offload-ratio: got 1.5; allowed: a fraction in [0, 1]",
+    ),
+    "offload-under-full-uniform-recompute": (
+        1,
+        SLIMPIPE + FULL_RECOMPUTE + OFFLOAD,
+        "every layer keeps only its checkpoint input, so no layer keeps activations to offload",
     ),
     "remap-without-zeppelin": (1, ["--cp-remap"], "--cp-remap: only with --cp-engine zeppelin"),
     "dynmo-early-exit-beside-mixture-of-depths": (

@@ -7,13 +7,13 @@ run stops (the slice attention refuses documents a TP rank lacks). CP: every CP 
 whole window (CP ranks share a DP rank), Megatron's ``get_batch_on_this_cp_rank`` cuts each slice
 zigzag-wise, and SlimPipe's query-out CP attention and ``SliceRotary`` keep to the documents.
 
-Independent check: tp2 x pp2, cp2 x pp2 and tp2 x cp2 compute the same model on the same windows
-as the tp1 x pp2 run (cp2 x pp2 also with full recomputation: a recomputed packed slice's CP
-attention reads the K/V prefix and documents its forward read), so every iteration's loss and gradient norm must agree up to fp rounding. A
-rank that attended across documents, restarted no RoPE position, or normalised by anything but the
-global batch's loss tokens would change the loss from iteration 1 on. Megatron seeds pipeline and
-TP ranks apart, so the shim's ``init_by_name`` draws each weight whole from its global name and
-cuts this TP rank's shard: every layout starts from the same weights.
+Independent check: tp2 x pp2, cp2 x pp2 and tp2 x cp2 compute the same model on the same windows as
+the tp1 x pp2 run (cp2 x pp2 also with full recomputation: a recomputed packed slice's CP attention
+reads the K/V prefix and documents its forward read), so every iteration's loss and gradient norm
+must agree up to fp rounding. A rank that attended across documents, restarted no RoPE position, or
+normalised by anything but the global batch's loss tokens would change the loss from iteration 1 on.
+Megatron seeds pipeline and TP ranks apart, so the shim's ``init_by_name`` draws each weight whole
+from its global name and cuts this TP rank's shard: every layout starts from the same weights.
 """
 
 from __future__ import annotations

@@ -84,6 +84,8 @@ def settings_from_megatron_args(args: argparse.Namespace) -> Settings:
         precision="bf16" if flag("bf16") else ("fp16" if flag("fp16") else "fp32"),
         seq_length=flag("seq_length", 0),
         recompute=flag("recompute_granularity"),
+        recompute_method=flag("recompute_method"),
+        offload_ratio=float(flag("slimpipe_offload_ratio", 0.0)),
         hierarchical_cp_sizes=flag("hierarchical_context_parallel_sizes"),
         cp_comm_type=flag("cp_comm_type"),
         hybrid_cp=bool(flag("hybrid_context_parallel")),

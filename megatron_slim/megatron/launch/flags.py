@@ -193,6 +193,8 @@ def _schedule_flags(recipe: Recipe) -> list:
             "--slimpipe-hardware",
             recipe.hardware,
         ] + (["--slimpipe-vocab-parallel"] if s.vocab_parallel else [])
+        if recipe.train.offload_ratio:
+            out += ["--slimpipe-offload-ratio", _number(recipe.train.offload_ratio)]
     if p.cp > 1 and recipe.cp.engine != MEGATRON_CP_ENGINE and (s.kind != "slimpipe" or recipe.cp.engine != "ring"):
         # megatron-slim's engines plan each pack of documents: positions and masks reset at each one
         # (under SlimPipe, ring stands for SlimPipe's own zigzag query-out: no engine flag; megatron

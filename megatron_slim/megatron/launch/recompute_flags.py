@@ -3,10 +3,11 @@
 Megatron-LM (0.16-0.19) spells recomputation ``--recompute-granularity full|selective``,
 ``--recompute-method uniform|block``, ``--recompute-num-layers N`` and ``--recompute-modules M ...``
 (``selective`` takes no method or layer count; unset modules mean ``core_attn``). It has no
-per-slice activation offload ratio: ``--cpu-offloading-num-layers`` moves whole layers and refuses
+per-slice activation offload ratio (``--cpu-offloading-num-layers`` moves whole layers and refuses
 pipeline parallelism and recomputation, ``--fine-grained-activation-offloading --offload-modules``
-moves the inputs of named modules. A recipe's ``train.offload_ratio`` is therefore refused on the
-Megatron-LM path. Imports no megatron and no torch.
+moves the inputs of named modules): a recipe's ``train.offload_ratio`` becomes megatron-slim's
+``--slimpipe-offload-ratio``, which the SlimPipe schedule runs (``flags._schedule_flags``; the
+start-up rules in ``plan/startup/rules_recompute`` refuse it elsewhere). Imports no megatron and no torch.
 """
 
 from __future__ import annotations
@@ -17,12 +18,9 @@ from typing import Any
 from megatron_slim.plan.recipe import TrainConfig
 from megatron_slim.plan.recompute import DEFAULT_RECOMPUTE_MODULES, MODULES_MEGATRON_REFUSES_ON_LLAMA
 from megatron_slim.plan.schema import ConfigError
-from megatron_slim.plan.startup import MEGATRON_ARGS, Settings, check
-from megatron_slim.plan.startup.rules_recompute import RECOMPUTE_RULES
 
 
 def refuse_what_megatron_cannot_recompute(t: TrainConfig) -> None:
-    check(Settings(offload_ratio=t.offload_ratio), MEGATRON_ARGS, RECOMPUTE_RULES)
     refused = [m for m in t.recompute_plan.modules if m in MODULES_MEGATRON_REFUSES_ON_LLAMA]
     if refused:
         raise ConfigError(
@@ -50,8 +48,10 @@ def recompute_flags(t: TrainConfig) -> list[Any]:
 
 
 def recompute_from_megatron_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``train.*`` recipe fields a parsed namespace's recompute flags stand for (the inverse
-    of ``recompute_flags``; ``--recompute-activations`` is Megatron's alias for selective)."""
+    """The ``train.*`` recipe fields a parsed namespace's recompute and offload flags stand for (the
+    inverse of ``recompute_flags`` and ``--slimpipe-offload-ratio``; ``--recompute-activations`` is
+    Megatron's alias for selective)."""
+    offload = {"offload_ratio": float(getattr(args, "slimpipe_offload_ratio", 0.0) or 0.0)}
     granularity = getattr(args, "recompute_granularity", None)
     if granularity is None and getattr(args, "recompute_activations", False):
         granularity = "selective"
@@ -60,8 +60,9 @@ def recompute_from_megatron_args(args: argparse.Namespace) -> dict[str, Any]:
             "recompute": "full",
             "recompute_method": getattr(args, "recompute_method", None) or "uniform",
             "recompute_num_layers": getattr(args, "recompute_num_layers", None) or 1,
+            **offload,
         }
     if granularity == "selective":
         modules = getattr(args, "recompute_modules", None) or DEFAULT_RECOMPUTE_MODULES
-        return {"recompute": "selective", "recompute_modules": list(modules)}
-    return {"recompute": "none"}
+        return {"recompute": "selective", "recompute_modules": list(modules), **offload}
+    return {"recompute": "none", **offload}

@@ -63,9 +63,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "to the middle ones)"
         ),
     )
+    _add_slimpipe_offload(g)
     _add_slimpipe_cost_and_cp(g)
     add_dynmo_arguments(parser)
     return parser
+
+
+def _add_slimpipe_offload(g) -> None:
+    """SlimPipe's per-slice activation offload (``train.offload_ratio``): Megatron-LM has no such flag."""
+    g.add_argument(
+        "--slimpipe-offload-ratio",
+        type=float,
+        default=0.0,
+        help=(
+            "share in [0, 1] of each slice's decoder-layer activations held in host memory from its forward to its "
+            "backward (default 0: none; the first round(R * L) of the L layers per model chunk that keep their "
+            "activations, so not under --recompute-method uniform; train.offload_ratio, docs/recompute.md); "
+            "needs --use-slimpipe"
+        ),
+    )
 
 
 def _add_slimpipe_cost_and_cp(g) -> None:

@@ -37,6 +37,7 @@ def slimpipe_settings(args) -> "SlimPipeSettings":
     return SlimPipeSettings(
         lengths,
         attention_backend=backend,
+        offload_ratio=float(getattr(args, "slimpipe_offload_ratio", 0.0) or 0.0),
         share_documents=packed_windows(args),
         exchange=exchange,
         exchange_recipe=recipe if exchange else None,
@@ -94,21 +95,28 @@ class SlimPipeHookState:
             if engine is not None:  # functools.wraps keeps the function's stats and settings
                 function = engine.wrap_forward_backward(function, settings.slice_lengths)
             rank = int(getattr(args, "rank", 0) or 0)
-            self._functions[id(args)] = reporting_exchange(function, rank) if settings.exchange else function
+            reports = settings.exchange or settings.offload_ratio > 0
+            self._functions[id(args)] = reporting_first_call(function, rank) if reports else function
             if rank == 0:
                 print(
                     f"megatron-slim: SlimPipe schedule, {settings.num_slices} {args.slimpipe_slice_policy} slice(s) "
                     f"per microbatch of {args.seq_length} tokens: {list(settings.slice_lengths)}"
                     + (f", following --cp-engine {args.cp_engine}'s plan of each window" if engine else "")
-                    + (", vocabulary on every pipeline rank" if vocab_parallel else ""),
+                    + (", vocabulary on every pipeline rank" if vocab_parallel else "")
+                    + (
+                        f", {settings.offload_ratio:g} of the layers' activations offloaded"
+                        if settings.offload_ratio
+                        else ""
+                    ),
                     flush=True,
                 )
         return self._functions[id(args)]
 
 
-def reporting_exchange(function: Callable, rank: int) -> Callable:
-    """``function`` that, after its first training call, prints what this rank's context exchange
-    did in it (K/V tokens shipped as a sender, attention blocks served as a peer)."""
+def reporting_first_call(function: Callable, rank: int) -> Callable:
+    """``function`` that, after its first training call, prints what this rank's context exchange did
+    in it (K/V tokens shipped as a sender, attention blocks served as a peer) and what its activation
+    offload moved to host memory (``--slimpipe-offload-ratio``), whichever of the two the run does."""
     reported = False
 
     @functools.wraps(function)  # keeps the function's stats and settings
@@ -116,12 +124,20 @@ def reporting_exchange(function: Callable, rank: int) -> Callable:
         nonlocal reported
         result = function(**kwargs)
         if not reported and not kwargs.get("forward_only", False):
-            reported, stats = True, function.stats  # type: ignore[attr-defined]
-            print(
-                f"megatron-slim: context exchange on rank {rank}: {stats.exchanged_tokens} K/V tokens shipped, "
-                f"{stats.served_blocks} attention blocks served in the first training call",
-                flush=True,
-            )
+            reported = True
+            stats, settings = function.stats, function.settings  # type: ignore[attr-defined]
+            if settings.exchange:
+                print(
+                    f"megatron-slim: context exchange on rank {rank}: {stats.exchanged_tokens} K/V tokens shipped, "
+                    f"{stats.served_blocks} attention blocks served in the first training call",
+                    flush=True,
+                )
+            if settings.offload_ratio > 0:
+                print(
+                    f"megatron-slim: activation offload on rank {rank}: {stats.offloaded_bytes} bytes held in host "
+                    "memory in the first training call",
+                    flush=True,
+                )
         return result
 
     return forward_backward

@@ -24,6 +24,7 @@ def _common(recipe: Recipe) -> dict[str, Any]:
         seq_length=m.seq_length,
         recompute=None if t.recompute == "none" else t.recompute,
         recompute_modules=t.recompute_plan.modules,
+        recompute_method=t.recompute_plan.method if t.recompute == "full" else None,
         precision=t.precision,
         eval_iters=t.eval_iters,
         offload_ratio=t.offload_ratio,

@@ -48,9 +48,10 @@ class Settings:
     seq_length: int = 0
     recompute: Optional[str] = None  # the recomputation granularity ("full", "selective"); None: none
     recompute_modules: tuple[str, ...] = ()  # what selective recomputation checkpoints
+    recompute_method: Optional[str] = None  # under full recomputation: "uniform" or "block"
     precision: str = "fp32"
     eval_iters: int = 0
-    offload_ratio: float = 0.0  # a recipe's train.offload_ratio (Megatron-LM has no such flag)
+    offload_ratio: float = 0.0  # SlimPipe's per-slice activation offload (not a Megatron-LM flag)
     # Megatron-LM flags a recipe has no field for
     hierarchical_cp_sizes: Any = None
     cp_comm_type: Any = None
@@ -136,6 +137,7 @@ _RECIPE_NAMES = {
     "vocab_parallel": "schedule.vocab_parallel",
     "seq_length": "model.seq_length",
     "recompute": "train.recompute",
+    "recompute_method": "train.recompute_method",
     "precision": "train.precision",
     "eval_iters": "train.eval_iters",
     "offload_ratio": "train.offload_ratio",
@@ -157,6 +159,8 @@ _FLAG_NAMES = {
     "vocab_parallel": "--slimpipe-vocab-parallel",
     "seq_length": "--seq-length",
     "recompute": "--recompute-granularity",
+    "recompute_method": "--recompute-method",
+    "offload_ratio": "--slimpipe-offload-ratio",
     "precision": "--bf16 or --fp16",
     "megatron_schedule": "no --use-slimpipe",
     "packing": "--slimpipe-packing",

@@ -5,9 +5,10 @@ Megatron-LM flags (``megatron-args``), which Megatron-LM's launcher checks again
 ``validate_args``. So a candidate is runnable when the start-up rules of both callers,
 ``MEGATRON_ARGS`` and ``LAUNCHER`` (``plan/startup/rules.py``), pass on what those flags stand for:
 
-- SlimPipe: ``--use-slimpipe``; ``cp.engine=ring`` is SlimPipe's own zigzag query-out CP. This
-  refuses per-slice activation offload (Megatron-LM has no flag for it) and recomputation on a CP
-  engine's plans (recomputation on SlimPipe's query-out CP runs).
+- SlimPipe: ``--use-slimpipe``; ``cp.engine=ring`` is SlimPipe's own zigzag query-out CP. Per-slice
+  activation offload runs, as megatron-slim's ``--slimpipe-offload-ratio`` (with any ``parallel.cp``;
+  not beside full uniform recomputation, which leaves no layer's activations to move), and so does
+  recomputation on SlimPipe's query-out CP; recomputation on a CP engine's plans is refused.
 - Megatron baseline: ``cp.engine=megatron`` (``plan/tune/space.py``), Megatron-LM's own context
   parallelism, the attention the cost model prices the baseline with; its flags carry no
   ``--cp-engine``.

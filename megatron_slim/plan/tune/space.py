@@ -37,8 +37,8 @@ MIN_SLICE_TOKENS_PER_GPU = 2048
 # What one recompute choice sets in the recipe's train section, as (field, value) pairs. The choices
 # come from plan/recompute.py (``recompute_choices``: none, selective core_attn[+mlp], full uniform 1
 # and full block with every depth of a chunk) and its ``OFFLOAD_RATIOS`` where the schedule can
-# offload (SlimPipe's per-slice offload: Megatron-LM has no such setting, ``megatron-args`` refuses
-# it, so its baselines search no offload).
+# offload (SlimPipe's per-slice offload, ``--slimpipe-offload-ratio`` under the launcher: Megatron-LM's
+# own schedules have no such hook, so its baselines search no offload).
 RecomputeOption = tuple[tuple[str, object], ...]
 
 
