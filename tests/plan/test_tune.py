@@ -264,6 +264,7 @@ def test_the_choice_is_what_megatron_args_and_the_launcher_accept(tmp_path):
     assert flags[flags.index("--slimpipe-offload-ratio") + 1] == f"{dict(best.candidate.recompute)['offload_ratio']:g}"
     check(launch_settings(best.recipe), LAUNCHER)
 
+
 def _launcher_namespace(flags: list[str]) -> argparse.Namespace:
     """``flags`` as the launcher parses them, enough for its start-up checks: megatron-slim's own flags
     through its parser (defaults included), Megatron-LM's as ``--name value`` or a bare ``--switch``."""
