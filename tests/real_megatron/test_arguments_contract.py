@@ -238,6 +238,7 @@ ACCEPTED = {
     "slimpipe-slices-under-zeppelin": (2, SLICED_ZEPPELIN + ["--reset-position-ids", "--reset-attention-mask"]),
     "slimpipe-offload": (2, SLIMPIPE + ["--pipeline-model-parallel-size", "2"] + OFFLOAD),
     "slimpipe-offload-under-cp": (2, SLIMPIPE + ["--context-parallel-size", "2"] + OFFLOAD),
+    "slimpipe-recompute-under-query-out-cp": (2, SLIMPIPE + ["--context-parallel-size", "2"] + FULL_RECOMPUTE),
     "cp-engine-zeppelin": (
         2,
         [
@@ -285,10 +286,10 @@ REJECTED = {
         ],
         "SlimPipe slice boundaries are multiples of 8 tokens",
     ),
-    "recompute-under-slimpipe-and-cp": (
+    "recompute-on-a-cp-engines-slices": (
         2,
-        SLIMPIPE + FULL_RECOMPUTE + ["--context-parallel-size", "2"],
-        "drop --recompute-granularity, --context-parallel-size 1",
+        SLICED_ZEPPELIN + ["--reset-position-ids", "--reset-attention-mask"] + FULL_RECOMPUTE,
+        "not on a CP engine's plans; allowed: drop --cp-engine",
     ),
     "offload-without-slimpipe": (1, OFFLOAD, "--slimpipe-offload-ratio: got 0.5 without --use-slimpipe"),
     "offload-out-of-range": (
