@@ -160,7 +160,8 @@ class ExchangePlan:
         members: dict[RankAction, list[RankAction]] = {}
         for x in list(parent):
             members.setdefault(root(x), []).append(x)
-        return {x: tuple(sorted(group)) for group in members.values() for x in group}
+        sorted_groups = [tuple(sorted(group)) for group in members.values()]  # one tuple a group, shared
+        return {x: group for group in sorted_groups for x in group}
 
     def group_of(self, rank: int, action: Action) -> tuple[RankAction, ...]:
         """The rendezvous ``action`` on ``rank`` belongs to; empty when it exchanges nothing."""
