@@ -24,8 +24,9 @@ e.g. ``41 5 1F2.9 2 3B1.1 0 24576``. It rides in ``Schedule.exchange`` and so in
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Iterable
 
 from megatron_slim.plan.schedule.ir import Action, Kind
@@ -107,7 +108,10 @@ class ExchangePlan:
                 )
 
     def to_text(self) -> str:
-        return "".join(f"{b}\n" for b in self.blocks)
+        """The text form; ``from_text`` of it answers this plan without parsing it again."""
+        text = "".join(f"{b}\n" for b in self.blocks)
+        _remember(text, self)
+        return text
 
     @classmethod
     def from_text(cls, text: str) -> "ExchangePlan":
@@ -160,7 +164,8 @@ class ExchangePlan:
         members: dict[RankAction, list[RankAction]] = {}
         for x in list(parent):
             members.setdefault(root(x), []).append(x)
-        return {x: tuple(sorted(group)) for group in members.values() for x in group}
+        sorted_groups = [tuple(sorted(group)) for group in members.values()]  # one tuple a group, shared
+        return {x: group for group in sorted_groups for x in group}
 
     def group_of(self, rank: int, action: Action) -> tuple[RankAction, ...]:
         """The rendezvous ``action`` on ``rank`` belongs to; empty when it exchanges nothing."""
@@ -188,6 +193,23 @@ class ExchangePlan:
         return out
 
 
-@lru_cache(maxsize=16)
+_PLANS: dict[str, ExchangePlan] = {}  # text -> plan, the most recent last
+_PLANS_KEPT = 16
+_PLANS_LOCK = threading.Lock()  # the runtime may read plans from more than one thread
+
+
+def _remember(text: str, plan: ExchangePlan) -> None:
+    with _PLANS_LOCK:
+        _PLANS.pop(text, None)
+        _PLANS[text] = plan
+        while len(_PLANS) > _PLANS_KEPT:
+            del _PLANS[next(iter(_PLANS))]
+
+
 def _parsed(text: str) -> ExchangePlan:
-    return ExchangePlan(tuple(ExchangeBlock.parse(ln) for ln in text.splitlines() if ln.strip()))
+    with _PLANS_LOCK:
+        plan = _PLANS.get(text)
+    if plan is None:
+        plan = ExchangePlan(tuple(ExchangeBlock.parse(ln) for ln in text.splitlines() if ln.strip()))
+    _remember(text, plan)
+    return plan

@@ -34,76 +34,19 @@ clock and records 0).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from megatron_slim.plan.progress import EVERY, Progress, report
-from megatron_slim.plan.schedule.deps import compute_dependencies, key
 from megatron_slim.plan.schedule.exchange_blocks import ExchangePlan, RankAction
-from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
+from megatron_slim.plan.schedule.facts import SEND_WINDOW, Fact, produced, required, window_waits
+from megatron_slim.plan.schedule.facts import tables as facts_tables
+from megatron_slim.plan.schedule.ir import Action, Schedule
 
-Fact = tuple[Any, ...]  # a compute action's ``deps.Key``, or a comm fact (see above)
+__all__ = ["SEND_WINDOW", "Fact", "Walker", "bounded_sends", "describe", "produced", "required", "window_waits"]
+
 Step = Callable[[int, Action, float], float]  # (rank, action, ready time) -> time its fact is available
 # [(rank, action, ready)] of one exchange group -> each member's time, in the same order
 GroupStep = Callable[[list[tuple[int, Action, float]]], list[float]]
-
-_RECV_FOR = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}
-_SEND_FOR_RECV = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
-_SENT_BY = {Kind.SEND_F: Kind.F, Kind.SEND_B: Kind.B}
-_RECV_FOR_SEND = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
-
-SEND_WINDOW = 2
-"""Sends a rank keeps outstanding on one directed link. Each holds its slice's buffer until its
-transfer completes, so this bounds that memory to two messages per link; two (not one) let a
-slice's send overlap the compute of the next slice, which is all a 1F1B-style schedule needs."""
-
-
-def _comm(rank: int, kind: Kind, stage: int, a: Action) -> Fact:
-    return ("comm", rank, kind, stage, a.microbatch, a.slice)
-
-
-def produced(schedule: Schedule, rank: int, a: Action) -> Fact:
-    """The fact ``a`` makes available once it has run on ``rank``."""
-    if a.kind.is_compute:
-        return key(schedule, rank, a)
-    return _comm(rank, a.kind, schedule.stage(rank, a.chunk), a)
-
-
-def required(schedule: Schedule, rank: int, a: Action) -> list[Fact]:
-    """The facts ``a`` on ``rank`` waits for, in the order the validator reports them."""
-    stage = schedule.stage(rank, a.chunk)
-    if a.kind.is_compute:
-        facts: list[Fact] = []
-        for dep in compute_dependencies(schedule, rank, a):
-            if schedule.is_lowered and schedule.placement(dep[1])[0] != rank:
-                facts.append(_comm(rank, _RECV_FOR[dep[0]], stage, a))
-            else:
-                facts.append(dep)
-        return facts
-    if a.kind in _SENT_BY:
-        return [(_SENT_BY[a.kind], stage, a.microbatch, a.slice)]
-    peer_stage = stage - 1 if a.kind is Kind.RECV_F else stage + 1
-    return [_comm(schedule.placement(peer_stage)[0], _SEND_FOR_RECV[a.kind], peer_stage, a)]
-
-
-def window_waits(schedule: Schedule, window: int = SEND_WINDOW) -> dict[tuple[int, Action], Fact]:
-    """``{(rank, SEND): the peer's RECV it waits for}`` for every send that finds ``window``
-    messages before it on its link: it waits until the one ``window`` places earlier is received."""
-    waits: dict[tuple[int, Action], Fact] = {}
-    if not schedule.is_lowered:
-        return waits
-    for rank, row in enumerate(schedule.ranks):
-        sent: dict[int, list[Fact]] = {}  # peer rank -> receive facts of this rank's sends, in order
-        for a in row:
-            if a.kind not in _SENT_BY:
-                continue
-            stage = schedule.stage(rank, a.chunk)
-            peer_stage = stage + 1 if a.kind is Kind.SEND_F else stage - 1
-            peer = schedule.placement(peer_stage)[0]
-            link = sent.setdefault(peer, [])
-            if len(link) >= window:
-                waits[(rank, a)] = link[-window]
-            link.append(_comm(peer, _RECV_FOR_SEND[a.kind], peer_stage, a))
-    return waits
 
 
 @functools.lru_cache(maxsize=16)  # the runtime asks once per step for the same few schedules
@@ -133,7 +76,26 @@ class Walker:
         self.exchange = ExchangePlan.from_text(schedule.exchange)
         self.done: dict[Fact, float] = {}
         self.pos = [0] * schedule.pp
-        self.window = window_waits(schedule)
+        tables = facts_tables(schedule)
+        self._tables = tables
+        self.window = dict(tables.window)
+        self._waits: list[list[Optional[Fact]]] = [
+            [self.window.get((rank, a)) for a in row] for rank, row in enumerate(schedule.ranks)
+        ]
+        # position -> its exchange group, each member as (rank, the row's own action: `is` finds it)
+        self._groups: list[dict[int, tuple[RankAction, ...]]] = [{} for _ in schedule.ranks]
+        members: dict[int, tuple[RankAction, ...]] = {}  # one per group: it maps every member
+        for (rank, a), group in self.exchange.groups.items():
+            i = tables.index[rank].get(a)
+            if i is not None:
+                found = members.get(id(group))
+                if found is None:
+                    found = members[id(group)] = tuple(self._member(r, b) for r, b in group)
+                self._groups[rank][i] = found
+
+    def _member(self, rank: int, a: Action) -> RankAction:
+        i = self._tables.index[rank].get(a)
+        return (rank, a if i is None else self.schedule.ranks[rank][i])
 
     def requires(self, rank: int, a: Action) -> list[Fact]:
         """``required`` plus, for a send, the receive the send window waits for."""
@@ -149,6 +111,35 @@ class Walker:
             if not (at_head and self.ready_time(p_rank, p_action) is not None):
                 return (p_rank, p_action)
         return None
+
+    def _ready_at(self, rank: int, i: int) -> Optional[float]:
+        """``ready_time`` of the action at position ``i`` of ``rank``'s row, from the tables."""
+        done = self.done
+        t = 0.0
+        for f in self._tables.required[rank][i]:
+            at = done.get(f)
+            if at is None:
+                return None
+            t = max(t, at)
+        wait = self._waits[rank][i]
+        if wait is not None:
+            at = done.get(wait)
+            if at is None:
+                return None
+            t = max(t, at)
+        return t
+
+    def _partner_waits(self, group: tuple[RankAction, ...]) -> bool:
+        """``waiting_partner`` is not None, read off the tables."""
+        rows, pos = self.schedule.ranks, self.pos
+        for p_rank, p_action in group:
+            row = rows[p_rank]
+            at = pos[p_rank]
+            if at >= len(row) or not (row[at] is p_action or row[at] == p_action):
+                return True
+            if self._ready_at(p_rank, at) is None:
+                return True
+        return False
 
     def _advance(self, rank: int, a: Action, t: float) -> None:
         self.done[produced(self.schedule, rank, a)] = t
@@ -178,6 +169,7 @@ class Walker:
                 waits = self.window.get((rank, row[self.pos[rank]]))
                 if waits is not None and waits not in self.done:
                     del self.window[(rank, row[self.pos[rank]])]
+                    self._waits[rank][self.pos[rank]] = None
                     return True
         return False
 
@@ -199,14 +191,18 @@ class Walker:
         while progressed or self._release_a_window():
             progressed = False
             for rank, row in enumerate(rows):
+                groups, produced_at = self._groups[rank], self._tables.produced[rank]
                 while self.pos[rank] < len(row):
-                    a = row[self.pos[rank]]
-                    ready = self.ready_time(rank, a)
-                    if ready is None or self.waiting_partner(rank, a) is not None:
+                    i = self.pos[rank]
+                    a = row[i]
+                    ready = self._ready_at(rank, i)
+                    group_at = groups.get(i)
+                    if ready is None or (group_at is not None and self._partner_waits(group_at)):
                         break
-                    group = self.exchange.group_of(rank, a)
+                    group = self.exchange.group_of(rank, a) if group_at is not None else ()
                     if not group:
-                        self._advance(rank, a, step(rank, a, ready))
+                        self.done[produced_at[i]] = step(rank, a, ready)
+                        self.pos[rank] += 1
                         ran = 1
                     else:
                         ran = len(group)
