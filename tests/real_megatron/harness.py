@@ -229,3 +229,15 @@ def relative_difference(a: list[float], b: list[float]) -> float:
     if len(a) != len(b) or not a:
         raise AssertionError(f"different or empty series: {a} vs {b}")
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def assert_trains_as(run: Run, reference: Run, tolerance: float, iterations: int = 3) -> tuple[float, float]:
+    """``run`` took every step, the reference trained, and both agree to ``tolerance`` in every
+    iteration's loss and gradient norm; returns those two relative differences."""
+    assert len(reference.losses) == iterations and run.skipped == reference.skipped == 0
+    assert reference.losses[-1] < reference.losses[0]  # it trained
+    loss_diff = relative_difference(run.losses, reference.losses)
+    norm_diff = relative_difference(run.grad_norms, reference.grad_norms)
+    assert loss_diff <= tolerance, (run.losses, reference.losses)
+    assert norm_diff <= tolerance, (run.grad_norms, reference.grad_norms)
+    return loss_diff, norm_diff
