@@ -3,8 +3,9 @@ share of each slice's decoder-layer activations in host memory trains exactly as
 without offload (lm loss and grad norm per iteration, relative difference <= 1e-5, fp32; CPU kernels
 are deterministic and the offloaded tensors come back bit for bit), and every rank reports that it
 moved activations to host memory. Cases: pp2 with ratio 0.5 (2 of each stage's 4 layers), pp2 with
-block recomputation of 1 layer and ratio 0.5 (2 of the other 3), and pp2 x cp2 under SlimPipe's
-query-out context parallelism."""
+block recomputation of 1 layer and ratio 0.5 (2 of the other 3), pp2 x cp2 under SlimPipe's
+query-out context parallelism and under zeppelin's planned slices, and pp2 x cp2 with context
+exchange on 4 uniform slices (the combination the autotuner chooses for Llama-2-70B)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus") / "docs")
 
 
-def _flags(cp: int, recompute: list[str], ratio: float, engine: str) -> list[str]:
+EXCHANGE = ["schedule.slice_policy=exchange", "schedule.num_slices=4"]
+
+
+def _flags(cp: int, extra: list[str], ratio: float, engine: str) -> list[str]:
     sets = [
         "parallel.pp=2",
         f"parallel.cp={cp}",
@@ -33,20 +37,20 @@ def _flags(cp: int, recompute: list[str], ratio: float, engine: str) -> list[str
         "schedule.kind=slimpipe",
         "schedule.num_slices=2",
     ]
-    return megatron_args([*TINY, *sets, *recompute, f"train.offload_ratio={ratio}"])
+    return megatron_args([*TINY, *sets, *extra, f"train.offload_ratio={ratio}"])
 
 
 @pytest.mark.parametrize(
-    "cp, recompute, engine",
-    [(1, [], "ring"), (1, BLOCK, "ring"), (2, [], "ring"), (2, [], "zeppelin")],
-    ids=["pp2", "pp2-recompute-block", "pp2xcp2", "pp2xcp2-zeppelin-slices"],
+    "cp, extra, engine",
+    [(1, [], "ring"), (1, BLOCK, "ring"), (2, [], "ring"), (2, [], "zeppelin"), (2, EXCHANGE, "ring")],
+    ids=["pp2", "pp2-recompute-block", "pp2xcp2", "pp2xcp2-zeppelin-slices", "pp2xcp2-exchange"],
 )
 def test_offload_trains_as_the_run_without_it_and_moves_activations(
-    cp, recompute, engine, corpus, tmp_path, report_measurement
+    cp, extra, engine, corpus, tmp_path, report_measurement
 ):
-    flags = _flags(cp, recompute, 0.5, engine)
+    flags = _flags(cp, extra, 0.5, engine)
     assert flags[flags.index("--slimpipe-offload-ratio") + 1] == "0.5"
-    plain_flags = _flags(cp, recompute, 0.0, engine)
+    plain_flags = _flags(cp, extra, 0.0, engine)
     assert "--slimpipe-offload-ratio" not in plain_flags
     ranks = 2 * cp
     offload = run_pretrain(ranks, flags, tmp_path / "offload", launcher=True, data_prefix=corpus)
@@ -58,9 +62,10 @@ def test_offload_trains_as_the_run_without_it_and_moves_activations(
     assert sorted(moved) == list(range(ranks)), offload.log[-3000:]
     assert all(nbytes > 0 for nbytes in moved.values()), moved
     assert "activation offload on rank" not in plain.log
-    layout = (
-        f"pp2xcp{cp}" + (f" {engine} slices" if engine != "ring" else "") + (" block recompute" if recompute else "")
-    )
+    if extra is EXCHANGE:
+        assert "4 exchange slice(s)" in offload.log
+    label = {id(BLOCK): " block recompute", id(EXCHANGE): " exchange"}.get(id(extra), "")
+    layout = f"pp2xcp{cp}" + (f" {engine} slices" if engine != "ring" else "") + label
     report_measurement(
         f"{layout} offload 0.5 vs none: lm loss {loss_diff:.1e}, grad norm {norm_diff:.1e}; "
         f"bytes held in host memory per rank in the first training call: {moved}"
