@@ -76,3 +76,16 @@ def test_recompute_and_offload_under_query_out_cp_train_exactly_the_same_model(
         assert base["offloaded_bytes"] == 0
         assert stage["peak_activation_bytes"] < base["peak_activation_bytes"]
         assert (stage["offloaded_bytes"] > 0) == ("offload" in case)
+
+
+@pytest.mark.slow
+def test_recompute_under_query_out_cp_with_two_model_chunks_trains_alike(tmp_path, data_cache, short_documents):
+    """pp2 x vpp2 x cp2: a recomputed slice of either model chunk reads that chunk's cached K/V prefix
+    on its CP rank; full and selective recomputation train bit for bit as the run without."""
+    sets = [*CP_SMALL, "parallel.vpp=2", f"data.corpus={short_documents}"]
+    plain = _train(tmp_path, "plain-vpp2", data_cache, *sets)
+    full_uniform_1 = ["train.recompute=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
+    for case, recompute in {"full-uniform-1": full_uniform_1, "selective": VARIANTS["selective-core_attn-mlp"]}.items():
+        run = _train(tmp_path, f"vpp2-{case}", data_cache, *sets, *recompute)
+        assert run["cp"] == plain["cp"] == QUERY_OUT_CP
+        assert run["losses"] == plain["losses"] and len(set(plain["losses"])) == 3, case
