@@ -32,7 +32,7 @@ def without(tmp_path_factory, corpus):
     return run_pretrain(4, flags, tmp_path_factory.mktemp("none"), launcher=True, data_prefix=corpus)
 
 
-@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+@pytest.mark.parametrize("recompute", ["full", pytest.param("selective", marks=pytest.mark.slow)])
 def test_recomputation_under_query_out_cp_trains_as_the_run_without(recompute, tmp_path, corpus, without):
     flags = megatron_args([*TINY, *LAYOUT, *RECOMPUTE[recompute]])
     assert "--cp-engine" not in flags and flags[flags.index("--recompute-granularity") + 1] == recompute

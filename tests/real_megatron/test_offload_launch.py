@@ -5,7 +5,8 @@ are deterministic and the offloaded tensors come back bit for bit), and every ra
 moved activations to host memory. Cases: pp2 with ratio 0.5 (2 of each stage's 4 layers), pp2 with
 block recomputation of 1 layer and ratio 0.5 (2 of the other 3), pp2 x cp2 under SlimPipe's
 query-out context parallelism and under zeppelin's planned slices, and pp2 x cp2 with context
-exchange on 4 uniform slices (the combination the autotuner chooses for Llama-2-70B)."""
+exchange on 4 uniform slices (the combination the autotuner chooses for Llama-2-70B; the only case
+of the default tier, the others run in ``make test-slow``)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,13 @@ def _flags(cp: int, extra: list[str], ratio: float, engine: str) -> list[str]:
 
 @pytest.mark.parametrize(
     "cp, extra, engine",
-    [(1, [], "ring"), (1, BLOCK, "ring"), (2, [], "ring"), (2, [], "zeppelin"), (2, EXCHANGE, "ring")],
-    ids=["pp2", "pp2-recompute-block", "pp2xcp2", "pp2xcp2-zeppelin-slices", "pp2xcp2-exchange"],
+    [
+        pytest.param(1, [], "ring", id="pp2", marks=pytest.mark.slow),
+        pytest.param(1, BLOCK, "ring", id="pp2-recompute-block", marks=pytest.mark.slow),
+        pytest.param(2, [], "ring", id="pp2xcp2", marks=pytest.mark.slow),
+        pytest.param(2, [], "zeppelin", id="pp2xcp2-zeppelin-slices", marks=pytest.mark.slow),
+        pytest.param(2, EXCHANGE, "ring", id="pp2xcp2-exchange"),  # the tuner's combination; the rest: make test-slow
+    ],
 )
 def test_offload_trains_as_the_run_without_it_and_moves_activations(
     cp, extra, engine, corpus, tmp_path, report_measurement

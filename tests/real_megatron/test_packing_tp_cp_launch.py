@@ -64,7 +64,10 @@ def tp1(corpus, tmp_path_factory):
         ("parallel.tp=2",),
         ("parallel.cp=2",),
         ("parallel.tp=2", "parallel.cp=2", "parallel.pp=1"),
-        ("parallel.cp=2", "train.recompute=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"),
+        pytest.param(
+            ("parallel.cp=2", "train.recompute=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["tp2xpp2", "cp2xpp2", "tp2xcp2", "cp2xpp2-full-recompute"],
 )
