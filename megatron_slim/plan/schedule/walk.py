@@ -99,16 +99,21 @@ class Walker:
 
     def requires(self, rank: int, a: Action) -> list[Fact]:
         """``required`` plus, for a send, the receive the send window waits for."""
-        facts = required(self.schedule, rank, a)
-        waits = self.window.get((rank, a))
-        return facts if waits is None else facts + [waits]
+        i = self._tables.index[rank][a]
+        wait = self._waits[rank][i]
+        facts = list(self._tables.required[rank][i])
+        return facts if wait is None else facts + [wait]
 
     def waiting_partner(self, rank: int, a: Action) -> Optional[RankAction]:
         """A member of ``a``'s exchange group that is not next and ready on its rank, else None."""
-        for p_rank, p_action in self.exchange.group_of(rank, a):
-            row = self.schedule.ranks[p_rank]
-            at_head = self.pos[p_rank] < len(row) and row[self.pos[p_rank]] == p_action
-            if not (at_head and self.ready_time(p_rank, p_action) is not None):
+        return self._first_waiting(self.exchange.group_of(rank, a))
+
+    def _first_waiting(self, group: tuple[RankAction, ...]) -> Optional[RankAction]:
+        rows, pos = self.schedule.ranks, self.pos
+        for p_rank, p_action in group:
+            row, at = rows[p_rank], pos[p_rank]
+            at_head = at < len(row) and (row[at] is p_action or row[at] == p_action)
+            if not (at_head and self._ready_at(p_rank, at) is not None):
                 return (p_rank, p_action)
         return None
 
@@ -129,18 +134,6 @@ class Walker:
             t = max(t, at)
         return t
 
-    def _partner_waits(self, group: tuple[RankAction, ...]) -> bool:
-        """``waiting_partner`` is not None, read off the tables."""
-        rows, pos = self.schedule.ranks, self.pos
-        for p_rank, p_action in group:
-            row = rows[p_rank]
-            at = pos[p_rank]
-            if at >= len(row) or not (row[at] is p_action or row[at] == p_action):
-                return True
-            if self._ready_at(p_rank, at) is None:
-                return True
-        return False
-
     def _advance(self, rank: int, a: Action, t: float) -> None:
         self.done[produced(self.schedule, rank, a)] = t
         self.pos[rank] += 1
@@ -150,13 +143,7 @@ class Walker:
 
     def ready_time(self, rank: int, a: Action) -> Optional[float]:
         """Latest time among the facts ``a`` needs, or None while one is missing."""
-        t = 0.0
-        for f in self.requires(rank, a):
-            at = self.done.get(f)
-            if at is None:
-                return None
-            t = max(t, at)
-        return t
+        return self._ready_at(rank, self._tables.index[rank][a])
 
     def _release_a_window(self) -> bool:
         """With every rank stuck: let the first send that waits on its window go without waiting
@@ -197,7 +184,7 @@ class Walker:
                     a = row[i]
                     ready = self._ready_at(rank, i)
                     group_at = groups.get(i)
-                    if ready is None or (group_at is not None and self._partner_waits(group_at)):
+                    if ready is None or (group_at is not None and self._first_waiting(group_at) is not None):
                         break
                     group = self.exchange.group_of(rank, a) if group_at is not None else ()
                     if not group:
