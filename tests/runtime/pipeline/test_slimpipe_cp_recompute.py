@@ -36,14 +36,7 @@ CASES = [
     ("selective-core_attn-mlp", SELECTIVE, 0.0),
     ("offload-0.5", {}, 0.5),
 ]
-# the default tier runs one spawn with every case; exchange runs in the slow tier
-EXCHANGE_CASES = [
-    ("none", {}, 0.0),
-    ("full-uniform-1", _full("uniform", 1), 0.0),
-    ("full-block-3", _full("block", 3), 0.0),
-    ("selective-core_attn-mlp", SELECTIVE, 0.0),
-    ("offload-0.5", {}, 0.5),
-]
+# the default tier runs one spawn with every case; the same cases with exchange run in the slow tier
 
 
 def _check_cases(results, cases, bitwise=True):
@@ -71,10 +64,8 @@ def test_recompute_and_offload_under_cp_match_the_reference():
 
 @pytest.mark.slow
 def test_recompute_and_offload_under_cp_with_context_exchange_match_the_reference():
-    results = run_ranks(
-        _recompute_workers.run_cp_cases, PP * CP, CP, EXCHANGE_CASES, LENGTHS, MICROBATCHES, True, timeout_s=900
-    )
-    _check_cases(results, EXCHANGE_CASES, bitwise=False)
-    assert all(r[name][6] == r["none"][6] for r in results for name, _, _ in EXCHANGE_CASES)
+    results = run_ranks(_recompute_workers.run_cp_cases, PP * CP, CP, CASES, LENGTHS, MICROBATCHES, True, timeout_s=900)
+    _check_cases(results, CASES, bitwise=False)
+    assert all(r[name][6] == r["none"][6] for r in results for name, _, _ in CASES)
     assert all(r["offload-0.5"][5] > 0 for r in results)
     assert sum(r["none"][6] for r in results) > 0
