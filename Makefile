@@ -6,14 +6,24 @@ STAMP := $(VENV)/.installed-stamp
 OUT ?= out
 
 PYTHON312 ?= /root/.pyenv/versions/3.12.1/bin/python3
-# The Python 3.12 environment lives outside the checkout so that repeat runs (CI clones the
-# repository afresh every time) reuse it; it is rebuilt whenever pyproject.toml changes. It holds
-# megatron-slim's dependencies only: the tests import megatron_slim from this checkout.
-VENV312 ?= $(HOME)/.cache/megatron-slim/venv-py312-$(shell sha1sum pyproject.toml | cut -c1-12)
+# What the Python 3.12 environment installs: torch (PyPI's CUDA build, which runs on CPU), megatron-core
+# 0.19 and, for argument parsing only, 0.17 and 0.18 beside it.
+TORCH312 := 2.14.1
+MCORE312 := 0.19.2
+MCORE312_EXTRA := 0.17.1 0.18.2
+# It lives outside the checkout so that repeat runs (CI clones the repository afresh every time)
+# reuse it, named by a hash of what it installs: the pins above and pyproject.toml's dependency
+# lists (scripts/ci/dependency_key.py), not the whole file, so an edit to tool settings keeps it.
+# It holds megatron-slim's dependencies only: the tests import megatron_slim from this checkout.
+DEPS312 := $(shell $(PYTHON) scripts/ci/dependency_key.py pyproject.toml test metrics megatron-lm -- torch==$(TORCH312) megatron-core==$(MCORE312) $(MCORE312_EXTRA))
+ifeq ($(DEPS312),)
+$(error scripts/ci/dependency_key.py printed no key for the Python 3.12 environment)
+endif
+VENV312 ?= $(HOME)/.cache/megatron-slim/venv-py312-$(DEPS312)
 STAMP312 := $(VENV312)/.installed-stamp
 # megatron-core releases whose Megatron-LM tag (../shared/megatron-lm) is checked for argument
 # parsing only; each is installed beside the venv's 0.19 and put first on PYTHONPATH by the tests.
-EXTRA_MCORE := core_v0.17.1=$(VENV312)/mcore-0.17.1,core_v0.18.2=$(VENV312)/mcore-0.18.2
+EXTRA_MCORE := $(shell echo $(foreach v,$(MCORE312_EXTRA),core_v$(v)=$(VENV312)/mcore-$(v)) | tr ' ' ',')
 
 .PHONY: install demo train-demo simulate-demo test test-plan test-slow test-all test-megatron test-megatron-py312 test-megatron-py312-slow lint check-wheel clean
 
@@ -39,14 +49,20 @@ simulate-demo: $(STAMP)
 	$(BIN)/megatron-slim simulate --recipe llama2-70b-512k --compare 1f1b,interleaved,slimpipe \
 		--json $(OUT)/simulate.json --trace $(OUT)/simulate.trace.json --plot $(OUT)/simulate.png
 
-# The default suite keeps the real Megatron-LM tier's smoke cases; `make test-megatron` runs the whole tier.
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not gpu and (not real_megatron or smoke)" --durations=25
+# pytest-xdist workers for the test targets: 2 fills a 2-core machine (measured in docs/testing.md);
+# each worker holds a fork server with torch and megatron-core imported, about 0.5 GB.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadscope
 
-# The contract tier against Megatron-LM core_v0.16.1 (megatron-core 0.16.1, Python 3.11); its slow
-# cases run in `make test-slow`.
+# The default suite (docs/testing.md): plan tests, one exactness test per feature, and the real
+# Megatron-LM tier's smoke cases; `make test-megatron` runs the rest of that tier.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow and not gpu and (not real_megatron or smoke)" --durations=25
+
+# The contract tier against Megatron-LM core_v0.16.1 (megatron-core 0.16.1, Python 3.11), less the
+# smoke cases `make test` runs; its slow cases run in `make test-slow`.
 test-megatron: $(STAMP)
-	$(BIN)/python -m pytest -q -m "real_megatron and not gpu and not slow"
+	$(BIN)/python -m pytest -q $(XDIST) -m "real_megatron and not gpu and not slow and not smoke" --durations=10
 
 # The pure planning tier (tests/conftest.py assigns the plan / single / multi markers): no torch, no
 # ranks. Collected from tests/plan only, where the tier lives: collecting the other folders imports torch.
@@ -54,10 +70,10 @@ test-plan: $(STAMP)
 	$(BIN)/python -m pytest -q -m "plan and not slow" tests/plan
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m "slow and not gpu"
+	$(BIN)/python -m pytest -q $(XDIST) -m "slow and not gpu"
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 # The contract tier against Megatron-LM core_v0.19.0 (and 0.17/0.18 argument parsing): megatron-core
 # 0.17+ needs Python 3.12, whose PyPI torch is a CUDA build (about 5 GB, pinned; it runs on CPU).
@@ -67,15 +83,15 @@ $(STAMP312):
 	rm -rf $(VENV312)
 	$(PYTHON312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV312)/bin/python -m pip install --quiet torch==2.14.1 megatron-core==0.19.2
+	$(VENV312)/bin/python -m pip install --quiet torch==$(TORCH312) megatron-core==$(MCORE312)
 	$(VENV312)/bin/python -m pip install --quiet ".[test,metrics,megatron-lm]"
 	$(VENV312)/bin/python -m pip uninstall --quiet --yes megatron-slim
-	$(VENV312)/bin/python -m pip install --quiet --no-deps --target $(VENV312)/mcore-0.17.1 megatron-core==0.17.1
-	$(VENV312)/bin/python -m pip install --quiet --no-deps --target $(VENV312)/mcore-0.18.2 megatron-core==0.18.2
+	$(foreach v,$(MCORE312_EXTRA),$(VENV312)/bin/python -m pip install --quiet --no-deps --target $(VENV312)/mcore-$(v) megatron-core==$(v) &&) true
 	touch $(STAMP312)
 
+# Every case of the contract tier on core_v0.19 (the smoke cases too: `make test` ran them on 0.16).
 test-megatron-py312: $(STAMP312)
-	PYTHONPATH=$(CURDIR) MEGATRON_SLIM_EXTRA_MCORE=$(EXTRA_MCORE) $(VENV312)/bin/python -m pytest -q -m "real_megatron and not slow"
+	PYTHONPATH=$(CURDIR) MEGATRON_SLIM_EXTRA_MCORE=$(EXTRA_MCORE) $(VENV312)/bin/python -m pytest -q $(XDIST) -m "real_megatron and not slow" --durations=10
 
 # The same tier's slow cases on Python 3.12 (not in .ci/run).
 test-megatron-py312-slow: $(STAMP312)

@@ -3,6 +3,7 @@
 
     python scripts/measure_served_overlap.py --out served_overlap.json
     python scripts/measure_served_overlap.py --device cpu --tokens 256 --out /tmp/overlap.json
+    python scripts/measure_served_overlap.py --device cpu --tokens 32 --hidden-size 256 --out /tmp/o.json  # a check
 
 The simulator prices a taker as busy for its own work plus every block it serves
 (``plan/sim/engine.py``); the runtime serves a block on a thread with its own CUDA stream
@@ -54,8 +55,12 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def measure(device: torch.device, dtype: torch.dtype, tokens: int, block_keys: int, backward: bool, repeats: int):
-    hidden, heads, kv_heads, ffn = 4096, 32, 8, 11008
+def measure(
+    device: torch.device, dtype: torch.dtype, tokens: int, block_keys: int, backward: bool, repeats: int, hidden: int
+):
+    # Llama-2-7B's proportions (hidden 4096: 32 heads of 128, 8 K/V groups, FFN 11008) at any hidden size
+    heads = max(1, hidden // 128)
+    kv_heads, ffn = max(1, heads // 4), hidden * 11008 // 4096
     head_dim = hidden // heads
     backend = select_backend(None, device, dtype)
     make = lambda *shape: torch.randn(*shape, device=device, dtype=dtype) * 0.02  # noqa: E731
@@ -113,6 +118,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--hidden-size", type=int, default=4096, help="the layer's hidden size (default 4096: Llama-2-7B's layer)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -121,7 +129,7 @@ def main() -> None:
     for tokens in args.tokens:
         for keys in (tokens // 4, tokens * 2):
             for backward in (False, True):
-                row = measure(device, dtype, tokens, keys, backward, args.repeats)
+                row = measure(device, dtype, tokens, keys, backward, args.repeats, args.hidden_size)
                 rows.append(row)
                 print(
                     f"s={tokens:6d} keys={keys:6d} {row['block_pass']:8s} own {row['own_s'] * 1e3:8.3f} ms  "
@@ -130,7 +138,8 @@ def main() -> None:
                 )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     with open(args.out, "w") as f:
-        json.dump({"device": name, "torch": torch.__version__, "dtype": str(dtype), "rows": rows}, f, indent=1)
+        meta = {"device": name, "torch": torch.__version__, "dtype": str(dtype), "hidden_size": args.hidden_size}
+        json.dump({**meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ temporary working directory, so relative outputs such as ``out/sim.json`` land t
 
 ``megatron-slim train`` lines take minutes: the slow tier runs them exactly as written; the default
 tier runs them with ``--set train.iters=1`` appended (same recipe, flags and outputs, one iteration).
+The other commands that take more than a few seconds (the autotuner, the big simulations with plots)
+run as written in the slow tier only; the default tier runs each one's path at a small size in the
+test named in ``LONG``.
 """
 
 from __future__ import annotations
@@ -77,7 +80,30 @@ def _id(command: str) -> str:
     return " ".join(_argv(command))[:80]
 
 
-@pytest.mark.parametrize("command", OTHER, ids=_id)
+# a long command (what it starts with) -> the default-tier test that runs its path at a small size
+LONG = {
+    "megatron-slim plan ": "tests/plan/test_tune.py::test_plan_json_holds_both_choices_and_the_speedup",
+    "megatron-slim simulate --recipe llama2-7b-64k --packing ": "tests/plan/test_cli_packing.py",
+    "megatron-slim simulate --recipe zeppelin-7b-h800 --cp-engine all ": (
+        "tests/plan/cp/test_cli_cp.py::test_trace_and_plot_show_each_engine_per_rank"
+    ),
+    "megatron-slim simulate --recipe llama2-70b-512k --compare ": (
+        "tests/plan/test_cli_simulate.py::test_compare_prints_a_table_and_json_to_stdout"
+    ),
+}
+
+
+def _long(command: str) -> bool:
+    return any(command.startswith(prefix) for prefix in LONG)
+
+
+def test_every_long_command_prefix_still_names_a_readme_command():
+    assert all(any(c.startswith(prefix) for c in OTHER) for prefix in LONG), "a LONG entry matches no command"
+
+
+@pytest.mark.parametrize(
+    "command", [pytest.param(c, marks=pytest.mark.slow) if _long(c) else c for c in OTHER], ids=_id
+)
 def test_readme_command_runs_as_written(command, tmp_path, monkeypatch, capsys):
     _run(_argv(command), tmp_path, monkeypatch, capsys, command)
     if "--json" in command:

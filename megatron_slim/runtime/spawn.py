@@ -10,21 +10,20 @@ EADDRINUSE under load). Gloo's own connections use ports gloo binds itself.
 
 Lifetime: rank processes never outlive the parent. Each rank asks Linux to SIGKILL it when the
 parent dies (``prctl(PR_SET_PDEATHSIG)``; this covers a parent killed with SIGKILL) and exits at
-once if the parent is already gone by then. While ``run_ranks`` runs in the main thread, SIGTERM
-and SIGINT in the parent stop every rank (terminate, then kill after a short grace) and raise
-:class:`Interrupted`. Ranks ignore SIGINT themselves: Ctrl-C reaches the whole foreground process
+once if the parent is already gone by then (``rank_start``, which also offers a preloaded fork
+server in place of spawning, for callers that start many short runs). While ``run_ranks`` runs in
+the main thread, SIGTERM and SIGINT in the parent stop every rank (terminate, then kill after a
+short grace) and raise :class:`Interrupted`. Ranks ignore SIGINT themselves: Ctrl-C reaches the whole foreground process
 group and the parent decides.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import pickle
 import queue as queue_module
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -33,11 +32,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from megatron_slim.runtime.rank_start import CallerStdio, die_with_parent, expected_parent, rank_context
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 5.0  # after SIGTERM to the ranks, how long before SIGKILL
-_PR_SET_PDEATHSIG = 1
 
 
 class RankFailed(RuntimeError):
@@ -50,34 +49,6 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int):
         self.signum = int(signum)
         super().__init__(f"interrupted by {signal.Signals(self.signum).name}")
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Make this process die when its parent does (Linux: PR_SET_PDEATHSIG=SIGKILL).
-
-    Exits at once if the parent is already gone (it died before the request took effect). Note
-    that Linux sends the signal when the parent *thread* that started this process exits; callers
-    of :func:`run_ranks` block in that thread until the ranks are done, so that is the same thing.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):  # pragma: no cover - exotic libc
-            _watch_parent(parent_pid)
-    else:  # pragma: no cover - no PDEATHSIG: poll
-        _watch_parent(parent_pid)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def host_rendezvous(host: str = HOST, timeout_s: float = 600.0) -> dist.TCPStore:
@@ -93,7 +64,8 @@ def _worker(
     rank: int,
     world_size: int,
     port: int,
-    parent_pid: int,
+    parent_pid: Optional[int],
+    stdio: Optional[CallerStdio],
     backend: str,
     threads: int,
     timeout_s: float,
@@ -102,6 +74,8 @@ def _worker(
     queue: Any,
 ) -> None:
     die_with_parent(parent_pid)
+    if stdio is not None:
+        stdio.attach()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):  # started with SIGINT blocked (see run_ranks); now ignored instead
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -224,7 +198,7 @@ def run_ranks(
     rank that raises, or dies without a result, fails the run at once and the others are stopped.
     SIGTERM/SIGINT to this process stop the ranks and raise :class:`Interrupted` (main thread).
     """
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # spawn, or a preloaded fork server (megatron_slim.runtime.rank_start)
     queue = ctx.Queue()
     store = host_rendezvous(timeout_s=collective_timeout_s)
     procs = [
@@ -234,7 +208,8 @@ def run_ranks(
                 r,
                 world_size,
                 store.port,
-                os.getpid(),
+                expected_parent(),
+                CallerStdio.for_start_method(),
                 backend,
                 threads_per_rank,
                 collective_timeout_s,

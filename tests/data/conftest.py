@@ -1,6 +1,7 @@
 import pytest
 
 from megatron_slim.megatron.data import prepare_corpus
+from tests.conftest import session_dir
 
 TINY_VOCAB = 300
 TINY_FILES = 20
@@ -8,7 +9,7 @@ TINY_FILES = 20
 
 @pytest.fixture(scope="session")
 def tiny_cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("megatron-slim-cache")
+    return session_dir(tmp_path_factory, "megatron-slim-cache")
 
 
 @pytest.fixture(scope="session")

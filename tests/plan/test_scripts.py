@@ -114,13 +114,15 @@ def test_offload_bandwidth_script_writes_every_mode_and_load(tmp_path):
 
 def test_served_overlap_script_times_both_passes_and_key_ranges(tmp_path):
     out = tmp_path / "overlap.json"
-    args = ["--device", "cpu", "--tokens", "32", "--repeats", "1"]
+    args = ["--device", "cpu", "--tokens", "32", "--repeats", "1", "--hidden-size", "256"]
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "measure_served_overlap.py"), *args, "--out", str(out)],
         check=True,
         capture_output=True,
     )
-    rows = json.loads(out.read_text())["rows"]
+    written = json.loads(out.read_text())
+    rows = written["rows"]
+    assert written["hidden_size"] == 256
     assert {(r["block_keys"], r["block_pass"]) for r in rows} == {
         (k, p) for k in (8, 64) for p in ("forward", "backward")
     }

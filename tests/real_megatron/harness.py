@@ -4,6 +4,8 @@ The Megatron-LM files are the release tags in ``../shared/megatron-lm/`` (beside
 ``MEGATRON_LM_TAGS`` overrides), never copies. The tag is the one that pairs with the installed
 megatron-core (0.16.1 on Python 3.11, 0.19.x on Python 3.12; see ``make test-megatron-py312``).
 Each run is ``torchrun --standalone ... [-m megatron_slim.launch] <tag>/pretrain_gpt.py <flags>``
+(or the same ranks forked from a launch server that imported torch and Megatron-LM once:
+``forkrun.py``, the default; ``MEGATRON_SLIM_TEST_LAUNCH=torchrun`` runs every case under torchrun)
 with ``shim/`` on ``PYTHONPATH``: its ``sitecustomize`` answers Megatron's CUDA plumbing on the CPU
 and records the exact per-iteration ``lm loss``, ``grad norm`` and evaluation losses each rank
 computed (and, with ``MEGATRON_SLIM_BENCH_ACTIVATIONS=1`` in ``env``, the peak bytes autograd
@@ -26,6 +28,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from tests.real_megatron import launch_server
 
 REPO = Path(__file__).resolve().parents[2]
 SHIM = Path(__file__).resolve().parent / "shim"
@@ -187,6 +191,17 @@ def _read_records(record_dir: Path, world_size: int) -> Run:
     )
 
 
+PROCESSES = ("fork", "torchrun")
+
+
+def default_processes() -> str:
+    """How ``run_pretrain`` starts ranks unless told: ``MEGATRON_SLIM_TEST_LAUNCH`` (default ``fork``)."""
+    processes = os.environ.get("MEGATRON_SLIM_TEST_LAUNCH", "fork")
+    if processes not in PROCESSES:
+        raise RuntimeError(f"MEGATRON_SLIM_TEST_LAUNCH={processes!r}: allowed {', '.join(PROCESSES)}")
+    return processes
+
+
 def run_pretrain(
     nproc: int,
     flags: list[str],
@@ -196,30 +211,61 @@ def run_pretrain(
     data_prefix: Path,
     timeout_s: int = 600,
     env: Optional[dict] = None,
+    processes: Optional[str] = None,
 ) -> Run:
-    """``torchrun --standalone --nproc_per_node N [-m megatron_slim.launch] pretrain_gpt.py FLAGS``."""
+    """``torchrun --standalone --nproc_per_node N [-m megatron_slim.launch] pretrain_gpt.py FLAGS``.
+
+    ``processes="torchrun"`` runs exactly that; ``"fork"`` (``default_processes()``) runs the same
+    ranks, with the same environment, folder and command line, forked from this test process's
+    launch server (``forkrun.py``), which imported torch, the CPU shim and Megatron-LM once: a
+    launch then costs a few seconds less per rank."""
     tag = installed_tag()
     record_dir = workdir / "records"
     record_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += ["-m", "megatron_slim.launch"] if launcher else []
-    cmd += [str(tag / "pretrain_gpt.py"), *flags, *CPU_FLAGS, "--data-path", str(data_prefix)]
-    run_env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "TORCHELASTIC"))}
-    run_env.update(
+    processes = processes or default_processes()
+    if processes not in PROCESSES:
+        raise ValueError(f"processes={processes!r}: allowed {', '.join(PROCESSES)}")
+    module = ["-m", "megatron_slim.launch"] if launcher else []
+    script_and_flags = [str(tag / "pretrain_gpt.py"), *flags, *CPU_FLAGS, "--data-path", str(data_prefix)]
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "TORCHELASTIC"))}
+    base_env.update(
         PYTHONPATH=os.pathsep.join([str(SHIM), str(REPO), os.environ.get("PYTHONPATH", "")]),
         MEGATRON_SLIM_TEST_CPU_SHIM="1",
         MEGATRON_SLIM_TEST_RECORD=str(record_dir),
         OMP_NUM_THREADS="1",
         CUDA_DEVICE_MAX_CONNECTIONS="1",
-        **(env or {}),
     )
-    try:
-        done = subprocess.run(cmd, env=run_env, cwd=workdir, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{shlex.join(cmd)}: no result within {timeout_s}s\n{(exc.stdout or '')[-4000:]}") from exc
-    log = done.stdout + done.stderr
-    if done.returncode != 0:
-        raise AssertionError(f"{shlex.join(cmd)} exited {done.returncode}:\n{log[-6000:]}")
+    run_env = {**base_env, **(env or {})}
+    if processes == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        cmd += module + script_and_flags
+        try:
+            done = subprocess.run(cmd, env=run_env, cwd=workdir, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(
+                f"{shlex.join(cmd)}: no result within {timeout_s}s\n{(exc.stdout or '')[-4000:]}"
+            ) from exc
+        log, code = done.stdout + done.stderr, done.returncode
+    else:
+        cmd = ["forkrun", str(nproc), *module, *script_and_flags]
+        log_path = workdir / "launch.log"
+        request = dict(
+            nproc=nproc,
+            module=module[1] if module else None,
+            script=script_and_flags[0],
+            args=script_and_flags[1:],
+            env=run_env,
+            cwd=str(workdir),
+            log=str(log_path),
+        )
+        try:
+            code = launch_server.launch(tag, request, base_env, timeout_s)
+        except launch_server.LaunchTimeout as exc:
+            log = log_path.read_text(errors="replace") if log_path.exists() else ""
+            raise AssertionError(f"{shlex.join(cmd)}: {exc}\n{log[-4000:]}") from exc
+        log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    if code != 0:
+        raise AssertionError(f"{shlex.join(cmd)} exited {code}:\n{log[-6000:]}")
     run = _read_records(record_dir, nproc)
     run.log = log
     return run

@@ -13,12 +13,14 @@ of the matching megatron-core, put first on ``PYTHONPATH``; ``make test-megatron
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -97,77 +99,158 @@ def _sbatch_flags(recipe: str, recipe_set: str = "") -> list[str]:
     return words[words.index("/opt/Megatron-LM/pretrain_gpt.py") + 1 :]
 
 
-@pytest.mark.smoke
-@pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
-def test_every_shipped_recipe_command_passes_megatrons_parser_and_validation(tag, tmp_path):
+@functools.cache
+def _sbatch_tail(recipe: str) -> tuple[str, ...]:
+    """What the SLURM script adds after ``megatron-args``'s flags for ``recipe`` (data, tokenizer,
+    checkpoints); the script is checked to build exactly that prefix once per recipe."""
+    from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
+    from megatron_slim.plan.recipe import load_recipe
+
+    flags, model = _sbatch_flags(recipe), recipe_to_megatron_args(load_recipe(recipe))
+    assert flags[: len(model)] == model, "the SLURM script's flags start with megatron-args'"
+    return tuple(flags[len(model) :])
+
+
+def _variant_flags(recipe: str, sets: list[str]) -> list[str]:
+    """The SLURM script's flags for ``RECIPE=recipe RECIPE_SET="sets"``, without running it again per
+    variant (it runs ``megatron-args --recipe recipe --set sets`` and appends ``_sbatch_tail``)."""
+    from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
+    from megatron_slim.plan.recipe import load_recipe
+
+    return recipe_to_megatron_args(load_recipe(recipe, sets)) + list(_sbatch_tail(recipe))
+
+
+# Flag sets by group: each test checks one group. A tag's groups are parsed together, in one run of
+# parse_flags.py (importing Megatron-LM is most of its time), by the first test that asks for that tag.
+FLAG_GROUPS: dict[str, Callable[[Path], list[dict]]] = {}
+
+
+def flag_group(build: Callable[[Path], list[dict]]) -> Callable[[Path], list[dict]]:
+    cached = functools.cache(build)
+    FLAG_GROUPS[build.__name__] = cached
+    return cached
+
+
+@flag_group
+def shipped_recipe_flags(folder: Path) -> list[dict]:
     from megatron_slim.plan.recipe import available_recipes, load_recipe
 
     names = available_recipes()
-    flag_sets = [{"name": n, "world_size": load_recipe(n).parallel.world_size, "argv": _sbatch_flags(n)} for n in names]
-    results = _parse(tag, flag_sets, tmp_path)
-    failed = {n: r["error"] for n, r in results.items() if not r.get("ok")}
-    assert not failed, failed
-    assert "llama2-70b-512k" in results
+    return [{"name": n, "world_size": load_recipe(n).parallel.world_size, "argv": _sbatch_flags(n)} for n in names]
 
 
-@pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
-def test_every_recompute_choice_passes_megatrons_parser_and_validation(tag, tmp_path):
+@flag_group
+def recompute_flags(folder: Path) -> list[dict]:
     """``train.recompute*`` as ``megatron-args`` spells them (8 layers per stage: every block depth)."""
     from megatron_slim.plan.recompute import Recompute, recompute_choices
 
     choices = recompute_choices(8) + (Recompute("full", "uniform", 4), Recompute("selective", modules=("layernorm",)))
     base = ["schedule.kind=1f1b", "schedule.num_slices=1"]
-    flag_sets = [
-        {"name": str(c), "world_size": 64, "argv": _sbatch_flags("llama2-7b-64k", " ".join(base + c.overrides()))}
+    return [
+        {"name": str(c), "world_size": 64, "argv": _variant_flags("llama2-7b-64k", base + list(c.overrides()))}
         for c in choices
     ]
-    assert any("--recompute-modules" in f["argv"] for f in flag_sets)
-    results = _parse(tag, flag_sets, tmp_path)
-    failed = {n: r["error"] for n, r in results.items() if not r.get("ok")}
-    assert not failed, failed
 
 
-@pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
-def test_the_autotuners_megatron_baseline_with_cp_passes_megatrons_parser_and_validation(tag, tmp_path):
-    """The chosen Megatron baseline at cp > 1 with sequence parallelism (Megatron-LM's own CP,
-    ``cp.engine=megatron``), as ``megatron-args`` writes it, plus mock data."""
-    from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
+@functools.cache
+def _megatron_baseline(folder: Path):
     from megatron_slim.plan.tune.search import search
     from megatron_slim.plan.tune.space import FAMILIES, candidates
     from tests.plan.test_tune import small_recipe
 
-    recipe = small_recipe(tmp_path, seq=32768)
-    runs = search(recipe, [c for c in candidates(recipe, 8, FAMILIES["megatron"]) if c.cp > 1 and c.tp > 1], None)
-    assert runs.best is not None and runs.best.recipe.parallel.sequence_parallel
-    argv = recipe_to_megatron_args(runs.best.recipe) + ["--mock-data", "--tokenizer-type", "NullTokenizer"]
-    results = _parse(tag, [{"name": "baseline", "world_size": 8, "argv": argv}], tmp_path)
-    assert results["baseline"].get("ok"), (runs.best.label, results["baseline"])
+    recipe = small_recipe(folder, seq=32768)
+    return search(recipe, [c for c in candidates(recipe, 8, FAMILIES["megatron"]) if c.cp > 1 and c.tp > 1], None).best
 
 
-@pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
-def test_every_offload_ratio_passes_megatrons_parser_and_validation_and_reads_back(tag, tmp_path):
-    """``train.offload_ratio`` of a SlimPipe recipe as ``megatron-args`` spells it
-    (``--slimpipe-offload-ratio``), alone and beside block recomputation: the launcher's parsed
-    namespace holds the ratio, and the recipe it stands for has it again."""
+@flag_group
+def baseline_flags(folder: Path) -> list[dict]:
+    from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
+
+    argv = recipe_to_megatron_args(_megatron_baseline(folder).recipe) + [
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+    ]
+    return [{"name": "baseline", "world_size": 8, "argv": argv}]
+
+
+@flag_group
+def offload_flags(folder: Path) -> list[dict]:
     from megatron_slim.plan.recompute import OFFLOAD_RATIOS
 
     base = ["schedule.kind=slimpipe", "schedule.num_slices=2"]
     block = ["train.recompute=full", "train.recompute_method=block", "train.recompute_num_layers=2"]
-    flag_sets = [
+    return [
         {
             "name": f"{ratio} {'block' if extra else 'none'}",
             "world_size": 64,
-            "argv": _sbatch_flags("llama2-7b-64k", " ".join([*base, *extra, f"train.offload_ratio={ratio}"])),
+            "argv": _variant_flags("llama2-7b-64k", [*base, *extra, f"train.offload_ratio={ratio}"]),
             "report": ["slimpipe_offload_ratio", "use_slimpipe", "recompute_method"],
         }
         for ratio in OFFLOAD_RATIOS
         if ratio
         for extra in ([], block)
     ]
-    assert all("--slimpipe-offload-ratio" in f["argv"] for f in flag_sets)
-    results = _parse(tag, flag_sets, tmp_path)
-    failed = {n: r["error"] for n, r in results.items() if not r.get("ok")}
-    assert not failed, failed
+
+
+@pytest.fixture(scope="module")
+def parsed(tmp_path_factory):
+    """``parsed(tag, group)``: each flag set of ``group`` (by name) as ``tag``'s parser saw it."""
+    folder = tmp_path_factory.mktemp("flag-sets")
+    by_tag: dict[str, dict[str, dict]] = {}
+
+    def results(tag: str, group: str) -> dict[str, dict]:
+        if tag not in by_tag:
+            sets = [{**s, "name": f"{g}:{s['name']}"} for g, build in FLAG_GROUPS.items() for s in build(folder)]
+            (folder / tag).mkdir()
+            flat = _parse(tag, sets, folder / tag)
+            by_tag[tag] = {g: {} for g in FLAG_GROUPS}
+            for name, result in flat.items():
+                g, _, own = name.partition(":")
+                by_tag[tag][g][own] = result
+        return by_tag[tag][group]
+
+    results.folder = folder
+    return results
+
+
+def _failed(results: dict[str, dict]) -> dict[str, str]:
+    return {n: r["error"] for n, r in results.items() if not r.get("ok")}
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
+def test_every_shipped_recipe_command_passes_megatrons_parser_and_validation(tag, parsed):
+    results = parsed(tag, "shipped_recipe_flags")
+    assert not _failed(results), _failed(results)
+    assert "llama2-70b-512k" in results
+
+
+@pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
+def test_every_recompute_choice_passes_megatrons_parser_and_validation(tag, parsed):
+    assert any("--recompute-modules" in f["argv"] for f in recompute_flags(parsed.folder))
+    results = parsed(tag, "recompute_flags")
+    assert len(results) == len(recompute_flags(parsed.folder)) and not _failed(results), _failed(results)
+
+
+@pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
+def test_the_autotuners_megatron_baseline_with_cp_passes_megatrons_parser_and_validation(tag, parsed):
+    """The chosen Megatron baseline at cp > 1 with sequence parallelism (Megatron-LM's own CP,
+    ``cp.engine=megatron``), as ``megatron-args`` writes it, plus mock data."""
+    best = _megatron_baseline(parsed.folder)
+    assert best is not None and best.recipe.parallel.sequence_parallel
+    result = parsed(tag, "baseline_flags")["baseline"]
+    assert result.get("ok"), (best.label, result)
+
+
+@pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
+def test_every_offload_ratio_passes_megatrons_parser_and_validation_and_reads_back(tag, parsed):
+    """``train.offload_ratio`` of a SlimPipe recipe as ``megatron-args`` spells it
+    (``--slimpipe-offload-ratio``), alone and beside block recomputation: the launcher's parsed
+    namespace holds the ratio, and the recipe it stands for has it again."""
+    assert all("--slimpipe-offload-ratio" in f["argv"] for f in offload_flags(parsed.folder))
+    results = parsed(tag, "offload_flags")
+    assert len(results) == len(offload_flags(parsed.folder)) and not _failed(results), _failed(results)
     for name, result in results.items():
         ratio, recompute = name.split()
         assert result["values"]["slimpipe_offload_ratio"] == float(ratio) and result["values"]["use_slimpipe"]
@@ -323,12 +406,21 @@ REJECTED = {
 }
 
 
+STARTUP_CASES = {**{k: (w, f, None) for k, (w, f) in ACCEPTED.items()}, **REJECTED}
+
+
+@flag_group
+def start_up_flags(folder: Path) -> list[dict]:
+    return [
+        {"name": name, "world_size": world, "argv": BASE + flags} for name, (world, flags, _) in STARTUP_CASES.items()
+    ]
+
+
 @pytest.mark.smoke
 @pytest.mark.parametrize("tag", [_tag_param(t) for t in ALL_TAGS])
-def test_start_up_checks_run_after_megatrons_validation(tag, tmp_path):
-    cases = {**{k: (w, f, None) for k, (w, f) in ACCEPTED.items()}, **REJECTED}
-    flag_sets = [{"name": name, "world_size": world, "argv": BASE + flags} for name, (world, flags, _) in cases.items()]
-    results = _parse(tag, flag_sets, tmp_path)
+def test_start_up_checks_run_after_megatrons_validation(tag, parsed):
+    cases = STARTUP_CASES
+    results = parsed(tag, "start_up_flags")
     for name, (_, _, needle) in cases.items():
         if needle is None:
             assert results[name].get("ok"), (name, results[name])

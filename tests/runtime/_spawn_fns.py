@@ -1,3 +1,6 @@
+import os
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -16,7 +19,17 @@ def fail_on_one(rank, world_size):
 
 
 def rendezvous_env(rank, world_size):
-    import os
-
     env = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return {**env, "sum": allreduce_rank(rank, world_size)}
+
+
+def print_rank(rank, world_size):
+    print(f"rank {rank} of {world_size} says hello", flush=True)
+    return os.getppid()
+
+
+def write_pid_and_sleep(rank, world_size, folder):
+    from pathlib import Path
+
+    Path(folder, f"rank{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(600)

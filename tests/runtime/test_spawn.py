@@ -1,11 +1,19 @@
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from megatron_slim.runtime import spawn
+from megatron_slim.runtime import rank_start, spawn
 from megatron_slim.runtime.spawn import RankFailed, run_ranks
 from tests.runtime import _spawn_fns
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_run_ranks_returns_results_in_rank_order_and_ranks_join_the_parents_store(monkeypatch):
@@ -63,3 +71,60 @@ def test_concurrent_runs_each_get_their_own_rendezvous():
     assert len(ports) == 3
     for envs in results.values():
         assert [e["RANK"] for e in envs] == ["0", "1"] and {e["MASTER_PORT"] for e in envs} == {envs[0]["MASTER_PORT"]}
+
+
+def test_ranks_start_the_way_the_suite_asked_and_write_to_the_callers_output(capfd):
+    """The suite starts ranks from a preloaded fork server (tests/conftest.py) unless told to spawn;
+    either way each rank is its own process and what it prints reaches this test's output."""
+    expected = os.environ.get("MEGATRON_SLIM_TEST_START", "forkserver")
+    assert rank_start.start_method() == expected
+    parents = run_ranks(_spawn_fns.print_rank, 2)
+    assert (parents[0] == os.getpid()) == (expected == "spawn") and parents[0] == parents[1]
+    out = capfd.readouterr().out
+    assert "rank 0 of 2 says hello" in out and "rank 1 of 2 says hello" in out
+
+
+CALLER = """
+import sys
+from megatron_slim.runtime import rank_start, spawn
+from tests.runtime import _spawn_fns
+
+if __name__ == "__main__":
+    rank_start.use_forkserver(["torch"])
+    spawn.run_ranks(_spawn_fns.write_pid_and_sleep, 2, sys.argv[1])
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.multi
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only; reads /proc")
+def test_forked_ranks_die_with_a_caller_killed_outright(tmp_path):
+    """A rank's parent is the fork server, not the caller; SIGKILL to the caller still takes the
+    ranks down (the server exits when its caller does, and the ranks die with the server)."""
+    script = tmp_path / "caller.py"
+    script.write_text(CALLER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:
+            assert caller.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        ranks = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
+    finally:
+        caller.kill()
+    caller.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in ranks if _alive(p)]
+    for pid in left:  # leave nothing behind when failing
+        os.kill(pid, signal.SIGKILL)
+    assert not left

@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+from tests.conftest import session_dir
+
 SMALL_DATA = ["data.max_files=60"]
 # a CPU hardware profile with one GPU per node: 2 CP ranks are 2 nodes (tests/train/test_train_cp*.py)
 HARDWARE = """name: cpu-2-nodes
@@ -20,8 +22,9 @@ layer_impl: local
 
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory):
-    """One corpus cache for the session (preparing it is the slow part of a first run)."""
-    path = os.environ.get("MEGATRON_SLIM_TEST_CACHE") or str(tmp_path_factory.mktemp("corpus-cache"))
+    """One corpus cache for the session, all pytest-xdist workers included (preparing a corpus, its
+    tokenizer above all, is the slow part of a first run)."""
+    path = os.environ.get("MEGATRON_SLIM_TEST_CACHE") or str(session_dir(tmp_path_factory, "corpus-cache"))
     return path
 
 

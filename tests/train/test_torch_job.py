@@ -168,7 +168,10 @@ def test_terminated_train_stops_its_ranks_and_says_so(tmp_path, data_cache, sig)
     assert "Traceback" not in stderr
 
 
+# slow: the default tier kills a caller of forked ranks outright
+# (tests/runtime/test_spawn.py::test_forked_ranks_die_with_a_caller_killed_outright: the same die_with_parent)
 @pytest.mark.multi
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_killed_train_leaves_no_rank_behind(tmp_path, data_cache):
     proc, ranks = _start_training(tmp_path, data_cache)

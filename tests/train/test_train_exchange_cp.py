@@ -117,7 +117,9 @@ def _check_pairs_ran(results, pp, cp, vpp=1):
 @pytest.mark.parametrize(
     "pp,cp,recompute,vpp",
     [
-        (2, 2, "none", 1),
+        # slow: exchange under query-out CP is exact in the default tier in the runtime
+        # (tests/runtime/pipeline/test_exchange_blocks_cp_exactness.py), and through this train step below
+        pytest.param(2, 2, "none", 1, marks=pytest.mark.slow),
         pytest.param(4, 2, "none", 1, marks=pytest.mark.slow),
         pytest.param(4, 1, "full", 1, marks=pytest.mark.slow),  # backward pairs on a recomputed forward's graph
         pytest.param(4, 2, "full", 1, marks=pytest.mark.slow),  # the same under zigzag query-out CP

@@ -36,6 +36,10 @@ def pp2_even(tmp_path_factory, data_cache):
     return _train(tmp_path_factory.mktemp("even"), "pp2", data_cache, *SETS, "parallel.pp=2")
 
 
+# slow: uneven splits train in the default tier in test_layers_moved_mid_run_keep_their_state_and_the_losses
+# ((6, 2), (1, 7) against the even run), and pipelining matches one process in
+# tests/runtime/pipeline/test_slimpipe_exactness.py
+@pytest.mark.slow
 def test_an_uneven_split_trains_like_one_process(tmp_path, data_cache, pp2_even):
     single = _train(tmp_path, "pp1", data_cache, *SETS, "parallel.pp=1")
     uneven = _train(tmp_path, "uneven", data_cache, *SETS, "parallel.pp=2", "parallel.layers_per_stage=[6,2]")

@@ -28,6 +28,9 @@ FAST = [
     "schedule.num_slices=4",
 ]
 LAYOUTS = {"pp1-dp2": ["parallel.pp=1", "parallel.dp=2"], "pp2": ["parallel.pp=2"]}
+# the default tier packs at pp2; packing over data-parallel replicas runs there in
+# tests/train/test_train_packing_dp_merge.py, and at pp1 x dp2 here in the slow tier
+LAYOUT_PARAMS = [pytest.param(k, marks=pytest.mark.slow) if k == "pp1-dp2" else k for k in LAYOUTS]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +96,7 @@ def _runs(tmp_path_factory, data_cache, corpus, layout):
     return {m: _train(out, m, data_cache, *sets, f"data.packing={m}") for m in ("slimpack", "megatron")}
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=LAYOUT_PARAMS)
 def method_runs(request, tmp_path_factory, data_cache, short_documents):
     return _runs(tmp_path_factory, data_cache, short_documents, request.param)
 

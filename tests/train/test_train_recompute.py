@@ -36,7 +36,9 @@ CP_VARIANTS = {
     "cp2-selective-core_attn-mlp": VARIANTS["selective-core_attn-mlp"],
 }
 QUERY_OUT_CP = {"size": 2, "engine": None, "attention": "slimpipe-query-out", "document_masking": True}
-FAST_CP_VARIANT = "cp2-full-block-1-offload-0.5"  # the rest in the slow tier
+# Every CP variant is in the slow tier: the default tier checks recomputation and offload under
+# query-out CP against the reference in the runtime
+# (tests/runtime/pipeline/test_slimpipe_cp_recompute.py), and through train without CP above.
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,11 @@ def plain(tmp_path_factory, data_cache):
     return _train(tmp_path_factory.mktemp("plain"), "plain", data_cache, *SMALL)
 
 
-@pytest.mark.parametrize("case", list(VARIANTS))
+# default tier: one variant (block recomputation beside offload); each recomputation mode is exact
+# against the reference in tests/runtime/pipeline/test_slimpipe_recompute.py
+@pytest.mark.parametrize(
+    "case", [c if c == "full-block-1-offload-0.5" else pytest.param(c, marks=pytest.mark.slow) for c in VARIANTS]
+)
 def test_recompute_and_offload_train_exactly_the_same_model(tmp_path, data_cache, plain, case):
     run = _train(tmp_path, case, data_cache, *SMALL, *VARIANTS[case])
     assert run["loss_iterations"] == plain["loss_iterations"] == [1, 2, 3]
@@ -63,9 +69,8 @@ def plain_cp(tmp_path_factory, data_cache, short_documents):
     )
 
 
-@pytest.mark.parametrize(
-    "case", [c if c == FAST_CP_VARIANT else pytest.param(c, marks=pytest.mark.slow) for c in CP_VARIANTS]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CP_VARIANTS))
 def test_recompute_and_offload_under_query_out_cp_train_exactly_the_same_model(
     tmp_path, data_cache, short_documents, plain_cp, case
 ):

@@ -10,7 +10,7 @@ import pytest
 from tests.oracle.reference import UNPIPELINED_UNSLICED
 from tests.train.test_train_job import _train
 
-pytestmark = pytest.mark.multi  # train runs on their ranks
+pytestmark = [pytest.mark.multi, pytest.mark.slow]  # train runs on their ranks
 
 COMMON = ["train.iters=3", "train.global_batch_size=4", "model.seq_length=128", "train.warmup_iters=1", "train.lr=1e-2"]
 VOCAB_PP2 = ["parallel.pp=2", "schedule.kind=slimpipe", "schedule.num_slices=2", "schedule.vocab_parallel=true"]
@@ -18,7 +18,10 @@ VOCAB_PP2 = ["parallel.pp=2", "schedule.kind=slimpipe", "schedule.num_slices=2",
 
 @pytest.mark.parametrize(
     "tied,vpp",
-    [pytest.param(False, 1, marks=pytest.mark.slow), (True, 1), pytest.param(False, 2, marks=pytest.mark.slow)],
+    # all slow: the default tier checks the vocabulary on every rank exactly in the runtime
+    # (tests/runtime/pipeline/test_vocab_parallel_exactness.py) and through train's step
+    # (tests/train/test_train_cp_vocab.py)
+    [pytest.param(False, 1), pytest.param(True, 1), pytest.param(False, 2)],
     ids=["untied", "tied", "untied-vpp2"],
 )
 def test_vocab_parallel_trains_the_unpipelined_model(tmp_path, data_cache, tied, vpp):

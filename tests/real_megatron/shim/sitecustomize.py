@@ -12,11 +12,31 @@ depend on each parameter's global name only, so different pipeline splits start 
 import os
 import sys
 
-if os.environ.get("MEGATRON_SLIM_TEST_CPU_SHIM") == "1" or os.environ.get("MEGATRON_SLIM_TEST_RECORD"):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_installed: set[str] = set()
+
+
+def _once(part: str) -> bool:
+    """True the first time ``part`` is asked for (a process installs each part once)."""
+    if part in _installed:
+        return False
+    _installed.add(part)
+    return True
+
+
+def install() -> None:
+    """Install what this process's environment asks for and is not installed yet (at interpreter
+    start-up; ``forkrun.py``'s launch server calls it again in each launch's process, whose
+    environment may ask for more)."""
+    cpu_shim = os.environ.get("MEGATRON_SLIM_TEST_CPU_SHIM") == "1"
+    record = bool(os.environ.get("MEGATRON_SLIM_TEST_RECORD"))
+    if not (cpu_shim or record):
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
     import post_import
 
-    if os.environ.get("MEGATRON_SLIM_TEST_CPU_SHIM") == "1":
+    if cpu_shim and _once("cpu"):
         import megatron_cpu_shim
 
         megatron_cpu_shim.install()
@@ -24,20 +44,23 @@ if os.environ.get("MEGATRON_SLIM_TEST_CPU_SHIM") == "1" or os.environ.get("MEGAT
         post_import.when_imported("megatron.legacy.fused_kernels", megatron_cpu_shim.patch_fused_kernels)
         post_import.when_imported("megatron.core.datasets.utils", megatron_cpu_shim.patch_dataset_helpers)
         post_import.when_imported("megatron.core.transformer.torch_norm", megatron_cpu_shim.patch_torch_norm)
-        if os.environ.get("MEGATRON_SLIM_TEST_INIT_BY_NAME") == "1":
-            import init_by_name
+    if cpu_shim and os.environ.get("MEGATRON_SLIM_TEST_INIT_BY_NAME") == "1" and _once("init_by_name"):
+        import init_by_name
 
-            post_import.when_imported("megatron.training.training", init_by_name.install)
-            post_import.when_imported("megatron.training.models.gpt", init_by_name.install_builder)
-    if os.environ.get("MEGATRON_SLIM_TEST_RECORD"):
+        post_import.when_imported("megatron.training.training", init_by_name.install)
+        post_import.when_imported("megatron.training.models.gpt", init_by_name.install_builder)
+    if record and _once("record"):
         import metrics_recorder
 
         post_import.when_imported("megatron.training.training", metrics_recorder.install)
-        if os.environ.get("MEGATRON_SLIM_TEST_LAYER_WEIGHTS") == "1":
-            import weights_recorder
+    if record and os.environ.get("MEGATRON_SLIM_TEST_LAYER_WEIGHTS") == "1" and _once("layer_weights"):
+        import weights_recorder
 
-            post_import.when_imported("megatron.training.training", weights_recorder.install)
-        if os.environ.get("MEGATRON_SLIM_BENCH_ACTIVATIONS") == "1":
-            import activation_recorder
+        post_import.when_imported("megatron.training.training", weights_recorder.install)
+    if record and os.environ.get("MEGATRON_SLIM_BENCH_ACTIVATIONS") == "1" and _once("activations"):
+        import activation_recorder
 
-            post_import.when_imported("megatron.training.training", activation_recorder.install)
+        post_import.when_imported("megatron.training.training", activation_recorder.install)
+
+
+install()

@@ -62,9 +62,19 @@ def _check_moved(results, pp, configs):
             assert results[0][cfg_index][4] == timed.exchange
 
 
+# default tier: pp2; two model chunks with exchange run in the default tier through train
+# (tests/train/test_train_exchange_cp.py::...[pp2xvpp2-recompute-full]); the slow tier runs every shape
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     "pp,configs",
-    [(2, PP2), (4, PP4), (2, PP2_VPP2), pytest.param(4, PP4_VPP2, marks=pytest.mark.slow)],
+    [
+        (2, PP2),
+        pytest.param(4, PP4, marks=SLOW),
+        pytest.param(2, PP2_VPP2, marks=SLOW),
+        pytest.param(4, PP4_VPP2, marks=SLOW),
+    ],
     ids=["pp2", "pp4", "pp2-vpp2", "pp4-vpp2"],
 )
 def test_exchange_matches_unpipelined_unsliced_reference(pp, configs):

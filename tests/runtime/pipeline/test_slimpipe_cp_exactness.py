@@ -83,14 +83,19 @@ def test_cp_slices_are_balanced_and_aligned():
         assert len(set(lengths)) > 1 and sum(lengths) == SEQ and all(x % ALIGN == 0 for x in lengths)
 
 
+# default tier: each loss function once, both slice policies, vpp 1 and 2, tp2 once; slow tier: every shape
+PP2_CP2_DEFAULT = [CONFIGS_PP2_CP2[2], CONFIGS_PP2_CP2[6], CONFIGS_PP2_CP2[7], CONFIGS_PP2_CP2[8]]
+
+
 @pytest.mark.parametrize(
     "world,layouts",
     [
-        (4, [(1, 2, 2, CONFIGS_PP2_CP2), (2, 1, 2, CONFIGS_TP2_CP2)]),  # one spawn: pp2 x cp2, then tp2 x cp2
+        (4, [(1, 2, 2, PP2_CP2_DEFAULT), (2, 1, 2, CONFIGS_TP2_CP2[:1])]),  # one spawn: pp2 x cp2, then tp2 x cp2
+        pytest.param(4, [(1, 2, 2, CONFIGS_PP2_CP2), (2, 1, 2, CONFIGS_TP2_CP2)], marks=pytest.mark.slow),
         # slow tier: the pp2 x cp2 spawn runs the same query-out CP attention on both stages
         pytest.param(2, [(1, 1, 2, CONFIGS_PP1_CP2)], marks=pytest.mark.slow),
     ],
-    ids=["pp2xcp2+tp2xcp2", "pp1xcp2"],
+    ids=["pp2xcp2+tp2xcp2", "pp2xcp2+tp2xcp2-all", "pp1xcp2"],
 )
 def test_slimpipe_cp_matches_single_process_reference(world, layouts):
     results = run_ranks(_cp_workers.run_slimpipe_cp, world, layouts, timeout_s=600)

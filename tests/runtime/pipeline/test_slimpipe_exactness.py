@@ -89,14 +89,19 @@ def test_balanced_lengths_are_uneven():
     assert len(set(_balanced(4))) > 1 and sum(_balanced(8)) == SEQ
 
 
-# the default tier runs three of the pp4 shapes (one slice count per policy, and vpp2); the slow tier all
-PP4_DEFAULT = [CONFIGS_PP4[2], CONFIGS_PP4[5], CONFIGS_PP4[6]]
+# The default tier runs pp2 with one slice count per policy, one slice (no K/V cache) and vpp2 (whose
+# middle stages receive and send, as pp4's do); the slow tier runs every shape at pp2 and pp4.
+PP2_DEFAULT = [CONFIGS_PP2[0], CONFIGS_PP2[2], CONFIGS_PP2[5], CONFIGS_PP2[7]]
 
 
 @pytest.mark.parametrize(
     "pp,configs",
-    [(2, CONFIGS_PP2), (4, PP4_DEFAULT), pytest.param(4, CONFIGS_PP4, marks=pytest.mark.slow)],
-    ids=["pp2", "pp4", "pp4-all"],
+    [
+        (2, PP2_DEFAULT),
+        pytest.param(2, CONFIGS_PP2, marks=pytest.mark.slow),
+        pytest.param(4, CONFIGS_PP4, marks=pytest.mark.slow),
+    ],
+    ids=["pp2", "pp2-all", "pp4-all"],
 )
 def test_slimpipe_matches_unpipelined_unsliced_reference(pp, configs):
     results = run_ranks(_workers.run_slimpipe, pp, configs, timeout_s=900)
