@@ -149,7 +149,7 @@ def check_exit_interval(exit_interval, iters: int, resumed_from: int) -> None:
 def main(args) -> int:
     from megatron_slim.runtime.job import launched_rank
     from megatron_slim.train.checks import check_trainable
-    from megatron_slim.train.loop import TrainOptions
+    from megatron_slim.train.report import TrainOptions  # without torch: refusals come before importing it
 
     began = time.perf_counter()
     recipe = load_recipe(args.recipe, [*(args.set or []), *dynmo_overrides(args)])

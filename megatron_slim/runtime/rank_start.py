@@ -7,8 +7,8 @@ ranks fork from a server process that imported them once, for a caller that star
 A forked rank is still a fresh process with its own process group. Two things differ, and this
 module evens them out: its parent is the fork server, not the caller (the server exits when the
 caller does once no rank holds its "caller alive" pipe, so dying with the parent still chains to
-the caller: :func:`let_the_fork_server_go`), and it would inherit the server's standard output and
-error, not the caller's current ones (:class:`CallerStdio`).
+the caller: :func:`let_the_fork_server_go`), and it would inherit the server's environment
+variables, standard output and error, not the caller's current ones (:class:`CallerContext`).
 """
 
 from __future__ import annotations
@@ -55,31 +55,36 @@ def expected_parent() -> Optional[int]:
     return os.getpid() if _method == "spawn" else None
 
 
-class CallerStdio:
-    """The caller's file descriptors 1 and 2 when the rank starts, for a forked rank to write to.
+class CallerContext:
+    """What a spawned rank inherits from its caller and a forked one would not: the caller's
+    environment variables and its file descriptors 1 and 2 as they are when the rank starts.
+    (multiprocessing already gives a forked rank the caller's working folder and ``sys.path``.)
 
-    Pickled into the rank's start arguments (only the caller pickles it), it carries duplicates of
-    the caller's descriptors 1 and 2 (the start method's own descriptor passing); in the rank,
-    :meth:`attach` points the rank's 1 and 2 at them. A spawned rank inherits them already, so it
-    gets None instead of this.
+    Pickled into the rank's start arguments (only the caller pickles it), it carries a copy of
+    ``os.environ`` and duplicates of descriptors 1 and 2 (the start method's own descriptor passing);
+    in the rank, :meth:`attach` installs them. A spawned rank has all of this already, so it gets
+    None instead.
     """
 
-    def __init__(self, duplicated: Optional[tuple[Any, Any]] = None):
-        self._duplicated = duplicated
+    def __init__(self, environ: Optional[dict[str, str]] = None, stdio: Optional[tuple[Any, Any]] = None):
+        self._environ = environ
+        self._stdio = stdio
 
     def __reduce__(self):
-        return (CallerStdio, ((reduction.DupFd(1), reduction.DupFd(2)),))
+        return (CallerContext, (dict(os.environ), (reduction.DupFd(1), reduction.DupFd(2))))
 
     @classmethod
-    def for_start_method(cls) -> Optional[CallerStdio]:
+    def for_start_method(cls) -> Optional[CallerContext]:
         return None if _method == "spawn" else cls()
 
     def attach(self) -> None:
-        if self._duplicated is None:
-            raise RuntimeError("CallerStdio.attach: only in the rank it was sent to")
+        if self._environ is None or self._stdio is None:
+            raise RuntimeError("CallerContext.attach: only in the rank it was sent to")
+        os.environ.clear()
+        os.environ.update(self._environ)
         sys.stdout.flush()
         sys.stderr.flush()
-        for target, duplicated in zip((1, 2), self._duplicated):
+        for target, duplicated in zip((1, 2), self._stdio):
             fd = duplicated.detach()
             os.dup2(fd, target)
             os.close(fd)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_slim.runtime.rank_start import CallerStdio, die_with_parent, expected_parent, rank_context
+from megatron_slim.runtime.rank_start import CallerContext, die_with_parent, expected_parent, rank_context
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 5.0  # after SIGTERM to the ranks, how long before SIGKILL
@@ -65,7 +65,7 @@ def _worker(
     world_size: int,
     port: int,
     parent_pid: Optional[int],
-    stdio: Optional[CallerStdio],
+    caller: Optional[CallerContext],
     backend: str,
     threads: int,
     timeout_s: float,
@@ -74,8 +74,8 @@ def _worker(
     queue: Any,
 ) -> None:
     die_with_parent(parent_pid)
-    if stdio is not None:
-        stdio.attach()
+    if caller is not None:  # a forked rank: the caller's environment and output, as a spawned one has
+        caller.attach()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):  # started with SIGINT blocked (see run_ranks); now ignored instead
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -209,7 +209,7 @@ def run_ranks(
                 world_size,
                 store.port,
                 expected_parent(),
-                CallerStdio.for_start_method(),
+                CallerContext.for_start_method(),
                 backend,
                 threads_per_rank,
                 collective_timeout_s,

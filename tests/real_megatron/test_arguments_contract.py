@@ -122,6 +122,7 @@ def _variant_flags(recipe: str, sets: list[str]) -> list[str]:
 
 # Flag sets by group: each test checks one group. A tag's groups are parsed together, in one run of
 # parse_flags.py (importing Megatron-LM is most of its time), by the first test that asks for that tag.
+# TEST_GROUPS (below) names each test's group; a test of this module that parses flags must be in it.
 FLAG_GROUPS: dict[str, Callable[[Path], list[dict]]] = {}
 
 
@@ -193,18 +194,31 @@ def offload_flags(folder: Path) -> list[dict]:
     ]
 
 
+# the group each test checks (a tag parses the groups of the tests this session runs, no others)
+TEST_GROUPS = {
+    "test_every_shipped_recipe_command_passes_megatrons_parser_and_validation": "shipped_recipe_flags",
+    "test_every_recompute_choice_passes_megatrons_parser_and_validation": "recompute_flags",
+    "test_the_autotuners_megatron_baseline_with_cp_passes_megatrons_parser_and_validation": "baseline_flags",
+    "test_every_offload_ratio_passes_megatrons_parser_and_validation_and_reads_back": "offload_flags",
+    "test_start_up_checks_run_after_megatrons_validation": "start_up_flags",
+}
+
+
 @pytest.fixture(scope="module")
-def parsed(tmp_path_factory):
+def parsed(request, tmp_path_factory):
     """``parsed(tag, group)``: each flag set of ``group`` (by name) as ``tag``'s parser saw it."""
     folder = tmp_path_factory.mktemp("flag-sets")
+    selected = {getattr(item, "originalname", item.name) for item in request.session.items}
+    groups = {TEST_GROUPS[name] for name in selected if name in TEST_GROUPS}
     by_tag: dict[str, dict[str, dict]] = {}
 
     def results(tag: str, group: str) -> dict[str, dict]:
+        assert group in groups, f"{group}: no selected test asked for it"
         if tag not in by_tag:
-            sets = [{**s, "name": f"{g}:{s['name']}"} for g, build in FLAG_GROUPS.items() for s in build(folder)]
+            sets = [{**s, "name": f"{g}:{s['name']}"} for g in sorted(groups) for s in FLAG_GROUPS[g](folder)]
             (folder / tag).mkdir()
             flat = _parse(tag, sets, folder / tag)
-            by_tag[tag] = {g: {} for g in FLAG_GROUPS}
+            by_tag[tag] = {g: {} for g in groups}
             for name, result in flat.items():
                 g, _, own = name.partition(":")
                 by_tag[tag][g][own] = result
@@ -450,3 +464,8 @@ def test_the_optional_patch_applies_to_every_tag_without_fuzz(tag, tmp_path):
     assert done.returncode == 0 and "fuzz" not in done.stdout.lower(), done.stdout + done.stderr
     assert "prepare_launch()" in script.read_text()
     compile(script.read_text(), str(script), "exec")
+
+
+def test_every_group_has_its_test():
+    assert set(TEST_GROUPS.values()) == set(FLAG_GROUPS)
+    assert all(callable(globals().get(name)) for name in TEST_GROUPS)

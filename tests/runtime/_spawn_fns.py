@@ -25,7 +25,7 @@ def rendezvous_env(rank, world_size):
 
 def print_rank(rank, world_size):
     print(f"rank {rank} of {world_size} says hello", flush=True)
-    return os.getppid()
+    return os.getppid(), os.environ.get("MEGATRON_SLIM_TEST_PROBE"), os.getcwd()
 
 
 def write_pid_and_sleep(rank, world_size, folder):

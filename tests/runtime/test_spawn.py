@@ -73,13 +73,17 @@ def test_concurrent_runs_each_get_their_own_rendezvous():
         assert [e["RANK"] for e in envs] == ["0", "1"] and {e["MASTER_PORT"] for e in envs} == {envs[0]["MASTER_PORT"]}
 
 
-def test_ranks_start_the_way_the_suite_asked_and_write_to_the_callers_output(capfd):
+def test_ranks_start_the_way_the_suite_asked_and_see_what_a_spawned_rank_sees(capfd, monkeypatch, tmp_path):
     """The suite starts ranks from a preloaded fork server (tests/conftest.py) unless told to spawn;
-    either way each rank is its own process and what it prints reaches this test's output."""
+    either way each rank is its own process with the caller's environment variables and working
+    folder as they are now, and what it prints reaches this test's output."""
     expected = os.environ.get("MEGATRON_SLIM_TEST_START", "forkserver")
     assert rank_start.start_method() == expected
-    parents = run_ranks(_spawn_fns.print_rank, 2)
-    assert (parents[0] == os.getpid()) == (expected == "spawn") and parents[0] == parents[1]
+    monkeypatch.setenv("MEGATRON_SLIM_TEST_PROBE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    ranks = run_ranks(_spawn_fns.print_rank, 2)
+    assert (ranks[0][0] == os.getpid()) == (expected == "spawn") and ranks[0][0] == ranks[1][0]
+    assert all(probe == "set after the server started" and cwd == str(tmp_path) for _, probe, cwd in ranks)
     out = capfd.readouterr().out
     assert "rank 0 of 2 says hello" in out and "rank 1 of 2 says hello" in out
 
