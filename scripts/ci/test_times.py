@@ -1,10 +1,11 @@
 """Tables of test times from pytest's JUnit XML (``pytest --junitxml=F``), for docs/testing.md.
 
     python scripts/ci/test_times.py after.xml                 # the 25 slowest tests, and totals
-    python scripts/ci/test_times.py after.xml --before before.xml [--top 25]
+    python scripts/ci/test_times.py after.xml --before before.xml [--top 25] [--moved slow.xml]
 
-With ``--before``: the 25 slowest tests of the before run beside their time after (or where they
-went: "not in this run" when the after run deselected them, e.g. moved to ``make test-slow``).
+With ``--before``: the 25 slowest tests of the before run beside their time after, or, for a test
+the after run no longer runs, "not in this run", or its time in ``--moved`` (another tier's run,
+e.g. ``make test-slow``'s) as "slow tier: N s".
 A test's time is what JUnit records for it: setup (its fixtures, module-scoped ones included when
 it is the first to use them), call and teardown.
 """
@@ -26,7 +27,7 @@ def read_times(path: Path) -> dict[str, float]:
     return times
 
 
-def table(after: dict[str, float], before: dict[str, float] | None, top: int) -> str:
+def table(after: dict[str, float], before: dict[str, float] | None, top: int, moved: dict[str, float]) -> str:
     rows = []
     if before is None:
         rows.append("| test | s |")
@@ -37,7 +38,12 @@ def table(after: dict[str, float], before: dict[str, float] | None, top: int) ->
         rows.append("| test | before s | after s |")
         rows.append("|---|---:|---:|")
         for name, seconds in sorted(before.items(), key=lambda kv: -kv[1])[:top]:
-            now = f"{after[name]:.1f}" if name in after else "not in this run"
+            if name in after:
+                now = f"{after[name]:.1f}"
+            elif name in moved:
+                now = f"slow tier: {moved[name]:.1f}"
+            else:
+                now = "not in this run"
             rows.append(f"| `{name}` | {seconds:.1f} | {now} |")
     return "\n".join(rows)
 
@@ -47,10 +53,11 @@ def main() -> None:
     parser.add_argument("after", type=Path)
     parser.add_argument("--before", type=Path)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--moved", type=Path, help="another tier's JUnit XML, for tests moved there")
     args = parser.parse_args()
     after = read_times(args.after)
     before = read_times(args.before) if args.before else None
-    print(table(after, before, args.top))
+    print(table(after, before, args.top, read_times(args.moved) if args.moved else {}))
     for label, times in (("before", before), ("after", after)):
         if times is not None:
             print(f"\n{label}: {len(times)} tests, {sum(times.values()):.0f} s of test time")
