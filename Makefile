@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test,lint,metrics,megatron-lm]"
+	$(BIN)/python -m pip install --quiet -e ".[test,lint,metrics,megatron-lm,plot]"
 	touch $(STAMP)
 
 install: $(STAMP)

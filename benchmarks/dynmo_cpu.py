@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/dynmo_cpu"))
     ap.add_argument("--note", default="", help="free text for the results file (e.g. the machine's load)")
     args = ap.parse_args()
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     with tempfile.TemporaryDirectory() as tmp:
         runs = {p: run(p, args, Path(tmp) / f"{p}.json") for p in ("static", "dynmo")}
     s = summary(runs["static"], runs["dynmo"], args.freeze_at)

@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--phases", type=int, default=8)
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/dynmo_sim"))
     args = ap.parse_args()
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     results = {name: {s: run(r, sets, s, args.phases) for s in SCHEMES} for name, (r, sets) in CONFIGS.items()}
     meta = {
         "command": f"python benchmarks/dynmo_sim.py --phases {args.phases}",

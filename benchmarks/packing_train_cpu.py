@@ -89,7 +89,7 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], help="extra recipe override (repeatable)")
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/packing_train_cpu"))
     args = parser.parse_args()
-    began = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    began = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
     start_load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         runs = {m: run(m, args.iters, DEFAULT_SETS + args.set, Path(tmp) / f"{m}.json") for m in METHODS}

@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/planning"))
     args = ap.parse_args()
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     rows = []
     for label, shape in recipe_shapes() + LONG_SHAPES:
         rows.append(

@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     chosen = [s for s in SCHEDULES if args.only is None or s.name in args.only]
     report = {
         "command": "python " + shlex.join(["benchmarks/real_loop.py", *sys.argv[1:]]),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": _machine(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "setup": {

@@ -77,7 +77,10 @@ class _EpilogAsWritten(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_slim import __version__
+
     parser = argparse.ArgumentParser(prog="megatron-slim", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"megatron-slim {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in (_add_simulate, _add_plan, _add_train, _add_overlay, _add_megatron_args, _add_recipes):
         add_command(sub)
@@ -200,6 +203,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="stop after iteration N with a checkpoint, as an interrupted run would",
     )
+    train.add_argument(
+        "--rank-timeout",
+        type=_non_negative_float,
+        default=300.0,
+        metavar="SECONDS",
+        help="stop every rank when one stops responding this long, naming it and its iteration "
+        "(a stopped or frozen process; default 300, 0: off; ranks this command spawns)",
+    )
     _add_observability_args(train)
     add_dynmo_args(train)
     train.set_defaults(run="megatron_slim.commands.train")
@@ -255,6 +266,16 @@ def _add_recipes(sub: argparse._SubParsersAction) -> None:
     recipes.set_defaults(run="megatron_slim.commands.recipes")
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: a finite number of seconds >= 0")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -265,9 +286,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _refuse_repeated_overrides(parser: argparse.ArgumentParser, overrides: list[str]) -> None:
+    """A key given twice in ``--set`` is an error (which one was meant?), not "the last wins"."""
+    from megatron_slim.plan.schema import parse_override
+
+    seen: dict[str, str] = {}
+    for text in overrides:
+        try:
+            path, value = parse_override(text)
+        except ConfigError:
+            continue  # load_recipe names the malformed override
+        key = ".".join(path)
+        if key in seen:
+            parser.exit(
+                2, f"megatron-slim: error: --set {key}: given twice ({seen[key]!r} and {value!r}); allowed: once\n"
+            )
+        seen[key] = value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _refuse_repeated_overrides(parser, getattr(args, "set", None) or [])
     import importlib
 
     command = importlib.import_module(args.run)

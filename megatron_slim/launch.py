@@ -14,18 +14,25 @@ import os
 import runpy
 import sys
 
+USAGE = (
+    "usage: python -m megatron_slim.launch SCRIPT.py [script flags...]\n"
+    "  Runs a Megatron-LM training script (pretrain_gpt.py) with megatron-slim hooked in, without\n"
+    "  editing it: megatron-slim's flags join Megatron's parser and are checked at start-up.\n"
+    "  e.g. torchrun --nproc_per_node 8 -m megatron_slim.launch pretrain_gpt.py <Megatron flags> "
+    "--use-slimpipe --slimpipe-num-slices 8\n"
+    "  megatron-slim's flags (SlimPipe, CP engines, --dynmo-profile, --dynmo-freeze, --dynmo-exit-threshold, "
+    "--dynmo-mod-capacity, --dynmo-prune), beside Megatron's: "
+    "python -m megatron_slim.launch pretrain_gpt.py --help"
+)
+
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        raise SystemExit(0)
     if not argv or not argv[0].endswith(".py"):
-        raise SystemExit(
-            "usage: python -m megatron_slim.launch SCRIPT.py [script flags...]\n"
-            "  e.g. python -m megatron_slim.launch pretrain_gpt.py --use-slimpipe "
-            "--slimpipe-num-slices 8 ...\n"
-            "  megatron-slim's flags (SlimPipe, CP engines, --dynmo-profile, --dynmo-freeze, --dynmo-exit-threshold, "
-            "--dynmo-mod-capacity, --dynmo-prune): "
-            "python -m megatron_slim.launch pretrain_gpt.py --help"
-        )
+        raise SystemExit(USAGE)
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
         raise SystemExit(f"megatron_slim.launch: {argv[0]}: no such script")

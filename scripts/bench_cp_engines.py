@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     data = run(args.recipe, seeds, calibration)
     header = {
         "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": platform.platform(),
         "cpu": cpu_name(),
         "python": platform.python_version(),

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     topo = CPTopology.from_hardware(recipe.hardware_profile, args.ranks, recipe.parallel.tp)
     header = {
         "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": platform.platform(),
         "cpu": cpu_name(),
         "cores": os.cpu_count(),

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         "# Loopback gloo link between two local processes (what `cpu.yaml` models as NVLink and NIC)",
         "",
         f"- command: `python {' '.join([sys.argv[0], *(argv or sys.argv[1:])])}`",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
         f"- machine: {platform.platform()}, {os.cpu_count()} cores shared with other jobs "
         f"(load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}); torch {torch.__version__}",
         f"- fit `time = latency + bytes / bandwidth`: latency {latency * 1e6:.0f} us (8-byte message), "

@@ -1,8 +1,8 @@
-"""Every ``megatron-slim`` command shown in README.md's "Using it" section runs as written.
+"""Every ``megatron-slim`` command shown in README.md runs as written.
 
-Commands are the lines of the section's fenced code blocks that start with ``megatron-slim``
-(continuation lines joined, ``# comments`` dropped) and the section's inline code spans that start
-with ``megatron-slim``. Each runs through the CLI entry point (``megatron_slim.cli.main``) in a fresh
+Commands are the lines of the fenced code blocks of the "Using it" section that start with
+``megatron-slim`` (continuation lines joined, ``# comments`` dropped) and the inline code spans that
+start with ``megatron-slim`` in that section and in the numbered "Your Megatron-LM job" steps. Each runs through the CLI entry point (``megatron_slim.cli.main``) in a fresh
 temporary working directory, so relative outputs such as ``out/sim.json`` land there, and must exit 0.
 
 ``megatron-slim train`` lines take minutes: the slow tier runs them exactly as written; the default
@@ -32,9 +32,16 @@ def _section(text: str, heading: str) -> str:
     return text[start : end if end >= 0 else len(text)]
 
 
+SECTIONS = ("Your Megatron-LM job with megatron-slim", "Using it")
+
+
 def readme_commands() -> list[str]:
-    """``megatron-slim`` commands of the "Using it" section, in order of appearance."""
-    section = _section(README.read_text(), "Using it")
+    """``megatron-slim`` commands of the README's ``SECTIONS``, in order of appearance."""
+    text = README.read_text()
+    return [c for heading in SECTIONS for c in _section_commands(_section(text, heading))]
+
+
+def _section_commands(section: str) -> list[str]:
     commands: list[str] = []
     parts = section.split("```")
     for i, part in enumerate(parts):

@@ -3,12 +3,14 @@ that every output path can be written before any work starts."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
-from megatron_slim.plan.files import probe_new_file
+from megatron_slim.plan.files import probe_new_file, write_atomically
 from megatron_slim.plan.schema import ConfigError
 
 
@@ -28,8 +30,7 @@ def emit_json(payload: dict, target: str | None, indent: int = 2) -> TextIO:
         if target == "-":
             print(text)
         else:
-            with open(target, "w") as f:
-                f.write(text + "\n")
+            write_atomically(target, text + "\n", "--json")
     return sys.stderr if target == "-" else sys.stdout
 
 
@@ -57,6 +58,10 @@ def prepare_outputs(*outputs: tuple[str, Optional[str]], stdout_ok: Sequence[str
         _check_writable(flag, target, path)
 
 
+# flags whose file is a PNG image (written to exactly the path given)
+IMAGE_FLAGS = ("--plot",)
+
+
 def _check_writable(flag: str, target: str, path: Path) -> None:
     def fail(reason: str) -> ConfigError:
         return ConfigError(
@@ -64,7 +69,7 @@ def _check_writable(flag: str, target: str, path: Path) -> None:
             "writable directory (missing directories are created)"
         )
 
-    if target == "" or path.is_dir():
+    if target == "" or path.is_dir() or target.endswith(("/", os.sep)):
         raise fail("it is a directory" if target else "empty path")
     existing = next(p for p in (path.parent, *path.parent.parents) if p.exists() or p == p.parent)
     if existing.exists() and not existing.is_dir():
@@ -81,6 +86,13 @@ def _check_writable(flag: str, target: str, path: Path) -> None:
             probe_new_file(path.parent, prefix=f".{path.name}.", suffix=".probe")
     except OSError as exc:
         raise fail(exc.strerror or str(exc)) from None
+    if flag in IMAGE_FLAGS and path.suffix.lower() not in ("", ".png"):
+        raise ConfigError(f"{flag} {target}: a PNG image; allowed: a path ending in .png (or with no suffix)")
+    if flag in IMAGE_FLAGS and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError(
+            f"{flag} {target}: drawing needs matplotlib, which is not installed; "
+            "allowed: pip install 'megatron-slim[plot]' (or matplotlib), or no --plot"
+        )
 
 
 def prepare_output_dirs(*outputs: tuple[str, Optional[str]]) -> None:

@@ -4,8 +4,8 @@ JSON and a PNG of both timelines."""
 
 from __future__ import annotations
 
+from megatron_slim.commands.calibration_arg import calibration_for
 from megatron_slim.commands.output import emit_json, format_table, prepare_outputs
-from megatron_slim.plan.cost.calibration import load_calibration
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.sim.measured import check_same_recipe, read_measured
@@ -62,7 +62,7 @@ def main(args) -> int:
     from megatron_slim.commands.simulate import run_one
 
     recipe = load_recipe(args.recipe, args.set)
-    calibration = load_calibration(args.calibration) if args.calibration else None
+    calibration = calibration_for(args.calibration, recipe)
     measured = read_measured(args.measured)
     check_same_recipe(measured, recipe.to_dict())
     prepare_outputs(("--json", args.json), ("--plot", args.plot))

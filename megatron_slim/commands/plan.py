@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
+from megatron_slim.commands.calibration_arg import calibration_for
 from megatron_slim.commands.output import emit_json, format_table, prepare_outputs
-from megatron_slim.plan.cost.calibration import load_calibration
+from megatron_slim.commands.progress import ProgressLine
 from megatron_slim.plan.recipe import load_recipe
 from megatron_slim.plan.tune import tune
 from megatron_slim.plan.tune.report import payload, table_rows
@@ -18,10 +19,15 @@ _GIB = 2**30
 def main(args) -> int:
     recipe = load_recipe(args.recipe, args.set)
     gpus = args.gpus if args.gpus is not None else recipe.parallel.world_size
-    calibration = load_calibration(args.calibration) if args.calibration else None
+    calibration = calibration_for(args.calibration, recipe)
     prepare_outputs(("--json", args.json))
     start = time.perf_counter()
-    result = tune(recipe, gpus, max_simulations=args.max_simulations, calibration=calibration)
+    with ProgressLine("megatron-slim plan") as line:
+
+        def progress(phase: str, done: int, total: int) -> None:
+            line.update(f"{phase} {done}/{total}", done, total, series=phase)
+
+        result = tune(recipe, gpus, max_simulations=args.max_simulations, calibration=calibration, progress=progress)
     seconds = time.perf_counter() - start
     out = emit_json(payload(result, seconds, calibration.source if calibration else None), args.json)
     cap = next(iter(result.families.values())).cap_bytes

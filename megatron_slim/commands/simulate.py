@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_slim.commands.calibration_arg import calibration_for
 from megatron_slim.commands.output import emit_json, format_table, prepare_outputs
 from megatron_slim.commands.progress import ProgressLine
-from megatron_slim.plan.cost.calibration import Calibration, load_calibration
+from megatron_slim.plan.cost.calibration import Calibration
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.recipe import Recipe, load_recipe
@@ -126,7 +127,7 @@ def main(args) -> int:
     """Every input is read and checked (recipe, overrides, calibration, schedules, output paths)
     before the first simulation."""
     recipe = load_recipe(args.recipe, args.set)
-    calibration = load_calibration(args.calibration) if args.calibration else None
+    calibration = calibration_for(args.calibration, recipe)
     note = world_size_note(args.recipe, args.set, recipe)
     status = _other_study(args, recipe, calibration, note)
     if status is not None:

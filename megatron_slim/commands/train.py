@@ -103,6 +103,18 @@ def _print_plan(recipe, where: str, log=sys.stdout) -> None:
         from megatron_slim.train.cp import describe
 
         print(describe(recipe), file=log, flush=True)
+    print(_backends(recipe), file=log, flush=True)
+
+
+def _backends(recipe) -> str:
+    """What the ranks will run on, as they choose it (``runtime.attention.selection``)."""
+    import torch
+
+    from megatron_slim.megatron.fallback_warnings import backends_line
+    from megatron_slim.runtime.attention import choose_backend
+
+    dtype = torch.float32 if recipe.train.precision == "fp32" else torch.bfloat16
+    return backends_line(choose_backend(device="cpu", dtype=dtype).label)
 
 
 def check_world_size(recipe, job) -> None:
@@ -147,10 +159,11 @@ def check_exit_interval(exit_interval, iters: int, resumed_from: int) -> None:
 
 
 def main(args) -> int:
+    from megatron_slim.megatron.fallback_warnings import quiet_in_this_process
     from megatron_slim.runtime.job import launched_rank
-    from megatron_slim.train.checks import check_trainable
-    from megatron_slim.train.report import TrainOptions  # without torch: refusals come before importing it
+    from megatron_slim.train.checks import check_trainable  # without torch: refusals come before importing it
 
+    quiet_in_this_process()
     began = time.perf_counter()
     recipe = load_recipe(args.recipe, [*(args.set or []), *dynmo_overrides(args)])
     check_trainable(recipe)
@@ -161,6 +174,27 @@ def main(args) -> int:
     prepare_outputs(("--json", args.json))
     metrics, profile = _observability(args, recipe)
     log = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
+    holds_lock = bool(args.checkpoint_dir) and (job is None or job.rank == 0)
+    with _run_lock(args.checkpoint_dir if holds_lock else None):
+        return _train(args, recipe, job, metrics, profile, log, began)
+
+
+def _run_lock(directory):
+    """The checkpoint directory's run lock (``train.checkpoint.lock``), held by the reporting process."""
+    import contextlib
+
+    if not directory:
+        return contextlib.nullcontext()
+    from megatron_slim.train.checkpoint import check_checkpoint_dir
+    from megatron_slim.train.checkpoint.lock import only_run_in
+
+    check_checkpoint_dir(directory)  # the directory exists before its lock file is made
+    return only_run_in(directory)
+
+
+def _train(args, recipe, job, metrics, profile, log, began) -> int:
+    from megatron_slim.train.report import TrainOptions
+
     resume_from = _check_checkpoint_dir(args, recipe, say=job is None or job.rank == 0, log=log)
     check_exit_interval(args.exit_interval, recipe.train.iters, resume_from or 0)
     note = world_size_note(args.recipe, args.set, recipe, unit="ranks")
@@ -178,6 +212,7 @@ def main(args) -> int:
     if job is not None:
         return _run_launched(args, recipe, options, job, began, log)
 
+    from megatron_slim.megatron.fallback_warnings import quiet_in_children
     from megatron_slim.runtime.spawn import run_ranks
     from megatron_slim.train.loop import train_rank
 
@@ -185,9 +220,17 @@ def main(args) -> int:
     prepared = _prepare(recipe, say=True, log=log)
     _print_plan(recipe, "", log)
     threads = max(1, (os.cpu_count() or 1) // p.world_size)
-    reports = run_ranks(
-        train_rank, p.world_size, recipe.to_dict(), prepared, options, threads_per_rank=threads, timeout_s=None
-    )
+    with quiet_in_children():
+        reports = run_ranks(
+            train_rank,
+            p.world_size,
+            recipe.to_dict(),
+            prepared,
+            options,
+            threads_per_rank=threads,
+            timeout_s=None,
+            watchdog_s=args.rank_timeout or None,
+        )
     return report(args, recipe, reports, began)
 
 

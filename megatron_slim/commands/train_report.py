@@ -8,8 +8,10 @@ import sys
 import time
 
 from megatron_slim.commands.train_dynmo import dynmo_entry
+from megatron_slim.plan.files import write_atomically
 
-# training stopped on a non-finite loss or gradient norm (2 is a bad recipe or flag, 1 a crash)
+# training stopped on a non-finite loss or gradient norm, or a checkpoint it could not write (2 is a bad
+# recipe or flag, 1 a crash)
 STOPPED_EXIT_CODE = 3
 
 
@@ -85,8 +87,7 @@ def report(args, recipe, reports, began) -> int:
     if args.json == "-":
         print(json.dumps(payload, indent=2))
     elif args.json:
-        with open(args.json, "w") as f:
-            f.write(json.dumps(payload, indent=2) + "\n")
+        write_atomically(args.json, json.dumps(payload, indent=2) + "\n", "--json")
     if reporter.stopped:
         print(f"megatron-slim train: error: {reporter.stopped}", file=sys.stderr, flush=True)
     if args.json != "-" and payload["losses"]:

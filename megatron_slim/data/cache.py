@@ -2,18 +2,21 @@
 
 A cache entry is a directory that appears in one ``rename`` only after its content is complete.
 While one process builds an entry, the others block on a per-entry ``flock`` and then find it
-built, so N ranks starting together tokenize once, not N times.
+built, so N ranks starting together tokenize once, not N times. An entry records the size and
+SHA-256 of its files (``file_manifest``); a reader checks them (``manifest_problem``) and replaces
+an entry damaged on disk since (``rebuild``) instead of training on what is left of it.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 CACHE_ENV = "MEGATRON_SLIM_CACHE"
 
@@ -59,3 +62,47 @@ def build_once(entry: Path, build: Callable[[Path], None]) -> bool:
             shutil.rmtree(staging, ignore_errors=True)
             raise
     return True
+
+
+def file_manifest(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every file in ``folder`` (not in sub-folders), for a cache entry's metadata."""
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name not in skip
+    }
+
+
+def manifest_problem(folder: Path, manifest: Any) -> Optional[str]:
+    """Why ``folder`` does not hold exactly what ``manifest`` recorded (None: it does)."""
+    if not isinstance(manifest, dict) or not manifest:
+        return "no file checksums in its metadata"
+    for name, want in sorted(manifest.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != want.get("bytes"):
+            return f"{name} has {size} bytes, {want.get('bytes')} were written"
+        if _sha256(path) != want.get("sha256"):
+            return f"{name} does not match the checksum written with it"
+    return None
+
+
+def rebuild(entry: Path, build: Callable[[Path], None]) -> None:
+    """Replace a damaged entry: under its lock, move it aside and remove it, then build it again
+    (a process that finds it rebuilt by another meanwhile keeps that one)."""
+    with exclusive_lock(entry.parent / f".{entry.name}.lock"):
+        if entry.is_dir():
+            aside = entry.parent / f".{entry.name}.damaged-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(entry, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+    build_once(entry, build)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

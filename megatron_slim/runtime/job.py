@@ -57,7 +57,7 @@ def launched_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[Launc
             f"started this process; allowed: run under torchrun, or unset TORCHELASTIC_RUN_ID"
         )
 
-    def integer(name: str, default: Optional[int] = None, low: int = 0) -> int:
+    def integer(name: str, default: Optional[int] = None, low: int = 0, high: Optional[int] = None) -> int:
         text = env.get(name)
         if text is None and default is not None:
             return default
@@ -66,8 +66,9 @@ def launched_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[Launc
             value = int(text) if text is not None else None
         except ValueError:
             value = None
-        if value is None or value < low:
-            raise ConfigError(f"{name}: not an integer >= {low} (got {text!r}); allowed: what torchrun sets")
+        if value is None or value < low or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"in {low}..{high}"
+            raise ConfigError(f"{name}: not an integer {span} (got {text!r}); allowed: what torchrun sets")
         return value
 
     world_size = integer("WORLD_SIZE", low=1)
@@ -85,7 +86,7 @@ def launched_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[Launc
         local_rank=local_rank,
         local_world_size=local_world_size,
         master_addr=env["MASTER_ADDR"],
-        master_port=integer("MASTER_PORT", low=1),
+        master_port=integer("MASTER_PORT", low=1, high=65535),
         run_id=run_id,
     )
 
@@ -106,9 +107,20 @@ def joined(job: LaunchedRank, backend: str = "gloo", timeout_s: float = 600.0) -
     import torch.distributed as dist
 
     torch.set_num_threads(threads_per_rank(job.local_world_size))
-    dist.init_process_group(
-        backend, init_method="env://", rank=job.rank, world_size=job.world_size, timeout=timedelta(seconds=timeout_s)
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=job.rank,
+            world_size=job.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except dist.DistNetworkError as exc:  # e.g. rank 0 finds MASTER_PORT taken
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"MASTER_ADDR={job.master_addr} MASTER_PORT={job.master_port}: rank {job.rank} could not join the "
+            f"rendezvous ({reason}); allowed: a free port on MASTER_ADDR, reachable from every rank"
+        ) from None
     try:
         yield
     finally:

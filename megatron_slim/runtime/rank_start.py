@@ -9,6 +9,10 @@ module evens them out: its parent is the fork server, not the caller (the server
 caller does once no rank holds its "caller alive" pipe, so dying with the parent still chains to
 the caller: :func:`let_the_fork_server_go`), and it would inherit the server's environment
 variables, standard output and error, not the caller's current ones (:class:`CallerContext`).
+
+When ranks fail, :func:`died_without_result` names the ones that exited without a result (killed by
+a signal, or a non-zero exit): a rank killed outright makes its peers fail first in their
+collectives, and their tracebacks alone would blame a survivor.
 """
 
 from __future__ import annotations
@@ -137,3 +141,28 @@ def _watch_parent(parent_pid: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+DEATH_GRACE_S = 1.0  # after a rank's error: how long to look for a rank that died without one
+
+
+def died_without_result(procs: list, results: dict[int, Any], wait_s: float = 0.0) -> Optional[str]:
+    """One line naming the ranks that exited without a result, with their exit signal or code."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if not dead:
+        return None
+    return "; ".join(f"rank {i} died ({_exit_reason(procs[i].exitcode)}) without a result" for i in dead)
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -33,7 +33,15 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_slim.runtime.rank_start import CallerContext, die_with_parent, expected_parent, rank_context
+from megatron_slim.runtime.heartbeat import Watch, start_beating
+from megatron_slim.runtime.rank_start import (
+    DEATH_GRACE_S,
+    CallerContext,
+    die_with_parent,
+    died_without_result,
+    expected_parent,
+    rank_context,
+)
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 5.0  # after SIGTERM to the ranks, how long before SIGKILL
@@ -69,6 +77,7 @@ def _worker(
     backend: str,
     threads: int,
     timeout_s: float,
+    watchdog_s: Optional[float],
     fn: Callable,
     args: tuple,
     queue: Any,
@@ -93,6 +102,8 @@ def _worker(
     try:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
+        if watchdog_s:
+            start_beating(store, rank, watchdog_s)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, pickle.dumps(result)))
@@ -165,6 +176,8 @@ def _reap(procs: list, stop: bool, wait_s: float) -> None:
         for p in procs:
             if p.is_alive():
                 p.terminate()
+                with contextlib.suppress(OSError):  # a stopped rank (SIGSTOP) acts on SIGTERM once continued
+                    os.kill(p.pid, signal.SIGCONT)
     deadline = time.monotonic() + wait_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -190,12 +203,15 @@ def run_ranks(
     threads_per_rank: int = 1,
     timeout_s: Optional[float] = 600.0,
     collective_timeout_s: float = 600.0,
+    watchdog_s: Optional[float] = None,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
 
     ``fn`` must be importable (module level) and its result picklable. ``timeout_s`` bounds the
-    whole run (None: no bound); ``collective_timeout_s`` bounds any one collective on a rank. A
-    rank that raises, or dies without a result, fails the run at once and the others are stopped.
+    whole run (None: no bound); ``collective_timeout_s`` bounds any one collective on a rank;
+    ``watchdog_s`` (None: off) fails the run when a rank stops responding that long
+    (``runtime.heartbeat``). A rank that raises, or dies without a result, fails the run at once
+    and the others are stopped.
     SIGTERM/SIGINT to this process stop the ranks and raise :class:`Interrupted` (main thread).
     """
     ctx = rank_context()  # spawn, or a preloaded fork server (megatron_slim.runtime.rank_start)
@@ -213,6 +229,7 @@ def run_ranks(
                 backend,
                 threads_per_rank,
                 collective_timeout_s,
+                watchdog_s,
                 fn,
                 args,
                 queue,
@@ -226,7 +243,8 @@ def run_ranks(
             with gate.held(), _sigint_blocked_in_children():  # every started rank is in procs, to be stopped
                 for p in procs:
                     p.start()
-            results, failure = _collect_results(procs, queue, timeout_s)
+            watch = Watch(store, world_size, watchdog_s) if watchdog_s else None
+            results, failure = _collect_results(procs, queue, timeout_s, watch)
         except BaseException:
             _stop_all([p for p in procs if p.pid is not None])
             raise
@@ -237,7 +255,9 @@ def run_ranks(
     return [results[r] for r in range(world_size)]
 
 
-def _collect_results(procs: list, queue: Any, timeout_s: Optional[float]) -> tuple[dict[int, Any], Optional[str]]:
+def _collect_results(
+    procs: list, queue: Any, timeout_s: Optional[float], watch: Optional[Watch] = None
+) -> tuple[dict[int, Any], Optional[str]]:
     """Each rank's result as it arrives, until all are in or one fails (then the reason why)."""
     world_size = len(procs)
     results: dict[int, Any] = {}
@@ -247,9 +267,10 @@ def _collect_results(procs: list, queue: Any, timeout_s: Optional[float]) -> tup
         try:
             rank, ok, payload = queue.get(timeout=2.0)
         except queue_module.Empty:
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
-            if dead:
-                failure = f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]}) without a result"
+            dead = died_without_result(procs, results)
+            silent = watch.silent(set(results)) if watch is not None and not dead else None
+            if dead or silent:
+                failure = dead or silent
             elif deadline is not None and time.monotonic() > deadline:
                 failure = (
                     f"ranks {sorted(set(range(world_size)) - set(results))} produced no result within {timeout_s:.0f}s"
@@ -259,6 +280,9 @@ def _collect_results(procs: list, queue: Any, timeout_s: Optional[float]) -> tup
             results[rank] = pickle.loads(payload)
         else:
             failure = f"rank {rank} failed:\n{payload}"
+            dead = died_without_result(procs, results, wait_s=DEATH_GRACE_S)
+            if dead:  # a rank killed outright makes its peers fail first: name it, then them
+                failure = f"{dead}; then {failure}"
     return results, failure
 
 

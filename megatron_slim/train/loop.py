@@ -23,7 +23,9 @@ import torch
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.recipe import Recipe, recipe_from_dict
 from megatron_slim.plan.sim.costs import slice_lengths
+from megatron_slim.runtime.heartbeat import set_step
 from megatron_slim.train import checkpoint
+from megatron_slim.train.checkpoint.store import CheckpointNotWritten
 from megatron_slim.train.dynmo.planned import migrate_if_planned
 from megatron_slim.train.dynmo.rebalance import Rebalancer, rebalance_if_due
 from megatron_slim.train.dynmo.run import DynamicTraining, with_dynamic_layers
@@ -112,6 +114,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     training.metrics = open_metrics(options.metrics, recipe, training.reporter)
     training.profiler = IterationProfiler(options.profile, rank, recipe, groups)
     for it in range(start, t.iters):
+        set_step(f"iteration {it + 1}")
         if not training.iteration(it + 1):
             break
     if training.metrics:
@@ -220,6 +223,8 @@ class _RankTraining:
             dp_mean(summed_loss(reports), self.grad_group, self.grad_size)
         report.last_iteration = number
         self._save_if_due(number)
+        if report.stopped:
+            return False
         moving = migrate_if_planned(self, number) and rebalance_if_due(self, number)
         return moving and number != self.options.exit_interval
 
@@ -287,13 +292,16 @@ class _RankTraining:
             saved_report = (
                 {"losses": self.report.losses, "cp_iterations": self.report.cp_iterations} if self.reporter else None
             )
-            checkpoint.save(
-                options.checkpoint_dir,
-                number,
-                self.rank,
-                self.chunks,
-                self.optimizer,
-                self.scheduler,
-                self.recipe_data,
-                report=saved_report,
-            )
+            try:
+                checkpoint.save(
+                    options.checkpoint_dir,
+                    number,
+                    self.rank,
+                    self.chunks,
+                    self.optimizer,
+                    self.scheduler,
+                    self.recipe_data,
+                    report=saved_report,
+                )
+            except CheckpointNotWritten as exc:  # every rank stops here, with the reason
+                self.report.stopped = str(exc)

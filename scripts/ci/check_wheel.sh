@@ -9,7 +9,8 @@
 # (modules, recipes, hardware profiles, py.typed) and nothing else; install torch==2.13.0 (pinned:
 # anything else pulls GBs of CUDA packages), then the wheel with its dependencies (pip's cache is
 # used as usual); then, from the temporary folder, `megatron-slim recipes` (must list every shipped
-# recipe and hardware profile), `megatron-slim simulate` of a shipped recipe and a 2-iteration
+# recipe and hardware profile), `megatron-slim simulate` of a shipped recipe (and, matplotlib being
+# the `plot` extra, its `--plot` refused naming it) and a 2-iteration
 # `megatron-slim train` of tiny-cpu (4 CPU ranks; it first tokenizes the Python standard library
 # into a fresh cache, ~10-20 s on 2 cores).
 #
@@ -160,6 +161,17 @@ if not (out.get("iteration_time_s", 0) > 0 and out.get("ranks")):
     sys.exit(f"simulate wrote no timing: {out}")
 print(f"simulated one iteration: {out['iteration_time_s']:.3f} s, {len(out['ranks'])} ranks")
 EOF
+    # matplotlib is the `plot` extra: a bare install refuses --plot before any work, naming it
+    local refused
+    if isolated "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("matplotlib") is None)'; then
+        echo "matplotlib came with another dependency: the --plot refusal is not checked here"
+    elif refused=$(cli simulate --recipe "$SIM_RECIPE" --plot "$RUN/timeline.png" 2>&1); then
+        die "simulate --plot ran without matplotlib installed"
+    else
+        [[ $refused == *"pip install 'megatron-slim[plot]'"* ]] || die "--plot without matplotlib: $refused"
+        [[ ! -e $RUN/timeline.png ]] || die "--plot without matplotlib wrote $RUN/timeline.png"
+        echo "--plot without matplotlib is refused, naming the plot extra"
+    fi
     # the shipped calibrations load by name from the installed package
     cli simulate --recipe "$SIM_RECIPE" --calibration hopper-cudnn --json "$RUN/simulate-calibrated.json" > /dev/null
     echo "simulated with the shipped calibration hopper-cudnn"

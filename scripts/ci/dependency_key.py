@@ -5,8 +5,7 @@
 The key hashes ``[project].dependencies``, the named optional-dependency lists and the pins after
 ``--`` (the Makefile's torch and megatron-core versions), so the Makefile names the Python 3.12
 environment after its dependencies: an edit elsewhere in pyproject.toml (tool settings, markers)
-keeps the environment, a changed dependency makes a new one. Python 3.10 has no tomllib: it hashes
-the whole file instead (the environment is then rebuilt on any edit, which is safe).
+keeps the environment, a changed dependency makes a new one.
 """
 
 from __future__ import annotations
@@ -14,14 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import tomllib
 from pathlib import Path
 
 
 def dependency_key(pyproject: Path, extras: list[str], pins: list[str]) -> str:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        return hashlib.sha1(pyproject.read_bytes() + json.dumps(pins).encode()).hexdigest()[:12]
     project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
     optional = project.get("optional-dependencies", {})
     unknown = [e for e in extras if e not in optional]

@@ -91,3 +91,48 @@ def test_cache_dir_defaults_to_the_environment_variable(tmp_path, monkeypatch):
 def test_bad_settings_are_rejected(tmp_path, kwargs, name):
     with pytest.raises(ValueError, match=name):
         prepare_corpus("stdlib", cache_dir=tmp_path, **kwargs)
+
+
+def _damage(entry, how):
+    if how == "truncated-bin":
+        data = (entry / "tokens.bin").read_bytes()
+        (entry / "tokens.bin").write_bytes(data[: len(data) // 2])
+    elif how == "zeroed-bin":  # same size: only the checksum sees it
+        (entry / "tokens.bin").write_bytes(bytes((entry / "tokens.bin").stat().st_size))
+    elif how == "truncated-idx":
+        data = (entry / "tokens.idx").read_bytes()
+        (entry / "tokens.idx").write_bytes(data[:-8])
+    elif how == "broken-tokenizer":
+        (entry / "tokenizer.json").write_text("{ not json")
+    elif how == "broken-metadata":
+        (entry / "meta.json").write_text("{ not json")
+
+
+@pytest.mark.parametrize(
+    "how,reason",
+    [
+        ("truncated-bin", "tokens.bin has"),
+        ("zeroed-bin", "tokens.bin does not match the checksum"),
+        ("truncated-idx", "tokens.idx has"),
+        ("broken-tokenizer", "tokenizer.json"),
+        ("broken-metadata", "meta.json unreadable"),
+    ],
+)
+def test_a_damaged_cache_entry_is_found_and_built_again(tmp_path, capsys, how, reason):
+    """A truncated or zeroed token file, a broken tokenizer or metadata: the next run says so in one
+    line and builds the entry again, instead of a traceback or training on garbage."""
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("hello world, hello tokens\n" * 40)
+    first = prepare_corpus(corpus, cache_dir=tmp_path / "c", vocab_size=270)
+    tokens = [d.tolist() for d in read_token_documents(first.path_prefix)]
+    capsys.readouterr()
+    _damage(first.directory, how)
+    again = prepare_corpus(corpus, cache_dir=tmp_path / "c", vocab_size=270)
+    out = capsys.readouterr().out
+    assert (
+        f"data: the cache entry {first.directory} is damaged (" in out and reason in out and "building it again" in out
+    )
+    assert not again.cache_hit and again.directory == first.directory
+    assert [d.tolist() for d in read_token_documents(again.path_prefix)] == tokens
+    assert prepare_corpus(corpus, cache_dir=tmp_path / "c", vocab_size=270).cache_hit

@@ -1,5 +1,5 @@
-"""scripts/slurm: the dry run prints, per node, the torchrun command that launches pretrain_gpt.py
-through megatron_slim.launch with the recipe's flags."""
+"""scripts/slurm: the dry run prints, once, the torchrun command every node runs to launch
+pretrain_gpt.py through megatron_slim.launch with the recipe's flags, and the nodes it runs on."""
 
 import os
 import shlex
@@ -30,15 +30,15 @@ def _dry_run(**env):
 
 
 @pytest.mark.parametrize("recipe,nodes", [("llama2-7b-64k", 8), ("llama2-70b-512k", 32)])
-def test_dry_run_prints_one_launch_per_node_with_the_recipe_flags(recipe, nodes):
+def test_dry_run_prints_the_launch_every_node_runs_once_with_the_recipe_flags(recipe, nodes):
     run = _dry_run(RECIPE=recipe, DATA_PATH="/data/corpus_text_document", MASTER_PORT="6123")
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
-    assert len(lines) == nodes
+    assert len(lines) == 1
     expected_flags = recipe_to_megatron_args(load_recipe(recipe))
-    for i, line in enumerate(lines):
+    for line in lines:
         prefix, command = line.split(": ", 1)
-        assert prefix == f"node {i} (node{i})"
+        assert prefix == f"on each of {nodes} node(s) ({' '.join(f'node{i}' for i in range(nodes))})"
         words = shlex.split(command)
         assert words[words.index("--nnodes") + 1] == str(nodes)
         assert words[words.index("--nproc_per_node") + 1] == "8"
@@ -49,17 +49,21 @@ def test_dry_run_prints_one_launch_per_node_with_the_recipe_flags(recipe, nodes)
         assert rest[: len(expected_flags)] == expected_flags
         assert rest[len(expected_flags) : len(expected_flags) + 2] == ["--data-path", "/data/corpus_text_document"]
         assert "--save" in rest and "--load" in rest
+        assert rest[rest.index("--tensorboard-dir") + 1] == f"{rest[rest.index('--save') + 1]}/tensorboard"
         assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in words
 
 
 def test_recipe_overrides_and_a_mismatched_allocation():
     run = _dry_run(RECIPE="llama2-7b-64k", RECIPE_SET="parallel.dp=2 train.global_batch_size=32")
-    assert run.returncode == 0 and len(run.stdout.strip().splitlines()) == 4
+    assert run.returncode == 0 and run.stdout.startswith("on each of 4 node(s) ")
     assert "--mock-data" in run.stdout
+    assert run.stderr.count("changes the job from") == 1  # the recipe note once, not once per query
     bad = _dry_run(RECIPE="llama2-7b-64k", SLURM_NNODES="3")
     assert bad.returncode == 2 and "needs 8 nodes" in bad.stderr
     unknown = _dry_run(RECIPE="nope")
     assert unknown.returncode != 0 and "unknown recipe 'nope'" in unknown.stderr
+    refused = _dry_run(RECIPE="tiny-cpu", RECIPE_SET="train.iters=4")  # warmup 4: megatron-args refuses it
+    assert refused.returncode != 0 and refused.stdout == "" and "train.warmup_iters" in refused.stderr
 
 
 REPO = SCRIPT.parents[2]
@@ -127,7 +131,7 @@ def test_submit_sh_counts_nodes_with_the_recipe_overrides(slurm_path):
         env=_clean_env(slurm_path, RECIPE_SET="parallel.dp=2 train.global_batch_size=32"),
     )
     assert run.returncode == 0, run.stderr
-    assert len(run.stdout.strip().splitlines()) == 4
+    assert run.stdout.startswith("on each of 4 node(s) ")
 
 
 def _readme_slurm_lines() -> list[str]:
@@ -153,8 +157,8 @@ def test_readme_slurm_commands_run_as_written(slurm_path):
             else recipe[recipe.index("scripts/slurm/submit.sh") + 1]
         )
         flags = recipe_to_megatron_args(load_recipe(name))
-        nodes = run.stdout.strip().splitlines()
-        assert nodes and all(shlex.join(flags) in ln for ln in nodes), line
+        launches = run.stdout.strip().splitlines()
+        assert len(launches) == 1 and shlex.join(flags) in launches[0], line
 
 
 def test_extra_args_keep_quoted_values_with_spaces_whole():
@@ -169,3 +173,22 @@ def test_extra_args_keep_quoted_values_with_spaces_whole():
     assert r"--tokenizer-model /data/tok\ dir" in first
     bad = _dry_run(RECIPE="llama2-7b-64k", EXTRA_ARGS='--wandb-exp-name "unbalanced')
     assert bad.returncode == 2 and "EXTRA_ARGS: not valid shell words" in bad.stderr
+
+
+def test_a_data_blend_reaches_megatron_as_words():
+    """DATA_PATH is word-split as Megatron-LM's own examples do, so a blend is weights and prefixes;
+    shell quoting keeps a path with a space one word."""
+    run = _dry_run(RECIPE="llama2-7b-64k", DATA_PATH="0.3 /data/a_text_document 0.7 '/data/b c_text_document'")
+    assert run.returncode == 0, run.stderr
+    words = shlex.split(run.stdout.split(": ", 1)[1])
+    at = words.index("--data-path")
+    assert words[at : at + 6] == [
+        "--data-path",
+        "0.3",
+        "/data/a_text_document",
+        "0.7",
+        "/data/b c_text_document",
+        "--split",
+    ]
+    bad = _dry_run(RECIPE="llama2-7b-64k", DATA_PATH="0.3 '/data/a")
+    assert bad.returncode == 2 and "DATA_PATH: not valid shell words" in bad.stderr

@@ -42,6 +42,20 @@ def test_a_recipe_that_is_not_utf8_or_repeats_a_key_is_refused(tmp_path, capsys)
     assert "key 'hardware' appears twice (lines 1 and 3)" in _error(capsys, "simulate", "--recipe", str(twice))
 
 
+def test_a_recipe_with_yaml_aliases_or_of_megabytes_is_refused_before_it_is_expanded(tmp_path, capsys):
+    """Nested aliases (a "billion laughs" of 1.2 KB) would need gigabytes to expand; refused unread."""
+    laughs = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    laughs += [f"{n}: &{n} [{', '.join(['*' + p] * 10)}]" for p, n in zip("abcdefgh", "bcdefghi")]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(laughs) + "\n")
+    err = _error(capsys, "simulate", "--recipe", str(bomb))
+    assert f"--recipe {bomb}: not valid YAML (alias *a (line 2); allowed: no anchors or aliases" in err
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("description: " + "x" * (1 << 20) + "\n")
+    err = _error(capsys, "simulate", "--recipe", str(huge))
+    assert f"--recipe {huge}: {(1 << 20) + 14} bytes of YAML; allowed: at most {1 << 20} bytes" in err
+
+
 def test_a_hardware_profile_that_is_malformed_or_not_utf8_is_refused(tmp_path, capsys):
     for name, content, expected in (
         ("broken.yaml", b"name: [unclosed\n", "not valid YAML"),

@@ -117,6 +117,24 @@ def test_an_unwritable_output_fails_before_any_work(flag, tmp_path, capsys):
     assert f"{flag} {tmp_path}: cannot write" in capsys.readouterr().err
 
 
+def test_a_path_naming_a_missing_directory_fails_before_any_work(tmp_path, capsys):
+    missing = f"{tmp_path}/not-yet/"
+    assert main(["simulate", "--recipe", "tiny-cpu", "--plot", missing]) == 2
+    captured = capsys.readouterr()
+    assert f"--plot {missing}: cannot write (it is a directory)" in captured.err and "schedule" not in captured.out
+    assert not (tmp_path / "not-yet").exists()
+
+
+def test_the_plot_is_written_to_exactly_the_path_named_and_only_as_png(tmp_path, capsys):
+    bare = tmp_path / "timeline"
+    assert main(["simulate", "--recipe", "tiny-cpu", "--set", "train.global_batch_size=4", "--plot", str(bare)]) == 0
+    assert f"wrote plot {bare}\n" in capsys.readouterr().out and bare.read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["timeline"]
+    svg = tmp_path / "timeline.svg"
+    assert main(["simulate", "--recipe", "tiny-cpu", "--plot", str(svg)]) == 2
+    assert f"--plot {svg}: a PNG image; allowed: a path ending in .png" in capsys.readouterr().err
+
+
 def test_two_outputs_on_one_path_are_refused(tmp_path, capsys):
     path = str(tmp_path / "same.json")
     assert main(["simulate", "--recipe", "tiny-cpu", "--json", path, "--trace", path]) == 2
@@ -169,6 +187,33 @@ def test_a_bad_calibration_file_fails_before_any_work(content, needle, tmp_path,
     captured = capsys.readouterr()
     assert f"--calibration {path}" in captured.err and needle in captured.err
     assert "schedule" not in captured.out
+
+
+@pytest.mark.parametrize(
+    "measurement,needle",
+    [
+        ("{op: gemm, work: 1.0e12, seconds: 3.0e-4}", "gemm measurement of 1e+12 in 0.0003 s is 3.33e+15/s, 3.37x"),
+        ("{op: memory_bound, work: 1.0e3, seconds: 1.0e3}", "memory_bound measurement of 1000 in 1000 s is 1/s"),
+        ("{op: gemm, work: 1.0e-300, seconds: 1.0e300}", "rate: invalid value (got 'work 1e-300 in 1e+300 s'"),
+    ],
+    ids=["above-peak", "absurdly-slow", "underflows"],
+)
+def test_a_calibration_the_recipes_hardware_cannot_have_measured_is_refused(measurement, needle, tmp_path, capsys):
+    """A rate above the profile's peak would price kernels faster than the GPU runs them (MFU 330%);
+    a rate a million times below it is a unit mistake (and 0 divided the kernel times by zero)."""
+    path = tmp_path / "cal.yaml"
+    path.write_text(f"hardware: h800\nmeasurements:\n  - {measurement}\n")
+    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--calibration", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert needle in captured.err and "schedule" not in captured.out
+
+
+def test_a_calibration_measured_on_another_gpu_is_used_and_said_so(tmp_path, capsys):
+    path = tmp_path / "cal.yaml"
+    path.write_text("hardware: h100\nmeasurements:\n  - {op: gemm, work: 1.0e12, seconds: 2.0e-3}\n")
+    assert main(["simulate", "--recipe", "zeppelin-7b-h800", "--calibration", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert f"note: --calibration {path} was measured on 'h100'; the recipe's hardware profile is 'h800'" in err
 
 
 def test_seed_without_lengths_is_refused_not_ignored(capsys):

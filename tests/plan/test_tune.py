@@ -14,7 +14,7 @@ from megatron_slim.commands.simulate import run_one
 from megatron_slim.megatron.launch.flags import add_arguments, check_megatron_args, recipe_to_megatron_args
 from megatron_slim.plan.cost.slicing import splits_uniformly
 from megatron_slim.plan.paths import config_dir
-from megatron_slim.plan.recipe import CPConfig, Recipe, recipe_from_dict
+from megatron_slim.plan.recipe import CPConfig, Recipe, load_recipe, recipe_from_dict
 from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.schedule.lower import lower
 from megatron_slim.plan.schema import ConfigError, apply_overrides
@@ -26,7 +26,15 @@ from megatron_slim.plan.tune.bounds import first_backward_memory, memory_lower_b
 from megatron_slim.plan.tune.report import chosen, payload
 from megatron_slim.plan.tune.runnable import Runnable, launch_settings
 from megatron_slim.plan.tune.search import costs_of, search, simulations_of
-from megatron_slim.plan.tune.space import FAMILIES, Layout, candidate_recipe, candidates, layouts, recompute_options
+from megatron_slim.plan.tune.space import (
+    FAMILIES,
+    Layout,
+    candidate_recipe,
+    candidates,
+    layouts,
+    recompute_options,
+    usable_gpu_counts,
+)
 
 GIB = 2**30
 
@@ -153,6 +161,20 @@ def test_plan_json_holds_both_choices_and_the_speedup(tmp_path, capsys):
     assert "SlimPipe" in text and "Megatron baseline" in text and "speedup" in text
 
 
+def test_the_search_reports_its_progress_per_family_and_phase(tmp_path):
+    """``megatron-slim plan`` shows this as its progress line (it was silent for minutes)."""
+    heard = []
+    tune(small_recipe(tmp_path), 4, progress=lambda phase, done, total: heard.append((phase, done, total)))
+    phases = [p for p, _, _ in heard]
+    for family in FAMILIES:
+        mine = [h for h in heard if h[0].startswith(f"{family}: ")]
+        assert mine and {f"{family}: bounding candidates", f"{family}: simulating"} <= {p for p, _, _ in mine}
+        assert all(0 <= done <= total for _, done, total in mine)
+    assert phases.index("megatron: bounding candidates") > phases.index("slimpipe: simulating") or phases.index(
+        "slimpipe: bounding candidates"
+    ) > phases.index("megatron: simulating")  # one family after the other
+
+
 def test_the_reported_set_keys_rebuild_the_choice_and_its_figures(tmp_path):
     """The reported ``--set`` keys rebuild a recipe whose ``megatron-slim simulate`` figures are the chosen ones."""
     recipe = small_recipe(tmp_path)
@@ -201,6 +223,21 @@ def test_exchange_is_not_searched_where_train_and_the_launcher_refuse_it(tmp_pat
     recipe = recipe_from_dict(data)
     cands = candidates(recipe, 4, FAMILIES["slimpipe"], max_slices=8)
     assert cands and {c.slice_policy for c in cands} == {"uniform", "balanced"}
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu", "llama2-7b-64k", "llama2-70b-512k"])
+def test_the_usable_gpu_counts_are_exactly_the_counts_a_layout_uses(name):
+    recipe = load_recipe(name)
+    usable = usable_gpu_counts(recipe)
+    assert usable == sorted(set(usable)) and all(layouts(recipe, g) for g in usable)
+    assert [g for g in range(1, 600) if layouts(recipe, g)] == [g for g in usable if g < 600]
+
+
+def test_a_huge_gpu_count_is_answered_at_once_with_the_nearest_usable_ones(capsys):
+    """Finding the nearest usable counts was a scan of every count up to twice the request
+    (minutes at --gpus 40000); they are now the neighbours in the list of usable counts."""
+    assert main(["plan", "--recipe", "llama2-7b-64k", "--gpus", "1000000"]) == 2
+    assert "--gpus 1000000: no layout" in (err := capsys.readouterr().err) and "nearest: 524288, 1048576" in err
 
 
 def test_gpu_count_no_layout_uses_names_it_and_the_nearest(capsys):

@@ -94,8 +94,8 @@ def _sbatch_flags(recipe: str, recipe_set: str = "") -> list[str]:
         text=True,
         check=True,
     )
-    first_node = done.stdout.splitlines()[0]
-    words = shlex.split(first_node.split(": ", 1)[1])
+    launch = done.stdout.splitlines()[0]  # the command every node runs
+    words = shlex.split(launch.split(": ", 1)[1])
     return words[words.index("/opt/Megatron-LM/pretrain_gpt.py") + 1 :]
 
 

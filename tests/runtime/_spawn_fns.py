@@ -33,3 +33,23 @@ def write_pid_and_sleep(rank, world_size, folder):
 
     Path(folder, f"rank{rank}.pid").write_text(str(os.getpid()))
     time.sleep(600)
+
+
+def killed_while_the_other_waits(rank, world_size):
+    import signal
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def stopped_while_the_other_waits(rank, world_size):
+    import signal
+
+    from megatron_slim.runtime.heartbeat import set_step
+
+    set_step("the test's stop")
+    if rank == 1:
+        time.sleep(1.0)  # a few heartbeats first
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.barrier()

@@ -40,6 +40,7 @@ def test_plain_launcher_environment_defaults_local_values():
     [
         ({"RANK": None}, "RANK"),
         ({"MASTER_PORT": ""}, "MASTER_PORT"),
+        ({"MASTER_PORT": "70000"}, r"MASTER_PORT: not an integer in 1\.\.65535 \(got '70000'\)"),
         ({"WORLD_SIZE": "two"}, "WORLD_SIZE"),
         ({"WORLD_SIZE": "0"}, "WORLD_SIZE"),
         ({"RANK": "4"}, "RANK=4"),
@@ -58,3 +59,25 @@ def test_threads_follow_omp_num_threads_else_share_the_cores(monkeypatch):
     assert threads_per_rank(8) == 3
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert threads_per_rank(10**6) == 1
+
+
+def test_a_taken_master_port_is_named_in_one_line(monkeypatch):
+    """Rank 0 serves the rendezvous on MASTER_PORT; a port another process holds is a ConfigError
+    naming MASTER_ADDR and MASTER_PORT, not torch's DistNetworkError traceback."""
+    import socket
+
+    from megatron_slim.runtime.job import joined
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        job = launched_rank(env)
+        refused = f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}: rank 0 could not join"
+        with pytest.raises(ConfigError, match=refused), joined(job, timeout_s=20):
+            pass

@@ -132,3 +132,21 @@ def test_forked_ranks_die_with_a_caller_killed_outright(tmp_path):
     for pid in left:  # leave nothing behind when failing
         os.kill(pid, signal.SIGKILL)
     assert not left
+
+
+def test_a_rank_killed_outright_is_named_before_the_peers_it_made_fail():
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_spawn_fns.killed_while_the_other_waits, 2, timeout_s=120, collective_timeout_s=60)
+    assert str(failed.value).startswith("rank 1 died (killed by SIGKILL) without a result")
+
+
+def test_a_rank_that_stops_responding_is_named_with_its_step_and_every_rank_is_stopped():
+    """SIGSTOP on one rank would hang its peer in the barrier until the collective timeout (here a
+    minute) with no message; the watchdog names it after ``watchdog_s`` without a heartbeat."""
+    began = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_spawn_fns.stopped_while_the_other_waits, 2, timeout_s=120, collective_timeout_s=60, watchdog_s=3)
+    assert str(failed.value).startswith("rank 1 stopped responding (") and "last at the test's stop" in str(
+        failed.value
+    )
+    assert time.monotonic() - began < 45

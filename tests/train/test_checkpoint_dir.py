@@ -160,3 +160,28 @@ def test_train_refuses_a_directory_with_nothing_intact_before_any_work(tmp_path,
     captured = capsys.readouterr()
     assert "no intact checkpoint to resume from (latest holds 'garbage'" in captured.err
     assert "data:" not in captured.out
+
+
+def test_a_second_run_on_a_checkpoint_directory_in_use_refuses_naming_the_first(tmp_path, capsys):
+    """Two runs on one directory would interleave their checkpoints; the second refuses before any
+    work, naming the holder, and the directory is free again when the first ends."""
+    import os
+    import socket
+
+    from megatron_slim.train.checkpoint.lock import LOCK_FILE, only_run_in
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    with only_run_in(str(ckpt)):
+        assert f"pid {os.getpid()}" in (ckpt / LOCK_FILE).read_text()
+        assert main(["train", "--checkpoint-dir", str(ckpt), "--set", *SETS]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"--checkpoint-dir {ckpt}: another run is training into it (host {socket.gethostname()}, pid {os.getpid()}"
+            in err
+        )
+        with pytest.raises(ConfigError, match="another run is training into it"), only_run_in(str(ckpt)):
+            pass
+    with only_run_in(str(ckpt)):  # released
+        pass
+    assert sorted(p.name for p in ckpt.iterdir()) == [LOCK_FILE]

@@ -104,7 +104,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start_training(tmp_path, data_cache):
+def _start_training(tmp_path, data_cache, *extra):
     """`python -m megatron_slim train` on 2 ranks, long enough to be stopped; returns it and its rank
     PIDs once both ranks train (an iteration line is printed)."""
     out, err = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")  # noqa: SIM115 (outlive this call)
@@ -121,6 +121,7 @@ def _start_training(tmp_path, data_cache):
             "model.seq_length=64",
             "train.iters=100000",
             "train.log_interval=1",
+            *extra,
         ],
         env=_env(),
         cwd=tmp_path,
@@ -178,3 +179,18 @@ def test_killed_train_leaves_no_rank_behind(tmp_path, data_cache):
     proc.kill()
     assert proc.wait(timeout=30) == -signal.SIGKILL
     assert _wait_gone(ranks, 5) == []
+
+
+# slow: the watchdog's mechanism is in the default tier
+# (tests/runtime/test_spawn.py::test_a_rank_that_stops_responding_is_named_with_its_step_and_every_rank_is_stopped)
+@pytest.mark.multi
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_stopped_rank_stops_the_run_naming_it_and_its_iteration(tmp_path, data_cache):
+    proc, ranks = _start_training(tmp_path, data_cache, "--rank-timeout", "5")
+    os.kill(ranks[1], signal.SIGSTOP)
+    code = proc.wait(timeout=120)
+    assert _wait_gone(ranks, 10) == []
+    stderr = (tmp_path / "stderr").read_text()
+    assert code != 0 and "Traceback" not in stderr.splitlines()[-1]
+    assert "stopped responding" in stderr and "last at iteration " in stderr

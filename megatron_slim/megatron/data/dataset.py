@@ -19,13 +19,13 @@ from typing import Any
 
 import tokenizers
 
-from megatron_slim.data.cache import build_once, default_cache_dir
+from megatron_slim.data.cache import build_once, default_cache_dir, file_manifest, manifest_problem, rebuild
 from megatron_slim.data.corpus import STDLIB, Corpus, list_corpus
 from megatron_slim.data.tokenizer import CorpusTokenizer, check_vocab_size, train_tokenizer
 from megatron_slim.megatron.data.indexed import write_tokenized_corpus
 
 # Bump when the layout or content of a cache entry changes for the same inputs.
-PIPELINE_VERSION = 2  # 2: Hugging Face tokenizers BPE
+PIPELINE_VERSION = 3  # 2: Hugging Face tokenizers BPE; 3: file checksums in the metadata
 META_FILE = "meta.json"
 DATA_PREFIX = "tokens"
 DEFAULT_VOCAB_SIZE = 4096
@@ -91,11 +91,19 @@ def prepare_corpus(
             "num_tokens": stats.num_tokens,
             "num_bytes": docs.num_bytes,
             "tokenizer_vocab_size": used.vocab_size,
+            "files": file_manifest(staging),
         }
         (staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
     built = build_once(entry, build)
-    meta = json.loads((entry / META_FILE).read_text(encoding="utf-8"))
+    meta, problem = _checked_meta(entry)
+    if problem is not None:
+        print(f"data: the cache entry {entry} is damaged ({problem}): building it again", flush=True)
+        rebuild(entry, build)
+        built = True
+        meta, problem = _checked_meta(entry)
+        if problem is not None:
+            raise ValueError(f"{entry}: damaged right after it was built ({problem}); is the disk full?")
     return PreparedCorpus(
         source=docs.source,
         directory=entry,
@@ -107,6 +115,17 @@ def prepare_corpus(
         corpus_fingerprint=docs.fingerprint,
         cache_hit=not built,
     )
+
+
+def _checked_meta(entry: Path) -> tuple[dict[str, Any], str | None]:
+    """The entry's metadata, and why its files are not what was written (None: they are)."""
+    try:
+        meta = json.loads((entry / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return {}, f"{META_FILE} unreadable: {exc}"
+    if not isinstance(meta, dict) or not {"num_documents", "num_tokens", "num_bytes"} <= set(meta):
+        return {}, f"{META_FILE} lacks the corpus figures"
+    return meta, manifest_problem(entry, meta.get("files"))
 
 
 def _cache_settings(

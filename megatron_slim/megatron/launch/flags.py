@@ -13,6 +13,7 @@ from pathlib import Path
 from megatron_slim.megatron.launch.args import settings_from_megatron_args
 from megatron_slim.megatron.launch.cp_checks import check_engine_fits
 from megatron_slim.megatron.launch.dynmo_flags import check_dynmo_args, dynmo_to_megatron_args
+from megatron_slim.megatron.launch.package_checks import check_installed_packages
 from megatron_slim.megatron.launch.recompute_flags import recompute_flags, refuse_what_megatron_cannot_recompute
 from megatron_slim.megatron.launch.registered_flags import (  # noqa: F401  (re-exported)
     ATTENTION_BACKENDS,
@@ -222,5 +223,6 @@ def check_megatron_args(args: argparse.Namespace) -> None:
     settings = settings_from_megatron_args(args)
     check(settings, LAUNCHER)
     check_dynmo_args(args)
+    check_installed_packages(args)
     if settings.cp_engine_runs or settings.cp_engine_slices:
         check_engine_fits(args, settings.cp_engine)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from megatron_slim.plan.files import parse_yaml, read_text
+from megatron_slim.plan.hardware import HardwareProfile
 from megatron_slim.plan.paths import config_dir
 from megatron_slim.plan.schema import ConfigError, build, fail
 
@@ -43,10 +44,17 @@ class Measurement:
     note: str = ""
 
     def __post_init__(self) -> None:
-        if self.work <= 0:
-            raise fail("measurements[].work", self.work, "a positive number of FLOPs or bytes")
-        if self.seconds <= 0:
-            raise fail("measurements[].seconds", self.seconds, "a positive number of seconds")
+        if not (math.isfinite(self.work) and self.work > 0):
+            raise fail("work", self.work, "a finite positive number of FLOPs or bytes")
+        if not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise fail("seconds", self.seconds, "a finite positive number of seconds")
+        rate = self.work / self.seconds
+        if not (math.isfinite(rate) and rate > 0):
+            raise fail(
+                "rate",
+                f"work {self.work:g} in {self.seconds:g} s",
+                "a finite positive rate (work / seconds)",
+            )
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,38 @@ class Calibration:
         (w0, r0), (w1, r1) = points[i - 1], points[i]
         t = (math.log(work) - math.log(w0)) / (math.log(w1) - math.log(w0))
         return r0 + t * (r1 - r0)
+
+
+# A measured rate may not beat the profile's peak (the cost model would price kernels faster than the
+# hardware can run them: MFU above 100%), nor be below this share of it (no kernel of a GPU that
+# profile describes runs a million times slower; such a number is a unit mistake).
+PEAK_TOLERANCE = 1.02  # spec sheets round; a measured rate a few percent above is not a unit error
+SLOWEST_SHARE = 1e-6
+
+
+def check_against_profile(calibration: Calibration, profile: HardwareProfile, flag: str = "--calibration") -> list[str]:
+    """Refuse rates the profile cannot have produced; the notes a user should see (a calibration
+    measured on another GPU than the recipe's profile is used as measured, and said so)."""
+    for m in calibration.measurements:
+        peak, unit = (
+            (profile.hbm_bandwidth, "bytes/s of HBM bandwidth")
+            if m.op == "memory_bound"
+            else (profile.peak_bf16_flops, "FLOP/s bf16 peak")
+        )
+        rate = m.work / m.seconds
+        if rate > peak * PEAK_TOLERANCE or rate < peak * SLOWEST_SHARE:
+            raise ConfigError(
+                f"{flag}: {m.op} measurement of {m.work:g} in {m.seconds:g} s is {rate:.3g}/s, "
+                f"{rate / peak:.3g}x the {profile.name} profile's {peak:.3g} {unit}; allowed: rates between "
+                f"{SLOWEST_SHARE:g}x and {PEAK_TOLERANCE}x the profile's peak (measured on this hardware, "
+                "work in FLOPs or bytes, time in seconds)"
+            )
+    if calibration.hardware != profile.name:
+        return [
+            f"note: {flag} was measured on {calibration.hardware!r}; the recipe's hardware profile is "
+            f"{profile.name!r}: its rates are used as measured"
+        ]
+    return []
 
 
 def shipped_calibrations() -> list[str]:

@@ -111,7 +111,9 @@ def _parse_params(kind: str, body: str, where: str) -> Distribution:
         try:
             values[key] = float(raw)
         except ValueError:
-            raise fail(f"{where} {kind}.{key}", raw, "a number") from None
+            raise fail(f"{where} {kind}.{key}", raw, "a finite number") from None
+        if not math.isfinite(values[key]):
+            raise fail(f"{where} {kind}.{key}", raw, "a finite number")
     missing = [k for k in _PARAMS[kind] if k not in values]
     if missing:
         raise fail(f"{where} {kind}.{missing[0]}", None, f"all of {', '.join(_PARAMS[kind])}", problem="missing key")
@@ -161,8 +163,8 @@ def _parse_mix(body: str) -> tuple[tuple[float, Distribution], ...]:
             weight = float(m.group(1))
         except ValueError:
             raise fail(f"--lengths mix[{i}].weight", m.group(1), "a number > 0") from None
-        if weight <= 0:
-            raise fail(f"--lengths mix[{i}].weight", weight, "a number > 0")
+        if not (math.isfinite(weight) and weight > 0):
+            raise fail(f"--lengths mix[{i}].weight", m.group(1), "a finite number > 0")
         out.append((weight, _parse_params(m.group(2), m.group(3), f"--lengths mix[{i}]")))
     return tuple(out)
 

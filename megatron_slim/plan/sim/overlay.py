@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_slim.plan.files import write_atomically
 from megatron_slim.plan.sim.engine import SimResult
 from megatron_slim.plan.sim.measured import MeasuredRun
 from megatron_slim.plan.sim.plot import compute_legend, draw_compute
@@ -55,7 +56,7 @@ def plot_overlay(measured: MeasuredRun, simulated: SimResult, hardware: str, pat
     axes[1].set_xlabel("time from the iteration's first forward (s)")
     _busy_bars(axes[2], compare_ranks(measured, simulated))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "--plot")
     plt.close(fig)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from megatron_slim.plan.files import write_atomically
 from megatron_slim.plan.sim.engine import Event, SimResult
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ def plot_results(results: Sequence[tuple[str, SimResult]], path: str | Path) -> 
     else:
         _peak_bars(axes[n], results)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "--plot")
     plt.close(fig)
 
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megatron_slim.plan.files import write_atomically
 from megatron_slim.plan.sim.engine import SimResult
 
 _THREADS = {"compute": 0, "send": 1, "recv": 2}
@@ -82,4 +83,4 @@ def write_chrome_trace_many(results: list[tuple[str, SimResult]], path: str | Pa
         trace = chrome_trace(result, label if len(results) > 1 else "", pid_offset=1000 * i)
         merged["traceEvents"] += trace["traceEvents"]
         merged["otherData"][label or result.schedule.kind] = trace["otherData"]
-    Path(path).write_text(json.dumps(merged))
+    write_atomically(path, json.dumps(merged), "--trace")

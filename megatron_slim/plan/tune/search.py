@@ -26,6 +26,7 @@ from typing import Optional
 from megatron_slim.plan.cost.calibration import Calibration
 from megatron_slim.plan.cost.model import CostModel
 from megatron_slim.plan.hardware import HardwareProfile
+from megatron_slim.plan.progress import Progress, report
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schedule.generators import generate
 from megatron_slim.plan.schedule.ir import Schedule
@@ -80,9 +81,11 @@ def costs_of(recipe: Recipe, hardware: HardwareProfile, calibration: Optional[Ca
     return RecipeCosts(recipe, CostModel(recipe, hardware=hardware, calibration=calibration))
 
 
-def evaluate(candidate: Candidate, costs: RecipeCosts, schedule: Schedule) -> Evaluated:
+def evaluate(
+    candidate: Candidate, costs: RecipeCosts, schedule: Schedule, progress: Optional[Progress] = None
+) -> Evaluated:
     """The figures ``megatron-slim simulate`` prints for the candidate (exchange: its group plan)."""
-    result = simulate_as_planned(schedule, costs)
+    result = simulate_as_planned(schedule, costs, progress)
     peak = max(r.peak_memory_bytes for r in result.ranks)
     return Evaluated(candidate, costs.recipe, result.iteration_time_s, result.mfu, result.bubble_ratio, peak)
 
@@ -108,13 +111,15 @@ def ranked(
     cap: float,
     calibration: Optional[Calibration] = None,
     runnable: Optional[Runnable] = None,
+    progress: Optional[Progress] = None,
 ) -> tuple[list[Ranked], list[tuple[float, Candidate]]]:
     """Candidates that run as launched (``runnable``: all by default) and may fit, with their cheap
     time bounds; and the (memory lower bound, candidate) of those that cannot fit."""
     hardware = base.hardware_profile
     out, too_big = [], []
     floors: dict[Candidate, float] = {}  # exchange keeps uniform slices' memory: one floor for both
-    for c in cands:
+    for index, c in enumerate(cands):
+        report(progress, "bounding candidates", index, len(cands))
         try:
             recipe = candidate_recipe(base, c)
         except ConfigError:  # a choice a recipe rule refuses (the space only enumerates valid ones today)
@@ -183,13 +188,15 @@ def search(
     max_simulations: Optional[int] = DEFAULT_MAX_SIMULATIONS,
     calibration: Optional[Calibration] = None,
     callers: tuple[str, ...] = LAUNCH_CALLERS,
+    progress: Optional[Progress] = None,
 ) -> FamilyResult:
-    """The fastest fit among ``cands`` that the start-up rules of ``callers`` accept (``()``: all)."""
+    """The fastest fit among ``cands`` that the start-up rules of ``callers`` accept (``()``: all).
+    ``progress`` hears ``("bounding candidates", i, n)``, then ``("simulating", k, budget)``."""
     cap = float(base.hardware_profile.usable_hbm_bytes)
     runnable = Runnable(callers)
     shapes: dict[tuple[str, int, int, int, int], Schedule] = {}
     best = _Best()
-    candidates, too_big = ranked(base, cands, cap, calibration, runnable)
+    candidates, too_big = ranked(base, cands, cap, calibration, runnable, progress)
     for floor, c in too_big:
         best.too_big(floor, c, simulated=False)
     simulated, pruned = 0, len(too_big)
@@ -209,6 +216,8 @@ def search(
             pruned += 1
             best.too_big(floor, c, simulated=False)
             continue
+        budget = max_simulations if max_simulations is not None else len(cands)
+        report(progress, "simulating", simulated, budget)
         run = evaluate(c, costs, schedule)
         simulated += runs
         if run.peak_memory_bytes > cap:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, cast, get_args
 
@@ -108,7 +109,9 @@ class Candidate:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending (trial division up to its square root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def tp_choices(recipe: Recipe) -> list[int]:
@@ -119,6 +122,18 @@ def tp_choices(recipe: Recipe) -> list[int]:
         for t in range(1, top + 1)
         if not (m.num_attention_heads % t or m.num_query_groups % t or m.ffn_hidden_size % t)
     ]
+
+
+def usable_gpu_counts(recipe: Recipe) -> list[int]:
+    """Every GPU count some layout of ``layouts`` uses, ascending: the products of the choices the
+    recipe allows for tp, cp (2*cp dividing the sequence), pp (dividing the layers) and dp (dividing
+    the microbatches of a global batch)."""
+    m, t = recipe.model, recipe.train
+    cps = [1, *(c for c in divisors(m.seq_length // 2) if c > 1)] if m.seq_length % 2 == 0 else [1]
+    dps = divisors(t.global_batch_size // t.micro_batch_size) if t.global_batch_size % t.micro_batch_size == 0 else [1]
+    return sorted(
+        {tp * cp * pp * dp for tp in tp_choices(recipe) for cp in cps for pp in divisors(m.num_layers) for dp in dps}
+    )
 
 
 def layouts(recipe: Recipe, gpus: int) -> list[Layout]:

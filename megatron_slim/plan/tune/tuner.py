@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Optional
 
 from megatron_slim.plan.cost.calibration import Calibration
+from megatron_slim.plan.progress import Progress
 from megatron_slim.plan.recipe import Recipe
 from megatron_slim.plan.schema import ConfigError
 from megatron_slim.plan.tune.search import DEFAULT_MAX_SIMULATIONS, FamilyResult, search
-from megatron_slim.plan.tune.space import FAMILIES, candidates, layouts
+from megatron_slim.plan.tune.space import FAMILIES, candidates, layouts, usable_gpu_counts
 
 _GIB = 2**30
 
@@ -28,15 +30,17 @@ class TuneResult:
 
 
 def _nearest_valid(recipe: Recipe, gpus: int) -> list[int]:
-    below = next((g for g in range(gpus - 1, 0, -1) if layouts(recipe, g)), None)
-    above = next((g for g in range(gpus + 1, 2 * gpus + 64) if layouts(recipe, g)), None)
+    usable = usable_gpu_counts(recipe)
+    at = bisect.bisect_left(usable, gpus)
+    below = usable[at - 1] if at > 0 else None
+    above = usable[at] if at < len(usable) else None
     return [g for g in (below, above) if g is not None]
 
 
 def check_gpus(recipe: Recipe, gpus: int) -> None:
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: allowed: an integer >= 1")
-    if layouts(recipe, gpus):
+    if gpus in set(usable_gpu_counts(recipe)) and layouts(recipe, gpus):
         return
     m, t = recipe.model, recipe.train
     near = ", ".join(str(g) for g in _nearest_valid(recipe, gpus)) or "none found"
@@ -69,12 +73,27 @@ def tune(
     gpus: int,
     max_simulations: Optional[int] = DEFAULT_MAX_SIMULATIONS,
     calibration: Optional[Calibration] = None,
+    progress: Optional[Progress] = None,
 ) -> TuneResult:
     """Search both families; raises ``ConfigError`` for a GPU count no layout uses, or when neither fits.
-    ``calibration``: measured kernel rates both families are priced with."""
+    ``calibration``: measured kernel rates both families are priced with; ``progress`` hears each
+    family's search as ``("<family>: <phase>", done, total)``."""
     check_gpus(recipe, gpus)
+
+    def family_progress(name: str) -> Optional[Progress]:
+        if progress is None:
+            return None
+        outer = progress
+        return lambda phase, done, total: outer(f"{name}: {phase}", done, total)
+
     families = {
-        name: search(recipe, candidates(recipe, gpus, kinds), max_simulations, calibration)
+        name: search(
+            recipe,
+            candidates(recipe, gpus, kinds),
+            max_simulations,
+            calibration,
+            progress=family_progress(name),
+        )
         for name, kinds in FAMILIES.items()
     }
     if all(r.best is None for r in families.values()):

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_slim.train.checkpoint import layout, naming
 
@@ -42,27 +43,39 @@ def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
 
 
+class CheckpointNotWritten(RuntimeError):
+    """A save failed on some rank (a full disk, a quota); every rank raises it, naming the folder
+    and the reason, and the previous checkpoint and ``latest`` are as they were."""
+
+
 def save(
     directory, iteration: int, rank: int, chunks, optimizer, scheduler, recipe: dict, report: Optional[dict] = None
 ) -> None:
     """Save this rank's part of ``iteration``; ``report`` (losses, cp_iterations) comes from the
-    reporting rank only."""
+    reporting rank only. The iteration appears in one rename and ``latest`` names it last. Every
+    rank returns, or every rank raises :class:`CheckpointNotWritten`: after each step the ranks
+    agree on its outcome (the agreement is also the step's barrier), so none is left waiting."""
     partial, final = layout.partial_dir(directory, iteration), layout.iteration_dir(directory, iteration)
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
-    state = dict(
-        naming.training_state(chunks, optimizer),
-        scheduler=scheduler.state_dict(),
-        layout=_layout(recipe),
-        **{f"rng/rank{rank}": _rng_state()},
-    )
-    if report is not None:
-        state["report"] = report
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), planner=_SAVE_PLANNER())
-    dist.barrier()
-    if rank == 0:
+
+    def prepare() -> None:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+
+    def write() -> None:
+        state = dict(
+            naming.training_state(chunks, optimizer),
+            scheduler=scheduler.state_dict(),
+            layout=_layout(recipe),
+            **{f"rng/rank{rank}": _rng_state()},
+        )
+        if report is not None:
+            state["report"] = report
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), planner=_SAVE_PLANNER())
+
+    def publish() -> None:
+        if rank != 0:
+            return
         layout.write_atomic(partial / layout.RECIPE, json.dumps(recipe, indent=1))
         layout.write_manifest(partial, iteration)
         if final.exists():  # saved before, then resumed from an older iteration
@@ -74,7 +87,43 @@ def save(
         else:
             partial.rename(final)
         layout.write_atomic(Path(directory) / layout.LATEST, f"{iteration}\n")
-    dist.barrier()
+
+    for step in (prepare, write, publish):
+        failure = None
+        try:
+            step()
+        except (OSError, CheckpointException) as exc:
+            failure = _reason(exc)
+        reasons: list = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, failure)
+        if any(reasons):
+            if rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            latest, _ = layout.read_latest(directory)
+            kept = (
+                f"the checkpoint of iteration {latest} and `latest` are unchanged"
+                if latest
+                else "no checkpoint was saved before"
+            )
+            said = "; ".join(sorted({r for r in reasons if r}))
+            raise CheckpointNotWritten(
+                f"iteration {iteration}: its checkpoint could not be written to {partial} ({said}); {kept}"
+            )
+
+
+def _reason(exc: BaseException) -> str:
+    """An OSError's own words and file (dcp wraps them per rank), else the first line of ``exc``."""
+    seen = [exc]
+    while len(seen) < 10 and (seen[-1].__cause__ or seen[-1].__context__) is not None:
+        seen.append(seen[-1].__cause__ or seen[-1].__context__)
+    failures = getattr(exc, "failures", None) or {}  # CheckpointException: rank -> exception
+    seen += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    for cause in seen:
+        if isinstance(cause, OSError):
+            where = f": {cause.filename}" if cause.filename else ""
+            return f"{cause.strerror or cause}{where}"
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 class IncompatibleCheckpoint(RuntimeError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from megatron_slim.plan.files import write_atomically
 from megatron_slim.plan.sim.cp.sim import CPSimResult
 
 _PARTS = (("attention", "attention_s", "#4C78A8"), ("linear", "linear_s", "#54A24B"), ("idle", "idle_s", "#BAB0AC"))
@@ -72,5 +73,5 @@ def plot_cp_results(results: Sequence[CPSimResult], path: str | Path) -> None:
         ax.tick_params(labelsize=7)
     axes[-1].set_xlabel("CP rank")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "--plot")
     plt.close(fig)

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from megatron_slim.plan.files import write_atomically
 from megatron_slim.plan.sim.cp.sim import CPSimResult
 
 _THREADS = {
@@ -88,4 +89,4 @@ def cp_chrome_trace(results: Sequence[CPSimResult]) -> dict[str, Any]:
 
 
 def write_cp_trace(results: Sequence[CPSimResult], path: str | Path) -> None:
-    Path(path).write_text(json.dumps(cp_chrome_trace(results)))
+    write_atomically(path, json.dumps(cp_chrome_trace(results)), "--trace")
