@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_slim.commands.arg_types import positive_int, refuse_repeated_overrides
 from megatron_slim.commands.simulate_modes import add_mode_args
+from megatron_slim.commands.train_args import add_train_flags
 from megatron_slim.commands.train_dynmo import add_dynmo_args
 from megatron_slim.plan.schema import ConfigError
 
@@ -29,40 +31,6 @@ def _add_recipe_args(p: argparse.ArgumentParser, required: bool = True, default:
         default=[],
         metavar="KEY=VALUE",
         help="override recipe keys, e.g. --set parallel.pp=8 schedule.num_slices=16",
-    )
-
-
-def _add_observability_args(train: argparse.ArgumentParser) -> None:
-    group = train.add_argument_group("metrics and profiling (written by the ranks; checked before any work)")
-    group.add_argument(
-        "--tensorboard-dir",
-        metavar="DIR",
-        help="log Megatron-LM's TensorBoard tags every iteration (lm loss, learning-rate, grad-norm, "
-        "batch-size, iteration-time, throughput; also tokens-per-second and "
-        "mem-peak-{activation,kv}-bytes) from the reporting rank; needs the tensorboard "
-        "package (pip install 'megatron-slim[metrics]')",
-    )
-    group.add_argument(
-        "--wandb-project", metavar="NAME", help="also log the same values to this W&B project (needs the wandb package)"
-    )
-    group.add_argument("--wandb-exp-name", metavar="NAME", help="the W&B run name (with --wandb-project)")
-    group.add_argument(
-        "--wandb-save-dir",
-        metavar="DIR",
-        help="W&B's local files (with --wandb-project; default: wandb's own, ./wandb)",
-    )
-    group.add_argument(
-        "--profile",
-        metavar="DIR",
-        help="write a torch profiler trace of one iteration per rank to "
-        "DIR/rank_<rank>.trace.json, actions named as in the simulator (F3.2, 1B0.7, "
-        "SEND_F3.2); `megatron-slim overlay --measured DIR` compares it with the simulation",
-    )
-    group.add_argument(
-        "--profile-iteration",
-        type=int,
-        metavar="N",
-        help="the iteration --profile traces (1-based; default: the run's last)",
     )
 
 
@@ -127,7 +95,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     _add_recipe_args(plan)
     plan.add_argument(
-        "--gpus", type=_positive_int, metavar="N", help="GPUs to plan for (default: the recipe's tp*pp*cp*dp)"
+        "--gpus", type=positive_int, metavar="N", help="GPUs to plan for (default: the recipe's tp*pp*cp*dp)"
     )
     plan.add_argument("--json", metavar="PATH", help="write both choices and the speedup as JSON ('-' for stdout)")
     plan.add_argument(
@@ -140,7 +108,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
     plan.add_argument(
         "--max-simulations",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_SIMULATIONS,
         metavar="K",
         help="at most K exact simulations per family, in the order of the closed-form estimate (a "
@@ -186,32 +154,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
       spawned run.""",
     )
     _add_recipe_args(train, required=False, default="tiny-cpu")
-    train.add_argument(
-        "--json", metavar="PATH", help="write losses, tokens/s and per-stage memory as JSON ('-': stdout)"
-    )
-    train.add_argument(
-        "--checkpoint-dir",
-        metavar="DIR",
-        help="save checkpoints here (every train.save_interval iterations and at the end; "
-        "torch.distributed.checkpoint, checksummed) and resume from the latest intact one, "
-        "also at another parallel.pp/vpp/dp",
-    )
-    train.add_argument("--no-resume", action="store_true", help="start from scratch even if DIR has a checkpoint")
-    train.add_argument(
-        "--exit-interval",
-        type=_positive_int,
-        metavar="N",
-        help="stop after iteration N with a checkpoint, as an interrupted run would",
-    )
-    train.add_argument(
-        "--rank-timeout",
-        type=_non_negative_float,
-        default=300.0,
-        metavar="SECONDS",
-        help="stop every rank when one stops responding this long, naming it and its iteration "
-        "(a stopped or frozen process; default 300, 0: off; ranks this command spawns)",
-    )
-    _add_observability_args(train)
+    add_train_flags(train)
     add_dynmo_args(train)
     train.set_defaults(run="megatron_slim.commands.train")
 
@@ -266,48 +209,10 @@ def _add_recipes(sub: argparse._SubParsersAction) -> None:
     recipes.set_defaults(run="megatron_slim.commands.recipes")
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (value >= 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: a finite number of seconds >= 0")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an integer >= 1")
-    return value
-
-
-def _refuse_repeated_overrides(parser: argparse.ArgumentParser, overrides: list[str]) -> None:
-    """A key given twice in ``--set`` is an error (which one was meant?), not "the last wins"."""
-    from megatron_slim.plan.schema import parse_override
-
-    seen: dict[str, str] = {}
-    for text in overrides:
-        try:
-            path, value = parse_override(text)
-        except ConfigError:
-            continue  # load_recipe names the malformed override
-        key = ".".join(path)
-        if key in seen:
-            parser.exit(
-                2, f"megatron-slim: error: --set {key}: given twice ({seen[key]!r} and {value!r}); allowed: once\n"
-            )
-        seen[key] = value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _refuse_repeated_overrides(parser, getattr(args, "set", None) or [])
+    refuse_repeated_overrides(parser, getattr(args, "set", None) or [])
     import importlib
 
     command = importlib.import_module(args.run)

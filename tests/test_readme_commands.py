@@ -2,8 +2,9 @@
 
 Commands are the lines of the fenced code blocks of the "Using it" section that start with
 ``megatron-slim`` (continuation lines joined, ``# comments`` dropped) and the inline code spans that
-start with ``megatron-slim`` in that section and in the numbered "Your Megatron-LM job" steps. Each runs through the CLI entry point (``megatron_slim.cli.main``) in a fresh
-temporary working directory, so relative outputs such as ``out/sim.json`` land there, and must exit 0.
+start with ``megatron-slim`` in that section and in the numbered "Your Megatron-LM job" steps. Each
+runs through the CLI entry point (``megatron_slim.cli.main``) in a fresh temporary working
+directory, so relative outputs such as ``out/sim.json`` land there, and must exit 0.
 
 ``megatron-slim train`` lines take minutes: the slow tier runs them exactly as written; the default
 tier runs them with ``--set train.iters=1`` appended (same recipe, flags and outputs, one iteration).

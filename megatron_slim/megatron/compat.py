@@ -285,3 +285,15 @@ def transformer_config_fields() -> frozenset[str]:
     from megatron.core.transformer import TransformerConfig
 
     return frozenset(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+def without_deprecated_defaults(config_cls) -> dict:
+    """Fields whose megatron-core default is itself deprecated, set to what the default means.
+
+    megatron-core 0.16+ declares ``cuda_graph_scope="full"`` and, in ``__post_init__``, turns it into
+    ``[]`` ("the whole layer") with a deprecation warning, once per config and rank; ``[]`` is the
+    same setting without the warning. Older releases (a plain string field) keep their default."""
+    field = {f.name: f for f in dataclasses.fields(config_cls)}.get("cuda_graph_scope")
+    if field is not None and field.default == "full" and "List" in str(field.type):
+        return {"cuda_graph_scope": []}
+    return {}

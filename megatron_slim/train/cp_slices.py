@@ -72,3 +72,10 @@ def sliced_under_engine(recipe: Recipe) -> bool:
     """``train`` runs SlimPipe slices of windows a CP engine planned (not packed windows)."""
     s, p = recipe.schedule, recipe.parallel
     return p.cp > 1 and not recipe.query_out_cp and s.kind == "slimpipe" and s.num_slices > 1
+
+
+def engine_train_step(recipe: Recipe, groups, eod: int, slice_lengths) -> CPTrainStep:
+    """The CP plumbing of an engine run: whole planned packs, or SlimPipe slices that follow each plan."""
+    if sliced_under_engine(recipe):
+        return CPSlicedTrainStep(recipe, groups, eod, slice_lengths)
+    return CPTrainStep(recipe, groups, eod)

@@ -78,7 +78,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     from megatron_slim.runtime.pipeline.dp_merge import MergeLink
     from megatron_slim.runtime.pipeline.slice_context import SliceContext
     from megatron_slim.train.cp import cp_layer_classes
-    from megatron_slim.train.cp_slices import CPSlicedTrainStep
+    from megatron_slim.train.cp_slices import CPSlicedTrainStep, engine_train_step
     from megatron_slim.train.packed_routes import RoutedWindows
 
     recipe = recipe_from_dict(recipe_data)
@@ -87,7 +87,7 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     groups = init_model_parallel(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, dp=p.dp, seed=t.seed)
     engine = p.cp > 1 and not recipe.query_out_cp
     settings = pipeline_settings(recipe, options.measure_memory)
-    cp_step = _cp_step(recipe, groups, prepared.tokenizer.eod, settings.slice_lengths) if engine else None
+    cp_step = engine_train_step(recipe, groups, prepared.tokenizer.eod, settings.slice_lengths) if engine else None
     sliced = isinstance(cp_step, CPSlicedTrainStep)
     layers = cp_layer_classes(recipe) if cp_step and not sliced else {"core_attention": SliceCoreAttention}
     layers = with_dynamic_layers(recipe, layers)
@@ -120,16 +120,6 @@ def train_rank(rank: int, world_size: int, recipe_data: dict, prepared, options:
     if training.metrics:
         training.metrics.close()
     return report
-
-
-def _cp_step(recipe: Recipe, groups, eod: int, slice_lengths):
-    """The CP plumbing of an engine run: whole planned packs, or SlimPipe slices that follow each plan."""
-    from megatron_slim.train.cp import CPTrainStep
-    from megatron_slim.train.cp_slices import CPSlicedTrainStep, sliced_under_engine
-
-    if sliced_under_engine(recipe):
-        return CPSlicedTrainStep(recipe, groups, eod, slice_lengths)
-    return CPTrainStep(recipe, groups, eod)
 
 
 @dataclass

@@ -50,11 +50,13 @@ def test_flags_megatron_would_reject_inside_its_loop_are_refused_or_always_emitt
     """Megatron asserts warmup < train iterations at start-up, needs --save-interval with --save and
     --eval-interval always, and builds an s x s mask per sample unless told not to."""
     assert main(["megatron-args", "--recipe", "tiny-cpu", "--set", "train.iters=2"]) == 2
-    assert "train.warmup_iters: got 4 with train.iters=2" in capsys.readouterr().err
+    assert "train.warmup_iters: got 10 with train.iters=2" in capsys.readouterr().err
     flags = recipe_to_megatron_args(load_recipe("llama2-7b-64k"))
     for flag in ("--save-interval", "--eval-interval", "--eval-iters", "--no-create-attention-mask-in-dataloader"):
         assert flag in flags
-    assert flags[flags.index("--save-interval") + 1] == flags[flags.index("--train-iters") + 1]
+    recipe = load_recipe("llama2-7b-64k")
+    assert flags[flags.index("--save-interval") + 1] == str(recipe.train.save_interval)
+    assert flags[flags.index("--eval-interval") + 1] == str(recipe.train.eval_interval)
 
 
 def test_an_uneven_pipeline_split_is_refused_for_megatron_launches(capsys):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from tests.overrides import once_per_key
 from tests.real_megatron import launch_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,7 +107,16 @@ def installed_tag() -> Path:
 
 def megatron_args(overrides: list[str], recipe: str = "tiny-cpu") -> list[str]:
     """``megatron-slim megatron-args --recipe R --set ...``, as a user's shell would split it."""
-    cmd = [sys.executable, "-m", "megatron_slim.cli", "megatron-args", "--recipe", recipe, "--set", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_slim.cli",
+        "megatron-args",
+        "--recipe",
+        recipe,
+        "--set",
+        *once_per_key(*overrides),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise AssertionError(f"{shlex.join(cmd)} failed:\n{out.stderr}")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_slim.runtime.spawn import run_ranks
+from tests.overrides import once_per_key
 from tests.train import _mod_workers
 
 pytestmark = pytest.mark.multi
@@ -49,7 +50,14 @@ def trained(tmp_path_factory, data_cache):
         ("stock", UNPIPELINED_UNSLICED, ()),
     ):
         out = tmp / f"{name}.json"
-        argv = ["train", "--set", f"data.cache_dir={data_cache}", *SMALL_DATA, *sets, *more, "--json", str(out), *flags]
+        argv = [
+            "train",
+            "--set",
+            *once_per_key(f"data.cache_dir={data_cache}", *SMALL_DATA, *sets, *more),
+            "--json",
+            str(out),
+            *flags,
+        ]
         assert main(argv) == 0
         runs[name] = json.loads(out.read_text())["losses"]
     return runs

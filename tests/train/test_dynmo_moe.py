@@ -6,6 +6,7 @@ import torch
 
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle.models import TINY_GQA_4L
+from tests.overrides import once_per_key
 from tests.train import _moe_workers
 
 pytestmark = pytest.mark.multi
@@ -61,7 +62,14 @@ def trained(tmp_path_factory, data_cache):
         ("pp1", UNPIPELINED_UNSLICED),
     ):
         out = tmp / f"{name}.json"
-        argv = ["train", "--set", f"data.cache_dir={data_cache}", *SMALL_DATA, *sets, *more, "--json", str(out), *flags]
+        argv = [
+            "train",
+            "--set",
+            *once_per_key(f"data.cache_dir={data_cache}", *SMALL_DATA, *sets, *more),
+            "--json",
+            str(out),
+            *flags,
+        ]
         assert main(argv) == 0
         runs[name] = json.loads(out.read_text())
     return runs

@@ -8,6 +8,7 @@ import pytest
 
 from megatron_slim.cli import main
 from tests.oracle.reference import UNPIPELINED_UNSLICED
+from tests.overrides import once_per_key
 from tests.train.conftest import SMALL_DATA
 
 pytestmark = pytest.mark.multi
@@ -21,7 +22,14 @@ FLAGS = (
 
 def _train(tmp_path, name, data_cache, *sets):
     out = tmp_path / f"{name}.json"
-    argv = ["train", "--set", f"data.cache_dir={data_cache}", *SMALL_DATA, *SETS, *sets, "--json", str(out), *FLAGS]
+    argv = [
+        "train",
+        "--set",
+        *once_per_key(f"data.cache_dir={data_cache}", *SMALL_DATA, *SETS, *sets),
+        "--json",
+        str(out),
+        *FLAGS,
+    ]
     assert main(argv) == 0
     return json.loads(out.read_text())
 

@@ -9,6 +9,7 @@ import pytest
 from megatron_slim.cli import main
 from megatron_slim.commands.simulate import run_one
 from megatron_slim.plan.recipe import load_recipe
+from tests.overrides import once_per_key
 from tests.train.conftest import SMALL_DATA
 
 pytestmark = pytest.mark.multi  # a train run on its ranks
@@ -27,7 +28,7 @@ def test_train_writes_tensorboard_events_and_traces_that_overlay_reads(tmp_path,
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb, prof, out = tmp_path / "tb", tmp_path / "prof", tmp_path / "train.json"
-    sets = [f"data.cache_dir={data_cache}", *SMALL_DATA, *SETS]
+    sets = once_per_key(f"data.cache_dir={data_cache}", *SMALL_DATA, *SETS)
     assert (
         main(
             [

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from megatron_slim.cli import main
+from tests.overrides import once_per_key
 from tests.train.conftest import SMALL_DATA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,7 +33,7 @@ def test_torchrun_trains_the_same_losses_as_the_spawned_ranks(tmp_path):
     """torchrun first, on an empty corpus cache: local rank 0 prepares it while rank 1 waits, then reads it;
     the spawned run then finds it cached."""
     cache = tmp_path / "cache"
-    sets = [f"data.cache_dir={cache}", *SMALL_DATA, *TINY, "train.iters=2"]
+    sets = once_per_key(f"data.cache_dir={cache}", *SMALL_DATA, *TINY, "train.iters=2")
     run = subprocess.run(
         [
             sys.executable,
@@ -115,12 +116,14 @@ def _start_training(tmp_path, data_cache, *extra):
             "megatron_slim",
             "train",
             "--set",
-            f"data.cache_dir={data_cache}",
-            *SMALL_DATA,
-            *TINY,
-            "model.seq_length=64",
-            "train.iters=100000",
-            "train.log_interval=1",
+            *once_per_key(
+                f"data.cache_dir={data_cache}",
+                *SMALL_DATA,
+                *TINY,
+                "model.seq_length=64",
+                "train.iters=100000",
+                "train.log_interval=1",
+            ),
             *extra,
         ],
         env=_env(),

@@ -25,6 +25,7 @@ from megatron_slim.cli import main
 from megatron_slim.runtime.spawn import run_ranks
 from tests.oracle import reference
 from tests.oracle.models import TINY_GQA_2L_LONG
+from tests.overrides import once_per_key
 from tests.train.conftest import HARDWARE
 
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -161,23 +162,25 @@ def _train(tmp_path, name, data_cache, corpus, *sets):
     argv = [
         "train",
         "--set",
-        f"data.cache_dir={data_cache}",
-        f"data.corpus={corpus}",
-        "model.vocab_size=512",
-        "parallel.pp=1",
-        "schedule.kind=1f1b",
-        "schedule.num_slices=1",
-        "model.seq_length=256",
-        "model.num_layers=2",
-        "model.hidden_size=64",
-        "model.ffn_hidden_size=160",
-        "model.num_attention_heads=4",
-        "model.num_query_groups=2",
-        "train.global_batch_size=4",
-        "train.iters=4",
-        "train.warmup_iters=1",
-        "train.lr=3e-3",
-        *sets,
+        *once_per_key(
+            f"data.cache_dir={data_cache}",
+            f"data.corpus={corpus}",
+            "model.vocab_size=512",
+            "parallel.pp=1",
+            "schedule.kind=1f1b",
+            "schedule.num_slices=1",
+            "model.seq_length=256",
+            "model.num_layers=2",
+            "model.hidden_size=64",
+            "model.ffn_hidden_size=160",
+            "model.num_attention_heads=4",
+            "model.num_query_groups=2",
+            "train.global_batch_size=4",
+            "train.iters=4",
+            "train.warmup_iters=1",
+            "train.lr=3e-3",
+            *sets,
+        ),
         "--json",
         str(out),
     ]
@@ -245,7 +248,10 @@ def test_cli_trains_with_zeppelin_and_ring_with_falling_equal_losses(
     ],
 )
 def test_unsupported_cp_training_is_rejected_before_any_work(sets, needle, capsys):
-    assert main(["train", "--set", "parallel.pp=1", "schedule.kind=1f1b", "schedule.num_slices=1", *sets]) == 2
+    assert (
+        main(["train", "--set", *once_per_key("parallel.pp=1", "schedule.kind=1f1b", "schedule.num_slices=1", *sets)])
+        == 2
+    )
     assert needle in capsys.readouterr().err
 
 

@@ -6,12 +6,20 @@ import json
 import pytest
 
 from megatron_slim.cli import main
+from tests.overrides import once_per_key
 from tests.train.conftest import SMALL_DATA
 
 
 def _train(tmp_path, name, data_cache, *sets, extra=()):
     out = tmp_path / f"{name}.json"
-    argv = ["train", "--set", f"data.cache_dir={data_cache}", *SMALL_DATA, *sets, "--json", str(out), *extra]
+    argv = [
+        "train",
+        "--set",
+        *once_per_key(f"data.cache_dir={data_cache}", *SMALL_DATA, *sets),
+        "--json",
+        str(out),
+        *extra,
+    ]
     assert main(argv) == 0
     return json.loads(out.read_text())
 

@@ -96,14 +96,7 @@ def prepare_corpus(
         (staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
     built = build_once(entry, build)
-    meta, problem = _checked_meta(entry)
-    if problem is not None:
-        print(f"data: the cache entry {entry} is damaged ({problem}): building it again", flush=True)
-        rebuild(entry, build)
-        built = True
-        meta, problem = _checked_meta(entry)
-        if problem is not None:
-            raise ValueError(f"{entry}: damaged right after it was built ({problem}); is the disk full?")
+    meta, rebuilt = _intact_meta(entry, build)
     return PreparedCorpus(
         source=docs.source,
         directory=entry,
@@ -113,8 +106,21 @@ def prepare_corpus(
         num_tokens=meta["num_tokens"],
         num_bytes=meta["num_bytes"],
         corpus_fingerprint=docs.fingerprint,
-        cache_hit=not built,
+        cache_hit=not (built or rebuilt),
     )
+
+
+def _intact_meta(entry: Path, build) -> tuple[dict[str, Any], bool]:
+    """The entry's meta, building the entry again (once) when a file no longer matches its checksum."""
+    meta, problem = _checked_meta(entry)
+    if problem is None:
+        return meta, False
+    print(f"data: the cache entry {entry} is damaged ({problem}): building it again", flush=True)
+    rebuild(entry, build)
+    meta, problem = _checked_meta(entry)
+    if problem is not None:
+        raise ValueError(f"{entry}: damaged right after it was built ({problem}); is the disk full?")
+    return meta, True
 
 
 def _checked_meta(entry: Path) -> tuple[dict[str, Any], str | None]:

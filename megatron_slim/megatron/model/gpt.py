@@ -55,18 +55,6 @@ class ChunkInfo:
     tp_size: int = 1
 
 
-def _without_deprecated_defaults(config_cls) -> dict:
-    """Fields whose megatron-core default is itself deprecated, set to what the default means.
-
-    megatron-core 0.16+ declares ``cuda_graph_scope="full"`` and, in ``__post_init__``, turns it into
-    ``[]`` ("the whole layer") with a deprecation warning, once per config and rank; ``[]`` is the
-    same setting without the warning. Older releases (a plain string field) keep their default."""
-    field = {f.name: f for f in dataclasses.fields(config_cls)}.get("cuda_graph_scope")
-    if field is not None and field.default == "full" and "List" in str(field.type):
-        return {"cuda_graph_scope": []}
-    return {}
-
-
 def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:
     """Megatron's interleaved layer assignment: ``result[rank][chunk]`` is the global layer range
     of pipeline stage ``chunk * pp + rank`` (each of the ``pp * vpp`` stages holds
@@ -120,7 +108,7 @@ def transformer_config(model: ModelConfig, *, tp: int = 1, cp: int = 1, **overri
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
     )
-    fields.update(_without_deprecated_defaults(TransformerConfig))
+    fields.update(compat.without_deprecated_defaults(TransformerConfig))
     fields.update(overrides)
     known = compat.transformer_config_fields()
     unknown = sorted(set(overrides) - known)

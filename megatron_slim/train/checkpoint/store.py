@@ -99,23 +99,27 @@ def save(
         if any(reasons):
             if rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)
-            latest, _ = layout.read_latest(directory)
-            kept = (
-                f"the checkpoint of iteration {latest} and `latest` are unchanged"
-                if latest
-                else "no checkpoint was saved before"
-            )
-            said = "; ".join(sorted({r for r in reasons if r}))
-            raise CheckpointNotWritten(
-                f"iteration {iteration}: its checkpoint could not be written to {partial} ({said}); {kept}"
-            )
+            raise _not_written(directory, partial, iteration, reasons)
+
+
+def _not_written(directory, partial: Path, iteration: int, reasons: list) -> CheckpointNotWritten:
+    latest, _ = layout.read_latest(directory)
+    kept = (
+        f"the checkpoint of iteration {latest} and `latest` are unchanged"
+        if latest
+        else "no checkpoint was saved before"
+    )
+    said = "; ".join(sorted({r for r in reasons if r}))
+    return CheckpointNotWritten(
+        f"iteration {iteration}: its checkpoint could not be written to {partial} ({said}); {kept}"
+    )
 
 
 def _reason(exc: BaseException) -> str:
     """An OSError's own words and file (dcp wraps them per rank), else the first line of ``exc``."""
     seen = [exc]
-    while len(seen) < 10 and (seen[-1].__cause__ or seen[-1].__context__) is not None:
-        seen.append(seen[-1].__cause__ or seen[-1].__context__)
+    while len(seen) < 10 and (nested := seen[-1].__cause__ or seen[-1].__context__) is not None:
+        seen.append(nested)
     failures = getattr(exc, "failures", None) or {}  # CheckpointException: rank -> exception
     seen += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
     for cause in seen:

@@ -52,8 +52,14 @@ def test_file_lengths_are_used_in_order_and_cycled(tmp_path):
         ("uniform:min=10,max=5", "uniform.max: invalid value (got 5.0; allowed: an integer >= min=10)"),
         ("uniform:min=0.5,max=5", "uniform.min: invalid value"),
         ("fixed:length=abc", "fixed.length: invalid value (got 'abc'; allowed: a finite number)"),
-        ("lognormal:mean=nan,sigma=1,min=1,max=9", "lognormal.mean: invalid value (got 'nan'; allowed: a finite number)"),
-        ("lognormal:mean=8,sigma=inf,min=1,max=9", "lognormal.sigma: invalid value (got 'inf'; allowed: a finite number)"),
+        (
+            "lognormal:mean=nan,sigma=1,min=1,max=9",
+            "lognormal.mean: invalid value (got 'nan'; allowed: a finite number)",
+        ),
+        (
+            "lognormal:mean=8,sigma=inf,min=1,max=9",
+            "lognormal.sigma: invalid value (got 'inf'; allowed: a finite number)",
+        ),
         ("uniform:min=1,max=-inf", "uniform.max: invalid value (got '-inf'; allowed: a finite number)"),
         ("mix:1e999*fixed(length=3)", "mix[0].weight: invalid value (got '1e999'; allowed: a finite number > 0)"),
         ("mix:0.5*fixed(length=3)+uniform(min=1,max=2)", "--lengths mix[1]"),
