@@ -29,7 +29,10 @@ USAGE = (
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
-        print(USAGE)
+        try:
+            print(USAGE, flush=True)
+        except BrokenPipeError:  # `... --help | head`: the reader left; say nothing more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
     if not argv or not argv[0].endswith(".py"):
         raise SystemExit(USAGE)

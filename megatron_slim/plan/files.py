@@ -46,8 +46,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             raise yaml.composer.ComposerError(
                 None,
                 None,
-                f"alias *{event.anchor} (line {event.start_mark.line + 1}); allowed: no anchors or aliases, "
-                "each value written out",
+                f"alias *{event.anchor}; allowed: no anchors or aliases, each value written out",
                 event.start_mark,
             )
         return super().compose_node(parent, index)
@@ -75,6 +74,10 @@ def parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: {size} bytes of YAML; allowed: at most {MAX_YAML_BYTES} bytes")
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as exc:  # the problem and where, without PyYAML's source excerpt
+        mark = exc.problem_mark or exc.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{where}: not valid YAML{at}: {exc.problem or exc.context}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: not valid YAML ({' '.join(str(exc).split())})") from None
 

@@ -120,7 +120,8 @@ def test_each_data_parallel_replica_moves_its_own_layers(data_cache):
 
 
 # slow tier: tests/train/test_train_reshard.py resumes a checkpoint at another split (pp4 to pp2) in
-# the default tier, and the uneven split itself trains there (test_an_uneven_split_trains_like_one_process)
+# the default tier, and test_layers_moved_mid_run_keep_their_state_and_the_losses trains on at the
+# uneven split a move leaves
 @pytest.mark.slow
 def test_a_checkpoint_resumes_at_another_uneven_split(tmp_path, data_cache, pp2_even):
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
