@@ -100,3 +100,12 @@ def test_one_version_source():
     assert "version" not in project and "version" in project["dynamic"]
     assert _pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "megatron_slim.__version__"}
     assert megatron_slim.__version__
+
+
+def test_the_metadata_names_license_authors_and_pythons_and_plots_are_an_extra():
+    project = _pyproject()["project"]
+    assert project["license"] == "Apache-2.0" and (ROOT / "LICENSE").is_file()
+    assert project["license-files"] == ["LICENSE"] and project["authors"] and project["urls"]
+    assert project["requires-python"] == ">=3.11"  # the Pythons CI runs (3.11, 3.12)
+    hard = " ".join(project["dependencies"])
+    assert "matplotlib" not in hard and any("matplotlib" in d for d in project["optional-dependencies"]["plot"])

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from megatron_slim.cli import main
+from megatron_slim.megatron.fallback_warnings import FALLBACK_MESSAGES
 from tests.overrides import once_per_key
 from tests.train.conftest import SMALL_DATA
 
@@ -60,6 +61,9 @@ def test_torchrun_trains_the_same_losses_as_the_spawned_ranks(tmp_path):
     # exactly one rank says what it did and reports: one data line, one plan line, one summary
     assert run.stdout.count("data: ") == 1 and "(prepared in" in run.stdout
     assert run.stdout.count("recipe tiny-cpu: 2 CPU ranks under torchrun") == 1 and run.stdout.count("done: loss") == 1
+    # one line names the backends instead of megatron-core's per-rank "Apex/TE not installed" warnings
+    assert run.stdout.count("backends: attention ") == 1
+    assert not any(m in run.stdout + run.stderr for m in FALLBACK_MESSAGES)
     entries = [p for p in (cache / "corpora").iterdir() if not p.name.endswith(".lock")]
     assert len(entries) == 1 and entries[0].is_dir() and not entries[0].name.startswith(".")  # no staging left
     assert main(["train", "--set", *sets, "--json", str(tmp_path / "own.json")]) == 0
