@@ -93,7 +93,7 @@ def save(
         try:
             step()
         except (OSError, CheckpointException) as exc:
-            failure = _reason(exc)
+            failure = _reason(exc, partial)
         reasons: list = [None] * dist.get_world_size()
         dist.all_gather_object(reasons, failure)
         if any(reasons):
@@ -115,19 +115,32 @@ def _not_written(directory, partial: Path, iteration: int, reasons: list) -> Che
     )
 
 
-def _reason(exc: BaseException) -> str:
-    """An OSError's own words and file (dcp wraps them per rank), else the first line of ``exc``."""
+# Below this much free space a failed write is reported as a full disk: torch's C++ stream writer
+# turns a short write into "[enforce fail at inline_container.cc] unexpected pos ..." with no errno.
+LOW_SPACE_BYTES = 1 << 20
+
+
+def _reason(exc: BaseException, folder: Path) -> str:
+    """An OSError's own words and file (dcp wraps them per rank); else, when ``folder``'s disk is
+    (nearly) full, that; else the first line of the innermost failure."""
     seen = [exc]
     while len(seen) < 10 and (nested := seen[-1].__cause__ or seen[-1].__context__) is not None:
         seen.append(nested)
-    failures = getattr(exc, "failures", None) or {}  # CheckpointException: rank -> exception
+    failures = getattr(exc, "failures", None) or {}  # CheckpointException: rank -> (exception, traceback)
     seen += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
     for cause in seen:
         if isinstance(cause, OSError):
             where = f": {cause.filename}" if cause.filename else ""
             return f"{cause.strerror or cause}{where}"
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    lines = str(seen[-1]).strip().splitlines()
+    said = lines[0] if lines else type(seen[-1]).__name__
+    try:
+        free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
+    except OSError:
+        return said
+    if free < LOW_SPACE_BYTES:
+        return f"No space left on device: {free:,} bytes free ({said})"
+    return said
 
 
 class IncompatibleCheckpoint(RuntimeError):
