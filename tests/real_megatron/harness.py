@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -103,6 +104,9 @@ def installed_tag() -> Path:
             "beside the repository (or set MEGATRON_LM_TAGS)"
         )
     return path
+
+
+_RAISED = re.compile(r"^\w*(Error|Exception): ")  # the last line of a Python traceback
 
 
 def megatron_args(overrides: list[str], recipe: str = "tiny-cpu") -> list[str]:
@@ -275,7 +279,10 @@ def run_pretrain(
             raise AssertionError(f"{shlex.join(cmd)}: {exc}\n{log[-4000:]}") from exc
         log = log_path.read_text(errors="replace") if log_path.exists() else ""
     if code != 0:
-        raise AssertionError(f"{shlex.join(cmd)} exited {code}:\n{log[-6000:]}")
+        # every rank's error lines first: the tail may be another rank's output (its argument table,
+        # a stack dump when the launch stopped it) and not the refusal that ended the launch
+        errors = "\n".join(line for line in log.splitlines() if " error: " in line or _RAISED.match(line))
+        raise AssertionError(f"{shlex.join(cmd)} exited {code}:\n{errors}\n...\n{log[-6000:]}")
     run = _read_records(record_dir, nproc)
     run.log = log
     return run
