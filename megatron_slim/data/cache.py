@@ -10,13 +10,14 @@ an entry damaged on disk since (``rebuild``) instead of training on what is left
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
+
+from megatron_slim.plan.checksums import file_checksums, first_mismatch
 
 CACHE_ENV = "MEGATRON_SLIM_CACHE"
 
@@ -66,27 +67,21 @@ def build_once(entry: Path, build: Callable[[Path], None]) -> bool:
 
 def file_manifest(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """Size and SHA-256 of every file in ``folder`` (not in sub-folders), for a cache entry's metadata."""
-    return {
-        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.name not in skip
-    }
+    return file_checksums(folder, skip)
 
 
 def manifest_problem(folder: Path, manifest: Any) -> Optional[str]:
     """Why ``folder`` does not hold exactly what ``manifest`` recorded (None: it does)."""
     if not isinstance(manifest, dict) or not manifest:
         return "no file checksums in its metadata"
-    for name, want in sorted(manifest.items()):
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        size = path.stat().st_size
-        if size != want.get("bytes"):
-            return f"{name} has {size} bytes, {want.get('bytes')} were written"
-        if _sha256(path) != want.get("sha256"):
-            return f"{name} does not match the checksum written with it"
-    return None
+    bad = first_mismatch(folder, manifest)
+    if bad is None:
+        return None
+    if bad.what == "missing":
+        return f"{bad.name} is missing"
+    if bad.what == "bytes":
+        return f"{bad.name} has {bad.found} bytes, {bad.recorded} were written"
+    return f"{bad.name} does not match the checksum written with it"
 
 
 def rebuild(entry: Path, build: Callable[[Path], None]) -> None:
@@ -98,11 +93,3 @@ def rebuild(entry: Path, build: Callable[[Path], None]) -> None:
             os.rename(entry, aside)
             shutil.rmtree(aside, ignore_errors=True)
     build_once(entry, build)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

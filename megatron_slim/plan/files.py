@@ -93,13 +93,24 @@ def load_yaml_mapping(path: Path, where: str) -> dict[str, Any]:
 
 
 def write_atomically(path: str | Path, content: str | bytes | Callable[[Path], None], flag: str) -> None:
+    """Replace the file at ``path`` with ``content`` in one rename (``replace_atomically``); a write
+    that fails (a full disk) is a ``ConfigError`` naming ``flag``, the path and the reason."""
+    try:
+        replace_atomically(path, content)
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {path}: could not be written ({exc.strerror or exc}); the file there before is unchanged"
+        ) from None
+
+
+def replace_atomically(path: str | Path, content: str | bytes | Callable[[Path], None]) -> None:
     """Replace the file at ``path`` with ``content`` in one rename: a reader (or a later run after a
     full disk or a kill) finds the old file or the whole new one, never a part of it.
 
     ``content`` is text, bytes, or a function that writes the file it is given (a plot). The data goes
     to ``.NAME.tmp<pid>`` beside ``path``, which is removed on any failure; leftovers of writers that
-    no longer run (killed outright) are removed first. A write that fails (a full disk) is a
-    ``ConfigError`` naming ``flag``, the path and the reason; the previous file is unchanged.
+    no longer run (killed outright) are removed first. An ``OSError`` (a full disk) propagates, with
+    the previous file unchanged.
     """
     path = Path(path)
     _remove_stale_temporaries(path)
@@ -113,12 +124,6 @@ def write_atomically(path: str | Path, content: str | bytes | Callable[[Path], N
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise ConfigError(
-            f"{flag} {path}: could not be written ({exc.strerror or exc}); the file there before is unchanged"
-        ) from None
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()

@@ -11,6 +11,7 @@ import pytest
 
 from megatron_slim.megatron.launch.flags import recipe_to_megatron_args
 from megatron_slim.plan.recipe import load_recipe
+from tests.slurm_standins import write_standins
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "pretrain_gpt.sbatch"
 
@@ -68,37 +69,11 @@ def test_recipe_overrides_and_a_mismatched_allocation():
 
 REPO = SCRIPT.parents[2]
 
-FAKE_SBATCH = r"""#!/bin/bash
-# Stand-in for SLURM's sbatch: runs the batch script here, as a dry run on the requested nodes.
-nodes=1; export_spec=ALL
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --nodes=*) nodes=${1#--nodes=} ;;
-    --export=*) export_spec=${1#--export=} ;;
-    --*) ;;
-    *) break ;;
-  esac
-  shift
-done
-script=$1; shift
-if [ "${export_spec%%,*}" != ALL ]; then echo "fake sbatch: only --export=ALL[,K=V...]" >&2; exit 3; fi
-IFS=, read -r -a kvs <<< "${export_spec#ALL}"
-for kv in "${kvs[@]}"; do if [ -n "$kv" ]; then export "$kv"; fi; done
-SLURM_NNODES=$nodes DRY_RUN=1 exec bash "$script" "$@"
-"""
-
 
 @pytest.fixture
 def slurm_path(tmp_path):
-    """A PATH with a fake ``sbatch`` and a ``megatron-slim`` that runs this checkout's CLI."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
-    cli = f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m megatron_slim.cli "$@"\n'
-    (bin_dir / "megatron-slim").write_text(cli)
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
-    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    """A PATH with an ``sbatch`` that dry-runs the batch script and this checkout's ``megatron-slim``."""
+    return f"{write_standins(tmp_path / 'bin', dry_run=True)}{os.pathsep}{os.environ['PATH']}"
 
 
 def _clean_env(path, **env):

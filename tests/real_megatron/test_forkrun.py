@@ -6,6 +6,7 @@ checks them too), and a rank's failure fails the launch with its message."""
 
 import pytest
 
+from tests.processes import running
 from tests.real_megatron.harness import TINY, megatron_args, run_pretrain, write_corpus
 
 pytestmark = pytest.mark.real_megatron
@@ -50,14 +51,6 @@ time.sleep(float(sys.argv[2]))
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_launch_past_its_timeout_is_stopped_and_the_server_serves_the_next(tmp_path):
     """The ranks of a launch that outlives its timeout are gone when the harness raises; the same
     server then runs the next launch (here a script that exits at once)."""
@@ -83,7 +76,7 @@ def test_a_launch_past_its_timeout_is_stopped_and_the_server_serves_the_next(tmp
     ranks = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
     assert len(ranks) == 2
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+    while any(running(p) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in ranks if _alive(p)]
+    assert not [p for p in ranks if running(p)]
     assert launch_server.launch(installed_tag(), request(0, "quick.log"), env, timeout_s=60) == 0

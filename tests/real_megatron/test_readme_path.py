@@ -18,28 +18,10 @@ from pathlib import Path
 import pytest
 
 from tests.real_megatron.harness import CPU_FLAGS, REPO, SHIM, TINY, _read_records, installed_tag, write_corpus
+from tests.slurm_standins import write_standins
 
 pytestmark = pytest.mark.real_megatron
 
-FAKE_SBATCH = r"""#!/bin/bash
-# sbatch, here: run the batch script at once on this machine with the requested node count.
-nodes=1
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --nodes=*) nodes=${1#--nodes=} ;;
-    --*) ;;
-    *) break ;;
-  esac
-  shift
-done
-script=$1; shift
-SLURM_NNODES=$nodes SLURM_JOB_ID=readme-path exec bash "$script" "$@"
-"""
-FAKE_SRUN = r"""#!/bin/bash
-# srun, here: one task on this machine (the batch script asks for one per node).
-while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do shift; done
-exec "$@"
-"""
 # the harness's tiny Llama (RoPE, RMSNorm, SwiGLU, GQA) at pp2 with SlimPipe's 4 slices, 6 iterations
 RECIPE_SET = [s for s in TINY if not s.startswith(("parallel.pp=", "train.iters="))] + [
     "parallel.pp=2",
@@ -57,15 +39,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """A PATH with the stand-ins and a ``megatron-slim`` that runs this checkout's CLI."""
-    bin_dir = tmp_path_factory.mktemp("slurm-bin")
-    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "megatron-slim").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m megatron_slim.cli "$@"\n')
-    python = bin_dir / "python"  # the batch script's default PYTHON, and torchrun's
-    python.symlink_to(sys.executable)
-    (bin_dir / "torchrun").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m torch.distributed.run "$@"\n')
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
+    bin_dir = write_standins(tmp_path_factory.mktemp("slurm-bin"), dry_run=False, srun=True)
+    (bin_dir / "python").symlink_to(sys.executable)  # the batch script's default PYTHON, and torchrun's
+    torchrun = bin_dir / "torchrun"
+    torchrun.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m torch.distributed.run "$@"\n')
+    torchrun.chmod(0o755)
     return bin_dir
 
 

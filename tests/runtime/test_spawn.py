@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron_slim.runtime import rank_start, spawn
 from megatron_slim.runtime.spawn import RankFailed, run_ranks
+from tests.processes import running
 from tests.runtime import _spawn_fns
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,14 +100,6 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.multi
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only; reads /proc")
 def test_forked_ranks_die_with_a_caller_killed_outright(tmp_path):
@@ -126,9 +119,9 @@ def test_forked_ranks_die_with_a_caller_killed_outright(tmp_path):
         caller.kill()
     caller.wait(timeout=30)
     deadline = time.monotonic() + 20
-    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+    while any(running(p) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = [p for p in ranks if _alive(p)]
+    left = [p for p in ranks if running(p)]
     for pid in left:  # leave nothing behind when failing
         os.kill(pid, signal.SIGKILL)
     assert not left

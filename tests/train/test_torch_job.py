@@ -13,6 +13,7 @@ import pytest
 from megatron_slim.cli import main
 from megatron_slim.megatron.fallback_warnings import FALLBACK_MESSAGES
 from tests.overrides import once_per_key
+from tests.processes import running
 from tests.train.conftest import SMALL_DATA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,14 +102,6 @@ def _children(pid: int) -> list[int]:
     return sorted(kids)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # an unreaped zombie has stopped running
-    except OSError:
-        return False
-
-
 def _start_training(tmp_path, data_cache, *extra):
     """`python -m megatron_slim train` on 2 ranks, long enough to be stopped; returns it and its rank
     PIDs once both ranks train (an iteration line is printed)."""
@@ -150,9 +143,9 @@ def _start_training(tmp_path, data_cache, *extra):
 
 def _wait_gone(pids, seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(running(p) for p in pids):
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if running(p)]
 
 
 @pytest.mark.multi

@@ -15,13 +15,14 @@ command checks a directory before it starts any rank.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from megatron_slim.plan.checksums import file_checksums, first_mismatch
+from megatron_slim.plan.files import replace_atomically
 
 FORMAT = "megatron-slim-dcp/1"
 MANIFEST = "manifest.json"
@@ -43,30 +44,14 @@ def partial_dir(directory: str | Path, iteration: int) -> Path:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """``path`` holds either its old content or all of ``text``, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    """``path`` holds either its old content or all of ``text``, never a part; an ``OSError`` (a full
+    disk) propagates, for the save's agreement between ranks."""
+    replace_atomically(path, text)
 
 
 def write_manifest(folder: Path, iteration: int) -> None:
     """Checksum every file in ``folder`` (written by all ranks) into its manifest."""
-    files = {
-        p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.name != MANIFEST
-    }
+    files = file_checksums(folder, skip=(MANIFEST,))
     write_atomic(folder / MANIFEST, json.dumps({"format": FORMAT, "iteration": iteration, "files": files}, indent=1))
 
 
@@ -100,18 +85,16 @@ def verify(directory: str | Path, iteration: int) -> dict:
         raise DamagedIteration(f"{folder.name}/{MANIFEST} describes iteration {manifest.get('iteration')!r}")
     if RECIPE not in manifest["files"]:
         raise DamagedIteration(f"{folder.name}/{MANIFEST} lists no {RECIPE}")
-    for name, entry in sorted(manifest["files"].items()):
-        path = folder / name
-        if not path.is_file():
-            raise DamagedIteration(f"{folder.name}/{name} is missing")
-        size = path.stat().st_size
-        if size != entry.get("bytes"):
-            raise DamagedIteration(
-                f"{folder.name}/{name} has {size} bytes, the manifest says {entry.get('bytes')} "
-                "(truncated or overwritten)"
-            )
-        if sha256_of(path) != entry.get("sha256"):
-            raise DamagedIteration(f"{folder.name}/{name} does not match its sha256 in the manifest (corrupt)")
+    bad = first_mismatch(folder, manifest["files"])
+    if bad is not None and bad.what == "missing":
+        raise DamagedIteration(f"{folder.name}/{bad.name} is missing")
+    if bad is not None and bad.what == "bytes":
+        raise DamagedIteration(
+            f"{folder.name}/{bad.name} has {bad.found} bytes, the manifest says {bad.recorded} "
+            "(truncated or overwritten)"
+        )
+    if bad is not None:
+        raise DamagedIteration(f"{folder.name}/{bad.name} does not match its sha256 in the manifest (corrupt)")
     try:
         recipe = json.loads((folder / RECIPE).read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
