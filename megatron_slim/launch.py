@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_slim.plan.schema import ConfigError
 
     prepare_launch()
+    from megatron_slim.runtime.nccl_rules import install_if_asked
+
+    install_if_asked()  # MEGATRON_SLIM_NCCL_RULES=1: match messages as NCCL would (runtime/nccl_rules)
     try:
         runpy.run_path(script, run_name="__main__")
     except ConfigError as exc:  # a flag combination megatron-slim cannot run: say what to change

@@ -106,7 +106,10 @@ def joined(job: LaunchedRank, backend: str = "gloo", timeout_s: float = 600.0) -
     import torch
     import torch.distributed as dist
 
+    from megatron_slim.runtime.nccl_rules import install_if_asked
+
     torch.set_num_threads(threads_per_rank(job.local_world_size))
+    install_if_asked()
     try:
         dist.init_process_group(
             backend,

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_slim.runtime.heartbeat import Watch, start_beating
+from megatron_slim.runtime.nccl_rules import install_if_asked
 from megatron_slim.runtime.rank_start import (
     DEATH_GRACE_S,
     CallerContext,
@@ -104,6 +105,7 @@ def _worker(
         store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
         if watchdog_s:
             start_beating(store, rank, watchdog_s)
+        install_if_asked()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, pickle.dumps(result)))

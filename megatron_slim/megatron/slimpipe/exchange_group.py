@@ -2,9 +2,10 @@
 
 Gloo matches a point-to-point message by tag, so the exchange's own tag range keeps its messages
 apart from the activations on the pipeline group itself. NCCL ignores tags and matches the messages
-between two ranks in posting order; activation receives posted ahead of their action would then
-take an exchange message's place. So on any other backend the exchange gets a group of its own over
-the same ranks (its own communicators): there both ends of a pair post in one order (the sender
+between two ranks in posting order (as gloo does under ``runtime/nccl_rules``); activation receives
+posted ahead of their action would then take an exchange message's place. So on any other backend
+(and on gloo under that checker) the exchange gets a group of its own over the same ranks (its own
+communicators): there both ends of a pair post in one order (the sender
 ships, then receives; the peer receives, then replies, layer by layer), and the pairs between two
 ranks run in the schedule's order on both.
 
@@ -25,14 +26,15 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from megatron_slim.runtime.nccl_rules import tags_keep_messages_apart
+
 _GROUPS: dict[tuple[str, str, tuple[int, ...]], Any] = {}
 
 
 def exchange_group(pipeline_group: Any, separate: Optional[bool] = None) -> Any:
     """The group for ``pipeline_group``'s exchange messages: itself under gloo, else (or with
     ``separate``) a group of its own over the same ranks, made once per process."""
-    backend = str(dist.get_backend(pipeline_group))
-    if not (backend != "gloo" if separate is None else separate):
+    if not (not tags_keep_messages_apart(pipeline_group) if separate is None else separate):
         return pipeline_group
     return _own_group("pipeline", pipeline_group)
 

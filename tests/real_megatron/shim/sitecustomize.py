@@ -7,7 +7,8 @@ saved for backward per iteration, the same way under any schedule (``activation_
 ``MEGATRON_SLIM_TEST_LAYER_WEIGHTS=1``, a digest of each decoder layer's weights after every
 training step (``weights_recorder``); with ``MEGATRON_SLIM_TEST_INIT_BY_NAME=1``, initial weights that
 depend on each parameter's global name only, so different pipeline splits start alike
-(``init_by_name``)."""
+(``init_by_name``); with ``MEGATRON_SLIM_NCCL_RULES=1``, gloo matches messages and collectives as
+NCCL would, Megatron's own included (``megatron_slim.runtime.nccl_rules``)."""
 
 import os
 import sys
@@ -29,6 +30,10 @@ def install() -> None:
     environment may ask for more)."""
     cpu_shim = os.environ.get("MEGATRON_SLIM_TEST_CPU_SHIM") == "1"
     record = bool(os.environ.get("MEGATRON_SLIM_TEST_RECORD"))
+    if os.environ.get("MEGATRON_SLIM_NCCL_RULES") == "1" and _once("nccl_rules"):
+        from megatron_slim.runtime.nccl_rules import install as install_nccl_rules
+
+        install_nccl_rules()
     if not (cpu_shim or record):
         return
     here = os.path.dirname(os.path.abspath(__file__))
