@@ -53,6 +53,19 @@ def crossed_sends(me: int, group) -> str:
     return "ok"
 
 
+def crossed_receives(me: int, group) -> str:
+    """Both ranks post their receive before their send: gloo matches them; on NCCL each receive runs
+    first on its pair's stream and waits for a send queued behind the other's receive."""
+    peer, got = 1 - me, torch.zeros(8)
+    receive = dist.irecv(got, peer, group)
+    send = dist.isend(torch.full((8,), float(me)), peer, group)
+    try:
+        receive.wait()
+    finally:
+        send.wait()
+    return "ok"
+
+
 def crossed_in_one_batch(me: int, group) -> str:
     """The same exchange as one batch_isend_irecv: NCCL runs it as one group."""
     peer, got = 1 - me, torch.zeros(8)
@@ -108,6 +121,7 @@ SCENARIOS = (
     in_order,
     size_mismatch,
     crossed_sends,
+    crossed_receives,
     crossed_in_one_batch,
     ordered_by_parity,
     different_collectives,

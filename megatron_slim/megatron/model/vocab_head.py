@@ -11,6 +11,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_slim.megatron.slimpipe.exchange_group import vocab_group
 from megatron_slim.runtime.pipeline.vocab_embedding import EmbeddingExchange
 from megatron_slim.runtime.pipeline.vocab_weights import VocabHead, bounds_of
 
@@ -28,6 +29,7 @@ def build_vocab_head(chunks: list, groups) -> VocabHead:
     first_pre, _, tied = _roles(first)
     _, last_post, _ = _roles(last)
     ranks = dist.get_process_group_ranks(groups.pp) if groups.pp_size > 1 else [dist.get_rank()]
+    group = vocab_group(groups.pp) if groups.pp_size > 1 else groups.pp
     vocab, tp = _tp_shard(last.vocab_size, groups)
     rows = bounds_of(vocab, len(ranks), groups.pp_rank)
     if tied and first_pre:
@@ -42,12 +44,12 @@ def build_vocab_head(chunks: list, groups) -> VocabHead:
             weight_e, owned_e = first.embedding.word_embeddings.weight, True
         else:
             weight_e, owned_e = _replica(last, rows[1] - rows[0]), False
-        embedding = VocabHead(weight_e, owned_e, groups.pp, ranks, source=0, vocab_size=vocab, sharded=True, **tp)
+        embedding = VocabHead(weight_e, owned_e, group, ranks, source=0, vocab_size=vocab, sharded=True, **tp)
     cp_group = groups.cp if groups.cp_size > 1 else None
     head = VocabHead(
         weight,
         owned,
-        groups.pp,
+        group,
         ranks,
         embedding=embedding,
         vocab_size=vocab,

@@ -39,6 +39,16 @@ def exchange_group(pipeline_group: Any, separate: Optional[bool] = None) -> Any:
     return _own_group("pipeline", pipeline_group)
 
 
+def vocab_group(pipeline_group: Any) -> Any:
+    """The group for the vocabulary exchanges of ``schedule.vocab_parallel`` (lookups, logits, their
+    gradients, the weights' refresh): for the same reason as ``exchange_group``, one of its own
+    where tags do not keep them apart from the activations (separate from the context exchange's:
+    the two are posted in no common order)."""
+    if tags_keep_messages_apart(pipeline_group):
+        return pipeline_group
+    return _own_group("vocab", pipeline_group)
+
+
 def exchange_cp_group(cp_group: Any) -> Any:
     """A second group over ``cp_group``'s ranks, for the collectives of served blocks; made once per process."""
     return _own_group("cp", cp_group)

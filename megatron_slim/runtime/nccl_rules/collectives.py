@@ -119,7 +119,11 @@ class Collectives:
             group = args[at] if len(args) > at else kwargs.get("group")
             if getattr(self._inside, "depth", 0) or dist.distributed_c10d._rank_not_in_group(group):
                 return original(*args, **kwargs)
-            verify = self._announce(name, group, args, kwargs)
+            self._inside.depth = 1  # the descriptor's gather, and whatever a torch-function mode makes of it
+            try:
+                verify = self._announce(name, group, args, kwargs)
+            finally:
+                self._inside.depth = 0
             asked_async = bool(kwargs.pop("async_op", False))
             if not asked_async:  # checked before it is issued: gloo aborts the process on some mismatches
                 verify()

@@ -110,8 +110,14 @@ class _Receiver:
         self._queue.put(received)
 
     def _serve(self) -> None:
+        broken: Optional[BaseException] = None  # once a receive took the wrong message, every later one did
         while True:
             received = self._queue.get()
+            if broken is not None:  # fail its wait at once, then take its message off the wire all the same
+                received.error = NcclRuleBroken(f"an earlier receive on this channel was matched wrongly: {broken}")
+                received.ready.set()
+                self._drain(received)
+                continue
             try:
                 received.header_work.wait()
                 header = decode(received.header)
@@ -119,13 +125,22 @@ class _Receiver:
                 try:
                     self._check(header, received.expected)
                 except NcclRuleBroken as exc:
-                    received.error = exc
-                    target = torch.empty(int(header["numel"]), dtype=getattr(torch, header["dtype"].split(".")[-1]))
+                    received.error = broken = exc
+                    target = _scratch(header)
                 received.payload_work = self._irecv(target, self._peer, self._group, PAYLOAD_TAG)
             except BaseException as exc:  # noqa: BLE001 - e.g. the peer died: raised by the receive's wait
                 received.error = received.error or exc
             finally:
                 received.ready.set()
+
+    def _drain(self, received: _Received) -> None:
+        """Receive the next message into a scratch buffer of its sent size, so that its sender completes."""
+        try:
+            received.header_work.wait()
+            header = decode(received.header)
+            self._irecv(_scratch(header), self._peer, self._group, PAYLOAD_TAG).wait()
+        except BaseException:  # noqa: BLE001 - the channel is already reported broken
+            pass
 
 
 class PointToPoint:
@@ -146,7 +161,7 @@ class PointToPoint:
         site = _site or call_site()
         with self._lock:
             channel = self._channels.setdefault(key, _Channel())
-            received_before = self._batch_counts(key)[1] if self._in_batch() else channel.received
+            received = self._span(key, channel)[2:]  # receives from the peer posted before it, and by its batch's end
             header = encode(
                 {
                     "seq": channel.sent,
@@ -156,7 +171,7 @@ class PointToPoint:
                     "shape": list(tensor.shape),
                     "site": site,
                     "rank": dist.get_rank(),
-                    "received_before": received_before,
+                    "received": list(received),
                 }
             )
             channel.send_sites.append((channel.sent, site))
@@ -175,7 +190,7 @@ class PointToPoint:
         site = _site or call_site()
         with self._lock:
             channel = self._channels.setdefault(key, _Channel())
-            sent_before = self._batch_counts(key)[0] if self._in_batch() else channel.sent
+            sent = self._span(key, channel)[:2]  # sends to the peer posted before it, and by its batch's end
             expected = {
                 "seq": channel.received,
                 "tag": int(tag),
@@ -185,7 +200,7 @@ class PointToPoint:
                 "site": site,
                 "peer": peer,
                 "group": key[0],
-                "sent_before": sent_before,
+                "sent": list(sent),
             }
             channel.received += 1
             header = empty()
@@ -215,12 +230,14 @@ class PointToPoint:
             return []
         site = call_site()
         with self._lock:
-            starts: dict[tuple[str, int], tuple[int, int]] = {}
+            starts: dict[tuple[str, int], tuple[int, int, int, int]] = {}
             for op in ops:
                 key = (group_name(op.group), int(op.peer))
                 channel = self._channels.setdefault(key, _Channel())
-                sent, received = starts.get(key, (channel.sent, channel.received))
-                starts[key] = (sent, received + (0 if _is_send(op) else 1))
+                sent0, sent1, received0, received1 = starts.get(
+                    key, (channel.sent, channel.sent, channel.received, channel.received)
+                )
+                starts[key] = (sent0, sent1 + _is_send(op), received0, received1 + (not _is_send(op)))
         self._batch.starts = starts
         try:
             works = [
@@ -235,9 +252,12 @@ class PointToPoint:
     def _in_batch(self) -> bool:
         return getattr(self._batch, "starts", None) is not None
 
-    def _batch_counts(self, key: tuple[str, int]) -> tuple[int, int]:
-        """(sends posted before the batch, receives posted by the batch's end) on ``key``'s channel."""
-        return self._batch.starts[key]
+    def _span(self, key: tuple[str, int], channel: _Channel) -> tuple[int, int, int, int]:
+        """Sends to the peer posted before this operation (before its batch, if in one) and by its
+        batch's end; the same for receives from the peer (a batch's operations are unordered)."""
+        if self._in_batch():
+            return self._batch.starts[key]
+        return channel.sent, channel.sent, channel.received, channel.received
 
     def _check(self, header: dict, expected: dict) -> None:
         check_match(header, expected, self._send_site)
@@ -263,13 +283,19 @@ def check_match(header: dict, expected: dict, send_site: Callable[[tuple[str, in
             f"{where}: NCCL ignores tags and would deliver the message {theirs} to the receive {mine}, "
             f"which expects another message"
         )
-    if int(header.get("received_before", 0)) < int(expected["sent_before"]):
-        k = int(header.get("received_before", 0))
+    (received_lo, received_hi), (sent_lo, sent_hi) = header["received"], expected["sent"]
+    if received_hi < sent_lo:  # each side's send waits for the other's receive, queued behind it
         raise NcclRuleBroken(
-            f"{where}: NCCL would deadlock once messages outgrow its buffers: rank {me} posted its send #{k} to "
-            f"rank {peer} ({send_site((group, peer), k)}) before this receive ({expected['site']}), and rank {peer} "
-            f"posted the send it matches ({header.get('site')}) before its receive of that message; post both in "
-            f"one batch_isend_irecv, or receive first on one of the two ranks"
+            f"{where}: NCCL would deadlock once messages outgrow its buffers: rank {me} posted its send #{received_hi} "
+            f"to rank {peer} ({send_site((group, peer), received_hi)}) before this receive ({expected['site']}), and "
+            f"rank {peer} posted the send it matches ({header.get('site')}) before its receive of that message; post "
+            f"both in one batch_isend_irecv, or receive first on one of the two ranks"
+        )
+    if received_lo > sent_hi:  # each side's receive waits for a send queued behind the other's receive
+        raise NcclRuleBroken(
+            f"{where}: NCCL would deadlock: rank {peer} posted its receive of rank {me}'s message #{sent_hi} before "
+            f"the send this receive matches ({header.get('site')}), while rank {me} posts that message's send after "
+            f"this receive ({expected['site']}); the messages between two ranks must be posted in one order on both"
         )
 
 
@@ -278,6 +304,10 @@ def _described(record: dict) -> str:
         f"{record.get('site')} (tag {record.get('tag')}, {record.get('numel')} x {record.get('dtype')}, "
         f"shape {record.get('shape')})"
     )
+
+
+def _scratch(header: dict) -> torch.Tensor:
+    return torch.empty(int(header["numel"]), dtype=getattr(torch, str(header["dtype"]).split(".")[-1]))
 
 
 def _is_send(op: Any) -> bool:
