@@ -25,7 +25,7 @@ STAMP312 := $(VENV312)/.installed-stamp
 # parsing only; each is installed beside the venv's 0.19 and put first on PYTHONPATH by the tests.
 EXTRA_MCORE := $(shell echo $(foreach v,$(MCORE312_EXTRA),core_v$(v)=$(VENV312)/mcore-$(v)) | tr ' ' ',')
 
-.PHONY: install demo train-demo simulate-demo test test-plan test-slow test-all test-megatron test-megatron-py312 test-megatron-py312-slow lint check-wheel clean
+.PHONY: install demo train-demo simulate-demo test test-plan test-slow test-nccl-rules test-all test-megatron test-megatron-py312 test-megatron-py312-slow lint check-wheel clean
 
 # torch is pinned: the local CPU wheel; any other spec pulls several GB of CUDA packages.
 $(STAMP): pyproject.toml
@@ -71,6 +71,11 @@ test-plan: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) -m "slow and not gpu"
+
+# The multi-rank tests of the default tier with NCCL's matching rules enforced over gloo
+# (megatron_slim/runtime/nccl_rules); not in CI. Known failures are listed in docs/testing.md.
+test-nccl-rules: $(STAMP)
+	MEGATRON_SLIM_NCCL_RULES=1 $(BIN)/python -m pytest -q $(XDIST) -m "multi and not slow and not gpu and (not real_megatron or smoke)"
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(XDIST)

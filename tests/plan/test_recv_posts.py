@@ -1,4 +1,5 @@
-"""Receives are posted one compute ahead of the RECV that waits for them (plan/schedule/recv_posts.py)."""
+"""Receives are posted right after the compute ahead of the RECV that waits for them, with that
+compute's sends (plan/schedule/recv_posts.py)."""
 
 import pytest
 
@@ -12,15 +13,15 @@ SHAPES = [("1f1b", 4, 1, 6, 1), ("slimpipe", 4, 1, 4, 3), ("slimpipe", 2, 2, 3, 
 
 
 def _expected_post_index(row, index):
-    """Independently: the nearest compute action strictly before ``index``, else ``index``."""
+    """Independently: right after the nearest compute action strictly before ``index``, else ``index``."""
     for k in range(index - 1, -1, -1):
         if row[k].kind.is_compute:
-            return k
+            return k + 1
     return index
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
-def test_every_receive_is_posted_once_just_before_the_compute_ahead_of_it(shape):
+def test_every_receive_is_posted_once_right_after_the_compute_ahead_of_it(shape):
     schedule = executable(*shape)
     for rank, row in enumerate(schedule.ranks):
         posts = receive_posts(schedule)[rank]
@@ -30,12 +31,12 @@ def test_every_receive_is_posted_once_just_before_the_compute_ahead_of_it(shape)
         where = {a: index for index, a in listed}
         for i, a in receives:
             assert where[a] == _expected_post_index(row, i)
-            assert where[a] == i or row[where[a]].kind.is_compute
+            assert where[a] == i or row[where[a] - 1].kind.is_compute
         # posting order equals RECV order, so every link still sees its messages in checked order
         order = [a for index in sorted(posts) for a in posts[index]]
         assert order == [a for _, a in receives]
-        ahead = [a for i, a in receives if where[a] < i]
-        assert len(ahead) >= len(receives) - 1  # only a row's first receive may lack a compute before it
+        first_compute = next(i for i, a in enumerate(row) if a.kind.is_compute)
+        assert all(row[where[a] - 1].kind.is_compute for i, a in receives if i > first_compute)
 
 
 def test_posted_before_names_the_action_the_receive_is_posted_before():
@@ -45,24 +46,23 @@ def test_posted_before_names_the_action_the_receive_is_posted_before():
     first = next(a for a in row if a.kind is Kind.RECV_F)
     assert before[first] == first  # nothing computed before rank 1's first receive
     later = [a for a in row if a.kind is Kind.RECV_F][1]
-    assert before[later].kind.is_compute and row.index(before[later]) < row.index(later)
+    at = row.index(before[later])
+    assert row[at - 1].kind.is_compute and at <= row.index(later)
 
 
 def test_the_simulator_holds_a_received_buffer_from_its_posting():
-    """Each receive buffer appears in rank memory when the compute it is posted before starts
-    (or at its own RECV, for a row's first receive), not when its RECV action is reached."""
+    """Each receive buffer appears in rank memory when the compute it is posted after ends (or at
+    its own RECV, for a row's first receive), not when its RECV action is reached."""
     schedule = executable("slimpipe", 4, 1, 4, 3)
     run = _Run(schedule, UnitCosts())
     run.run()
-    starts = {(e.rank, e.name): e.start for e in run.events if e.stream == "compute"}
+    ends = {(e.rank, e.name): e.end for e in run.events if e.stream == "compute"}
     for rank, row in enumerate(schedule.ranks):
         got = sorted(d[0] for d in run.mem[rank] if len(d) == 5 and d[4] > 0)
         before = posted_before(schedule, rank)
         want = []
         for a in row:
             if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                want.append(starts[(rank, str(before[a]))] if before[a] != a else None)
-        ahead = sorted(t for t in want if t is not None)
-        assert len(ahead) >= len(want) - 1
-        # a receive posted in place is its row's first action, posted at time 0
-        assert got == sorted(ahead + [0.0] * (len(want) - len(ahead))), rank
+                computed = [c for c in row[: row.index(before[a])] if c.kind.is_compute]
+                want.append(ends[(rank, str(computed[-1]))] if computed else 0.0)
+        assert got == sorted(want), rank

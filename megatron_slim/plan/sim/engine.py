@@ -234,6 +234,7 @@ class _Run:
         dst = self.schedule.placement(dst_stage)[0]
         link = self.costs.link(rank, dst)
         nbytes = self.costs.p2p_bytes(stage if forward else dst_stage, a.microbatch, a.slice)
+        self.started[(rank, a)] = self.free[rank]  # receives posted at this point are held from here
         self.free[rank] = max(self.free[rank], ready)  # a send window's wait holds the compute stream
         self.p2p.sent(rank, a, nbytes, ready)
         start = max(ready, self.link_free.get((rank, dst), 0.0))
@@ -244,6 +245,7 @@ class _Run:
         return arrival
 
     def _recv(self, rank: int, a: Action, arrival: float) -> float:
+        self.started.setdefault((rank, a), self.free[rank])
         post = self.started.get((rank, self.posted_before[rank][a]), self.free[rank])
         self.p2p.posted(rank, a, post, max(arrival, post))
         if arrival > self.free[rank]:

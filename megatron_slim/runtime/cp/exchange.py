@@ -21,10 +21,9 @@ so communication overlaps whatever the caller computes in between.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
 from megatron_slim.plan.cp.routing import RoutePart
 from megatron_slim.runtime.cp.comm import Comm
@@ -120,7 +119,7 @@ class Exchange:
                     payloads[i] if hop.src == me else torch.empty(hop.rows, hop.width, dtype=dtype, device=device)
                 )
         finals = []
-        relayed: dict[tuple[int, int], tuple[Tensor, dist.Work]] = {}
+        relayed: dict[tuple[int, int], tuple[Tensor, Any]] = {}
         for receives, sends in self.legs_of(me):
             for leg in receives:
                 if leg.to_destination:
@@ -135,6 +134,7 @@ class Exchange:
                     data, work = relayed.pop((leg.hop, leg.part))
                     work.wait()
                 comm.send(data, leg.receiver)
+            comm.flush()  # one stage's receives and sends: one batch (runtime/cp/comm.py)
         return Pending(outputs, finals)
 
 

@@ -253,12 +253,16 @@ class PipelineInterpreter:
             for recv in self._posts.get(step, ()):
                 if recv != a:
                     self._post(recv)
+            if self.p2p is not None and (a.kind.is_compute or self._vocab_joins.get(step)):
+                self.p2p.flush()  # the communication point ends: its sends and receives go out as one batch
             self._meet_vocab(step)
             label = record_function(str(a)) if torch.autograd._profiler_enabled() else nullcontext()
             with label, self.ctx.exchanging(a):  # a paired compute meets its context-exchange partner
                 self._handlers[a.kind](a)
             if self.p2p is not None:
                 self.p2p.poll()
+        if self.p2p is not None:
+            self.p2p.flush()
         self._meet_vocab(len(self.row))
         if self.vocab is not None and self.vocab.embedding is not None:
             self.vocab.embedding.finish()
