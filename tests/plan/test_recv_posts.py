@@ -1,42 +1,74 @@
-"""Receives are posted right after the compute ahead of the RECV that waits for them, with that
-compute's sends (plan/schedule/recv_posts.py)."""
+"""Where receives are posted (plan/schedule/recv_posts.py) and why: the two ranks of every pair
+post their messages in an order NCCL can run (plan/schedule/pair_order.py)."""
 
 import pytest
 
 from megatron_slim.plan.schedule.executable import executable
 from megatron_slim.plan.schedule.ir import Kind
+from megatron_slim.plan.schedule.pair_order import pair_order_problems
 from megatron_slim.plan.schedule.recv_posts import posted_before, receive_posts
+from megatron_slim.plan.schedule.validate import comm_key
 from megatron_slim.plan.sim.engine import _Run
 from tests.plan.test_simulator_in_flight import UnitCosts
 
-SHAPES = [("1f1b", 4, 1, 6, 1), ("slimpipe", 4, 1, 4, 3), ("slimpipe", 2, 2, 3, 2), ("interleaved", 2, 2, 4, 1)]
-
-
-def _expected_post_index(row, index):
-    """Independently: right after the nearest compute action strictly before ``index``, else ``index``."""
-    for k in range(index - 1, -1, -1):
-        if row[k].kind.is_compute:
-            return k + 1
-    return index
+SHAPES = [
+    ("1f1b", 4, 1, 6, 1),
+    ("slimpipe", 2, 1, 5, 4),
+    ("slimpipe", 4, 1, 4, 3),
+    ("slimpipe", 2, 2, 3, 2),
+    ("slimpipe", 4, 2, 4, 8),
+    ("slimpipe", 8, 1, 16, 8),
+    ("interleaved", 2, 2, 4, 1),
+    ("interleaved", 4, 2, 8, 1),
+]
+_RECEIVES = (Kind.RECV_F, Kind.RECV_B)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
-def test_every_receive_is_posted_once_right_after_the_compute_ahead_of_it(shape):
+def test_every_receive_is_posted_once_at_or_before_its_wait_in_link_order(shape):
     schedule = executable(*shape)
     for rank, row in enumerate(schedule.ranks):
         posts = receive_posts(schedule)[rank]
-        listed = [(index, a) for index, recvs in posts.items() for a in recvs]
-        receives = [(i, a) for i, a in enumerate(row) if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+        listed = [(index, a) for index in sorted(posts) for a in posts[index]]
+        receives = [(i, a) for i, a in enumerate(row) if a.kind in _RECEIVES]
         assert sorted(a for _, a in listed) == sorted(a for _, a in receives)
         where = {a: index for index, a in listed}
-        for i, a in receives:
-            assert where[a] == _expected_post_index(row, i)
-            assert where[a] == i or row[where[a] - 1].kind.is_compute
-        # posting order equals RECV order, so every link still sees its messages in checked order
-        order = [a for index in sorted(posts) for a in posts[index]]
-        assert order == [a for _, a in receives]
-        first_compute = next(i for i, a in enumerate(row) if a.kind.is_compute)
-        assert all(row[where[a] - 1].kind.is_compute for i, a in receives if i > first_compute)
+        assert all(where[a] <= i for i, a in receives)
+        for peer in range(len(schedule.ranks)):  # each directed link: posted in its RECV order
+
+            def sender(a):
+                key = comm_key(schedule, rank, a)
+                return schedule.placement(key[1] + (1 if a.kind is Kind.RECV_B else -1))[0]
+
+            posted = [a for _, a in listed if sender(a) == peer]
+            assert posted == [a for _, a in receives if sender(a) == peer]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_every_pair_posts_its_messages_in_an_order_nccl_can_run(shape):
+    assert pair_order_problems(executable(*shape)) == []
+
+
+def _after_the_compute_ahead(schedule, behind=False):
+    """The earlier rules: each receive right after (or, ``behind``, right before) the last compute ahead of its RECV."""
+    out = []
+    for row in schedule.ranks:
+        posts, last = {}, None
+        for index, a in enumerate(row):
+            if a.kind.is_compute:
+                last = index
+            elif a.kind in _RECEIVES:
+                posts.setdefault(index if last is None else last + (0 if behind else 1), []).append(a)
+        out.append({i: tuple(v) for i, v in posts.items()})
+    return tuple(out)
+
+
+def test_the_earlier_placements_cross_the_two_directions():
+    """Posted before the compute ahead, 1F1B's steady state crosses; right after it, interleaving does."""
+    one_f_one_b = executable("1f1b", 2, 1, 4, 1)
+    assert pair_order_problems(one_f_one_b, _after_the_compute_ahead(one_f_one_b, behind=True))
+    interleaved = executable("slimpipe", 2, 2, 2, 2)
+    assert pair_order_problems(interleaved, _after_the_compute_ahead(interleaved)) != []
 
 
 def test_posted_before_names_the_action_the_receive_is_posted_before():
@@ -45,24 +77,26 @@ def test_posted_before_names_the_action_the_receive_is_posted_before():
     before = posted_before(schedule, 1)
     first = next(a for a in row if a.kind is Kind.RECV_F)
     assert before[first] == first  # nothing computed before rank 1's first receive
-    later = [a for a in row if a.kind is Kind.RECV_F][1]
-    at = row.index(before[later])
-    assert row[at - 1].kind.is_compute and at <= row.index(later)
+    assert all(row.index(before[a]) <= row.index(a) for a in row if a.kind in _RECEIVES)
 
 
 def test_the_simulator_holds_a_received_buffer_from_its_posting():
-    """Each receive buffer appears in rank memory when the compute it is posted after ends (or at
-    its own RECV, for a row's first receive), not when its RECV action is reached."""
+    """Each receive buffer appears in rank memory when the action it is posted before starts: a
+    compute's start, else when the rank's previous compute or wait ended."""
     schedule = executable("slimpipe", 4, 1, 4, 3)
     run = _Run(schedule, UnitCosts())
     run.run()
-    ends = {(e.rank, e.name): e.end for e in run.events if e.stream == "compute"}
     for rank, row in enumerate(schedule.ranks):
-        got = sorted(d[0] for d in run.mem[rank] if len(d) == 5 and d[4] > 0)
-        before = posted_before(schedule, rank)
+        got = sorted(d[0] for d in run.mem[rank] if len(d) >= 5 and d[4] > 0)
+        mine = [e for e in run.events if e.rank == rank and e.stream in ("compute", "recv")]
+        starts = {e.name: e.start for e in mine if e.stream == "compute"}
         want = []
         for a in row:
-            if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                computed = [c for c in row[: row.index(before[a])] if c.kind.is_compute]
-                want.append(ends[(rank, str(computed[-1]))] if computed else 0.0)
-        assert got == sorted(want), rank
+            if a.kind in _RECEIVES:
+                post = row.index(posted_before(schedule, rank)[a])
+                if row[post].kind.is_compute:
+                    want.append(starts[str(row[post])])
+                else:
+                    earlier = {str(x) for x in row[:post]}
+                    want.append(max((e.end for e in mine if e.name in earlier), default=0.0))
+        assert got == pytest.approx(sorted(want)), rank

@@ -98,7 +98,7 @@ def _check_complete(schedule: Schedule, progress: Optional[Progress] = None) -> 
         _check_communication_pairs(schedule)
 
 
-def _comm_key(schedule: Schedule, rank: int, a: Action) -> CommKey:
+def comm_key(schedule: Schedule, rank: int, a: Action) -> CommKey:
     stage = schedule.stage(rank, a.chunk)
     if a.kind is Kind.SEND_F:
         return ("F", stage + 1, a.microbatch, a.slice)
@@ -116,7 +116,7 @@ def _check_communication_pairs(schedule: Schedule) -> None:
     for rank, row in enumerate(schedule.ranks):
         for step, a in enumerate(row):
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                k = _comm_key(schedule, rank, a)
+                k = comm_key(schedule, rank, a)
                 if not 0 <= k[1] < schedule.num_stages:
                     raise ScheduleError(
                         f"rank {rank} step {step}: {a} has no peer stage", format_grid(schedule, {rank: step})
@@ -124,7 +124,7 @@ def _check_communication_pairs(schedule: Schedule) -> None:
                 sends[k] += 1
                 where[("s",) + k] = (rank, step)
             elif a.kind in (Kind.RECV_F, Kind.RECV_B):
-                k = _comm_key(schedule, rank, a)
+                k = comm_key(schedule, rank, a)
                 recvs[k] += 1
                 where[("r",) + k] = (rank, step)
     for k in sends - recvs:
@@ -183,7 +183,7 @@ def check_link_order(schedule: Schedule) -> Schedule:
     for rank, row in enumerate(schedule.ranks):
         for step, a in enumerate(row):
             if a.kind in (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B):
-                k = _comm_key(schedule, rank, a)
+                k = comm_key(schedule, rank, a)
                 peer_stage = k[1] + (-1 if a.kind is Kind.RECV_F else 1 if a.kind is Kind.RECV_B else 0)
                 if a.kind in (Kind.SEND_F, Kind.SEND_B):
                     link = (rank, schedule.placement(k[1])[0])

@@ -5,9 +5,8 @@ stream; an action starts once the readiness rules the validator shares (``schedu
 allow it, at the latest time among what it waits for. A ``SEND`` starts when its data is computed
 and the directed link is free, occupies the link for ``bytes / bandwidth`` and arrives ``latency``
 later; a ``RECV`` holds the rank's compute stream until the data has arrived (as the runtime's wait does).
-A receive is posted one compute ahead of its ``RECV`` (``schedule/recv_posts.py``): its buffer is held
-from that compute's start, and the sender's buffer is free once the data has arrived and the receive
-is posted.
+A receive's buffer is held from where ``schedule/recv_posts.py`` posts it (a compute's start, else
+when the rank reaches it); the sender's is free once the data has arrived and the receive is posted.
 A ``SEND`` that waits for its link's send window (``schedule/walk.py``) holds the compute stream
 too, as the runtime's wait for its oldest send does.
 
@@ -17,8 +16,8 @@ Memory per rank, over time:
   accumulation buffers of the earlier slices, allocated when a microbatch's last slice starts its
   backward and released chunk by chunk as each slice's backward consumes them;
 * in-flight messages (p2p): a sent slice's buffer from its ``SEND`` until its transfer completes
-  (the transfer needs both ends); a received buffer from the receive's posting (one compute ahead
-  of its ``RECV``) until the compute that consumes it starts (from there it is that compute's
+  (the transfer needs both ends); a received buffer from the receive's posting (ahead of its
+  ``RECV``) until the compute that consumes it starts (from there it is that compute's
   input, priced as its activations);
 * static: weights, gradients and optimizer state, constant.
 
@@ -246,8 +245,9 @@ class _Run:
 
     def _recv(self, rank: int, a: Action, arrival: float) -> float:
         self.started.setdefault((rank, a), self.free[rank])
-        post = self.started.get((rank, self.posted_before[rank][a]), self.free[rank])
-        self.p2p.posted(rank, a, post, max(arrival, post))
+        at = self.posted_before[rank][a]
+        post = self.started.get((rank, at), self.free[rank])
+        self.p2p.posted(rank, a, post, max(arrival, post), ahead=not at.kind.is_compute)
         if arrival > self.free[rank]:
             stage = self.schedule.stage(rank, a.chunk)
             self.events.append(Event(rank, "recv", str(a), self.free[rank], arrival, stage, a.microbatch, a.slice))
@@ -262,7 +262,7 @@ class _Run:
 def _memory_peaks(result: RankResult, deltas: list[MemoryDelta]) -> None:
     act = kv = sent = received = 0.0
     timeline = [(0.0, 0.0, 0.0)]
-    for d in sorted(deltas, key=lambda d: d[0]):  # stable: changes at one instant keep their order
+    for d in sorted(deltas, key=lambda d: (d[0], d[5] if len(d) > 5 else 0.0)):  # stable: an instant keeps its order
         t, da, dk, ds, dr = (d + (0.0, 0.0))[:5]
         act, kv, sent, received = act + da, kv + dk, sent + ds, received + dr
         if da or dk:

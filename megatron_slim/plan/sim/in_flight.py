@@ -3,7 +3,7 @@
 A message is one slice's activation (forward) or input gradient (backward) between two ranks.
 Its sender holds the buffer from the ``SEND`` until the transfer completes (it needs both ends
 posted: the data has arrived and the receive is posted); the receiver holds its buffer from
-posting the receive, one compute ahead of its ``RECV`` (``plan/schedule/recv_posts.py``), until
+posting the receive, ahead of its ``RECV`` (``plan/schedule/recv_posts.py``), until
 the compute that consumes it starts. The runtime's ``ActivationMeter`` counts the same spans
 (``runtime/pipeline/memory_meter.py``).
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 
-# (time, activation, K/V[, sent-buffer, received-buffer bytes]): changes, in the order they happen
+# (time, activation, K/V[, sent-buffer, received-buffer bytes[, -1: ahead of the instant's other changes]]):
+# changes, in the order they happen
 MemoryDelta = tuple[float, ...]
 Message = tuple[bool, int, int, int]  # (forward, receiving stage, microbatch, slice)
 
@@ -39,12 +40,14 @@ class InFlight:
         self._sent[self._message(rank, a)] = (rank, nbytes)
         self.deltas[rank].append((at, 0.0, 0.0, nbytes, 0.0))
 
-    def posted(self, rank: int, a: Action, at: float, completed_at: float) -> None:
+    def posted(self, rank: int, a: Action, at: float, completed_at: float, ahead: bool = False) -> None:
         """The receive of ``RECV`` ``a`` posted ``at``, its transfer completed at ``completed_at``
-        (which frees the sender's buffer)."""
+        (which frees the sender's buffer). ``ahead``: posted before the changes recorded for the
+        same instant so far (it was posted at a communication point, before the compute that starts
+        then consumes its input, though the simulator reaches the ``RECV`` later)."""
         sender, nbytes = self._sent.pop(self._message(rank, a))
         self.deltas[sender].append((completed_at, 0.0, 0.0, -nbytes, 0.0))
-        self.deltas[rank].append((at, 0.0, 0.0, 0.0, nbytes))
+        self.deltas[rank].append((at, 0.0, 0.0, 0.0, nbytes) + ((-1.0,) if ahead else ()))
         self._received[(rank, a.kind, a.chunk, a.microbatch, a.slice)] = nbytes
 
     def consumed(self, rank: int, a: Action, at: float) -> None:

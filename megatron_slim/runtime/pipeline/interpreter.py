@@ -8,8 +8,9 @@ runs under the activation meter's and the offloader's saved-tensor hooks. Under 
 ``record_function("<action>")``, named by the IR string the simulator's traces use (``F3.2``,
 ``1B0.7``, ``SEND_F3.2``), so a measured trace lines up with a simulated one; without a profiler
 no label is entered. Sends the plan bounds wait for their link's send window, completed sends
-are dropped after every action, receives are posted one compute ahead of the ``RECV`` that waits
-for them (``plan/schedule/recv_posts.py``), and with a meter in-flight buffers are counted
+are dropped after every action, receives are posted ahead of the ``RECV`` that waits for them
+where ``plan/schedule/recv_posts.py`` places them, the sends and receives between two computes go
+out as one batch, and with a meter in-flight buffers are counted
 (``runtime/pipeline/p2p.py``, ``plan/schedule/walk.py``). An evaluation step runs a forward-only schedule
 (``plan.schedule.executable_forward_only``): no autograd graph is kept.
 """

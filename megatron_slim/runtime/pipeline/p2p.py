@@ -17,9 +17,11 @@ transfer is seen complete (``poll``), and a link keeps at most ``SEND_WINDOW`` s
 a send that the plan bounds (``plan.schedule.walk.bounded_sends``) first waits for the oldest ones.
 Sends complete in posting order on a link, so only the oldest are ever checked.
 
-Receives are posted ahead (``post``), right after the compute before the ``RECV`` that waits for
-them, as ``plan.schedule.recv_posts`` lists; ``recv`` waits for a posted receive or, for one the
-plan posts in place, posts and waits at once.
+Receives are posted ahead (``post``) where ``plan.schedule.recv_posts`` places them: in the point
+that is current when the sender issues the message, so that the two ranks of a pair agree on the
+order of the messages between them (``plan.schedule.pair_order`` checks it for every schedule in
+the plan tests); ``recv`` waits for a posted receive or, for one the plan posts in place, posts
+and waits at once.
 """
 
 from __future__ import annotations

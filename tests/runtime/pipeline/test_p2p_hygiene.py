@@ -1,7 +1,7 @@
 """Point-to-point hygiene over gloo: a sent slice's storage is freed once its transfer completes,
 long before the step ends (at most ``SEND_WINDOW`` sends are outstanding per link), and the
 activation meter's count of in-flight receive buffers equals the simulator's on the same plan, and
-receives are posted one compute ahead of their RECV, as the plan lists."""
+receives are posted ahead of their RECV, where the plan places them."""
 
 import pytest
 
@@ -51,7 +51,7 @@ def test_in_flight_receive_bytes_equal_the_simulators(ranks):
 
 
 def test_receives_are_posted_ahead_as_the_plan_says(ranks):
-    """Every receive the plan posts before an earlier compute was found posted at its RECV."""
+    """Every receive the plan posts ahead of its RECV was found posted when the RECV came."""
     (kind, vpp, m, n), results = ranks
     schedule = executable(kind, 2, vpp, m, n)
     for r, measured in enumerate(results):
