@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_slim.megatron.slimpipe.exchange_group import exchange_cp_group, exchange_group
+from megatron_slim.runtime.nccl_rules import tags_keep_messages_apart
 from megatron_slim.runtime.spawn import run_ranks
 
 PIPELINES = ([0, 1], [2, 3])
@@ -22,8 +23,8 @@ def _worker(rank: int, world_size: int) -> tuple:
     other = PIPELINES[rank // 2][1 - rank % 2]
     sent = torch.full((3,), float(rank))
     got = torch.empty(3)
-    works = [dist.isend(sent, other, separate, tag=7), dist.irecv(got, other, separate, tag=7)]
-    for work in works:
+    ops = [dist.P2POp(dist.isend, sent, other, separate, 7), dist.P2POp(dist.irecv, got, other, separate, 7)]
+    for work in dist.batch_isend_irecv(ops):  # one batch: NCCL's order for a crossed pair
         work.wait()
     cp = exchange_cp_group(mine)
     total = torch.tensor([float(rank)])
@@ -32,7 +33,8 @@ def _worker(rank: int, world_size: int) -> tuple:
         cp is not mine and cp is not separate and exchange_cp_group(mine) is cp,
         dist.get_process_group_ranks(cp),
         total.item(),
-        exchange_group(mine) is mine,  # gloo: the pipeline group itself
+        # gloo: the pipeline group itself (unless runtime/nccl_rules makes gloo match as NCCL does)
+        (exchange_group(mine) is mine) == tags_keep_messages_apart(mine),
         separate is not mine and again is separate,
         dist.get_process_group_ranks(separate),
         got.tolist(),
