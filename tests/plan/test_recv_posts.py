@@ -8,6 +8,7 @@ from megatron_slim.plan.schedule.ir import Kind
 from megatron_slim.plan.schedule.pair_order import pair_order_problems
 from megatron_slim.plan.schedule.recv_posts import posted_before, receive_posts
 from megatron_slim.plan.schedule.validate import comm_key
+from megatron_slim.plan.schedule.vocab import every_rank_joins
 from megatron_slim.plan.sim.engine import _Run
 from tests.plan.test_simulator_in_flight import UnitCosts
 
@@ -100,3 +101,16 @@ def test_the_simulator_holds_a_received_buffer_from_its_posting():
                     earlier = {str(x) for x in row[:post]}
                     want.append(max((e.end for e in mine if e.name in earlier), default=0.0))
         assert got == pytest.approx(sorted(want)), rank
+
+
+@pytest.mark.parametrize(
+    "shape", [("slimpipe", 2, 1, 3, 2), ("slimpipe", 2, 2, 3, 2), ("interleaved", 2, 2, 4, 1), ("1f1b", 4, 1, 4, 1)]
+)
+def test_the_vocabulary_exchanges_hold_ranks_in_the_walk_and_pairs_still_agree(shape):
+    """Under ``vocab_parallel`` every rank meets the exchanges; no rank passes one alone, and the
+    runtime ends a communication point there."""
+    schedule = executable(*shape)
+    joins = every_rank_joins(schedule)
+    assert all(joins[rank] for rank in range(schedule.pp))
+    assert pair_order_problems(schedule, joins=joins) == []
+    assert receive_posts(schedule, joins) != receive_posts(schedule) or shape[0] == "1f1b"

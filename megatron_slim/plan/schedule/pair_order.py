@@ -16,15 +16,16 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
-from megatron_slim.plan.schedule.recv_posts import receive_posts
+from megatron_slim.plan.schedule.recv_posts import Joins, receive_posts
 from megatron_slim.plan.schedule.validate import CommKey, comm_key
 
 Event = tuple[str, int, CommKey]  # ("send" | "recv", peer rank, message)
 Posts = tuple[Mapping[int, tuple[Action, ...]], ...]
 
 
-def batches(schedule: Schedule, rank: int, posts: Posts) -> list[list[Event]]:
-    """The rank's communication points in the runtime's order, each as the events it posts."""
+def batches(schedule: Schedule, rank: int, posts: Posts, joins_at: frozenset[int] = frozenset()) -> list[list[Event]]:
+    """The rank's communication points in the runtime's order, each as the events it posts (a
+    point also ends where the rank meets a vocabulary exchange, ``joins_at``)."""
     out: list[list[Event]] = []
     current: list[Event] = []
     posted: set[Action] = set()
@@ -40,7 +41,7 @@ def batches(schedule: Schedule, rank: int, posts: Posts) -> list[list[Event]]:
             if recv != a:
                 current.append(event("recv", recv))
                 posted.add(recv)
-        if a.kind.is_compute and current:
+        if (a.kind.is_compute or step in joins_at) and current:
             out.append(current)
             current = []
         if a.kind in (Kind.SEND_F, Kind.SEND_B):
@@ -69,10 +70,12 @@ def _spans(points: list[list[Event]], peer: int) -> dict[tuple[str, CommKey], tu
     return out
 
 
-def pair_order_problems(schedule: Schedule, posts: Optional[Posts] = None) -> list[str]:
-    """Every message whose two ends disagree (empty when NCCL can run the schedule's messages)."""
-    posts = receive_posts(schedule) if posts is None else posts
-    points = [batches(schedule, r, posts) for r in range(len(schedule.ranks))]
+def pair_order_problems(schedule: Schedule, posts: Optional[Posts] = None, joins: Joins = ()) -> list[str]:
+    """Every message whose two ends disagree (empty when NCCL can run the schedule's messages);
+    ``joins``: the vocabulary exchanges' positions, as ``receive_posts`` takes them."""
+    posts = receive_posts(schedule, joins) if posts is None else posts
+    where = [frozenset(position for position, _ in joins[r]) if joins else frozenset() for r in range(len(posts))]
+    points = [batches(schedule, r, posts, where[r]) for r in range(len(schedule.ranks))]
     problems = []
     for a in range(len(points)):
         for b in range(len(points)):

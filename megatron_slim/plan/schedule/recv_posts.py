@@ -29,6 +29,7 @@ same point; so the activation meter and the simulated peak count the same spans.
 from __future__ import annotations
 
 import functools
+from typing import Hashable
 
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.validate import ScheduleError, comm_key
@@ -37,47 +38,85 @@ _RECEIVES = (Kind.RECV_F, Kind.RECV_B)
 _SENDS = (Kind.SEND_F, Kind.SEND_B)
 
 
+Joins = tuple[tuple[tuple[int, tuple[Hashable, ...]], ...], ...]  # per rank: (position, joins met there)
+
+
 @functools.lru_cache(maxsize=16)  # the runtime asks once per step for the same few schedules
-def receive_posts(schedule: Schedule) -> tuple[dict[int, tuple[Action, ...]], ...]:
+def receive_posts(schedule: Schedule, joins: Joins = ()) -> tuple[dict[int, tuple[Action, ...]], ...]:
     """Per rank, ``{step index: receives to post before running that step}``; every ``RECV`` of
-    the rank appears exactly once, at its own index or earlier."""
-    rows = schedule.ranks
-    receiver = {comm_key(schedule, r, a): (r, a) for r, row in enumerate(rows) for a in row if a.kind in _RECEIVES}
-    at = [0] * len(rows)  # each rank's next step
-    unissued: list[list[Action]] = [[] for _ in rows]  # sends since the rank's last communication point
-    posts: list[dict[int, list[Action]]] = [{} for _ in rows]
-    placed: set[tuple[str, int, int, int]] = set()
+    the rank appears exactly once, at its own index or earlier. ``joins``: exchanges every rank
+    meets before running the step at a position (``schedule.vocab_parallel``'s, ``vocab_joins``),
+    each a point where no rank passes before all have come; the walk holds ranks there alike."""
+    walk = _Walk(schedule, [dict(j) for j in joins] if joins else [{} for _ in schedule.ranks])
+    while not walk.done():
+        before = walk.progress()
+        for rank in range(len(schedule.ranks)):
+            walk.advance(rank)
+        if walk.progress() == before:
+            raise ScheduleError("receive placement stalled: a RECV whose send no rank reaches, or a join one misses")
+    return tuple({index: tuple(actions) for index, actions in p.items()} for p in walk.posts)
 
-    def issue(rank: int) -> None:  # the rank's communication point goes out: its receivers post now
-        for send in unissued[rank]:
-            key = comm_key(schedule, rank, send)
-            dst, recv = receiver[key]
-            posts[dst].setdefault(at[dst], []).append(recv)
-            placed.add(key)
-        unissued[rank].clear()
 
-    while any(step < len(row) for step, row in zip(at, rows)):
-        moved = False
-        for rank, row in enumerate(rows):
-            while at[rank] < len(row):
-                a = row[at[rank]]
-                if a.kind in _SENDS:
-                    unissued[rank].append(a)
-                elif a.kind in _RECEIVES:
-                    issue(rank)
-                    if comm_key(schedule, rank, a) not in placed:
-                        break  # waits for its sender
-                else:
-                    issue(rank)
-                at[rank] += 1
-                moved = True
-                if a.kind.is_compute:
-                    break  # one compute per rank per sweep: the ranks walk in lockstep
-            if at[rank] == len(row):
-                issue(rank)
-        if not moved:
-            raise ScheduleError("receive placement stalled: a RECV whose send no rank reaches")
-    return tuple({index: tuple(actions) for index, actions in p.items()} for p in posts)
+class _Walk:
+    def __init__(self, schedule: Schedule, joins: list[dict[int, tuple[Hashable, ...]]]) -> None:
+        self.schedule, self.rows, self.joins = schedule, schedule.ranks, joins
+        self.receiver = {
+            comm_key(schedule, r, a): (r, a) for r, row in enumerate(self.rows) for a in row if a.kind in _RECEIVES
+        }
+        self.at = [0] * len(self.rows)  # each rank's next step
+        self.met = [0] * len(self.rows)  # joins met at its current position
+        self.arrived: dict[Hashable, set[int]] = {}
+        self.unissued: list[list[Action]] = [[] for _ in self.rows]  # sends since its last communication point
+        self.posts: list[dict[int, list[Action]]] = [{} for _ in self.rows]
+        self.placed: set[tuple[str, int, int, int]] = set()
+
+    def progress(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        return tuple(self.at), tuple(self.met), sum(len(came) for came in self.arrived.values())
+
+    def done(self) -> bool:
+        return all(self._finished(r) for r in range(len(self.rows)))
+
+    def _finished(self, rank: int) -> bool:
+        return self.at[rank] == len(self.rows[rank]) and self.met[rank] == len(self.joins[rank].get(self.at[rank], ()))
+
+    def issue(self, rank: int) -> None:  # the rank's communication point goes out: its receivers post now
+        for send in self.unissued[rank]:
+            key = comm_key(self.schedule, rank, send)
+            dst, recv = self.receiver[key]
+            self.posts[dst].setdefault(self.at[dst], []).append(recv)
+            self.placed.add(key)
+        self.unissued[rank].clear()
+
+    def _meet(self, rank: int) -> bool:
+        """Meet the joins at the rank's position; False while one waits for another rank."""
+        pending = self.joins[rank].get(self.at[rank], ())
+        while self.met[rank] < len(pending):
+            self.issue(rank)
+            came = self.arrived.setdefault(pending[self.met[rank]], set())
+            came.add(rank)
+            if len(came) < len(self.rows):
+                return False
+            self.met[rank] += 1
+        return True
+
+    def advance(self, rank: int) -> None:
+        """Run the rank up to its next compute (the ranks walk in lockstep), a wait or a join."""
+        row = self.rows[rank]
+        while self._meet(rank) and self.at[rank] < len(row):
+            a = row[self.at[rank]]
+            if a.kind in _SENDS:
+                self.unissued[rank].append(a)
+            elif a.kind in _RECEIVES:
+                self.issue(rank)
+                if comm_key(self.schedule, rank, a) not in self.placed:
+                    break  # waits for its sender
+            else:
+                self.issue(rank)
+            self.at[rank], self.met[rank] = self.at[rank] + 1, 0
+            if a.kind.is_compute:
+                break
+        if self.at[rank] == len(row) and self._meet(rank):
+            self.issue(rank)
 
 
 def posted_before(schedule: Schedule, rank: int) -> dict[Action, Action]:

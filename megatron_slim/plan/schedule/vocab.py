@@ -64,6 +64,13 @@ def vocab_joins(schedule: Schedule, rank: int) -> tuple[dict[int, tuple[Join, ..
     return joins, tail
 
 
+def every_rank_joins(schedule: Schedule) -> tuple[tuple[tuple[int, tuple[Join, ...]], ...], ...]:
+    """Every rank's ``(position, joins)``, as ``recv_posts.receive_posts`` takes them."""
+    return tuple(
+        tuple(sorted(vocab_joins(schedule, r)[0].items(), key=lambda item: item[0])) for r in range(schedule.pp)
+    )
+
+
 def _embedding_grads(schedule: Schedule) -> tuple[dict[Slice, tuple[Slice, ...]], tuple[Slice, ...]]:
     """Per lookup of stage 0, the backwards it ran on its first chunk since its previous lookup; and
     those after its last."""

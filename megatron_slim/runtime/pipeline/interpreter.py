@@ -10,9 +10,8 @@ runs under the activation meter's and the offloader's saved-tensor hooks. Under 
 no label is entered. Sends the plan bounds wait for their link's send window, completed sends
 are dropped after every action, receives are posted ahead of the ``RECV`` that waits for them
 where ``plan/schedule/recv_posts.py`` places them, the sends and receives between two computes go
-out as one batch, and with a meter in-flight buffers are counted
-(``runtime/pipeline/p2p.py``, ``plan/schedule/walk.py``). An evaluation step runs a forward-only schedule
-(``plan.schedule.executable_forward_only``): no autograd graph is kept.
+out as one batch, and a meter counts in-flight buffers (``runtime/pipeline/p2p.py``, ``plan/schedule/walk.py``).
+An evaluation step runs a forward-only schedule (``plan.schedule.executable_forward_only``): no graph is kept.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from torch.profiler import record_function
 from megatron_slim.plan.schedule.ir import Action, Kind, Schedule
 from megatron_slim.plan.schedule.recv_posts import receive_posts
 from megatron_slim.plan.schedule.validate import format_grid
-from megatron_slim.plan.schedule.vocab import EmbeddingJoin, Join, vocab_joins
+from megatron_slim.plan.schedule.vocab import EmbeddingJoin, Join, every_rank_joins, vocab_joins
 from megatron_slim.plan.schedule.walk import bounded_sends
 from megatron_slim.runtime.pipeline.grad_sync import GradSync, ParamSync
 from megatron_slim.runtime.pipeline.kv_cache import KVCacheStore
@@ -81,7 +80,8 @@ class PipelineInterpreter:
         if p2p is not None:
             p2p.ledger = self._in_flight
         self._step = 0
-        self._posts = receive_posts(schedule)[rank] if p2p is not None else {}
+        joins = every_rank_joins(schedule) if vocab is not None else ()  # no rank passes a join alone
+        self._posts = receive_posts(schedule, joins)[rank] if p2p is not None else {}
         self.posted_ahead = 0  # receives found posted when their RECV action came (all but the first few)
         self._handlers = {
             Kind.F: self._forward,
