@@ -8,8 +8,9 @@ replaces torch.distributed's point-to-point functions and collectives with check
 differently fails at once with :class:`NcclRuleBroken`, naming the call sites on both ends:
 
 - a receive matched (by posting order) with a send of another tag, size or dtype;
-- a pair of ranks that each post a send to the other before the receive of the other's message,
-  outside one ``batch_isend_irecv`` (a deadlock on NCCL once messages outgrow its buffers);
+- a pair of ranks that post the two directions between them in crossed orders, outside one
+  ``batch_isend_irecv``: each sends before receiving the other's message (a deadlock on NCCL once
+  messages outgrow its buffers), or each receives before sending (always a deadlock);
 - a receive from any source (NCCL has none);
 - members of a communicator issuing different collectives, or different sizes, at one position.
 
