@@ -165,12 +165,8 @@ class PointToPoint:
             received = self._span(key, channel)[2:]  # receives from the peer posted before it, and by its batch's end
             header = encode(
                 {
+                    **_message(tensor, tag, site),
                     "seq": channel.sent,
-                    "tag": int(tag),
-                    "numel": tensor.numel(),
-                    "dtype": str(tensor.dtype),
-                    "shape": list(tensor.shape),
-                    "site": site,
                     "rank": dist.get_rank(),
                     "received": list(received),
                 }
@@ -193,12 +189,8 @@ class PointToPoint:
             channel = self._channels.setdefault(key, _Channel())
             sent = self._span(key, channel)[:2]  # sends to the peer posted before it, and by its batch's end
             expected = {
+                **_message(tensor, tag, site),
                 "seq": channel.received,
-                "tag": int(tag),
-                "numel": tensor.numel(),
-                "dtype": str(tensor.dtype),
-                "shape": list(tensor.shape),
-                "site": site,
                 "peer": peer,
                 "group": key[0],
                 "sent": list(sent),
@@ -267,6 +259,17 @@ class PointToPoint:
         with self._lock:
             sites = dict(self._channels[key].send_sites)
         return sites.get(seq, "<a send too long ago to name>")
+
+
+def _message(tensor: torch.Tensor, tag: int, site: str) -> dict:
+    """What both ends say of a message: the receive's expectation is compared with the sender's header."""
+    return {
+        "tag": int(tag),
+        "numel": tensor.numel(),
+        "dtype": str(tensor.dtype),
+        "shape": list(tensor.shape),
+        "site": site,
+    }
 
 
 def _scratch(header: dict) -> torch.Tensor:
