@@ -70,6 +70,19 @@ def _spans(points: list[list[Event]], peer: int) -> dict[tuple[str, CommKey], tu
     return out
 
 
+def crossing(received: tuple[int, int], sent: tuple[int, int]) -> Optional[str]:
+    """How a message's two ends cross, or None. ``received``: the receives of the other direction
+    the sender had posted before the message's batch and by its end; ``sent``: the sends of the
+    other direction the receiver had posted before its receive's batch and by its end. ``"sends"``:
+    each side sent before receiving the other's message (NCCL deadlocks once messages outgrow its
+    buffers); ``"receives"``: each received before sending (NCCL always deadlocks)."""
+    if received[1] < sent[0]:
+        return "sends"
+    if received[0] > sent[1]:
+        return "receives"
+    return None
+
+
 def pair_order_problems(schedule: Schedule, posts: Optional[Posts] = None, joins: Joins = ()) -> list[str]:
     """Every message whose two ends disagree (empty when NCCL can run the schedule's messages);
     ``joins``: the vocabulary exchanges' positions, as ``receive_posts`` takes them."""
@@ -84,7 +97,7 @@ def pair_order_problems(schedule: Schedule, posts: Optional[Posts] = None, joins
                 if kind != "recv" or ("send", key) not in theirs:
                     continue
                 received = theirs[("send", key)][1]
-                if received[1] < sent[0] or received[0] > sent[1]:
+                if crossing(received, sent):
                     problems.append(
                         f"message {key} from rank {b} to rank {a}: rank {b} had posted {received} receives of rank "
                         f"{a}'s messages when it sent it, rank {a} had sent {sent} when it posted its receive"

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from megatron_slim.plan.schedule.pair_order import crossing
 from megatron_slim.runtime.nccl_rules.wire import NcclRuleBroken
 
 
@@ -26,14 +27,15 @@ def check_match(header: dict, expected: dict, send_site: Callable[[tuple[str, in
             f"which expects another message"
         )
     (received_lo, received_hi), (sent_lo, sent_hi) = header["received"], expected["sent"]
-    if received_hi < sent_lo:  # each side's send waits for the other's receive, queued behind it
+    crossed = crossing((received_lo, received_hi), (sent_lo, sent_hi))  # the planner's own check of each pair
+    if crossed == "sends":  # each side's send waits for the other's receive, queued behind it
         raise NcclRuleBroken(
             f"{where}: NCCL would deadlock once messages outgrow its buffers: rank {me} posted its send #{received_hi} "
             f"to rank {peer} ({send_site((group, peer), received_hi)}) before this receive ({expected['site']}), and "
             f"rank {peer} posted the send it matches ({header.get('site')}) before its receive of that message; post "
             f"both in one batch_isend_irecv, or receive first on one of the two ranks"
         )
-    if received_lo > sent_hi:  # each side's receive waits for a send queued behind the other's receive
+    if crossed == "receives":  # each side's receive waits for a send queued behind the other's receive
         raise NcclRuleBroken(
             f"{where}: NCCL would deadlock: rank {peer} posted its receive of rank {me}'s message #{sent_hi} before "
             f"the send this receive matches ({header.get('site')}), while rank {me} posts that message's send after "
